@@ -1,0 +1,120 @@
+"""Read raw examples from JSONL, JSON arrays, Parquet, CSV or a saved `datasets` directory.
+
+Every reader returns a `datasets.Dataset` of raw rows; nothing here knows about templates
+or tokenizers. JSON and JSONL are parsed line by line here rather than by datasets' json
+builder, because a bad line must be reported with its file and line number.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import datasets
+import pandas as pd
+import pyarrow.parquet as pq
+
+SUPPORTED = (".jsonl", ".ndjson", ".json", ".parquet", ".csv", "a directory written by datasets' save_to_disk")
+
+
+class DataError(ValueError):
+    """Bad input data or data settings; the message names the file, line or config key to fix."""
+
+
+def read_rows(path: str | Path, *, key: str = "data.path") -> datasets.Dataset:
+    """All rows of the file or saved dataset at `path`; `key` names the config key in errors."""
+    p = Path(path)
+    if not p.exists():
+        raise DataError(f"{key}: {p} does not exist; point {key} at a data file or a saved datasets directory.")
+    if p.is_dir():
+        ds = _read_saved(p, key)
+    else:
+        suffix = p.suffix.lower()
+        if suffix in (".jsonl", ".ndjson"):
+            ds = _from_records(_read_jsonl(p), p)
+        elif suffix == ".json":
+            ds = _from_records(_read_json(p), p)
+        elif suffix == ".parquet":
+            # Read straight through pyarrow/pandas (what datasets' builders use underneath) so that
+            # nothing is written to the user's HF cache: the only artifact is our own cache dir.
+            ds = datasets.Dataset(pq.read_table(p))
+        elif suffix == ".csv":
+            # keep_default_na=False: an empty CSV cell is the empty string (an alpaca `input`),
+            # not NaN, which would reach the template as a float.
+            frame = pd.read_csv(p, keep_default_na=False, dtype=str)
+            ds = datasets.Dataset.from_pandas(frame, preserve_index=False)
+        else:
+            raise DataError(
+                f"{key}: unknown data format {p.suffix or '(no extension)'!r} for {p}; "
+                f"supported: {', '.join(SUPPORTED)}."
+            )
+    assert isinstance(ds, datasets.Dataset)
+    if len(ds) == 0:
+        raise DataError(f"{key}: {p} holds no examples; give a file with at least one row.")
+    return ds
+
+
+def _read_jsonl(p: Path) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    with p.open("r", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue  # blank lines (often a trailing newline) are not examples
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{p}:{lineno}: malformed JSON line ({e.msg} at column {e.colno}); fix or remove that line.") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{p}:{lineno}: expected a JSON object per line, got {type(row).__name__}.")
+            rows.append(row)
+    return rows
+
+
+def _read_json(p: Path) -> list[dict[str, Any]]:
+    text = p.read_text(encoding="utf-8")
+    if not text.lstrip().startswith("["):
+        # A `.json` file that is really JSON Lines: accept it, with line numbers on errors.
+        return _read_jsonl(p)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{p}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno}).") from None
+    for i, row in enumerate(data):
+        if not isinstance(row, dict):
+            raise DataError(f"{p}: item {i} of the JSON array is a {type(row).__name__}, expected an object.")
+    return data
+
+
+def _from_records(rows: list[dict[str, Any]], p: Path) -> datasets.Dataset:
+    if not rows:
+        raise DataError(f"data.path: {p} holds no examples; give a file with at least one row.")
+    try:
+        return datasets.Dataset.from_list(rows)
+    except Exception as e:  # pyarrow type conflicts between rows, e.g. a field that is a string here and a list there
+        raise DataError(f"{p}: rows do not share one schema ({type(e).__name__}: {e}).") from None
+
+
+def _read_saved(p: Path, key: str) -> datasets.Dataset:
+    if not ((p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists()):
+        raise DataError(
+            f"{key}: {p} is a directory but not one written by datasets' save_to_disk; "
+            f"supported: {', '.join(SUPPORTED)}."
+        )
+    loaded = datasets.load_from_disk(str(p), keep_in_memory=True)
+    if isinstance(loaded, datasets.DatasetDict):
+        if "train" not in loaded:
+            raise DataError(f"{key}: {p} is a DatasetDict without a 'train' split (splits: {', '.join(loaded)}).")
+        loaded = loaded["train"]
+    return loaded
+
+
+def require_fields(ds: datasets.Dataset, fields: dict[str, str], source: str | Path) -> None:
+    """Raise if a required column is absent; `fields` maps config key -> column name."""
+    found = list(ds.column_names)
+    for key, name in fields.items():
+        if name not in found:
+            raise DataError(
+                f"{source}: field {name!r} not found (fields found: {', '.join(found) or 'none'}); "
+                f"set data.{key} to the field that holds it."
+            )

@@ -1,0 +1,195 @@
+"""Training FLOPs of a (LoRA) fine-tune, counted from the model's shape.
+
+The count is what the maths needs, not what a kernel happens to execute:
+
+* every matmul weight costs 2 FLOPs per token forward (multiply + add);
+* backward computes the gradient w.r.t. the weight's *input* (another 2 FLOPs per
+  weight per token) for every weight, frozen or not, because adapters further down
+  the network need the gradient to flow through;
+* only trainable weights also get a weight gradient (2 more): so a frozen base weight
+  costs 4 FLOPs/param/token and a LoRA weight 6 (the usual "6N" is the all-trainable case);
+* attention scores (QK^T) and the weighted sum (AV) cost 2*head_dim*heads FLOPs each
+  per (query, key) pair per layer forward, twice that backward. With packing the pairs
+  are those inside each document (block-diagonal), causal: L*(L+1)/2 for a document
+  of L tokens, which is why the caller passes the sum of squared document lengths.
+
+Excluded on purpose: activation recompute under gradient checkpointing (MFU counts
+useful work only), norms, activations, softmax, the loss, embedding lookups (not a
+matmul) and the optimizer: all O(params) or O(tokens*hidden), far below the matmuls.
+
+One approximation: the very first layer's input-gradient is not actually needed (the
+embeddings are frozen) and autograd skips it for the projections that read the
+embedding output directly. `tests/test_flops.py` measures that difference exactly.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+# Module names that `all-linear` adapts in each architecture family. peft's `all-linear`
+# is every nn.Linear/Conv1D except the output head; these tables are the same set.
+_LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_GPT2_LINEARS = ("c_attn", "attn.c_proj", "c_fc", "mlp.c_proj")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a decoder-only transformer that FLOPs and memory depend on."""
+
+    arch: str
+    """`llama` (llama/qwen2/mistral style: gated MLP, RMSNorm) or `gpt2`."""
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool
+    qkv_bias: bool = False
+    """Qwen2 puts a bias on q/k/v; gpt2 biases every linear (see `total_params`)."""
+    max_positions: int = 0
+    """Learned position embeddings (gpt2 only; rotary models have none)."""
+
+    def linears(self) -> list[tuple[str, int, int]]:
+        """(module name, in_features, out_features) of every matmul weight in one block."""
+        h, i = self.hidden, self.intermediate
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        if self.arch == "gpt2":
+            return [("c_attn", h, 3 * h), ("attn.c_proj", h, h), ("c_fc", h, i), ("mlp.c_proj", i, h)]
+        return [
+            ("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv), ("o_proj", q, h),
+            ("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h),
+        ]
+
+    def block_matmul_params(self) -> int:
+        return sum(i * o for _, i, o in self.linears())
+
+    def head_params(self) -> int:
+        """The output projection hidden -> vocab (a matmul even when tied to the embedding)."""
+        return self.vocab * self.hidden
+
+    def matmul_params(self) -> int:
+        """Base weights that take part in a matmul for every token: blocks and the head."""
+        return self.layers * self.block_matmul_params() + self.head_params()
+
+    def total_params(self) -> int:
+        """Every parameter of the Hugging Face model (embeddings, norms, biases included)."""
+        h = self.hidden
+        embed = self.vocab * h + self.max_positions * h
+        head = 0 if self.tied_embeddings else self.head_params()
+        if self.arch == "gpt2":
+            bias = sum(o for _, _, o in self.linears())
+            norms = 2 * 2 * h  # two LayerNorms (weight + bias) per block
+            final = 2 * h
+        else:
+            bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
+            norms = 2 * h  # two RMSNorm weights per block
+            final = h
+        return embed + head + self.layers * (self.block_matmul_params() + bias + norms) + final
+
+
+def model_shape(hf_config: Any) -> ModelShape:
+    """Read a transformers PretrainedConfig of llama/qwen2/mistral/gpt2 style."""
+    model_type = str(getattr(hf_config, "model_type", ""))
+    if model_type == "gpt2" or hasattr(hf_config, "n_embd"):
+        h = int(hf_config.n_embd)
+        heads = int(hf_config.n_head)
+        return ModelShape(
+            arch="gpt2", layers=int(hf_config.n_layer), hidden=h,
+            intermediate=int(getattr(hf_config, "n_inner", None) or 4 * h),
+            heads=heads, kv_heads=heads, head_dim=h // heads, vocab=int(hf_config.vocab_size),
+            tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", True)),
+            qkv_bias=True, max_positions=int(hf_config.n_positions),
+        )
+    try:
+        h = int(hf_config.hidden_size)
+        heads = int(hf_config.num_attention_heads)
+        layers = int(hf_config.num_hidden_layers)
+        inter = int(hf_config.intermediate_size)
+        vocab = int(hf_config.vocab_size)
+    except (AttributeError, TypeError) as e:
+        raise ValueError(
+            f"model_shape: config of type {model_type or type(hf_config).__name__!r} lacks {e}; "
+            "supported are llama/qwen2/mistral/gpt2-style configs"
+        ) from None
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or h // heads
+    return ModelShape(
+        arch="llama", layers=layers, hidden=h, intermediate=inter, heads=heads, kv_heads=int(kv),
+        head_dim=int(head_dim), vocab=vocab,
+        tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        # Qwen2 hard-codes bias on q/k/v; llama/mistral expose `attention_bias` (default off).
+        qkv_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+    )
+
+
+def adapted_linears(shape: ModelShape, target_modules: Sequence[str]) -> list[tuple[str, int, int]]:
+    """The block linears a LoRA with these `target_modules` adapts (peft's suffix match)."""
+    if any(t == "all-linear" for t in target_modules):
+        return shape.linears()
+    out = []
+    for name, i, o in shape.linears():
+        # peft matches a target when the module path ends with it; gpt2's two c_proj share a suffix.
+        if any(name == t or name.endswith("." + t) or re.fullmatch(t, name) for t in target_modules):
+            out.append((name, i, o))
+    if not out:
+        names = ", ".join(n for n, _, _ in shape.linears())
+        raise ValueError(
+            f"adapter.target_modules {list(target_modules)} matches no linear of a {shape.arch} block; "
+            f"use all-linear or some of: {names}"
+        )
+    return out
+
+
+def lora_params(shape: ModelShape, r: int, target_modules: Sequence[str] = ("all-linear",)) -> int:
+    """Exact LoRA parameter count: r*(in+out) per adapted linear, in every layer."""
+    return shape.layers * sum(r * (i + o) for _, i, o in adapted_linears(shape, target_modules))
+
+
+def causal_pairs(tokens: float, doc_len_sq_sum: float) -> float:
+    """(query, key) pairs of causal attention inside documents: sum L(L+1)/2 = (sum L^2 + sum L)/2."""
+    return (doc_len_sq_sum + tokens) / 2.0
+
+
+def attention_flops(shape: ModelShape, pairs: float) -> float:
+    """QK^T and AV over `pairs` (query, key) pairs: 2*2*head_dim*heads forward, twice that backward."""
+    forward = 2 * 2 * shape.head_dim * shape.heads * pairs * shape.layers
+    return 3.0 * forward
+
+
+def train_flops(
+    shape: ModelShape,
+    tokens: float,
+    doc_len_sq_sum: float,
+    frozen_params: float,
+    trainable_params: float,
+    *,
+    causal: bool = True,
+) -> float:
+    """FLOPs of forward + backward over `tokens` tokens, excluding recompute.
+
+    `frozen_params`: frozen base weights that run a matmul per token (use
+    `shape.matmul_params()`; embeddings are a lookup, not a matmul).
+    `trainable_params`: trainable weights in matmuls (use `lora_params`).
+    `doc_len_sq_sum`: sum over documents of length**2 for the tokens counted (for
+    unpacked rows, one document per row). `causal=False` counts the full square,
+    which is what a dense attention kernel executes with a mask.
+    """
+    linear = (4.0 * frozen_params + 6.0 * trainable_params) * tokens
+    pairs = causal_pairs(tokens, doc_len_sq_sum) if causal else float(doc_len_sq_sum)
+    return linear + attention_flops(shape, pairs)
+
+
+def lora_train_flops(
+    shape: ModelShape, tokens: float, doc_len_sq_sum: float, r: int,
+    target_modules: Sequence[str] = ("all-linear",),
+) -> float:
+    """`train_flops` for a LoRA of rank `r` over a frozen base: the usual call."""
+    return train_flops(shape, tokens, doc_len_sq_sum, shape.matmul_params(), lora_params(shape, r, target_modules))
+
+
+def doc_len_sq_sum(lengths: Iterable[int]) -> int:
+    return sum(int(n) * int(n) for n in lengths)

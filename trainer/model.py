@@ -1,0 +1,166 @@
+"""The base model, optional bitsandbytes quantisation, LoRA adapters via peft, and
+activation (gradient) checkpointing.
+
+`build(model_cfg, adapter_cfg, device=...)` returns a `peft.PeftModel` whose only trainable
+parameters are the LoRA matrices. The adapter weights are kept in fp32 (peft's
+`autocast_adapter_dtype`) whatever the base dtype, so AdamW state and updates are fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
+
+from trainer.config import AdapterConfig, ModelConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Logical parameter counts (a 4-bit weight counts as its unpacked size), for FLOPs."""
+
+    trainable: int
+    frozen: int
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def resolve_attn_implementation(choice: str, device: torch.device) -> str:
+    """`auto` -> flash_attention_2 when the package is installed and we run on CUDA, else sdpa.
+
+    All three kernels honour packed `position_ids` (block-diagonal causal mask) when the
+    forward gets no attention_mask, so the choice changes speed, never the maths.
+    """
+    if choice != "auto":
+        return choice
+    if device.type == "cuda":
+        from transformers.utils import is_flash_attn_2_available
+
+        if is_flash_attn_2_available():
+            return "flash_attention_2"
+    return "sdpa"
+
+
+def quant_compute_dtype(model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """Compute dtype of 4-bit layers: the recipe dtype, but fp16 on a CUDA GPU without bf16."""
+    dtype = torch_dtype(model_cfg.dtype)
+    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return dtype
+
+
+def load_base(
+    model_cfg: ModelConfig,
+    adapter_cfg: AdapterConfig,
+    *,
+    name_or_path: str | None = None,
+    device: torch.device | str = "cpu",
+) -> PreTrainedModel:
+    """The frozen base model on `device`, quantised when `adapter.method` is `qlora`."""
+    device = torch.device(device)
+    path = name_or_path or model_cfg.name_or_path
+    dtype = torch_dtype(model_cfg.dtype)
+    kwargs: dict = dict(
+        dtype=dtype,
+        attn_implementation=resolve_attn_implementation(model_cfg.attn_implementation, device),
+        revision=model_cfg.revision,
+        trust_remote_code=model_cfg.trust_remote_code,
+    )
+    if adapter_cfg.method == "qlora":
+        compute = quant_compute_dtype(model_cfg, device)
+        kwargs["dtype"] = compute  # non-quantised modules (embeddings, norms, head) in the compute dtype
+        if adapter_cfg.quant_bits == 4:
+            kwargs["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type="nf4",
+                bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=compute,
+                bnb_4bit_quant_storage=torch.uint8,
+            )
+        else:
+            kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+        # Quantised weights are packed as they are placed; they cannot be `.to()`-moved
+        # afterwards, so place them on this rank's device while loading.
+        kwargs["device_map"] = {"": device}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as e:
+        raise OSError(
+            f"model.name_or_path: cannot load {path!r}: {e}\n"
+            "Give a local directory written by save_pretrained or a hub model id you can reach."
+        ) from e
+    return model
+
+
+def build(
+    model_cfg: ModelConfig,
+    adapter_cfg: AdapterConfig,
+    *,
+    name_or_path: str | None = None,
+    device: torch.device | str = "cpu",
+):
+    """Base model + LoRA adapter (a `peft.PeftModel`), ready for the training loop.
+
+    For `qlora` we deliberately do not call peft's `prepare_model_for_kbit_training`: it
+    casts every parameter that is not 4-bit (embeddings, lm_head, norms) to fp32, which for
+    a 7B Llama adds ~1 GB of memory and turns the lm_head matmul into fp32, while Llama-style
+    RMSNorm already computes in fp32 internally. The other things it does we do here: the
+    base is frozen (peft freezes it), and checkpointing is non-reentrant, which needs no
+    input-grad hook.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    base = load_base(model_cfg, adapter_cfg, name_or_path=name_or_path, device=device)
+    base.config.use_cache = False  # training never uses the KV cache; avoids warnings with checkpointing
+    if model_cfg.gradient_checkpointing:
+        enable_activation_checkpointing(base)
+    targets = list(adapter_cfg.target_modules)
+    lora = LoraConfig(
+        r=adapter_cfg.r,
+        lora_alpha=adapter_cfg.alpha,
+        lora_dropout=adapter_cfg.dropout,
+        target_modules="all-linear" if targets == ["all-linear"] else targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    try:
+        model = get_peft_model(base, lora, autocast_adapter_dtype=True)
+    except ValueError as e:
+        raise ValueError(
+            f"adapter.target_modules: {targets} does not fit this model ({e}); "
+            "use 'all-linear' or names of its linear modules such as q_proj, v_proj"
+        ) from e
+    return model  # accelerate.prepare places a non-quantised model on its device
+
+
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Non-reentrant checkpointing (works with DDP, no_sync and frozen inputs).
+
+    transformers 5 names it activation checkpointing; both spellings also hook the input
+    embeddings to require grad, which is what lets gradients reach LoRA layers through a
+    frozen, checkpointed block.
+    """
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:  # transformers < 5
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.enable_input_require_grads()
+
+
+def count_params(model: torch.nn.Module) -> ParamCounts:
+    """Trainable and frozen parameter counts; a packed 4-bit tensor counts as its logical shape."""
+    trainable = frozen = 0
+    for p in model.parameters():
+        quant_state = getattr(p, "quant_state", None)
+        n = int(torch.Size(quant_state.shape).numel()) if quant_state is not None else p.numel()
+        if p.requires_grad:
+            trainable += n
+        else:
+            frozen += n
+    return ParamCounts(trainable=trainable, frozen=frozen)

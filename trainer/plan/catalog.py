@@ -1,0 +1,151 @@
+"""The GPU catalogue: memory, dense bf16 peak FLOP/s, typical prices, spot interruption rate.
+
+Shipped as `gpus.yaml` next to this module; a user YAML of the same shape changes any
+field of a known GPU (matched by name, case-insensitively) or adds new GPUs. Prices are
+the part most worth overriding: they are typical public figures, not quotes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+BUILTIN_CATALOG = Path(__file__).with_name("gpus.yaml")
+_REQUIRED = ("memory_gib", "peak_bf16_flops", "on_demand_price")
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_gib: float
+    """Device memory as torch reports it."""
+    peak_bf16_flops: float
+    """Dense bf16 tensor-core peak, FLOP/s."""
+    on_demand_price: float
+    """Price per GPU-hour, on demand."""
+    spot_price: float | None = None
+    """Price per GPU-hour on spot/preemptible capacity (None: no spot offer)."""
+    mtbi_hours: float | None = None
+    """Typical mean time between spot interruptions, hours."""
+    aliases: tuple[str, ...] = field(default_factory=tuple)
+    """Regexes matched against torch.cuda.get_device_name()."""
+
+    @property
+    def spot_discount(self) -> float | None:
+        """Share of the on-demand price saved on spot (0.45 = 45% cheaper)."""
+        if self.spot_price is None or self.on_demand_price <= 0:
+            return None
+        return 1.0 - self.spot_price / self.on_demand_price
+
+
+class CatalogError(ValueError):
+    pass
+
+
+def load_catalog(overrides_path: str | Path | None = None) -> list[GPU]:
+    """The built-in catalogue, with a user YAML's changes and additions applied."""
+    gpus = list(_builtin())
+    if overrides_path is None:
+        return gpus
+    path = Path(overrides_path)
+    if not path.is_file():
+        raise CatalogError(f"GPU catalogue file not found: {path} (give a YAML with a `gpus:` list)")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise CatalogError(f"{path}: invalid YAML: {e}") from None
+    by_name = {g.name.lower(): i for i, g in enumerate(gpus)}
+    for n, entry in enumerate(_entries(raw, path)):
+        where = f"{path}: gpus[{n}]"
+        name = str(entry.get("name", "")).strip()
+        if not name:
+            raise CatalogError(f"{where}: every entry needs a `name`")
+        if name.lower() in by_name:
+            i = by_name[name.lower()]
+            gpus[i] = replace(gpus[i], **_fields(entry, where, partial=True))
+        else:
+            gpus.append(GPU(**_fields(entry, where, partial=False)))
+            by_name[name.lower()] = len(gpus) - 1
+    return gpus
+
+
+def find_gpu(name: str, catalog: list[GPU] | None = None) -> GPU:
+    """A catalogue entry by its name (case-insensitive), or by a device name it matches."""
+    gpus = catalog if catalog is not None else load_catalog()
+    for g in gpus:
+        if g.name.lower() == name.strip().lower():
+            return g
+    matched = match_device(name, gpus)
+    if matched is None:
+        raise CatalogError(f"GPU {name!r} is not in the catalogue; known: {', '.join(g.name for g in gpus)}")
+    return matched
+
+
+def match_device(device_name: str, catalog: list[GPU] | None = None) -> GPU | None:
+    """The entry whose alias matches the longest span of a torch device name."""
+    gpus = catalog if catalog is not None else load_catalog()
+    text = device_name.lower()
+    best: tuple[int, GPU] | None = None
+    for g in gpus:
+        for pattern in g.aliases:
+            m = re.search(pattern, text)
+            if m and (best is None or len(m.group(0)) > best[0]):
+                best = (len(m.group(0)), g)
+    return best[1] if best else None
+
+
+def peak_flops_for(device_name: str, catalog: list[GPU] | None = None) -> float | None:
+    """Dense bf16 peak FLOP/s for a torch.cuda.get_device_name() string; None if unknown."""
+    g = match_device(device_name, catalog)
+    return g.peak_bf16_flops if g else None
+
+
+# ---------------------------------------------------------------------------- parsing
+
+
+@lru_cache(maxsize=1)
+def _builtin() -> tuple[GPU, ...]:
+    raw = yaml.safe_load(BUILTIN_CATALOG.read_text())
+    return tuple(GPU(**_fields(e, f"{BUILTIN_CATALOG}: gpus[{i}]", partial=False)) for i, e in enumerate(_entries(raw, BUILTIN_CATALOG)))
+
+
+def _entries(raw: Any, path: Path) -> list[dict[str, Any]]:
+    items = raw.get("gpus") if isinstance(raw, dict) else raw
+    if not isinstance(items, list) or not all(isinstance(e, dict) for e in items):
+        raise CatalogError(f"{path}: expected `gpus:` followed by a list of mappings (name, memory_gib, ...)")
+    return items
+
+
+def _fields(entry: dict[str, Any], where: str, *, partial: bool) -> dict[str, Any]:
+    known = {f.name for f in fields(GPU)}
+    unknown = sorted(set(entry) - known)
+    if unknown:
+        raise CatalogError(f"{where}: unknown key(s) {unknown}; valid: {sorted(known)}")
+    missing = [] if partial else [k for k in _REQUIRED if entry.get(k) is None]
+    if missing:
+        raise CatalogError(f"{where} ({entry.get('name')}): a new GPU needs {', '.join(missing)}")
+    out: dict[str, Any] = {}
+    for key, value in entry.items():
+        if key == "name":
+            out[key] = str(value)
+        elif key == "aliases":
+            out[key] = tuple(str(a) for a in ([value] if isinstance(value, str) else value or ()))
+        elif value is None:
+            if key in _REQUIRED:
+                raise CatalogError(f"{where}: {key} cannot be null")
+            out[key] = None
+        else:
+            try:
+                out[key] = float(value)
+            except (TypeError, ValueError):
+                raise CatalogError(f"{where}: {key} must be a number, got {value!r}") from None
+            if out[key] < 0:
+                raise CatalogError(f"{where}: {key} must not be negative, got {value!r}")
+    if partial:
+        out.pop("name", None)
+    return out

@@ -1,0 +1,192 @@
+"""Built-in offline assets: a tiny random model of a real architecture, its tokenizer, and a
+synthetic instruction dataset such a model visibly learns.
+
+They let the demo and the tests run the real loading code (`from_pretrained` on a directory
+written by `save_pretrained`) on a fresh clone with no downloads. Everything is generated
+deterministically and built into a temporary directory that is renamed into place, so
+concurrent processes (two DDP ranks, parallel tests) never see a half-written asset.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Literal
+
+from trainer.config import BUILTIN_TINY_DATA, BUILTIN_TINY_MODEL
+
+Arch = Literal["llama", "qwen2", "mistral", "gpt2"]
+ASSET_VERSION = "v1"  # bump when the generated assets change, so stale caches are not reused
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}<|assistant|>\n{% generation %}{{ m['content'] }}{{ eos_token }}{% endgeneration %}\n"
+    "{% else %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def home() -> Path:
+    """Cache root for built-in assets: `$SPOTUNE_HOME`, else `~/.cache/spotune`."""
+    return Path(os.environ.get("SPOTUNE_HOME", Path.home() / ".cache" / "spotune"))
+
+
+def resolve_model(name_or_path: str) -> str:
+    """`builtin:tiny-llama` -> a local directory with the tiny model and tokenizer; else unchanged."""
+    if name_or_path != BUILTIN_TINY_MODEL:
+        return name_or_path
+    target = home() / f"tiny-llama-{ASSET_VERSION}"
+    return str(_build_once(target, lambda d: build_model(d, "llama", tokenizer_dir=None, hidden=128, layers=4)))
+
+
+def resolve_data(path: str) -> str:
+    """`builtin:tiny-instruct` -> a generated alpaca-format JSONL file; else unchanged."""
+    if path != BUILTIN_TINY_DATA:
+        return path
+    target = home() / f"tiny-instruct-{ASSET_VERSION}"
+    return str(_build_once(target, lambda d: write_dataset(d / "train.jsonl")) / "train.jsonl")
+
+
+def _build_once(target: Path, build: Callable[[Path], object]) -> Path:
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        build(tmp)
+        os.rename(tmp, target)  # atomic; fails if another process won the race
+    except OSError:
+        if not target.exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# ---------------------------------------------------------------------------- dataset
+
+_CAPITALS = {
+    "France": "Paris", "Japan": "Tokyo", "Italy": "Rome", "Spain": "Madrid", "Egypt": "Cairo",
+    "Kenya": "Nairobi", "Peru": "Lima", "Chile": "Santiago", "Canada": "Ottawa", "Norway": "Oslo",
+    "Sweden": "Stockholm", "Poland": "Warsaw", "Greece": "Athens", "Turkey": "Ankara",
+    "India": "New Delhi", "China": "Beijing", "Brazil": "Brasilia", "Mexico": "Mexico City",
+    "Ireland": "Dublin", "Portugal": "Lisbon", "Austria": "Vienna", "Cuba": "Havana",
+}
+_WORDS = ("red blue green yellow black white apple pear plum cat dog fox owl river stone "
+          "cloud rain snow wind tree leaf seed moon star sun").split()
+
+
+def make_examples(n: int = 2000, seed: int = 0) -> list[dict[str, str]]:
+    """Synthetic alpaca-style examples over a few deterministic skills of varied length."""
+    rng = random.Random(seed)
+    countries = sorted(_CAPITALS)
+    out: list[dict[str, str]] = []
+    for _ in range(n):
+        kind = rng.randrange(4)
+        if kind == 0:
+            words = rng.choices(_WORDS, k=rng.randint(2, 12))
+            out.append({"instruction": "Reverse the order of the words.", "input": " ".join(words),
+                        "output": " ".join(reversed(words))})
+        elif kind == 1:
+            c = rng.choice(countries)
+            out.append({"instruction": f"What is the capital of {c}?", "input": "",
+                        "output": f"The capital of {c} is {_CAPITALS[c]}."})
+        elif kind == 2:
+            a, b = rng.randint(0, 99), rng.randint(0, 99)
+            out.append({"instruction": "Add the two numbers.", "input": f"{a} + {b}", "output": str(a + b)})
+        else:
+            words = rng.choices(_WORDS, k=rng.randint(1, 30))
+            out.append({"instruction": "Repeat the list, one word per line.", "input": ", ".join(words),
+                        "output": "\n".join(words)})
+    return out
+
+
+def write_dataset(path: Path, n: int = 2000, seed: int = 0) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for ex in make_examples(n, seed):
+            f.write(json.dumps(ex) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------------------- tokenizer
+
+
+def build_tokenizer(out_dir: Path | str, vocab_size: int = 1024) -> Path:
+    """A byte-level BPE (any text encodes) trained on the synthetic corpus, saved for AutoTokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(out_dir)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    corpus = [" ".join(ex.values()) for ex in make_examples(2000, seed=1)]
+    corpus += ["### Instruction:\n### Input:\n### Response:\nBelow is an instruction that describes a task."]
+    tok.train_from_iterator(corpus, trainer=trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+        model_max_length=4096,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    return out
+
+
+# ---------------------------------------------------------------------------- models
+
+
+def build_model(
+    out_dir: Path | str,
+    arch: Arch = "llama",
+    *,
+    tokenizer_dir: Path | str | None,
+    seed: int = 0,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    max_positions: int = 4096,
+) -> Path:
+    """A tiny random-initialised model of a real architecture plus its tokenizer, in one directory."""
+    import torch
+    import transformers
+    from transformers import AutoTokenizer
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer_dir is None:
+        build_tokenizer(out)
+    else:
+        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+               pad_token_id=tok.pad_token_id)
+    ffn = intermediate or 2 * hidden
+    if arch == "gpt2":
+        config = transformers.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=ffn,
+                                         n_positions=max_positions, **ids)
+    else:
+        cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+               "mistral": transformers.MistralConfig}[arch]
+        config = cls(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                     num_key_value_heads=kv_heads, intermediate_size=ffn,
+                     max_position_embeddings=max_positions, tie_word_embeddings=False, **ids)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
+    return out
