@@ -24,3 +24,16 @@ def test_recipe_validates(path: Path) -> None:
     if "gpu" in path.parts:
         assert "spotune" in path.read_text().split("\n\n")[0] or "torchrun" in path.read_text(), "launch command in the header"
         assert cfg.train.mixed_precision == "bf16"
+
+
+def test_readme_documents_every_config_key() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    missing = [key for key, _, _ in C.field_docs() if f"`{key}`" not in readme]
+    assert not missing, f"README config reference lacks {missing}: run python scripts/config_reference.py"
+
+
+def test_readme_commands_match_ci() -> None:
+    root = Path(__file__).resolve().parents[1]
+    assert "make test" in (root / ".ci" / "run").read_text()
+    readme = (root / "README.md").read_text()
+    assert "make demo" in readme and "make test" in readme

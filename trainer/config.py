@@ -73,10 +73,15 @@ class DataConfig:
     chat_template: str | None = None
     """Jinja chat template for `chat` data when the tokenizer has none."""
     instruction_field: str = "instruction"
+    """Field holding the alpaca instruction."""
     input_field: str = "input"
+    """Field holding the optional alpaca input (may be missing or empty)."""
     output_field: str = "output"
+    """Field holding the alpaca response (trained)."""
     messages_field: str = "messages"
+    """Field holding chat messages (`role`/`content`); only assistant turns are trained."""
     text_field: str = "text"
+    """Field holding raw text for `text` format."""
     cache_dir: str | None = None
     """Where packed datasets are cached; defaults to `<output_dir>/data`."""
     num_proc: int = 1
@@ -102,14 +107,21 @@ class TrainConfig:
     lr: float = 2e-4
     """Peak learning rate."""
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Learning-rate decay after warm-up."""
     warmup_steps: int = 0
+    """Linear warm-up steps from 0 to `lr`."""
     min_lr_ratio: float = 0.0
     """Final learning rate as a share of `lr` for cosine and linear schedules."""
     weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
     adam_beta1: float = 0.9
+    """AdamW first-moment decay."""
     adam_beta2: float = 0.999
+    """AdamW second-moment decay."""
     adam_eps: float = 1e-8
+    """AdamW epsilon."""
     optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = "adamw"
+    """`adamw` (fused on CUDA), or bitsandbytes 8-bit / paged 8-bit AdamW."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping)."""
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
@@ -163,6 +175,7 @@ class RunConfig:
     output_dir: str = "runs/default"
     """Run directory: checkpoints, metrics, ledger, final adapter."""
     seed: int = 0
+    """Seed for initialisation, LoRA dropout and the data order."""
     model: ModelConfig = field(default_factory=ModelConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     data: DataConfig = field(default_factory=DataConfig)

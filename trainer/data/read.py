@@ -22,19 +22,29 @@ class DataError(ValueError):
     """Bad input data or data settings; the message names the file, line or config key to fix."""
 
 
-def read_rows(path: str | Path, *, key: str = "data.path") -> datasets.Dataset:
-    """All rows of the file or saved dataset at `path`; `key` names the config key in errors."""
+def check_source(path: str | Path, *, key: str = "data.path") -> Path:
+    """Fail fast (before hashing) on a missing path or an unsupported file extension."""
     p = Path(path)
     if not p.exists():
         raise DataError(f"{key}: {p} does not exist; point {key} at a data file or a saved datasets directory.")
+    if p.is_file() and p.suffix.lower() not in SUPPORTED[:-1]:
+        raise DataError(
+            f"{key}: unknown data format {p.suffix or '(no extension)'!r} for {p}; supported: {', '.join(SUPPORTED)}."
+        )
+    return p
+
+
+def read_rows(path: str | Path, *, key: str = "data.path") -> datasets.Dataset:
+    """All rows of the file or saved dataset at `path`; `key` names the config key in errors."""
+    p = check_source(path, key=key)
     if p.is_dir():
         ds = _read_saved(p, key)
     else:
         suffix = p.suffix.lower()
         if suffix in (".jsonl", ".ndjson"):
-            ds = _from_records(_read_jsonl(p), p)
+            ds = _from_records(_read_jsonl(p), p, key)
         elif suffix == ".json":
-            ds = _from_records(_read_json(p), p)
+            ds = _from_records(_read_json(p), p, key)
         elif suffix == ".parquet":
             # Read straight through pyarrow/pandas (what datasets' builders use underneath) so that
             # nothing is written to the user's HF cache: the only artifact is our own cache dir.
@@ -86,9 +96,9 @@ def _read_json(p: Path) -> list[dict[str, Any]]:
     return data
 
 
-def _from_records(rows: list[dict[str, Any]], p: Path) -> datasets.Dataset:
+def _from_records(rows: list[dict[str, Any]], p: Path, key: str) -> datasets.Dataset:
     if not rows:
-        raise DataError(f"data.path: {p} holds no examples; give a file with at least one row.")
+        raise DataError(f"{key}: {p} holds no examples; give a file with at least one row.")
     try:
         return datasets.Dataset.from_list(rows)
     except Exception as e:  # pyarrow type conflicts between rows, e.g. a field that is a string here and a list there

@@ -1,0 +1,236 @@
+"""Throughput, MFU, data-stall and cost meter, and the sinks it writes to.
+
+Definitions (one place, see DESIGN.md):
+- trainable tokens: tokens whose label is not -100 (after the shift), summed over ranks;
+  real tokens: non-padding tokens. "tokens/s" below means real tokens per second.
+- window tokens/s: real tokens of the steps since the previous row over the wall time of
+  those steps; checkpoint and evaluation time are excluded (they are not training).
+- sustained tokens/s: the same over every step after `metrics.warmup_steps` of this attempt.
+- data-stall share: time the loop was blocked waiting for the next batch / step time.
+- MFU: model FLOPs (trainer/flops.py: LoRA-aware, attention per packed document, no
+  recompute) / (seconds x devices x peak FLOP/s of one device).
+- device-hours: wall time x devices, summed over every attempt (earlier attempts come in
+  as `prior_device_seconds`); cost = device-hours x `metrics.price_per_hour`.
+
+Only rank 0 builds sinks; the meter itself is cheap host arithmetic, fed with numbers the
+loop already moved to the host at a log step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+FlopsFn = Callable[[float, float], float]
+"""(real tokens, sum of squared document lengths) -> training FLOPs for them."""
+
+
+@dataclass
+class Meter:
+    """Accumulates per-step timings and token counts; `row()` turns them into one metrics row."""
+
+    world_size: int
+    warmup_steps: int
+    flops_fn: FlopsFn | None = None
+    peak_flops: float | None = None
+    """Peak FLOP/s of one device; MFU is null without it."""
+    price_per_hour: float | None = None
+    prior_device_seconds: float = 0.0
+    start_step: int = 0
+    attempt_start: float = field(default_factory=time.monotonic)
+    # window (since the previous row) and sustained (after warm-up) accumulators
+    _w_seconds: float = 0.0
+    _w_stall: float = 0.0
+    _w_steps: int = 0
+    _w_real: float = 0.0
+    _w_flops: float = 0.0
+    _s_seconds: float = 0.0
+    _s_real: float = 0.0
+    _s_flops: float = 0.0
+    _paused: float = 0.0
+    _pending: list[tuple[int, float, float]] = field(default_factory=list)
+
+    def step_time(self, step: int, seconds: float, stall_seconds: float) -> None:
+        """Wall time of one optimizer step (data wait included) and the part spent waiting for data."""
+        self._pending.append((step, seconds, stall_seconds))
+
+    def pause(self, seconds: float) -> None:
+        """Checkpoint or evaluation time: counted in device-hours, excluded from throughput."""
+        self._paused += seconds
+
+    def tokens(self, step_counts: list[tuple[int, float, float]]) -> None:
+        """Per-step (step, real tokens, sum of squared doc lengths), global over ranks.
+
+        Delivered at log steps only, when the loop reads its device-side counters.
+        """
+        by_step = {s: (r, sq) for s, r, sq in step_counts}
+        for step, seconds, stall in self._pending:
+            real, sq = by_step.get(step, (0.0, 0.0))
+            flops = self.flops_fn(real, sq) if self.flops_fn else 0.0
+            self._w_seconds += seconds
+            self._w_stall += stall
+            self._w_steps += 1
+            self._w_real += real
+            self._w_flops += flops
+            if step - self.start_step >= self.warmup_steps:
+                self._s_seconds += seconds
+                self._s_real += real
+                self._s_flops += flops
+        self._pending.clear()
+
+    def device_seconds(self) -> float:
+        return self.prior_device_seconds + (time.monotonic() - self.attempt_start) * self.world_size
+
+    def cost(self) -> float | None:
+        if self.price_per_hour is None:
+            return None
+        return self.device_seconds() / 3600.0 * self.price_per_hour
+
+    def _mfu(self, flops: float, seconds: float) -> float | None:
+        if not self.peak_flops or not self.flops_fn or seconds <= 0:
+            return None
+        return flops / (seconds * self.world_size * self.peak_flops)
+
+    def row(self, **fields: Any) -> dict[str, Any]:
+        """A metrics row: the caller's fields (step, loss, lr, ...) plus rates; resets the window."""
+        w_s = self._w_seconds
+        row = dict(fields)
+        row.update(
+            tokens_per_s=_rate(self._w_real, w_s),
+            sustained_tokens_per_s=_rate(self._s_real, self._s_seconds),
+            step_time_s=w_s / self._w_steps if self._w_steps else None,
+            data_stall_share=self._w_stall / w_s if w_s > 0 else None,
+            mfu=self._mfu(self._w_flops, w_s),
+            sustained_mfu=self._mfu(self._s_flops, self._s_seconds),
+            peak_memory_gib=peak_memory_bytes() / 2**30,
+            gpu_util=gpu_utilisation(),
+            device_hours=self.device_seconds() / 3600.0,
+            cost=self.cost(),
+            paused_s=self._paused,
+        )
+        self._w_seconds = self._w_stall = self._w_real = self._w_flops = 0.0
+        self._w_steps = 0
+        return row
+
+    def summary(self) -> dict[str, Any]:
+        return dict(
+            sustained_tokens_per_s=_rate(self._s_real, self._s_seconds),
+            sustained_mfu=self._mfu(self._s_flops, self._s_seconds),
+            device_hours=self.device_seconds() / 3600.0,
+            cost=self.cost(),
+        )
+
+
+def _rate(amount: float, seconds: float) -> float | None:
+    return amount / seconds if seconds > 0 else None
+
+
+def peak_memory_bytes() -> int:
+    """Peak allocated device memory on CUDA; on CPU the process's peak resident set size."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_allocated())
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB, macOS bytes
+
+
+_NVML: Any = None
+
+
+def gpu_utilisation() -> float | None:
+    """Instantaneous GPU utilisation (percent) of this process's device via NVML, when available."""
+    global _NVML
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    try:
+        if _NVML is None:
+            import pynvml  # optional: the nvidia-ml-py package
+
+            pynvml.nvmlInit()
+            _NVML = pynvml
+        index = torch.cuda.current_device()
+        handle = _NVML.nvmlDeviceGetHandleByIndex(index)
+        return float(_NVML.nvmlDeviceGetUtilizationRates(handle).gpu)
+    except Exception:  # NVML missing, or no permission inside a container: the field stays null
+        return None
+
+
+def resolve_peak_flops(explicit: float | None, gpu_name: str | None, device: torch.device) -> float | None:
+    """`metrics.peak_flops`, else the catalogue entry for `metrics.gpu` or the detected CUDA device."""
+    if explicit:
+        return explicit
+    name = gpu_name
+    if name is None and device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    if name is None:
+        return None  # CPU: no meaningful peak, MFU stays null
+    from trainer.plan import catalog
+
+    return catalog.peak_flops_for(name)
+
+
+# ---------------------------------------------------------------------------- sinks
+
+
+class JsonlSink:
+    """Appends one JSON object per line and flushes, so a killed run keeps every row it logged."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(path, "a", encoding="utf-8")
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._f.write(json.dumps(_finite(row)) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _finite(row: dict[str, Any]) -> dict[str, Any]:
+    """JSON has no NaN/Infinity: write a non-finite float as its string ("nan", "inf")."""
+    return {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+
+
+class Console:
+    """A tqdm bar with ETA and a short postfix: loss, tokens/s, cost so far."""
+
+    def __init__(self, total_steps: int, initial: int, enabled: bool) -> None:
+        self._bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=initial, unit="step", dynamic_ncols=True)
+
+    def update(self, steps: int, row: dict[str, Any] | None = None) -> None:
+        if self._bar is None:
+            return
+        self._bar.update(steps)
+        if row is not None:
+            post = {"loss": _fmt(row.get("loss"))}
+            if row.get("tokens_per_s") is not None:
+                post["tok/s"] = f"{row['tokens_per_s']:.0f}"
+            if row.get("cost") is not None:
+                post["$"] = f"{row['cost']:.2f}"
+            self._bar.set_postfix(post, refresh=False)
+
+    def message(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _fmt(x: Any) -> str:
+    return f"{x:.4f}" if isinstance(x, float) else str(x)

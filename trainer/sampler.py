@@ -1,0 +1,102 @@
+"""Deterministic step sampler: which packed rows each optimizer step trains on.
+
+The order of an epoch is a pure function of `(seed, epoch)`:
+`np.random.default_rng([seed, epoch]).permutation(num_rows)`, or the identity when
+shuffling is off. The sampler's whole state is `(epoch, cursor)`, where `cursor` counts
+rows already consumed in that epoch, and both follow from the optimizer step alone. So a
+resumed run jumps straight to its step: no rows are read or skipped to get there (O(1)
+in data; one permutation of row indices, which never touches the dataset).
+
+A step never straddles two epochs: each epoch yields `num_rows // rows_per_step` whole
+steps and the last `num_rows % rows_per_step` rows of that epoch's order are dropped.
+Because every epoch has its own order, a different tail is dropped each epoch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+class StepSampler:
+    """Rows of every optimizer step, for every rank, as a function of the step number."""
+
+    def __init__(self, num_rows: int, rows_per_step: int, seed: int, shuffle: bool = True) -> None:
+        if rows_per_step < 1:
+            raise ValueError(f"rows per step must be at least 1, got {rows_per_step}")
+        if num_rows < rows_per_step:
+            raise ValueError(
+                f"the prepared dataset has {num_rows} packed rows but one optimizer step needs "
+                f"{rows_per_step} (train.micro_batch_size x train.grad_accum x devices); lower "
+                "train.micro_batch_size or train.grad_accum, lower data.seq_len, or add data"
+            )
+        self.num_rows = num_rows
+        self.rows_per_step = rows_per_step
+        self.seed = seed
+        self.shuffle = shuffle
+        self.steps_per_epoch = num_rows // rows_per_step
+        # Only the current epoch's order is kept: a run walks epochs in sequence.
+        self._cached: tuple[int, np.ndarray] | None = None
+
+    def order(self, epoch: int) -> np.ndarray:
+        """Row indices of `epoch` in training order (read-only)."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be 0 or more, got {epoch}")
+        if self._cached is not None and self._cached[0] == epoch:
+            return self._cached[1]
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)
+        else:
+            order = np.arange(self.num_rows)
+        order.setflags(write=False)
+        self._cached = (epoch, order)
+        return order
+
+    def position(self, step: int) -> tuple[int, int]:
+        """(epoch, cursor) at the start of optimizer step `step` (0-based)."""
+        if step < 0:
+            raise ValueError(f"step must be 0 or more, got {step}")
+        epoch, within = divmod(step, self.steps_per_epoch)
+        return epoch, within * self.rows_per_step
+
+    def step_at(self, epoch: int, cursor: int) -> int:
+        """Inverse of `position`; raises if `cursor` is not on a step boundary."""
+        if cursor % self.rows_per_step or not 0 <= cursor < self.steps_per_epoch * self.rows_per_step:
+            raise ValueError(
+                f"sampler cursor {cursor} is not the start of a step of {self.rows_per_step} rows "
+                f"within an epoch of {self.steps_per_epoch} steps (did the global batch or the dataset change?)"
+            )
+        return epoch * self.steps_per_epoch + cursor // self.rows_per_step
+
+    def steps_for_epochs(self, epochs: float) -> int:
+        """Optimizer steps in `epochs` passes (a fractional epoch rounds up to a whole step)."""
+        return max(1, math.ceil(epochs * self.steps_per_epoch))
+
+    def rows_for_step(self, step: int) -> list[int]:
+        """Global row indices of optimizer step `step`, across all ranks and micro-steps."""
+        epoch, cursor = self.position(step)
+        return self.order(epoch)[cursor : cursor + self.rows_per_step].tolist()
+
+    def micro_batches(
+        self, step: int, rank: int, world_size: int, micro_batch_size: int, grad_accum: int
+    ) -> list[list[int]]:
+        """This rank's rows for `step`: `grad_accum` lists of `micro_batch_size` row indices.
+
+        Accumulation micro-step m covers global rows [m*W*B, (m+1)*W*B) of the step and rank r
+        takes the r-th slice of B of them, so every rank sees a fresh slice every micro-step.
+        """
+        if micro_batch_size * grad_accum * world_size != self.rows_per_step:
+            raise ValueError(
+                f"micro_batch_size {micro_batch_size} x grad_accum {grad_accum} x world_size "
+                f"{world_size} != rows_per_step {self.rows_per_step} given to the sampler"
+            )
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        rows = self.rows_for_step(step)
+        per_micro = micro_batch_size * world_size
+        out = []
+        for m in range(grad_accum):
+            start = m * per_micro + rank * micro_batch_size
+            out.append(rows[start : start + micro_batch_size])
+        return out
