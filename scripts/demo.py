@@ -92,12 +92,13 @@ def sample_generation() -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from trainer.data.template import alpaca_prompt
+
     final = RUN_DIR / "final"
     tok = AutoTokenizer.from_pretrained(final)
     base_path = json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"]
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), final).eval()
-    prompt = ("Below is an instruction that describes a task. Write a response that appropriately "
-              "completes the request.\n\n### Instruction:\nWhat is the capital of France?\n\n### Response:\n")
+    prompt = alpaca_prompt("What is the capital of France?", "")  # the template training used
     ids = tok(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(input_ids=ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)

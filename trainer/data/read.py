@@ -119,9 +119,8 @@ def _read_saved(p: Path, key: str) -> datasets.Dataset:
     return loaded
 
 
-def require_fields(ds: datasets.Dataset, fields: dict[str, str], source: str | Path) -> None:
+def require_fields(found: list[str], fields: dict[str, str], source: str | Path) -> None:
     """Raise if a required column is absent; `fields` maps config key -> column name."""
-    found = list(ds.column_names)
     for key, name in fields.items():
         if name not in found:
             raise DataError(

@@ -31,6 +31,8 @@ ALPACA_NO_INPUT = (
     "### Instruction:\n{instruction}\n\n### Response:\n"
 )
 
+ROW_COLUMN = "__spotune_row"
+
 # Drop reasons, as they appear in the manifest and the summary.
 OVERLONG = "overlong"
 NO_TRAINABLE = "no_trainable_tokens"
@@ -59,9 +61,10 @@ class Tokenize:
     chat_template: str | None = None
     source: str = "data"
 
-    def __call__(self, batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
-        n = len(indices)
-        status = [""] * n
+    def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        # Row numbers of the source file (kept through the eval split) for error messages.
+        indices = batch[ROW_COLUMN] if ROW_COLUMN in batch else list(range(len(next(iter(batch.values())))))
+        status = [""] * len(indices)
         if self.fmt == "alpaca":
             pairs = self._alpaca(batch, status)
         elif self.fmt == "text":
@@ -171,7 +174,7 @@ class Tokenize:
             upto = render(messages[: i + 1], False)
             if not (full.startswith(upto) and upto.startswith(before)):
                 raise DataError(
-                    f"{self.source}: row {row}: the chat template does not render a conversation prefix as a prefix "
+                    f"{self.source}: row {row + 1}: the chat template does not render a conversation prefix as a prefix "
                     "of the whole, so assistant tokens cannot be located; mark assistant text with "
                     "{% generation %}...{% endgeneration %} in data.chat_template."
                 )
@@ -183,7 +186,7 @@ class Tokenize:
             isinstance(m, dict) and "role" in m and "content" in m for m in messages
         ):
             raise DataError(
-                f"{self.source}: row {row}: field {self.fields['messages']!r} must be a list of "
+                f"{self.source}: row {row + 1}: field {self.fields['messages']!r} must be a list of "
                 "{'role': ..., 'content': ...} messages; set data.messages_field if another field holds them."
             )
         # Arrow stores a list of structs with the union of keys; drop the None-filled extras.

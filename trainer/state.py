@@ -1,0 +1,348 @@
+"""Everything a resumed run needs, written without pickle and restored by one function.
+
+`TrainState` holds the counters (step, sampler position, tokens, bad-step counters,
+ledger totals), the fingerprints a resume is checked against and the library versions.
+`write_training_state` is the `write` callback of `CheckpointManager.save`;
+`restore_training_state` is the single restore function: adapter weights, optimizer,
+scheduler, grad scaler and this rank's RNG, every field, unconditionally.
+
+Formats (tensors in safetensors, the rest JSON):
+- `adapter_model.safetensors` + `adapter_config.json`: the PEFT adapter, loadable by peft.
+- `optimizer.safetensors` (`state.<param_idx>.<name>`) + `optimizer.json` (non-tensor
+  state values, param groups).
+- `rng.safetensors`: `rank<r>.python.*` (int64/float64), `rank<r>.numpy.*`,
+  `rank<r>.torch.cpu` and `rank<r>.cuda.<device>` (uint8, torch's own byte encoding).
+- `trainer_state.json`: `TrainState.to_json()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import logging
+import platform
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+log = logging.getLogger(__name__)
+
+ADAPTER_FILE = "adapter_model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+OPTIMIZER_META = "optimizer.json"
+RNG_FILE = "rng.safetensors"
+STATE_FILE = "trainer_state.json"
+
+
+def library_versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "peft", "accelerate", "safetensors", "datasets", "bitsandbytes"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+@dataclass
+class TrainState:
+    """Counters and identity of a run at the end of optimizer step `step`."""
+
+    step: int = 0
+    """Optimizer steps completed (the next step to run has this 0-based index)."""
+    epoch: int = 0
+    cursor: int = 0
+    """Sampler position of the next step: rows of `epoch`'s order already consumed."""
+    tokens: int = 0
+    """Trained tokens so far (non-padding tokens that carry a label)."""
+    skipped_steps: int = 0
+    consecutive_bad_steps: int = 0
+    ledger: dict[str, Any] = field(default_factory=dict)
+    """`Ledger.totals()` at save time, carried into the next attempt."""
+    config_fingerprint: str = ""
+    structural: dict[str, Any] = field(default_factory=dict)
+    data_fingerprint: str = ""
+    config: dict[str, Any] = field(default_factory=dict)
+    world_size: int = 1
+    seed: int = 0
+    scheduler: dict[str, Any] | None = None
+    scaler: dict[str, Any] | None = None
+    versions: dict[str, str] = field(default_factory=library_versions)
+
+    def to_json(self) -> str:
+        return json.dumps(_encode(dataclasses.asdict(self), "trainer_state"), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainState:
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError("trainer_state.json: expected a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"trainer_state.json: unknown fields {unknown} (written by a newer spotune?)")
+        return cls(**_decode(raw))
+
+
+# ---------------------------------------------------------------------------- JSON values
+
+
+def _encode(value: Any, where: str) -> Any:
+    """Plain JSON data; tuples are tagged so they come back as tuples (AdamW's betas)."""
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v, where) for v in value]}
+    if isinstance(value, list):
+        return [_encode(v, where) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _encode(v, f"{where}.{k}") for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (np.integer, np.floating)):
+        return value.item()
+    raise TypeError(f"{where}: cannot store {type(value).__name__} as JSON in a checkpoint")
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {"__tuple__"}:
+            return tuple(_decode(v) for v in value["__tuple__"])
+        return {k: _decode(v) for k, v in value.items()}
+    return value
+
+
+# ---------------------------------------------------------------------------- RNG
+
+
+def capture_rng() -> dict[str, torch.Tensor]:
+    """This process's python, numpy, torch CPU and every CUDA device's generator state."""
+    version, internal, gauss_next = random.getstate()
+    _, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    out = {
+        "python.version": torch.tensor([version], dtype=torch.int64),
+        "python.state": torch.tensor(internal, dtype=torch.int64),
+        # [has value, value]: random.gauss keeps a spare draw between calls.
+        "python.gauss_next": torch.tensor(
+            [0.0, 0.0] if gauss_next is None else [1.0, gauss_next], dtype=torch.float64
+        ),
+        "numpy.keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+        "numpy.pos_has_gauss": torch.tensor([pos, has_gauss], dtype=torch.int64),
+        "numpy.cached_gaussian": torch.tensor([cached_gaussian], dtype=torch.float64),
+        "torch.cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        for i, st in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"cuda.{i}"] = st
+    return out
+
+
+def restore_rng(tensors: dict[str, torch.Tensor]) -> None:
+    """Inverse of `capture_rng`: the next draws of every generator repeat the captured ones."""
+    gauss = tensors["python.gauss_next"].tolist()
+    random.setstate(
+        (
+            int(tensors["python.version"][0]),
+            tuple(int(x) for x in tensors["python.state"].tolist()),
+            gauss[1] if gauss[0] else None,
+        )
+    )
+    pos, has_gauss = (int(x) for x in tensors["numpy.pos_has_gauss"].tolist())
+    np.random.set_state(
+        (
+            "MT19937",
+            tensors["numpy.keys"].numpy().astype(np.uint32),
+            pos,
+            has_gauss,
+            float(tensors["numpy.cached_gaussian"][0]),
+        )
+    )
+    torch.set_rng_state(tensors["torch.cpu"].to(torch.uint8).contiguous())
+    cuda = sorted((int(k.split(".")[1]), v) for k, v in tensors.items() if k.startswith("cuda."))
+    if cuda and torch.cuda.is_available():
+        if len(cuda) != torch.cuda.device_count():
+            log.warning("checkpoint holds RNG state for %d CUDA devices, this process sees %d", len(cuda), torch.cuda.device_count())
+        for i, st in cuda[: torch.cuda.device_count()]:
+            torch.cuda.set_rng_state(st.to(torch.uint8), device=i)
+
+
+def gather_rng(world_size: int) -> dict[str, torch.Tensor]:
+    """Every rank's `capture_rng()`, keyed `rank<r>.<name>`. Collective: all ranks must call it."""
+    local = capture_rng()
+    if world_size == 1 or not torch.distributed.is_initialized():
+        return {f"rank0.{k}": v for k, v in local.items()}
+    # all_gather_object pickles over the process group only; nothing pickled reaches disk.
+    gathered: list[Any] = [None] * world_size
+    torch.distributed.all_gather_object(gathered, {k: v.numpy() for k, v in local.items()})
+    return {f"rank{r}.{k}": torch.from_numpy(v) for r, d in enumerate(gathered) for k, v in d.items()}
+
+
+def _rng_for_rank(tensors: dict[str, torch.Tensor], rank: int, state: TrainState, world_size: int) -> dict[str, torch.Tensor] | None:
+    prefix = f"rank{rank}."
+    mine = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+    if mine and world_size == state.world_size:
+        return mine
+    return None
+
+
+def _reseed(seed: int, step: int, rank: int) -> None:
+    """Fresh, distinct streams per rank when the saved RNG cannot apply (world size changed)."""
+    words = np.random.SeedSequence([seed, step, rank]).generate_state(2)
+    random.seed(int(words[0]))
+    np.random.seed(int(words[0]))
+    torch.manual_seed(int(words[0]) << 32 | int(words[1]))
+
+
+# ---------------------------------------------------------------------------- optimizer
+
+
+def optimizer_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Flatten `optimizer.state_dict()`: tensors keyed `state.<param_idx>.<name>`, the rest JSON."""
+    sd = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    state_meta: dict[str, dict[str, Any]] = {}
+    for idx, entries in sd["state"].items():
+        slot: dict[str, Any] = {}
+        for name, value in entries.items():
+            if torch.is_tensor(value):
+                key = f"state.{idx}.{name}"
+                tensors[key] = value.detach().to("cpu").contiguous()
+                slot[name] = {"tensor": key}
+            else:
+                slot[name] = {"value": _encode(value, f"optimizer state {idx}.{name}")}
+        state_meta[str(idx)] = slot
+    groups = []
+    for gi, group in enumerate(sd["param_groups"]):
+        out: dict[str, Any] = {}
+        for name, value in group.items():
+            if torch.is_tensor(value):  # e.g. a tensor lr with capturable=True
+                key = f"group.{gi}.{name}"
+                tensors[key] = value.detach().to("cpu").contiguous()
+                out[name] = {"tensor": key}
+            else:
+                out[name] = {"value": _encode(value, f"optimizer param_groups[{gi}].{name}")}
+        groups.append(out)
+    meta = {"format": 1, "class": type(optimizer).__name__, "state": state_meta, "param_groups": groups}
+    return tensors, meta
+
+
+def optimizer_from_tensors(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    """Load what `optimizer_to_tensors` produced; torch moves state to each parameter's device."""
+
+    def value(entry: dict[str, Any]) -> Any:
+        return tensors[entry["tensor"]] if "tensor" in entry else _decode(entry["value"])
+
+    state = {
+        (int(idx) if idx.lstrip("-").isdigit() else idx): {name: value(e) for name, e in slot.items()}
+        for idx, slot in meta["state"].items()
+    }
+    groups = [{name: value(e) for name, e in g.items()} for g in meta["param_groups"]]
+    try:
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+    except (ValueError, KeyError) as e:
+        raise ValueError(
+            f"the checkpoint's optimizer state ({meta.get('class')}) does not fit this run's optimizer "
+            f"({type(optimizer).__name__}): {e}"
+        ) from e
+
+
+# ---------------------------------------------------------------------------- whole checkpoint
+
+
+def _peft_model(model: torch.nn.Module) -> Any:
+    while hasattr(model, "module"):  # DDP / accelerate wrappers
+        model = model.module  # type: ignore[assignment]
+    if not hasattr(model, "peft_config"):
+        raise TypeError(f"expected a peft model, got {type(model).__name__}")
+    return model
+
+
+def write_training_state(
+    directory: Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: TrainState,
+    rng: dict[str, torch.Tensor],
+    scheduler: Any = None,
+    scaler: Any = None,
+) -> None:
+    """Write a complete checkpoint into `directory` (the temp dir of `CheckpointManager.save`)."""
+    from peft.utils import get_peft_model_state_dict
+
+    directory = Path(directory)
+    peft_model = _peft_model(model)
+    name = peft_model.active_adapter
+    adapter = {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(peft_model, adapter_name=name).items()}
+    save_file(adapter, directory / ADAPTER_FILE, metadata={"format": "pt"})
+    peft_model.peft_config[name].save_pretrained(str(directory))  # adapter_config.json
+
+    tensors, meta = optimizer_to_tensors(optimizer)
+    save_file(tensors, directory / OPTIMIZER_FILE)
+    (directory / OPTIMIZER_META).write_text(json.dumps(meta, indent=1))
+    save_file({k: v.contiguous() for k, v in rng.items()}, directory / RNG_FILE)
+
+    state.scheduler = _encode(scheduler.state_dict(), "scheduler") if scheduler is not None else None
+    state.scaler = _encode(scaler.state_dict(), "grad scaler") if scaler is not None else None
+    (directory / STATE_FILE).write_text(state.to_json())
+
+
+def restore_training_state(
+    directory: Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rank: int,
+    world_size: int | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+) -> TrainState:
+    """Restore every piece of a checkpoint into the live objects and return its TrainState.
+
+    Call after the model, optimizer, scheduler and sampler exist and right before the first
+    step: the RNG is restored last so nothing built afterwards shifts the random streams.
+    """
+    from peft.utils import set_peft_model_state_dict
+
+    directory = Path(directory)
+    state = TrainState.from_json((directory / STATE_FILE).read_text())
+    world = state.world_size if world_size is None else world_size
+
+    peft_model = _peft_model(model)
+    adapter = load_file(directory / ADAPTER_FILE)
+    result = set_peft_model_state_dict(peft_model, adapter, adapter_name=peft_model.active_adapter)
+    if result.unexpected_keys:
+        raise ValueError(f"{directory / ADAPTER_FILE}: tensors this model does not have: {result.unexpected_keys[:5]}")
+
+    optimizer_from_tensors(optimizer, load_file(directory / OPTIMIZER_FILE), json.loads((directory / OPTIMIZER_META).read_text()))
+
+    if (state.scheduler is None) != (scheduler is None):
+        raise ValueError(
+            f"{directory / STATE_FILE}: the checkpoint {'has' if state.scheduler is not None else 'has no'} "
+            "learning-rate scheduler state but this run "
+            f"{'has no scheduler' if scheduler is None else 'has one'}"
+        )
+    if scheduler is not None:
+        scheduler.load_state_dict(_decode(state.scheduler))
+    if scaler is not None and state.scaler:
+        scaler.load_state_dict(_decode(state.scaler))
+    elif state.scaler and scaler is None:
+        log.warning("%s holds grad-scaler state but this run uses no scaler; ignored", directory)
+
+    mine = _rng_for_rank(load_file(directory / RNG_FILE), rank, state, world)
+    if mine is None:
+        log.warning(
+            "checkpoint was written by %d processes, this run has %d: random streams are reseeded "
+            "from (seed, step, rank), so this resume is not bitwise identical",
+            state.world_size, world,
+        )
+        _reseed(state.seed, state.step, rank)
+    else:
+        restore_rng(mine)
+    return state
