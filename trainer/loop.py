@@ -18,8 +18,10 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Literal
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Literal, NamedTuple
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
@@ -62,15 +64,83 @@ class LrSchedule:
 # ---------------------------------------------------------------------------- batches
 
 
-@dataclass
-class StepBatch:
-    """Everything one rank needs for one optimizer step (built in a DataLoader worker)."""
+class StepBatch(NamedTuple):
+    """Everything one rank needs for one optimizer step (built in a DataLoader worker).
+
+    A NamedTuple so the DataLoader's pin-memory thread pins every tensor inside it.
+    """
 
     step: int
     micro: list[dict[str, torch.Tensor]]
-    """Per micro-batch: input_ids, labels, position_ids, each [micro_batch_size, seq_len]."""
+    """Per micro-batch: input_ids, labels, position_ids (int64, [micro_batch_size, seq_len])."""
     counts: torch.Tensor
     """int64 [trainable tokens (shifted labels), real tokens, sum of squared document lengths] of this rank."""
+
+
+class StepDataset(torch.utils.data.Dataset):
+    """Map-style "optimizer step -> this rank's micro-batches", so order is a pure function of
+    (seed, step): a resumed run starts its DataLoader at the step, reading nothing before it."""
+
+    COLUMNS = ("input_ids", "labels", "position_ids")
+
+    def __init__(self, rows: Any, sampler: Any, rank: int, world_size: int, micro_batch_size: int, grad_accum: int,
+                 total_steps: int, select_logits: bool = True) -> None:
+        self.rows = rows.with_format("numpy", columns=[*self.COLUMNS, "num_real"])
+        self.sampler = sampler
+        self.rank, self.world_size = rank, world_size
+        self.micro_batch_size, self.grad_accum = micro_batch_size, grad_accum
+        self.total_steps = total_steps
+        self.select_logits = select_logits
+        """Compute logits only where labels are (needs a model whose forward takes a tensor `logits_to_keep`)."""
+
+    def __len__(self) -> int:
+        return self.total_steps
+
+    def __getitem__(self, step: int) -> StepBatch:
+        micro, trainable, real, doc_sq = [], 0, 0, 0
+        for indices in self.sampler.micro_batches(step, self.rank, self.world_size, self.micro_batch_size, self.grad_accum):
+            cols = self.rows[indices]
+            batch = {k: torch.from_numpy(stack_column(cols[k])) for k in self.COLUMNS}
+            if self.select_logits:
+                batch["keep"], batch["keep_labels"] = logit_positions(batch["labels"])
+            trainable += count_trainable(batch["labels"])
+            for positions, n_real in zip(cols["position_ids"], cols["num_real"]):
+                lengths = document_lengths(positions[: int(n_real)])
+                real += int(n_real)
+                doc_sq += int((lengths.astype(np.int64) ** 2).sum())
+            micro.append(batch)
+        return StepBatch(step, micro, torch.tensor([trainable, real, doc_sq], dtype=torch.int64))
+
+
+def document_lengths(positions: np.ndarray) -> np.ndarray:
+    """Lengths of the packed documents in a row: a document starts where position_ids is 0."""
+    starts = np.flatnonzero(positions == 0)
+    if len(starts) == 0 or starts[0] != 0:
+        starts = np.concatenate([[0], starts])
+    return np.diff(np.append(starts, len(positions)))
+
+
+def stack_column(column: Any) -> np.ndarray:
+    """A [rows, seq_len] int64 array from a numpy-formatted column (2-D, or 1-D of row arrays)."""
+    arr = np.asarray(column)
+    if arr.dtype == object:
+        arr = np.stack([np.asarray(r) for r in column])
+    return arr.astype(np.int64, copy=False)
+
+
+def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether the causal LM's forward takes `logits_to_keep` (transformers' own models do;
+    some remote-code models do not, and then every position gets logits)."""
+    import inspect
+
+    while hasattr(model, "module"):
+        model = model.module
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
+
+
+def identity_collate(item: StepBatch) -> StepBatch:
+    return item
 
 
 def token_loss_sum(model: torch.nn.Module, micro: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -78,13 +148,42 @@ def token_loss_sum(model: torch.nn.Module, micro: dict[str, torch.Tensor]) -> to
 
     No attention_mask and use_cache=False: with position_ids alone transformers builds the
     block-diagonal causal mask of the packed documents.
+
+    With `keep`/`keep_labels` (see `logit_positions`) the vocabulary projection runs only
+    at positions that carry a label, a large saving in SFT where prompts are masked; the
+    sum is the same, since masked positions contribute nothing to loss or gradient.
     """
-    logits = model(input_ids=micro["input_ids"], position_ids=micro["position_ids"], use_cache=False).logits
-    logits = logits[:, :-1].float()  # the loss in fp32 whatever the compute dtype
-    labels = micro["labels"][:, 1:]
+    if "keep" in micro:
+        logits = model(input_ids=micro["input_ids"], position_ids=micro["position_ids"], use_cache=False,
+                       logits_to_keep=micro["keep"]).logits
+        labels = micro["keep_labels"]
+    else:
+        logits = model(input_ids=micro["input_ids"], position_ids=micro["position_ids"], use_cache=False).logits
+        logits = logits[:, :-1]
+        labels = micro["labels"][:, 1:]
+    logits = logits.float()  # the loss in fp32 whatever the compute dtype
     return F.cross_entropy(
         logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+
+
+def logit_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the positions whose logits predict a label, and those labels: ([B, K], [B, K]).
+
+    Logit p predicts label p+1. Rows with fewer than K such positions are filled with
+    position 0 and label -100. Built on the host (in the data worker) so that selecting
+    positions on the device needs no host sync.
+    """
+    shifted = labels[:, 1:]
+    wanted = shifted != IGNORE_INDEX
+    k = max(1, int(wanted.sum(dim=1).max()))
+    keep = torch.zeros((labels.size(0), k), dtype=torch.int64)
+    keep_labels = torch.full((labels.size(0), k), IGNORE_INDEX, dtype=torch.int64)
+    for row in range(labels.size(0)):
+        pos = wanted[row].nonzero().squeeze(1)
+        keep[row, : len(pos)] = pos
+        keep_labels[row, : len(pos)] = shifted[row, pos]
+    return keep, keep_labels
 
 
 def count_trainable(labels: torch.Tensor) -> int:
@@ -136,12 +235,13 @@ class Hooks:
     """Receive a metrics row (rank 0 writes it)."""
     message: Callable[[str], None] = print
     stop_requested: Callable[[], bool] = lambda: False
-    """This rank saw a preemption signal (made collective inside the loop)."""
+    """Any rank saw a preemption signal (collective: `preemption.agree`)."""
+    step_done: Callable[[float], None] = lambda seconds: None
+    """Seconds of one finished optimizer step (the ledger's productive time)."""
     epoch_of: Callable[[int], float] = float
     meter: Any = None
     """A trainer.metrics.Meter (or None in bare tests)."""
     console: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def train_loop(
@@ -206,8 +306,10 @@ def train_loop(
         optimizer.zero_grad(set_to_none=True)
         progress.step += 1
         pending_counts.append((step, counts))
+        step_seconds = time.monotonic() - t_start
+        hooks.step_done(step_seconds)
         if meter is not None:
-            meter.step_time(step, time.monotonic() - t_start, stall)
+            meter.step_time(step, step_seconds, stall)
 
         if progress.step % plan.log_every == 0 or progress.step == plan.total_steps or not finite:
             totals = torch.stack([c for _, c in pending_counts]).tolist()
@@ -245,10 +347,10 @@ def train_loop(
             if meter is not None:
                 meter.pause(time.monotonic() - t_eval)
 
-        # Every rank must take the same branch: decide on flags reduced over ranks.
+        # Every rank must take the same branch: each decision is reduced over ranks.
+        preempted = hooks.stop_requested()
         time_due = plan.save_every_minutes is not None and time.monotonic() - last_save >= 60 * plan.save_every_minutes
-        over_budget = _over_budget(plan, meter)
-        preempted, over_budget, time_due = _any_rank(accelerator, [hooks.stop_requested(), over_budget, time_due])
+        over_budget, time_due = _any_rank(accelerator, [_over_budget(plan, meter), time_due])
         step_due = bool(plan.save_every_steps) and progress.step % plan.save_every_steps == 0
         finished = progress.step >= plan.total_steps
         if preempted or over_budget or time_due or step_due or finished:

@@ -9,6 +9,7 @@ Definitions (one place, see DESIGN.md):
 - data-stall share: time the loop was blocked waiting for the next batch / step time.
 - MFU: model FLOPs (trainer/flops.py: LoRA-aware, attention per packed document, no
   recompute) / (seconds x devices x peak FLOP/s of one device).
+- time: wall-clock seconds (Unix) when the row was written.
 - device-hours: wall time x devices, summed over every attempt (earlier attempts come in
   as `prior_device_seconds`); cost = device-hours x `metrics.price_per_hour`.
 
@@ -44,6 +45,8 @@ class Meter:
     """Peak FLOP/s of one device; MFU is null without it."""
     price_per_hour: float | None = None
     prior_device_seconds: float = 0.0
+    device_seconds_fn: Callable[[], float] | None = None
+    """Device-seconds of the whole run from elsewhere (the ledger); else counted here."""
     start_step: int = 0
     attempt_start: float = field(default_factory=time.monotonic)
     # window (since the previous row) and sustained (after warm-up) accumulators
@@ -87,6 +90,8 @@ class Meter:
         self._pending.clear()
 
     def device_seconds(self) -> float:
+        if self.device_seconds_fn is not None:
+            return self.device_seconds_fn()
         return self.prior_device_seconds + (time.monotonic() - self.attempt_start) * self.world_size
 
     def cost(self) -> float | None:
@@ -115,6 +120,7 @@ class Meter:
             device_hours=self.device_seconds() / 3600.0,
             cost=self.cost(),
             paused_s=self._paused,
+            time=time.time(),
         )
         self._w_seconds = self._w_stall = self._w_real = self._w_flops = 0.0
         self._w_steps = 0
@@ -163,17 +169,20 @@ def gpu_utilisation() -> float | None:
 
 
 def resolve_peak_flops(explicit: float | None, gpu_name: str | None, device: torch.device) -> float | None:
-    """`metrics.peak_flops`, else the catalogue entry for `metrics.gpu` or the detected CUDA device."""
+    """`metrics.peak_flops`, else the catalogue's dense bf16 peak for `metrics.gpu` (a catalogue
+    name such as H100-SXM, or a device name) or for the detected CUDA device; None on CPU."""
     if explicit:
         return explicit
-    name = gpu_name
-    if name is None and device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    if name is None:
-        return None  # CPU: no meaningful peak, MFU stays null
     from trainer.plan import catalog
 
-    return catalog.peak_flops_for(name)
+    if gpu_name is not None:
+        try:
+            return catalog.find_gpu(gpu_name).peak_bf16_flops
+        except catalog.CatalogError as e:
+            raise ValueError(f"metrics.gpu: {e}; or set metrics.peak_flops to the device's peak FLOP/s") from None
+    if device.type == "cuda":
+        return catalog.peak_flops_for(torch.cuda.get_device_name(device))
+    return None  # CPU: no meaningful peak, MFU stays null
 
 
 # ---------------------------------------------------------------------------- sinks

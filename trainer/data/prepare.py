@@ -15,11 +15,16 @@ from typing import Any
 import datasets
 import numpy as np
 import pyarrow as pa
-from datasets import Features, List, Value
+from datasets import Features, Value
+
+try:
+    from datasets import List  # datasets >= 4
+except ImportError:  # datasets 3.x spells a variable-length list `Sequence`
+    from datasets import Sequence as List  # type: ignore[assignment,no-redef]
 
 from trainer.config import DataConfig
 from trainer.data import cache
-from trainer.data.pack import batch_pad_efficiency, best_fit_decreasing, build_rows, one_per_row
+from trainer.data.pack import batch_pad_efficiency, build_rows, one_per_row, pack_lengths
 from trainer.data.read import DataError, check_source, read_rows, require_fields
 from trainer.data.stats import BASELINE_BATCH, format_summary, length_stats
 from trainer.data.template import ROW_COLUMN as _ROW, Tokenize, check_chat_template
@@ -104,7 +109,13 @@ def _build(
     from transformers import AutoTokenizer
 
     started = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=False)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise DataError(
+            f"cannot load a tokenizer from {tokenizer_path!r} ({type(e).__name__}: {str(e).splitlines()[0]}); "
+            "set data.tokenizer (or model.name_or_path) to a directory holding tokenizer files."
+        ) from None
     if cfg.format == "chat":
         check_chat_template(tokenizer, cfg.chat_template)
     fields = _fields(cfg)
@@ -215,7 +226,10 @@ def _tokenize_pack_save(
             "check data.format and the field settings, or raise data.seq_len / set data.overlong=truncate."
         )
     doc_lens = np.diff(offsets)[kept]
-    bins_local = best_fit_decreasing(doc_lens, cfg.seq_len) if cfg.packing else one_per_row(doc_lens)
+    if cfg.packing:
+        bins_local, algorithm = pack_lengths(doc_lens, cfg.seq_len)
+    else:
+        bins_local, algorithm = one_per_row(doc_lens), "one_per_row"
     bins = [[int(kept[i]) for i in b] for b in bins_local]
     rows = build_rows(ids_arr.values.to_numpy(), lab_arr.values.to_numpy(), offsets, bins, cfg.seq_len, pad_id)
     _save_rows(rows, cfg.seq_len, out_dir / name)
@@ -230,6 +244,7 @@ def _tokenize_pack_save(
         "trainable_tokens": int(rows["num_trainable"].sum()),
         "rows": n_rows,
         "packing_efficiency": real / (n_rows * cfg.seq_len),
+        "packing_algorithm": algorithm,
         "baseline": {
             "batch_size": BASELINE_BATCH,
             "efficiency": batch_pad_efficiency(doc_lens, BASELINE_BATCH, seed),

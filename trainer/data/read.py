@@ -84,7 +84,15 @@ def _read_jsonl(p: Path) -> list[dict[str, Any]]:
 def _read_json(p: Path) -> list[dict[str, Any]]:
     text = p.read_text(encoding="utf-8")
     if not text.lstrip().startswith("["):
-        # A `.json` file that is really JSON Lines: accept it, with line numbers on errors.
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError:
+            whole = None  # not one JSON document: read it as JSON Lines, with line numbers on errors
+        if isinstance(whole, dict) and len(text.strip().splitlines()) > 1:
+            raise DataError(
+                f"{p}: expected a JSON array of objects or JSON Lines, got one JSON object "
+                f"(keys: {', '.join(list(whole)[:10])}); extract the list of examples into its own file."
+            )
         return _read_jsonl(p)
     try:
         data = json.loads(text)

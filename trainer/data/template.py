@@ -39,7 +39,8 @@ NO_TRAINABLE = "no_trainable_tokens"
 NO_TRAINABLE_AFTER_TRUNCATION = "no_trainable_after_truncation"
 NULL_FIELD = "null_field"
 
-Pair = tuple[list[int], list[int], bool]  # ids, labels, whether an appended EOS is trained
+# ids, labels, and whether an appended EOS is trained (None: append none, the template ends turns with EOS)
+Pair = tuple[list[int], list[int], bool | None]
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -77,7 +78,7 @@ class Tokenize:
             if st:
                 self._emit(out, [], [], 0, st)
                 continue
-            if eos is not None and (not ids or ids[-1] != eos):
+            if eos is not None and eos_trained is not None and (not ids or ids[-1] != eos):
                 # EOS teaches the model to stop: trained after a response (alpaca), after text,
                 # and after a conversation that ends with an assistant turn.
                 labels.append(eos if eos_trained else IGNORE)
@@ -117,7 +118,7 @@ class Tokenize:
     def _chat(self, batch: dict[str, list[Any]], indices: list[int], status: list[str]) -> list[Pair]:
         col = batch[self.fields["messages"]]
         tmpl = self.chat_template
-        uses_generation = bool(_GENERATION_TAG.search(tmpl or self.tokenizer.chat_template or ""))
+        uses_generation = bool(_GENERATION_TAG.search(str(tmpl or self.tokenizer.chat_template or "")))
         result: list[Pair] = []
         texts: list[str] = []
         spans: list[list[tuple[int, int]]] = []
@@ -135,7 +136,7 @@ class Tokenize:
                 ) if messages else {"input_ids": [], "assistant_masks": []}
                 ids = list(enc["input_ids"])
                 labels = [t if m else IGNORE for t, m in zip(ids, enc["assistant_masks"])]
-                result.append((ids, labels, ends_with_assistant[-1]))
+                result.append((ids, labels, self._eos_rule(ids, ends_with_assistant[-1])))
                 continue
             text, sp = self._render_with_spans(messages, row)
             texts.append(text)
@@ -146,8 +147,12 @@ class Tokenize:
         for ids, offsets, sp, last in zip(enc["input_ids"], enc["offset_mapping"], spans, ends_with_assistant):
             # A token belongs to the turn its first character belongs to.
             labels = [t if any(s <= start < e for s, e in sp) else IGNORE for t, (start, _) in zip(ids, offsets)]
-            result.append((list(ids), labels, last))
+            result.append((list(ids), labels, self._eos_rule(ids, last)))
         return result
+
+    def _eos_rule(self, ids: Sequence[int], ends_with_assistant: bool) -> bool | None:
+        # A template that closes turns with EOS (often followed by a newline) needs no extra one.
+        return None if self.tokenizer.eos_token_id in ids else ends_with_assistant
 
     def _render_with_spans(self, messages: list[dict[str, Any]], row: int) -> tuple[str, list[tuple[int, int]]]:
         """Render the conversation and find each assistant turn's characters by rendering prefixes.

@@ -1,0 +1,186 @@
+"""How much does spotune's machinery cost, and how does it compare with TRL?
+
+1. Overhead: spotune's optimizer steps/s (`spotune train`, in process) against a bare
+   PyTorch loop doing the same forward/backward/step on the same micro-batches (same
+   model, same LoRA, same loss with logits only at labelled positions, AdamW, clipping),
+   with every batch collated in memory before the clock starts. Goal: ratio >= 0.97.
+2. Throughput: real (non-padding) tokens/s of spotune against TRL's SFTTrainer with its
+   best packing (packing=True, strategy "bfd", which turns on padding-free batches and
+   position_ids-based attention), same model, LoRA, seq_len, rows per step and alpaca
+   template, completion-only loss. Goal: ratio > 1.
+
+CPU, fp32, a small Llama (hidden 256, 4 layers, the 32k Llama-2 vocabulary), seq_len 512,
+on ../shared/data/gpteacher-roleplay.json. Timings are medians of per-step wall times
+after warm-up, so a noisy shared machine moves them less. Runs in a few minutes:
+    .venv/bin/python benchmarks/overhead.py [--steps 12] [--warmup 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from trainer import config as C  # noqa: E402
+from trainer import loop, run, tiny  # noqa: E402
+from trainer.model import build  # noqa: E402
+from trainer.sampler import StepSampler  # noqa: E402
+
+SHARED = REPO.parent / "shared" / "data"
+DATA = SHARED / "gpteacher-roleplay.json"
+TOKENIZER = SHARED / "llama2-tokenizer"
+
+
+def make_model(root: Path) -> Path:
+    return tiny.build_model(root / "model", "llama", tokenizer_dir=TOKENIZER, hidden=256, layers=4, heads=4,
+                            kv_heads=4, intermediate=688, seed=0)
+
+
+def spotune_cfg(root: Path, model: Path, steps: int, mbs: int) -> C.RunConfig:
+    return C.RunConfig().replace(**{
+        "output_dir": str(root / "spotune"), "model.name_or_path": str(model), "model.dtype": "float32",
+        "adapter.r": 16, "adapter.dropout": 0.0, "data.path": str(DATA), "data.tokenizer": str(TOKENIZER),
+        "data.seq_len": 512, "data.cache_dir": str(root / "cache"), "train.max_steps": steps,
+        "train.micro_batch_size": mbs, "train.lr": 1e-4, "train.schedule": "constant",
+        "metrics.progress": False, "metrics.log_every": 1, "checkpoint.every_minutes": None,
+    })
+
+
+def spotune_run(cfg: C.RunConfig, warmup: int) -> dict[str, float]:
+    """Median step wall time from metrics.jsonl: rows carry wall-clock time, so the median of
+    their differences counts everything between steps (logging included)."""
+    assert run.train(cfg) == 0
+    rows = [json.loads(x) for x in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    gaps = [b["time"] - a["time"] for a, b in zip(rows, rows[1:])][warmup:]
+    gaps = gaps[:-1]  # the last row is followed by the final checkpoint, not a step
+    per_step = [r["real_tokens"] - a["real_tokens"] for a, r in zip(rows, rows[1:])][warmup:-1]
+    return {"step_s": statistics.median(gaps), "tokens_per_s": statistics.median(t / g for t, g in zip(per_step, gaps))}
+
+
+def bare_loop(cfg: C.RunConfig, steps: int, warmup: int) -> dict[str, float]:
+    """The same steps in the plainest loop: no accelerate, no metrics, no finiteness check."""
+    import datasets
+
+    prepared = run.prepare_data(cfg, progress=False)
+    rows = datasets.load_from_disk(str(prepared.train_path))
+    t = cfg.train
+    sampler = StepSampler(len(rows), t.micro_batch_size * t.grad_accum, seed=cfg.seed, shuffle=cfg.data.shuffle)
+    data = loop.StepDataset(rows, sampler, 0, 1, t.micro_batch_size, t.grad_accum, steps)
+    batches = [data[s] for s in range(steps)]  # collated before the clock starts
+    torch.manual_seed(cfg.seed)
+    model = build(cfg.model, cfg.adapter)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=t.lr)
+    model.train()
+    times, tokens = [], []
+    for batch in batches:
+        start = time.perf_counter()
+        n = int(batch.counts[0])
+        for micro in batch.micro:
+            (loop.token_loss_sum(model, micro) / n).backward()
+        torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+        tokens.append(int(batch.counts[1]))
+    times, tokens = times[warmup:], tokens[warmup:]
+    return {"step_s": statistics.median(times), "tokens_per_s": statistics.median(k / s for k, s in zip(tokens, times))}
+
+
+def trl_run(root: Path, model_path: Path, steps: int, warmup: int, mbs: int) -> dict[str, float]:
+    """TRL SFTTrainer, packing=True with best-fit-decreasing (padding-free) batches."""
+    import datasets
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    from trainer.data.template import alpaca_prompt
+
+    raw = json.loads(DATA.read_text())
+    ds = datasets.Dataset.from_list(
+        [{"prompt": alpaca_prompt(r["instruction"], r.get("input", "")), "completion": r["output"]} for r in raw]
+    )
+    tok = AutoTokenizer.from_pretrained(TOKENIZER)
+    if tok.pad_token is None:
+        tok.pad_token = tok.unk_token
+    args = SFTConfig(
+        output_dir=str(root / "trl"), max_steps=steps, per_device_train_batch_size=mbs, gradient_accumulation_steps=1,
+        learning_rate=1e-4, lr_scheduler_type="constant", packing=True, packing_strategy="bfd", padding_free=True,
+        max_length=512, completion_only_loss=True, logging_steps=1000, save_strategy="no", report_to=[],
+        use_cpu=True, bf16=False, fp16=False, dataloader_num_workers=0, seed=0, disable_tqdm=True,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok, peft_config=lora)
+
+    seen: list[int] = []
+    collate = trainer.data_collator
+
+    def counting_collator(examples: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = collate(examples)
+        seen.append(int(batch["input_ids"].numel()))  # padding-free: every position is a real token
+        return batch
+
+    trainer.data_collator = counting_collator
+    stamps: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001
+            stamps.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
+            stamps.append(time.perf_counter())
+
+    trainer.add_callback(Clock())
+    trainer.train()
+    # Step wall time = begin of step i to begin of step i+1 (data loading and callbacks included).
+    begins = stamps[0::2]
+    gaps = [b - a for a, b in zip(begins, begins[1:])][warmup:]
+    toks = seen[: len(begins)][warmup : warmup + len(gaps)]
+    return {"step_s": statistics.median(gaps), "tokens_per_s": statistics.median(k / g for k, g in zip(toks, gaps))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--skip-trl", action="store_true")
+    args = ap.parse_args()
+    if not DATA.is_file() or not TOKENIZER.is_dir():
+        sys.exit(f"benchmark data not found under {SHARED} (gpteacher-roleplay.json, llama2-tokenizer/)")
+    os.environ.setdefault("SPOTUNE_HOME", tempfile.mkdtemp(prefix="spotune-bench-home-"))
+    print(f"torch threads: {torch.get_num_threads()}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="spotune-bench-") as tmp:
+        root = Path(tmp)
+        model_path = make_model(root)
+        cfg = spotune_cfg(root, model_path, args.steps, args.micro_batch_size)
+        run.prepare_data(cfg, progress=False)  # cached; not timed
+        # bare, spotune, bare again: the machine's load drifts, so the baseline brackets spotune
+        bare1 = bare_loop(cfg, args.steps, args.warmup)
+        ours = spotune_run(cfg, args.warmup)
+        bare2 = bare_loop(cfg, args.steps, args.warmup)
+        bare_step = (bare1["step_s"] + bare2["step_s"]) / 2
+        print(f"bare loop     : {bare1['step_s']:.3f} / {bare2['step_s']:.3f} s/step (median, before/after)")
+        print(f"spotune       : {ours['step_s']:.3f} s/step, {ours['tokens_per_s']:.0f} real tokens/s")
+        print(f"overhead ratio (spotune steps/s / bare steps/s): {bare_step / ours['step_s']:.3f}  (goal >= 0.97)")
+        if not args.skip_trl:
+            theirs = trl_run(root, model_path, args.steps, args.warmup, args.micro_batch_size)
+            print(f"TRL SFTTrainer: {theirs['step_s']:.3f} s/step, {theirs['tokens_per_s']:.0f} real tokens/s")
+            print(f"throughput ratio (spotune / TRL real tokens/s): {ours['tokens_per_s'] / theirs['tokens_per_s']:.3f}  (goal > 1)")
+
+
+if __name__ == "__main__":
+    main()

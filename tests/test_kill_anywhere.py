@@ -1,0 +1,207 @@
+"""Kill `python -m trainer train` at random moments (one inside a save), restart the same
+command until it finishes: the final adapter and every logged loss equal an uninterrupted
+run's. SIGTERM saves a checkpoint and exits 143."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from trainer import config as C
+from trainer import run, tiny
+from trainer.checkpoint import CheckpointManager
+from trainer.preemption import EXIT_PREEMPTED
+from trainer.state import TrainState
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 8
+
+
+@pytest.fixture
+def procs():
+    """Every training process a test starts; whatever is still alive at teardown is killed."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)  # its own session: torchrun and its workers too
+            p.wait()
+
+
+def _recipe(out: Path, model: Path, data: Path, cache: Path) -> dict[str, Any]:
+    return {
+        "output_dir": str(out), "seed": 5,
+        "model": {"name_or_path": str(model), "dtype": "float32"},
+        "adapter": {"r": 4, "alpha": 8, "dropout": 0.1},
+        "data": {"path": str(data), "seq_len": 128, "cache_dir": str(cache)},
+        "train": {"max_steps": STEPS, "micro_batch_size": 2, "grad_accum": 2, "lr": 1e-2,
+                  "schedule": "cosine", "warmup_steps": 2},
+        "checkpoint": {"every_steps": 2, "every_minutes": None, "keep_last": 2},
+        "metrics": {"progress": False, "log_every": 1},
+    }
+
+
+def _metric_rows(out: Path) -> list[dict[str, Any]]:
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line being written as we read
+    return [r for r in rows if "loss" in r]
+
+
+def _wait(proc: subprocess.Popen, cond, timeout: float = 120.0) -> bool:
+    """Poll until cond() holds (True) or the process exits (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        if cond():
+            return True
+        time.sleep(0.02)
+    proc.kill()
+    raise AssertionError("timed out waiting for the training process")
+
+
+def test_kill_anywhere_then_finish_equals_uninterrupted(tmp_path: Path, tiny_llama: Path, procs: list) -> None:
+    seed = random.randrange(1 << 30)
+    rnd = random.Random(seed)
+    print(f"kill schedule seed {seed}")
+    data = tiny.write_dataset(tmp_path / "train.jsonl", n=16)
+    cache = tmp_path / "cache"
+    ref_out, out = tmp_path / "reference", tmp_path / "killed"
+    assert run.train(C.from_dict(_recipe(ref_out, tiny_llama, data, cache))) == 0
+    reference = {r["step"]: r["loss"] for r in _metric_rows(ref_out)}
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(_recipe(out, tiny_llama, data, cache)))
+    cmd = [sys.executable, "-m", "trainer", "train", str(recipe)]
+    ck = CheckpointManager(out / "checkpoints", keep_last=2)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+
+    def start(n: int, pause: float = 0.0) -> subprocess.Popen:
+        env = {**os.environ, "SPOTUNE_TEST_SAVE_PAUSE": str(pause)}
+        log = open(logs / f"attempt{n}.log", "w")
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        return procs[-1]
+
+    def steps_logged() -> int:
+        return max((r["step"] for r in _metric_rows(out)), default=0)
+
+    # Attempt 1: SIGKILL inside a save (after the manifest-less half of the files), not the first one.
+    p = start(1, pause=3.0)
+    in_save = lambda: any(ck.root.glob("step-00000[4-9].tmp-*"))  # noqa: E731
+    assert _wait(p, in_save), (logs / "attempt1.log").read_text()
+    p.kill(), p.wait()
+    assert [x.name for x in ck.committed()] == ["step-000002"]  # the save in flight never committed
+
+    # Attempt 2: SIGKILL at a random moment after it has trained a step.
+    p = start(2)
+    before = steps_logged()
+    if _wait(p, lambda: steps_logged() > before):
+        time.sleep(rnd.uniform(0.0, 1.5))
+        p.kill()
+    p.wait()
+
+    # Attempt 3: SIGTERM -> finish the step, checkpoint, exit 143 (unless it already finished).
+    p = start(3)
+    before = steps_logged()
+    if _wait(p, lambda: steps_logged() > before):
+        time.sleep(rnd.uniform(0.0, 0.5))
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(timeout=120)
+        if rc != 0:  # 0 only when the run ended before the signal landed
+            assert rc == EXIT_PREEMPTED, (logs / "attempt3.log").read_text()
+            newest = ck.committed()[-1]
+            assert ck.verify(newest) == []
+            st = TrainState.from_json((newest / "trainer_state.json").read_text())
+            assert st.step == steps_logged()  # the checkpoint holds the step it stopped at
+    else:
+        p.wait()
+
+    # Then the same command until it finishes.
+    for n in range(4, 8):
+        if (out / "final" / "adapter_model.safetensors").exists() and p.returncode == 0:
+            break
+        p = start(n)
+        p.wait(timeout=300)
+    assert p.returncode == 0, (logs / f"attempt{n}.log").read_text()
+
+    a = load_file(ref_out / "final" / "adapter_model.safetensors")
+    b = load_file(out / "final" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # Every logged loss, including steps redone after a kill, equals the uninterrupted run's.
+    for r in _metric_rows(out):
+        assert r["loss"] == reference[r["step"]], (r["step"], seed)
+    # One ledger row per attempt, the SIGKILLed ones recovered from their heartbeat.
+    expected = {-signal.SIGKILL: "killed", EXIT_PREEMPTED: "preempted", 0: "finished"}
+    reasons = [json.loads(x)["exit_reason"] for x in (out / "ledger.jsonl").read_text().splitlines()]
+    assert reasons == [expected[q.returncode] for q in procs], reasons
+    assert reasons[0] == "killed" and reasons[-1] == "finished"
+    assert not list(ck.root.glob("*.tmp-*"))  # the save killed in flight was cleaned up
+
+
+def _torchrun(procs: list, recipe: Path, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "trainer", "train", str(recipe)]
+    procs.append(subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                  stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True))
+    return procs[-1]
+
+
+@pytest.mark.skipif(
+    os.environ.get("SPOTUNE_SLOW_TESTS") != "1",
+    reason="three two-process launches take ~90 s on a 2-core machine; set SPOTUNE_SLOW_TESTS=1",
+)
+def test_two_process_ddp_sigterm_on_one_rank_then_resume(tmp_path: Path, tiny_llama: Path, procs: list) -> None:
+    """SIGTERM reaches only rank 1: both ranks agree on the stop step, save, exit; the resumed
+    two-process run ends with the same adapter as an uninterrupted two-process run."""
+    import psutil
+
+    data = tiny.write_dataset(tmp_path / "train.jsonl", n=16)
+    recipes = {}
+    for name in ("straight", "stopped"):
+        raw = _recipe(tmp_path / name, tiny_llama, data, tmp_path / "cache")
+        raw["train"].update(max_steps=6, micro_batch_size=1, grad_accum=2)
+        raw["checkpoint"]["every_steps"] = None
+        recipes[name] = tmp_path / f"{name}.yaml"
+        recipes[name].write_text(yaml.safe_dump(raw))
+
+    straight = _torchrun(procs, recipes["straight"], tmp_path / "straight.log")
+    assert straight.wait(timeout=300) == 0, (tmp_path / "straight.log").read_text()
+
+    out = tmp_path / "stopped"
+    p = _torchrun(procs, recipes["stopped"], tmp_path / "stopped1.log")
+    assert _wait(p, lambda: bool(_metric_rows(out)), timeout=300), (tmp_path / "stopped1.log").read_text()
+    workers = [c for c in psutil.Process(p.pid).children(recursive=True) if c.environ().get("RANK") == "1"]
+    assert len(workers) == 1
+    workers[0].send_signal(signal.SIGTERM)
+    p.wait(timeout=120)
+    reasons = [json.loads(x)["exit_reason"] for x in (out / "ledger.jsonl").read_text().splitlines()]
+    if reasons == ["preempted"]:  # else the run had already finished when the signal landed
+        ck = CheckpointManager(out / "checkpoints", keep_last=2)
+        stopped_at = TrainState.from_json((ck.committed()[-1] / "trainer_state.json").read_text())
+        assert 1 <= stopped_at.step < 6 and stopped_at.world_size == 2
+        assert {k.split(".")[0] for k in load_file(ck.committed()[-1] / "rng.safetensors")} == {"rank0", "rank1"}
+        p = _torchrun(procs, recipes["stopped"], tmp_path / "stopped2.log")
+        assert p.wait(timeout=300) == 0, (tmp_path / "stopped2.log").read_text()
+    a = load_file(tmp_path / "straight" / "final" / "adapter_model.safetensors")
+    b = load_file(out / "final" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

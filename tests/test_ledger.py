@@ -1,0 +1,108 @@
+"""Ledger rows and run totals across attempts, including one that was SIGKILLed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trainer import ledger as L
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(L.time, "time", c)
+    return c
+
+
+def test_attempts_including_a_killed_one(tmp_path: Path, clock: Clock) -> None:
+    # Attempt 1 (2 devices): starts at 1000, first step at 1010, checkpoint at 1025, killed after 1031.
+    clock.now = 1000.0
+    a = L.Ledger.open(tmp_path, world_size=2, price_per_hour=3.6, process_start=1000.0)
+    assert (tmp_path / L.HEARTBEAT_FILE).is_file()  # a kill before the first log step leaves a trace
+    clock.now = 1010.0
+    a.mark_first_step()
+    a.add_productive(5.0), a.add_productive(5.0)
+    a.add_checkpoint(2.0)
+    clock.now = 1025.0
+    carried = a.totals()  # what the loop stores in TrainState.ledger at that save
+    a.checkpointed()
+    a.add_productive(5.0)  # work after the checkpoint: lost when killed
+    clock.now = 1031.0
+    a.heartbeat(step=3)
+    assert carried["attempts"] == 1 and carried["device_seconds"] == 50.0  # 25 s x 2 devices
+    del a  # SIGKILL: no close(), no row
+
+    # Attempt 2 resumes from that checkpoint; the heartbeat becomes attempt 1's row.
+    clock.now = 2000.0
+    b = L.Ledger.open(tmp_path, world_size=2, price_per_hour=3.6, carried_totals=carried, process_start=2000.0)
+    rows = L.read_rows(tmp_path)
+    assert len(rows) == 1
+    killed = rows[0]
+    assert killed["exit_reason"] == "killed" and killed["attempt"] == 1 and killed["last_step"] == 3
+    assert killed["device_seconds"] == 62.0  # 31 s x 2 to the last heartbeat
+    assert killed["startup_seconds"] == 20.0
+    assert killed["productive_seconds"] == 20.0 and killed["lost_seconds"] == 10.0
+    assert killed["checkpoint_seconds"] == 4.0
+    assert killed["cost"] == pytest.approx(62.0 / 3600 * 3.6)
+    assert b.attempt == 2
+    clock.now = 2004.0
+    b.mark_first_step()
+    b.add_productive(6.0)
+    b.add_checkpoint(1.0)
+    b.checkpointed()
+    clock.now = 2010.0
+    row = b.close("preempted")
+    assert b.close("again") is row  # idempotent
+    assert row["exit_reason"] == "preempted" and row["lost_seconds"] == 0.0 and row["device_seconds"] == 20.0
+    assert not (tmp_path / L.HEARTBEAT_FILE).exists()
+
+    # Attempt 3 on one device: totals cover the whole run.
+    clock.now = 3000.0
+    c = L.Ledger.open(tmp_path, world_size=1, price_per_hour=3.6, carried_totals=b.totals(), process_start=3000.0)
+    clock.now = 3001.0
+    t = c.totals()
+    assert t["attempts"] == 3
+    assert t["device_seconds"] == 62.0 + 20.0 + 1.0
+    assert t["productive_seconds"] == 20.0 + 12.0
+    assert t["lost_seconds"] == 10.0 and t["checkpoint_seconds"] == 4.0 + 2.0
+    assert t["startup_seconds"] == 20.0 + 8.0 + 1.0  # attempt 3 has not reached its first step yet
+    assert t["goodput"] == pytest.approx(32.0 / 83.0)
+    assert t["device_hours"] == pytest.approx(83.0 / 3600) and t["cost"] == pytest.approx(83.0 / 3600 * 3.6)
+    c.close("finished")
+    assert [r["exit_reason"] for r in L.read_rows(tmp_path)] == ["killed", "preempted", "finished"]
+
+
+def test_carried_totals_win_when_the_ledger_file_is_gone(tmp_path: Path, clock: Clock) -> None:
+    carried = {"attempts": 4, "device_seconds": 1000.0, "productive_seconds": 800.0, "checkpoint_seconds": 10.0,
+               "startup_seconds": 50.0, "lost_seconds": 5.0, "device_hours": 0.27, "goodput": 0.8}
+    clock.now = 10.0
+    led = L.Ledger.open(tmp_path, world_size=1, carried_totals=carried, process_start=10.0)
+    clock.now = 20.0
+    t = led.totals()
+    assert t["attempts"] == 5 and t["device_seconds"] == 1010.0 and t["cost"] is None
+    assert led.attempt == 5
+
+
+def test_torn_line_and_unreadable_heartbeat_are_tolerated(tmp_path: Path, clock: Clock) -> None:
+    (tmp_path / L.LEDGER_FILE).write_text(json.dumps({"attempt": 1, "device_seconds": 7.0}) + "\n{\"attempt\": 2, \"dev")
+    (tmp_path / L.HEARTBEAT_FILE).write_text("{not json")
+    clock.now = 5.0
+    led = L.Ledger.open(tmp_path, world_size=1, process_start=5.0)
+    assert led.attempt == 2 and led.totals()["device_seconds"] == 7.0
+
+
+def test_disabled_ledger_touches_no_files(tmp_path: Path, clock: Clock) -> None:
+    led = L.Ledger.open(tmp_path / "rank1", world_size=2, enabled=False, process_start=0.0)
+    led.heartbeat(1), led.checkpointed(), led.close("finished")
+    assert not (tmp_path / "rank1").exists()

@@ -1,0 +1,85 @@
+"""trainer/model.py: LoRA over a frozen base, QLoRA 4-bit on CPU, activation checkpointing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+from trainer.config import AdapterConfig, ModelConfig
+from trainer.model import build, count_params, resolve_attn_implementation
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(4, 500, (2, 32), generator=torch.Generator().manual_seed(0))
+
+
+def _base_params(path: Path) -> int:
+    from transformers import AutoModelForCausalLM
+
+    return sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_lora_trains_only_adapters_in_fp32(tiny_model: Callable[..., Path], arch: str) -> None:
+    path = tiny_model(arch)
+    model = build(ModelConfig(name_or_path=str(path), dtype="bfloat16"), AdapterConfig(r=4))
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert all(p.dtype == torch.float32 for p in trainable.values()), "adapters stay fp32 over a bf16 base"
+    frozen_dtypes = {p.dtype for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen_dtypes == {torch.bfloat16}
+    adapted = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n in trainable if ".lora_A" in n}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}  # all-linear
+    counts = count_params(model)
+    assert counts.trainable == sum(p.numel() for p in trainable.values())
+    assert counts.frozen == _base_params(path)
+
+
+def test_target_modules_subset_and_error(tiny_llama: Path) -> None:
+    model = build(ModelConfig(name_or_path=str(tiny_llama), dtype="float32"), AdapterConfig(target_modules=("q_proj", "v_proj")))
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert names and all(".q_proj." in n or ".v_proj." in n for n in names)
+    with pytest.raises(ValueError, match="adapter.target_modules"):
+        build(ModelConfig(name_or_path=str(tiny_llama), dtype="float32"), AdapterConfig(target_modules=("no_such_proj",)))
+
+
+def test_qlora_4bit_quantises_the_base_on_cpu(tiny_llama: Path) -> None:
+    import bitsandbytes as bnb
+
+    model = build(ModelConfig(name_or_path=str(tiny_llama), dtype="bfloat16"), AdapterConfig(method="qlora", r=4))
+    linears4 = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(linears4) == 2 * 7, "every block linear of both layers is 4-bit"
+    q = linears4[0].weight.quant_state
+    assert q.quant_type == "nf4" and q.nested, "NF4 with double quantisation"
+    assert count_params(model).frozen == _base_params(tiny_llama), "4-bit weights count at their logical size"
+    out = model(input_ids=_ids(), use_cache=False).logits
+    out.float().sum().backward()
+    grads = [p.grad for n, p in model.named_parameters() if p.requires_grad and "lora_B" in n]
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def test_activation_checkpointing_gives_the_same_gradients(tiny_llama: Path) -> None:
+    def grads(checkpointing: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = build(ModelConfig(name_or_path=str(tiny_llama), dtype="float32", gradient_checkpointing=checkpointing),
+                      AdapterConfig(r=4, dropout=0.0))
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.02)
+        model.train()
+        assert model.base_model.model.is_activation_checkpointing == checkpointing
+        model(input_ids=_ids(), use_cache=False).logits.sum().backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    plain, recomputed = grads(False), grads(True)
+    assert all(g.abs().sum() > 0 for n, g in plain.items() if "lora_A" in n), "control: A gets a gradient"
+    for name in plain:
+        assert torch.equal(plain[name], recomputed[name]), name
+
+
+def test_attention_choice() -> None:
+    assert resolve_attn_implementation("auto", torch.device("cpu")) == "sdpa"
+    assert resolve_attn_implementation("eager", torch.device("cpu")) == "eager"

@@ -1,0 +1,75 @@
+"""Signal flag, second-SIGINT abort, cross-rank agreement and the notice-window warning."""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trainer import preemption as P
+
+
+def test_signals_set_the_flag_and_uninstall_restores(capsys: pytest.CaptureFixture) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        stop = P.Preemption().install()
+        try:
+            assert not stop.requested
+            os.kill(os.getpid(), sig)
+            assert stop.requested and stop.signal_name == signal.Signals(sig).name
+        finally:
+            stop.uninstall()
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert "finishing this step, saving a checkpoint" in capsys.readouterr().err
+
+
+def test_second_sigint_aborts_at_once() -> None:
+    stop = P.Preemption().install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested
+        os.kill(os.getpid(), signal.SIGTERM)  # a repeated SIGTERM is not an abort
+        with pytest.raises(SystemExit) as info:
+            os.kill(os.getpid(), signal.SIGINT)
+        assert info.value.code == P.EXIT_ABORTED == 130
+    finally:
+        stop.uninstall()
+
+
+def test_exit_codes() -> None:
+    assert (P.EXIT_FINISHED, P.EXIT_PREEMPTED) == (0, 143)
+    codes = [P.EXIT_FINISHED, P.EXIT_ERROR, P.EXIT_BUDGET, P.EXIT_BAD_STEPS, P.EXIT_ABORTED, P.EXIT_PREEMPTED]
+    assert len(set(codes)) == len(codes)
+    for name in ("EXIT_BUDGET = 3", "EXIT_BAD_STEPS = 4", "EXIT_ABORTED = 130", "EXIT_PREEMPTED = 143"):
+        assert name in P.__doc__
+
+
+def test_agree_single_process_is_the_flag() -> None:
+    assert P.agree(True) is True and P.agree(False, SimpleNamespace(num_processes=1)) is False
+
+
+def _agree_worker(rank: int, init: str, out: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    acc = SimpleNamespace(num_processes=2, device=torch.device("cpu"))
+    results = [P.agree(rank == 1, acc), P.agree(False, acc)]
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(repr(results))
+    torch.distributed.destroy_process_group()
+
+
+def test_agree_across_two_gloo_ranks(tmp_path) -> None:
+    init = f"file://{tmp_path / 'store'}"
+    out = str(tmp_path / "res")
+    torch.multiprocessing.spawn(_agree_worker, args=(init, out), nprocs=2, join=True)
+    for rank in range(2):
+        assert open(f"{out}.{rank}").read() == "[True, False]"
+
+
+def test_save_fits_notice() -> None:
+    assert P.save_fits_notice(2.0, 30.0) is None
+    msg = P.save_fits_notice(45.0, 30.0)
+    assert msg is not None and "45.0s" in msg and "checkpoint.notice_seconds=30" in msg

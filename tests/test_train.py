@@ -1,0 +1,267 @@
+"""The training path end to end on tiny random models (CPU): loss falls, final/ loads with
+plain peft and reproduces the trained model's logits, export --merge matches base+adapter,
+QLoRA 4-bit runs, the loss is token-weighted over the whole step, and a non-finite step
+never touches the weights."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import datasets
+import pytest
+import torch
+from accelerate import Accelerator
+
+from trainer import config as C
+from trainer import loop, run
+from trainer.config import AdapterConfig, ModelConfig
+from trainer.export import export
+from trainer.model import build
+from trainer.sampler import StepSampler
+
+
+def make_cfg(out: Path, **dotted: Any) -> C.RunConfig:
+    base: dict[str, Any] = {
+        "output_dir": str(out),
+        "model.dtype": "float32",
+        "data.seq_len": 256,
+        "train.micro_batch_size": 2,
+        "metrics.progress": False,
+        "checkpoint.every_minutes": None,
+    }
+    base.update(dotted)
+    return C.RunConfig().replace(**base)
+
+
+def metrics_rows(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def sample_ids(seed: int = 0, rows: int = 2, length: int = 48, vocab: int = 500) -> torch.Tensor:
+    return torch.randint(4, vocab, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def logits_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+# ---------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny recipe (builtin model and data) trained briefly; shared by the tests below."""
+    out = tmp_path_factory.mktemp("run")
+    cfg = make_cfg(out, **{
+        "train.max_steps": 24, "train.lr": 5e-3, "train.warmup_steps": 2, "train.schedule": "constant",
+        "checkpoint.every_steps": 12, "metrics.log_every": 1,
+    })
+    assert run.train(cfg) == 0
+    return out
+
+
+def test_tiny_recipe_trains_and_loss_falls(trained_run: Path) -> None:
+    rows = metrics_rows(trained_run)
+    assert [r["step"] for r in rows] == list(range(1, 25))
+    losses = [r["loss"] for r in rows]
+    assert all(math.isfinite(x) for x in losses)
+    first, last = losses[0], sum(losses[-6:]) / 6
+    assert first > math.log(500), f"random init should start near ln(vocab), got {first}"
+    assert last < first - 0.4, f"loss did not fall clearly: first {first:.3f}, mean of last six {last:.3f}"
+    row = rows[-1]
+    for key in ("lr", "grad_norm", "trainable_tokens", "real_tokens", "tokens_per_s", "sustained_tokens_per_s",
+                "step_time_s", "data_stall_share", "mfu", "peak_memory_gib", "device_hours", "cost"):
+        assert key in row, key
+    assert row["mfu"] is None  # CPU without metrics.peak_flops
+    assert 0 < row["trainable_tokens"] < row["real_tokens"] <= 24 * 2 * 256
+    assert row["peak_memory_gib"] > 0 and row["device_hours"] > 0
+    steps = sorted(p.name for p in (trained_run / "checkpoints").iterdir())
+    assert steps == ["step-000012", "step-000024"]
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= {
+        p.name for p in (trained_run / "final").iterdir()
+    }
+
+
+def test_final_adapter_loads_with_plain_peft_and_matches(trained_run: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter_cfg = json.loads((trained_run / "final" / "adapter_config.json").read_text())
+    base = AutoModelForCausalLM.from_pretrained(adapter_cfg["base_model_name_or_path"], dtype=torch.float32)
+    ids = sample_ids()
+    base_logits = logits_of(base, ids)
+    loaded = PeftModel.from_pretrained(base, str(trained_run / "final"))
+    # The trained model, rebuilt by spotune and given the final weights from the last checkpoint.
+    from safetensors.torch import load_file
+    from peft.utils import set_peft_model_state_dict
+
+    cfg = C.load(trained_run / "config.yaml")
+    ours = build(cfg.model, cfg.adapter, name_or_path=adapter_cfg["base_model_name_or_path"])
+    set_peft_model_state_dict(ours, load_file(trained_run / "checkpoints" / "step-000024" / "adapter_model.safetensors"))
+    expected = logits_of(ours, ids)
+    got = logits_of(loaded, ids)
+    assert torch.equal(got, expected)
+    assert not torch.allclose(got, base_logits, atol=1e-4), "control: the adapter must change the logits"
+
+
+def test_export_merge_matches_base_plus_adapter(trained_run: Path, tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    merged_dir = export(trained_run, tmp_path / "merged", merge=True)
+    copied = export(trained_run, tmp_path / "adapter", merge=False)
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= {p.name for p in copied.iterdir()}
+    base_path = json.loads((trained_run / "final" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    ids = sample_ids(1)
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), str(trained_run / "final"))
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir)
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    torch.testing.assert_close(logits_of(merged, ids), logits_of(with_adapter, ids), rtol=1e-5, atol=1e-5)
+    base = AutoModelForCausalLM.from_pretrained(base_path)
+    assert not torch.allclose(logits_of(base, ids), logits_of(merged, ids), atol=1e-4), "control: merge changed nothing"
+
+
+def test_qlora_4bit_trains_on_cpu(tmp_path: Path, tiny_llama: Path, tiny_data: Path) -> None:
+    cfg = make_cfg(tmp_path / "q", **{
+        "model.name_or_path": str(tiny_llama), "model.dtype": "bfloat16", "adapter.method": "qlora",
+        "data.path": str(tiny_data), "data.seq_len": 128, "train.max_steps": 3, "train.lr": 1e-2,
+    })
+    assert run.train(cfg) == 0
+    losses = [r["loss"] for r in metrics_rows(tmp_path / "q")]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    assert (tmp_path / "q" / "final" / "adapter_model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------------------- loop maths
+
+
+def _rows(lengths: list[int], trainable: list[int], seq_len: int = 64, seed: int = 0) -> datasets.Dataset:
+    """Packed-format rows of one document each; the last `trainable` tokens of a document carry labels."""
+    g = torch.Generator().manual_seed(seed)
+    cols: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": [], "num_real": []}
+    for n, k in zip(lengths, trainable):
+        ids = torch.randint(4, 500, (seq_len,), generator=g)
+        ids[n:] = 3  # pad
+        labels = torch.full((seq_len,), -100)
+        labels[n - k : n] = ids[n - k : n]
+        cols["input_ids"].append(ids.tolist())
+        cols["labels"].append(labels.tolist())
+        cols["position_ids"].append(list(range(seq_len)))
+        cols["num_real"].append(n)
+    return datasets.Dataset.from_dict(cols)
+
+
+def _model(tiny_llama: Path) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = build(ModelConfig(name_or_path=str(tiny_llama), dtype="float32"), AdapterConfig(r=4, dropout=0.0))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero; make A's gradient non-zero too
+            torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
+def _lora_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _one_step(tiny_llama: Path, rows: datasets.Dataset, mbs: int, ga: int) -> dict[str, torch.Tensor]:
+    """Weight change of one SGD(lr=1) step through `train_loop`, i.e. minus the applied gradient."""
+    accelerator = Accelerator(cpu=True)
+    model = _model(tiny_llama)
+    before = _lora_state(model)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    model, opt = accelerator.prepare(model, opt)
+    sampler = StepSampler(len(rows), mbs * ga, seed=0, shuffle=False)
+    batches = loop.StepDataset(rows, sampler, 0, 1, mbs, ga, total_steps=1)
+    plan = loop.LoopPlan(total_steps=1, lr=loop.LrSchedule(peak=1.0, total_steps=1, kind="constant"), max_grad_norm=0.0)
+    reason = loop.train_loop(accelerator, model, opt, [batches[0]], plan, loop.Progress(), loop.Hooks(save=lambda p: 0.0))
+    assert reason == "finished"
+    return {n: before[n] - p for n, p in _lora_state(model).items()}
+
+
+def test_accumulation_is_token_weighted(tiny_llama: Path) -> None:
+    rows = _rows(lengths=[64, 20, 50, 12], trainable=[60, 3, 30, 8])
+    batched = _one_step(tiny_llama, rows, mbs=4, ga=1)
+    accumulated = _one_step(tiny_llama, rows, mbs=1, ga=4)
+    for name in batched:
+        torch.testing.assert_close(accumulated[name], batched[name], rtol=1e-5, atol=1e-8)
+
+    # Independent reference: d(total loss / total trainable tokens) over the four rows at once.
+    model = _model(tiny_llama)
+    cols = rows.with_format("numpy")[:]
+    micro = {k: torch.from_numpy(loop.stack_column(cols[k])) for k in loop.StepDataset.COLUMNS}
+    (loop.token_loss_sum(model, micro) / loop.count_trainable(micro["labels"])).backward()
+    reference = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    for name in batched:
+        torch.testing.assert_close(batched[name], reference[name], rtol=1e-5, atol=1e-8)
+
+    # Control: the naive mean of per-micro-batch means weights a 3-token row like a 60-token one.
+    model = _model(tiny_llama)
+    for i in range(4):
+        one = {k: v[i : i + 1] for k, v in micro.items()}
+        (loop.token_loss_sum(model, one) / loop.count_trainable(one["labels"]) / 4).backward()
+    naive = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    worst = max(((naive[n] - reference[n]).abs().max() / reference[n].abs().max()).item() for n in reference)
+    assert worst > 0.05, f"control failed: naive averaging should differ on variable-length data (got {worst})"
+
+
+def test_non_finite_step_is_skipped_and_weights_untouched(tiny_llama: Path) -> None:
+    accelerator = Accelerator(cpu=True)
+    model = _model(tiny_llama)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model, opt = accelerator.prepare(model, opt)
+    rows = _rows(lengths=[64, 40, 50, 30, 64, 20], trainable=[30, 20, 25, 10, 30, 10])
+    sampler = StepSampler(len(rows), 1, seed=0, shuffle=False)
+    poison = {2, 4, 5}  # optimizer steps whose loss becomes NaN
+
+    def nan_hook(module: torch.nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        return output * float("nan") if current["step"] in poison else output
+
+    current = {"step": 0}
+    head = accelerator.unwrap_model(model).get_output_embeddings()
+    head.register_forward_hook(nan_hook)
+    snapshots: dict[int, dict[str, torch.Tensor]] = {0: _lora_state(model)}
+    adam_steps: dict[int, float] = {}
+
+    def on_log(row: dict[str, Any]) -> None:
+        snapshots[row["step"]] = _lora_state(model)
+        adam_steps[row["step"]] = float(next(iter(opt.state.values()))["step"])
+        current["step"] = row["step"]
+
+    dataset = loop.StepDataset(rows, sampler, 0, 1, 1, 1, total_steps=6)
+    plan = loop.LoopPlan(total_steps=6, lr=loop.LrSchedule(peak=1e-2, total_steps=6, kind="constant"), max_bad_steps=2)
+    progress = loop.Progress()
+    messages: list[str] = []
+    reason = loop.train_loop(accelerator, model, opt, [dataset[i] for i in range(6)], plan, progress,
+                             loop.Hooks(save=lambda p: 0.0, log=on_log, message=messages.append))
+
+    assert not all(torch.equal(snapshots[1][n], snapshots[0][n]) for n in snapshots[0]), "control: a good step trains"
+    assert all(torch.equal(snapshots[3][n], snapshots[2][n]) for n in snapshots[2]), "the NaN step changed weights"
+    assert adam_steps[3] == adam_steps[2] == 2.0
+    assert not all(torch.equal(snapshots[4][n], snapshots[3][n]) for n in snapshots[3]), "training resumed after it"
+    # Steps 4 and 5 are bad in a row: max_bad_steps=2 stops the run there, weights as after step 4.
+    assert reason == "bad_steps" and progress.step == 6 and progress.skipped_steps == 3
+    assert all(torch.equal(snapshots[6][n], snapshots[4][n]) for n in snapshots[4])
+    assert any("non-finite" in m for m in messages) and "train.max_bad_steps" in messages[-1]
+
+
+# ---------------------------------------------------------------------------- schedule
+
+
+def test_lr_schedule_values() -> None:
+    cos = loop.LrSchedule(peak=1.0, total_steps=12, warmup_steps=2, kind="cosine", min_lr_ratio=0.1)
+    assert [cos(0), cos(1)] == [0.5, 1.0]  # warm-up reaches the peak on its last step
+    assert cos(2) == 1.0
+    assert cos(7) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert cos(12) == pytest.approx(0.1) and cos(50) == pytest.approx(0.1)
+    lin = loop.LrSchedule(peak=2.0, total_steps=10, kind="linear")
+    assert [lin(0), lin(5)] == [2.0, 1.0] and lin(9) == pytest.approx(0.2)
+    const = loop.LrSchedule(peak=3.0, total_steps=10, warmup_steps=3, kind="constant")
+    assert [const(0), const(2), const(9)] == [1.0, 3.0, 3.0]
+    values = [cos(s) for s in range(2, 12)]
+    assert values == sorted(values, reverse=True), "cosine decays monotonically after warm-up"

@@ -1,0 +1,84 @@
+"""`spotune export RUN_DIR [--merge] [--out DIR]`.
+
+Without --merge: copy the adapter (adapter_model.safetensors, adapter_config.json and the
+tokenizer files) to DIR. With --merge: load the base model unquantised in the recipe's
+dtype, apply the adapter and `merge_and_unload()` into a plain transformers model that
+serving stacks load with `AutoModelForCausalLM.from_pretrained(DIR)`.
+
+The source is `RUN_DIR/final/`, or the newest checkpoint that verifies when the run has not
+finished (a preempted or budget-stopped run still exports what it has).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import yaml
+
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "chat_template.jinja", "vocab.json", "merges.txt")
+
+
+def adapter_source(run_dir: Path) -> Path:
+    """`final/` when it exists, else the newest verified checkpoint; raises naming what is missing."""
+    final = run_dir / "final"
+    if all((final / f).is_file() for f in ADAPTER_FILES):
+        return final
+    from trainer.checkpoint import CheckpointManager
+
+    path, _ = CheckpointManager(run_dir / "checkpoints", keep_last=2).latest_verified()
+    if path is None:
+        raise FileNotFoundError(
+            f"{run_dir}: no final/ adapter and no verified checkpoint under {run_dir / 'checkpoints'}; "
+            "give the output_dir of a run that trained at least one checkpoint"
+        )
+    return path
+
+
+def export(run_dir: Path | str, out_dir: Path | str | None = None, merge: bool = False) -> Path:
+    """Write the adapter (or, with `merge`, a merged full model) to `out_dir`; returns it."""
+    run_dir = Path(run_dir)
+    src = adapter_source(run_dir)
+    out = Path(out_dir) if out_dir is not None else run_dir / ("merged" if merge else "export")
+    if out.resolve() == src.resolve():
+        raise ValueError(f"--out {out} is the adapter's own directory; choose another")
+    out.mkdir(parents=True, exist_ok=True)
+    if not merge:
+        for name in ADAPTER_FILES + TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copy2(src / name, out / name)
+        return out
+    merge_adapter(src, out, _run_settings(run_dir))
+    return out
+
+
+def _run_settings(run_dir: Path) -> dict:
+    """model.* settings from the run's config.yaml (dtype, trust_remote_code, revision)."""
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return {}
+    return (yaml.safe_load(path.read_text()) or {}).get("model", {})
+
+
+def merge_adapter(adapter_dir: Path, out: Path, model_settings: dict) -> None:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base_path = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base_path:
+        raise ValueError(f"{adapter_dir / 'adapter_config.json'}: no base_model_name_or_path to merge into")
+    dtype = getattr(torch, model_settings.get("dtype", "float32"))
+    # A QLoRA adapter is merged into the unquantised base: merging into 4-bit weights would
+    # round the update away, and serving stacks want plain weights anyway.
+    base = AutoModelForCausalLM.from_pretrained(
+        base_path, dtype=dtype, revision=model_settings.get("revision"),
+        trust_remote_code=bool(model_settings.get("trust_remote_code", False)),
+    )
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    merged.save_pretrained(str(out), safe_serialization=True)
+    tok_dir = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base_path
+    AutoTokenizer.from_pretrained(str(tok_dir)).save_pretrained(str(out))

@@ -1,0 +1,225 @@
+"""Where the device-hours went: one `ledger.jsonl` row per attempt, totals over the whole run.
+
+Every duration is in device-seconds (wall seconds x devices) so attempts on different
+device counts add up. Per attempt:
+- `device_seconds`: process start to exit.
+- `startup_seconds`: process start to the first optimizer step (imports, model, data, resume).
+- `productive_seconds`: optimizer-step time whose result was kept by a checkpoint.
+- `checkpoint_seconds`: time spent saving.
+- `lost_seconds`: optimizer-step time after the last checkpoint; the next attempt redoes it.
+Run `goodput` = productive / device seconds.
+
+A SIGKILLed attempt cannot write its row, so the attempt keeps `ledger.current.json` up to
+date (atomically replaced at each log step and checkpoint). The next `Ledger.open` turns a
+leftover heartbeat into that attempt's row with exit reason `killed`; its end is the last
+heartbeat, so up to one log interval before the kill goes uncounted.
+
+Run totals are carried in every checkpoint (`TrainState.ledger`). At open, the run totals
+so far are, key by key, the larger of the sum of `ledger.jsonl` rows and the carried
+totals: each alone undercounts when the other was lost (a checkpoint copied to a new
+machine without its ledger; a ledger that holds attempts after the resumed checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+LEDGER_FILE = "ledger.jsonl"
+HEARTBEAT_FILE = "ledger.current.json"
+ADDITIVE = ("attempts", "device_seconds", "productive_seconds", "checkpoint_seconds", "startup_seconds", "lost_seconds")
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, tz=timezone.utc).isoformat(timespec="seconds")
+
+
+def _process_start() -> float:
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:  # psutil missing or the platform refuses: the ledger's own start is close enough
+        return time.time()
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # readers see the old or the new file, never a torn one
+
+
+def read_rows(run_dir: Path | str) -> list[dict[str, Any]]:
+    """The ledger rows of `run_dir`, skipping (and logging) a torn last line."""
+    path = Path(run_dir) / LEDGER_FILE
+    if not path.is_file():
+        return []
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            log.warning("%s line %d is not JSON (a torn write?); ignored", path, n)
+    return rows
+
+
+def _append_row(run_dir: Path, row: dict[str, Any]) -> None:
+    with open(run_dir / LEDGER_FILE, "a") as f:
+        f.write(json.dumps(row, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class Ledger:
+    """The current attempt's clock plus the run's totals from earlier attempts."""
+
+    def __init__(self, run_dir: Path, world_size: int, price_per_hour: float | None, base: dict[str, float],
+                 enabled: bool, process_start: float, attempt: int) -> None:
+        self.run_dir = run_dir
+        self.world_size = world_size
+        self.price_per_hour = price_per_hour
+        self.base = base
+        self.enabled = enabled
+        self.start = process_start
+        self.attempt = attempt
+        self.first_step_time: float | None = None
+        self.productive = 0.0  # wall seconds of optimizer steps in this attempt
+        self.productive_at_checkpoint = 0.0
+        self.checkpoint = 0.0
+        self.last_step: int | None = None
+        self.closed: dict[str, Any] | None = None
+
+    @classmethod
+    def open(cls, run_dir: Path | str, world_size: int, price_per_hour: float | None = None,
+             carried_totals: dict[str, Any] | None = None, *, enabled: bool = True,
+             process_start: float | None = None) -> Ledger:
+        """Start this attempt's ledger; `enabled=False` on non-main ranks (no files touched)."""
+        run_dir = Path(run_dir)
+        rows: list[dict[str, Any]] = []
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            recover_killed(run_dir)
+            rows = read_rows(run_dir)
+        carried = carried_totals or {}
+        base = {k: max(float(sum(r.get(k, 0) for r in rows) if k != "attempts" else len(rows)),
+                       float(carried.get(k, 0) or 0)) for k in ADDITIVE}
+        start = process_start if process_start is not None else _process_start()
+        ledger = cls(run_dir, world_size, price_per_hour, base, enabled, start, attempt=int(base["attempts"]) + 1)
+        ledger.heartbeat()  # a kill before the first log step still leaves a row behind
+        return ledger
+
+    # ------------------------------------------------------------------ what the loop calls
+
+    def mark_first_step(self) -> None:
+        """Call right before the first optimizer step of this attempt: start-up ends here."""
+        if self.first_step_time is None:
+            self.first_step_time = time.time()
+
+    def add_productive(self, seconds: float) -> None:
+        """Wall seconds of one optimizer step (forward, backward, optimizer)."""
+        self.productive += seconds
+
+    def add_checkpoint(self, seconds: float) -> None:
+        self.checkpoint += seconds
+
+    def checkpointed(self) -> None:
+        """Call after a checkpoint (or the final adapter) is committed: the work so far is kept."""
+        self.productive_at_checkpoint = self.productive
+        self.heartbeat()
+
+    def heartbeat(self, step: int | None = None) -> None:
+        """Record progress for the next attempt in case this one is killed (at each log step)."""
+        if step is not None:
+            self.last_step = step
+        if self.enabled and self.closed is None:
+            _atomic_write(self.run_dir / HEARTBEAT_FILE, json.dumps(self._progress(time.time())))
+
+    def totals(self) -> dict[str, Any]:
+        """Whole-run totals including this attempt so far (store them in TrainState.ledger)."""
+        mine = self._row(time.time(), keep_all=True) if self.closed is None else self.closed
+        out: dict[str, Any] = {k: self.base[k] + mine[k] for k in ADDITIVE if k != "attempts"}
+        out["attempts"] = int(self.base["attempts"]) + 1
+        return _derived(out, self.price_per_hour)
+
+    def close(self, exit_reason: str) -> dict[str, Any]:
+        """Write this attempt's row and remove the heartbeat; returns the row. Idempotent."""
+        if self.closed is not None:
+            return self.closed
+        row = self._row(time.time(), keep_all=False)
+        row["exit_reason"] = exit_reason
+        self.closed = row
+        if self.enabled:
+            _append_row(self.run_dir, row)
+            (self.run_dir / HEARTBEAT_FILE).unlink(missing_ok=True)
+        return row
+
+    # ------------------------------------------------------------------ internals
+
+    def _progress(self, now: float) -> dict[str, Any]:
+        return {
+            "attempt": self.attempt, "pid": os.getpid(), "start_time": self.start, "heartbeat_time": now,
+            "first_step_time": self.first_step_time, "world_size": self.world_size,
+            "productive_wall": self.productive, "productive_at_checkpoint_wall": self.productive_at_checkpoint,
+            "checkpoint_wall": self.checkpoint, "last_step": self.last_step, "price_per_hour": self.price_per_hour,
+        }
+
+    def _row(self, now: float, keep_all: bool) -> dict[str, Any]:
+        return _row_from_progress(self._progress(now), now, keep_all)
+
+
+def _row_from_progress(p: dict[str, Any], end: float, keep_all: bool) -> dict[str, Any]:
+    """An attempt's ledger row; `keep_all` counts uncommitted step time as productive (a live snapshot)."""
+    w = p["world_size"]
+    start = p["start_time"]
+    first = p["first_step_time"]
+    lost = 0.0 if keep_all else max(0.0, p["productive_wall"] - p["productive_at_checkpoint_wall"])
+    row = {
+        "attempt": p["attempt"], "pid": p["pid"], "world_size": w,
+        "start": _iso(start), "end": _iso(end), "wall_seconds": round(end - start, 3),
+        "device_seconds": (end - start) * w,
+        "startup_seconds": ((first if first is not None else end) - start) * w,
+        "productive_seconds": (p["productive_wall"] - lost) * w,
+        "checkpoint_seconds": p["checkpoint_wall"] * w,
+        "lost_seconds": lost * w,
+        "last_step": p["last_step"],
+    }
+    if p.get("price_per_hour") is not None:
+        row["cost"] = row["device_seconds"] / 3600 * p["price_per_hour"]
+    return row
+
+
+def recover_killed(run_dir: Path | str) -> dict[str, Any] | None:
+    """Turn a leftover heartbeat (an attempt that never closed) into its `killed` row."""
+    run_dir = Path(run_dir)
+    path = run_dir / HEARTBEAT_FILE
+    if not path.is_file():
+        return None
+    try:
+        progress = json.loads(path.read_text())
+        row = _row_from_progress(progress, progress["heartbeat_time"], keep_all=False)
+    except (ValueError, KeyError, TypeError) as e:
+        log.warning("%s is unreadable (%s); the killed attempt it described is not counted", path, e)
+        path.unlink(missing_ok=True)
+        return None
+    row["exit_reason"] = "killed"
+    row["end_is_last_heartbeat"] = True
+    _append_row(run_dir, row)
+    path.unlink(missing_ok=True)
+    return row
+
+
+def _derived(totals: dict[str, Any], price_per_hour: float | None) -> dict[str, Any]:
+    device = totals["device_seconds"]
+    totals["device_hours"] = device / 3600
+    totals["cost"] = totals["device_hours"] * price_per_hour if price_per_hour is not None else None
+    totals["goodput"] = totals["productive_seconds"] / device if device > 0 else 0.0
+    return totals

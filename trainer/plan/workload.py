@@ -1,0 +1,150 @@
+"""How much work a recipe is: packed rows and tokens, exact from a prepared manifest or
+extrapolated from a sample run through the same preparation pipeline.
+
+A manifest is used when one under the recipe's data cache matches its source file and
+every packing setting; otherwise up to `sample_size` examples are prepared in a scratch
+directory (same templates, tokenizer, truncation and packing) and the counts are scaled
+by total examples / sampled examples. The result says which it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.config import DataConfig
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Per-epoch counts of the training split (and the eval split when there is one)."""
+
+    source: str
+    """`manifest` (exact) or `sample` (extrapolated)."""
+    rows: float
+    real_tokens: float
+    trainable_tokens: float
+    examples: int
+    doc_len_sq_sum: float
+    """Sum over documents of length**2 (from the length histogram: an estimate either way)."""
+    eval_rows: float = 0.0
+    eval_real_tokens: float = 0.0
+    sampled_examples: int | None = None
+    manifest_path: str | None = None
+
+    @property
+    def exact(self) -> bool:
+        return self.source == "manifest"
+
+    @property
+    def real_tokens_per_row(self) -> float:
+        return self.real_tokens / self.rows if self.rows else 0.0
+
+
+def cache_root_for(data: DataConfig, output_dir: str) -> Path:
+    """Where `prepare` caches packed data for this recipe (same rule as trainer/run.py)."""
+    return Path(data.cache_dir) if data.cache_dir else Path(output_dir) / "data"
+
+
+def find_manifest(data: DataConfig, resolved_path: str, cache_root: Path) -> tuple[dict[str, Any], Path] | None:
+    """The newest complete manifest under `cache_root` built from this source with these settings.
+
+    Matching is on the source path and the packing settings, not the content hash: if the
+    file changed since, `spotune train` re-prepares and this estimate was of the old data.
+    """
+    if not cache_root.is_dir():
+        return None
+    want = {"seq_len": data.seq_len, "packing": data.packing, "format": data.format, "overlong": data.overlong}
+    best: tuple[str, dict[str, Any], Path] | None = None
+    for path in cache_root.glob("*/manifest.json"):
+        try:
+            m = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        settings = m.get("settings", {})
+        if any(settings.get(k) != v for k, v in want.items()):
+            continue
+        if str(m.get("sources", {}).get("train")) != str(Path(resolved_path)):
+            continue
+        if not m.get("train"):
+            continue
+        created = str(m.get("created_utc", ""))
+        if best is None or created > best[0]:
+            best = (created, m, path)
+    return (best[1], best[2]) if best else None
+
+
+def from_manifest(manifest: dict[str, Any], path: Path | None = None) -> Workload:
+    train = manifest["train"]
+    ev = manifest.get("eval") or {}
+    return Workload(
+        source="manifest", rows=float(train["rows"]), real_tokens=float(train["real_tokens"]),
+        trainable_tokens=float(train["trainable_tokens"]), examples=int(train["examples_out"]),
+        doc_len_sq_sum=doc_len_sq_from_lengths(train.get("lengths", {}), manifest["settings"]["seq_len"],
+                                               int(train["examples_out"])),
+        eval_rows=float(ev.get("rows", 0)), eval_real_tokens=float(ev.get("real_tokens", 0)),
+        manifest_path=str(path) if path else None,
+    )
+
+
+def doc_len_sq_from_lengths(lengths: dict[str, Any], seq_len: int, documents: int) -> float:
+    """Sum of squared document lengths from the manifest's histogram (bin midpoints, capped
+    at seq_len since longer examples are truncated or dropped); scaled to `documents`."""
+    hist = lengths.get("histogram") if lengths else None
+    if not hist or not hist.get("counts"):
+        mean = float(lengths.get("mean", seq_len)) if lengths else float(seq_len)
+        return documents * min(mean, seq_len) ** 2
+    edges, counts = hist["edges"], hist["counts"]
+    total = sum(counts)
+    sq = sum(c * min((lo + hi) / 2.0, seq_len) ** 2 for lo, hi, c in zip(edges[:-1], edges[1:], counts))
+    return sq * (documents / total) if total else 0.0
+
+
+def from_sample(data: DataConfig, resolved_path: str, tokenizer_path: str, *, sample_size: int = 2000,
+                seed: int = 0) -> Workload:
+    """Prepare the first `sample_size` examples in a scratch directory and extrapolate."""
+    from trainer.data import prepare
+    from trainer.data.read import read_rows
+
+    full = read_rows(resolved_path, key="data.path")
+    total = len(full)
+    n = min(total, sample_size)
+    with tempfile.TemporaryDirectory(prefix="spotune-estimate-") as tmp:
+        sample_file = Path(tmp) / "sample.jsonl"
+        full.select(range(n)).to_json(str(sample_file), lines=True)
+        # The eval split of the sample is prepared the same way, so train/eval shares carry over.
+        sample_cfg = dataclasses.replace(data, path=str(sample_file), num_proc=1)
+        if data.eval_path is not None:
+            sample_cfg = dataclasses.replace(sample_cfg, eval_path=None, eval_fraction=0.0)
+        prepared = prepare(sample_cfg, tokenizer_path, Path(tmp) / "cache", progress=False, seed=seed)
+        m = prepared.manifest
+    scale = total / n if n else 0.0
+    train = m["train"]
+    ev = m.get("eval") or {}
+    # Packing gets a little tighter with more documents to choose from: rows scale at most linearly.
+    rows = math.ceil(train["rows"] * scale)
+    return Workload(
+        source="sample", rows=float(rows), real_tokens=train["real_tokens"] * scale,
+        trainable_tokens=train["trainable_tokens"] * scale, examples=round(train["examples_out"] * scale),
+        doc_len_sq_sum=doc_len_sq_from_lengths(train.get("lengths", {}), data.seq_len, train["examples_out"]) * scale,
+        eval_rows=float(ev.get("rows", 0)) * scale, eval_real_tokens=float(ev.get("real_tokens", 0)) * scale,
+        sampled_examples=n,
+    )
+
+
+def steps_for(rows: float, global_rows: int, max_steps: int | None, epochs: float) -> int:
+    """Optimizer steps of the run (same rule as trainer/sampler.py: whole steps per epoch)."""
+    if max_steps is not None:
+        return max_steps
+    per_epoch = int(rows) // global_rows
+    if per_epoch < 1:
+        raise ValueError(
+            f"{int(rows)} packed rows are fewer than one optimizer step of {global_rows} rows; lower "
+            "train.micro_batch_size or train.grad_accum, or add data"
+        )
+    return max(1, math.ceil(epochs * per_epoch))

@@ -1,0 +1,96 @@
+"""Graceful stop on preemption signals, the same stop step on every rank, and exit codes.
+
+SIGTERM (what spot/preemptible VMs, Kubernetes and Slurm send), SIGINT (Ctrl-C) and
+SIGUSR1 (Slurm's `--signal=USR1@90`) only set a flag. The loop finishes the optimizer
+step it is in, every rank agrees to stop at the same step (`agree`), a checkpoint is
+saved, and the process exits with `EXIT_PREEMPTED`. A second SIGINT aborts at once.
+
+Exit codes (what a supervisor or the docker entrypoint should do with them):
+- `EXIT_FINISHED = 0`: training reached its end; `final/` holds the adapter. Do not rerun.
+- `EXIT_ERROR = 1`: a config, data or runtime error; rerunning will fail the same way.
+- `EXIT_BUDGET = 3`: stopped at `train.max_gpu_hours` or `train.max_cost` after saving a
+  checkpoint. Raise the budget and rerun the same command to continue.
+- `EXIT_BAD_STEPS = 4`: `train.max_bad_steps` consecutive non-finite steps; fix the run
+  (learning rate, data) before rerunning.
+- `EXIT_ABORTED = 130`: a second SIGINT; no checkpoint was saved for the step in flight.
+  Rerunning resumes from the last committed checkpoint.
+- `EXIT_PREEMPTED = 143` (128 + SIGTERM): stopped by a signal after saving a checkpoint.
+  Rerun the same command to resume.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from types import FrameType
+from typing import Any
+
+import torch
+
+EXIT_FINISHED = 0
+EXIT_ERROR = 1
+EXIT_BUDGET = 3
+EXIT_BAD_STEPS = 4
+EXIT_ABORTED = 130
+EXIT_PREEMPTED = 143
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+class Preemption:
+    """Signal flag. `install()` from the main thread; poll `requested` once per step."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signal_name: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> Preemption:
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.requested and signum == signal.SIGINT:
+            # The user means it: no checkpoint, stop now. SystemExit unwinds `finally` blocks
+            # (an unfinished save's temp dir is removed, the ledger row is written).
+            print(f"\n{name} again: aborting without a checkpoint", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_ABORTED)
+        if not self.requested:
+            self.requested = True
+            self.signal_name = name
+            hint = " (press Ctrl-C again to abort without saving)" if signum == signal.SIGINT else ""
+            print(f"\n{name} received: finishing this step, saving a checkpoint, then exiting{hint}", file=sys.stderr, flush=True)
+
+
+def agree(flag: bool, accelerator: Any = None) -> bool:
+    """True on every rank when any rank's flag is set (a one-element all-reduce MAX).
+
+    Signals reach ranks at different moments; without agreement one rank would stop and the
+    others would hang in the next collective. Call it once per optimizer step on every rank.
+    """
+    num = getattr(accelerator, "num_processes", 1) if accelerator is not None else 1
+    if num == 1 or not torch.distributed.is_initialized():
+        return flag
+    device = accelerator.device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def save_fits_notice(seconds: float, notice: float) -> str | None:
+    """A warning when a checkpoint save of `seconds` would not fit the preemption notice."""
+    if seconds <= notice:
+        return None
+    return (
+        f"the last checkpoint save took {seconds:.1f}s, longer than checkpoint.notice_seconds={notice:g}: "
+        "a preemption would kill this run mid-save and lose the work since the previous checkpoint. "
+        "Save to faster local disk, checkpoint more often (checkpoint.every_steps / every_minutes), "
+        "or raise checkpoint.notice_seconds if your provider gives more notice."
+    )

@@ -1,0 +1,309 @@
+"""Wiring for `spotune train`: the only module that sees the whole RunConfig.
+
+`train(cfg)` builds the accelerator, data, model, optimizer, sampler, checkpoint manager,
+ledger and meter, resumes from the newest checkpoint that verifies, hands everything to
+`loop.train_loop`, writes `final/` and returns the process exit code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer import config as C
+from trainer import flops, loop, metrics, preemption, tiny
+from trainer.checkpoint import CheckpointManager, check_compatible, resolve_resume
+from trainer.ledger import Ledger
+from trainer.model import build, count_params
+from trainer.sampler import StepSampler
+from trainer.state import TrainState, gather_rng, restore_training_state, write_training_state
+
+EXIT_CODES = {
+    "finished": preemption.EXIT_FINISHED,
+    "preempted": preemption.EXIT_PREEMPTED,
+    "budget": preemption.EXIT_BUDGET,
+    "bad_steps": preemption.EXIT_BAD_STEPS,
+}
+
+
+def model_path(cfg: C.RunConfig) -> str:
+    return tiny.resolve_model(cfg.model.name_or_path)
+
+
+def tokenizer_path(cfg: C.RunConfig) -> str:
+    return cfg.data.tokenizer or model_path(cfg)
+
+
+def prepare_data(cfg: C.RunConfig, progress: bool = True) -> Any:
+    """Prepare (or reuse) the packed dataset of `cfg` and print its summary."""
+    from trainer import data
+
+    data_cfg = dataclasses.replace(cfg.data, path=tiny.resolve_data(cfg.data.path))
+    cache_root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output_dir) / "data"
+    prepared = data.prepare(data_cfg, tokenizer_path(cfg), cache_root, progress=progress, seed=cfg.seed)
+    if progress:
+        print(prepared.summary(), flush=True)
+    return prepared
+
+
+def make_accelerator(cfg: C.RunConfig) -> Any:
+    """Accelerate owns device placement, autocast (+ fp16 grad scaler) and DDP wrapping.
+
+    Gradient accumulation stays ours (loop.py counts tokens over the whole step), so the
+    accelerator runs with gradient_accumulation_steps=1. Under `torchrun` on a CPU-only
+    machine, `cpu=True` still gives one gloo rank per process.
+    """
+    from accelerate import Accelerator
+
+    cuda = torch.cuda.is_available()
+    if cfg.train.mixed_precision == "fp16" and not cuda:
+        raise C.ConfigError(["train.mixed_precision: fp16 needs a CUDA GPU; use bf16 or no on CPU"])
+    trackers = list(cfg.metrics.trackers)
+    return Accelerator(
+        cpu=not cuda,
+        mixed_precision=cfg.train.mixed_precision,
+        log_with=trackers or None,
+        project_dir=cfg.output_dir,
+    )
+
+
+def build_optimizer(train: C.TrainConfig, params: list[torch.nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters only; bitsandbytes 8-bit (paged) variants on request."""
+    kwargs: dict[str, Any] = dict(
+        lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps, weight_decay=train.weight_decay
+    )
+    if train.optimizer == "adamw":
+        return torch.optim.AdamW(params, fused=device.type == "cuda", **kwargs)
+    import bitsandbytes as bnb
+
+    cls = bnb.optim.AdamW8bit if train.optimizer == "adamw_8bit" else bnb.optim.PagedAdamW8bit
+    return cls(params, **kwargs)
+
+
+def total_steps(train: C.TrainConfig, sampler: StepSampler) -> int:
+    return train.max_steps if train.max_steps is not None else sampler.steps_for_epochs(train.epochs)
+
+
+def train(cfg: C.RunConfig) -> int:
+    """Train (resuming when a checkpoint verifies) and return the process exit code."""
+    from datasets import load_from_disk
+    from transformers import AutoTokenizer
+
+    out = Path(cfg.output_dir)
+    accelerator = make_accelerator(cfg)
+    rank, world, is_main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
+    stop = preemption.Preemption().install()
+    show = is_main and cfg.metrics.progress
+
+    with accelerator.main_process_first():  # rank 0 prepares; the others then reuse its cache
+        prepared = prepare_data(cfg, progress=show)
+    if is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        if not (out / "config.yaml").exists():
+            (out / "config.yaml").write_text(C.to_yaml(cfg))
+
+    from accelerate.utils import set_seed
+
+    set_seed(cfg.seed)  # same LoRA init on every rank (DDP also broadcasts rank 0's weights)
+    model = build(cfg.model, cfg.adapter, name_or_path=model_path(cfg), device=accelerator.device)
+    counts = count_params(model)
+    rows = load_from_disk(str(prepared.train_path))
+    t = cfg.train
+    sampler = StepSampler(len(rows), t.micro_batch_size * t.grad_accum * world, seed=cfg.seed, shuffle=cfg.data.shuffle)
+    steps = total_steps(t, sampler)
+    optimizer = build_optimizer(t, [p for p in model.parameters() if p.requires_grad], accelerator.device)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    set_seed(cfg.seed + rank)  # distinct dropout streams per rank from here on
+
+    structural = C.structural_fields(cfg, world)
+    resume_dir, notes = resolve_resume(out / "checkpoints", cfg.checkpoint.resume, clean=is_main)
+    state = TrainState(config_fingerprint=C.fingerprint(cfg, world), structural=structural,
+                       data_fingerprint=prepared.fingerprint, config=cfg.to_dict(), world_size=world, seed=cfg.seed)
+    if resume_dir is not None:
+        saved = TrainState.from_json((resume_dir / "trainer_state.json").read_text())
+        notes += check_compatible(saved, structural, prepared.fingerprint, cfg.checkpoint.allow_config_change)
+    ledger = Ledger.open(out, world, price_per_hour=cfg.metrics.price_per_hour,
+                         carried_totals=saved.ledger if resume_dir is not None else None, enabled=is_main)
+    manager = CheckpointManager(out / "checkpoints", keep_last=cfg.checkpoint.keep_last)
+    console = metrics.Console(steps, 0, enabled=show)
+    for note in notes:
+        console.message(f"spotune: {note}")
+
+    meter = metrics.Meter(
+        world_size=world, warmup_steps=cfg.metrics.warmup_steps,
+        flops_fn=_flops_fn(accelerator.unwrap_model(model).config, counts.trainable),
+        peak_flops=metrics.resolve_peak_flops(cfg.metrics.peak_flops, cfg.metrics.gpu, accelerator.device),
+        price_per_hour=cfg.metrics.price_per_hour,
+        device_seconds_fn=lambda: float(ledger.totals()["device_seconds"]),  # one source of truth: the ledger
+    )
+    sink = metrics.JsonlSink(out / "metrics.jsonl") if is_main else None
+    if cfg.metrics.trackers:
+        accelerator.init_trackers("spotune", config=_flat(cfg.to_dict()))
+
+    def save(progress: loop.Progress) -> float:
+        started = time.monotonic()
+        rng = gather_rng(world)  # collective: every rank's generators
+        state.step, state.tokens = progress.step, progress.trainable_tokens
+        state.epoch, state.cursor = sampler.position(progress.step)
+        state.skipped_steps, state.consecutive_bad_steps = progress.skipped_steps, progress.bad_in_a_row
+        state.ledger = ledger.totals()
+        if is_main:
+            result = manager.save(progress.step, lambda tmp: write_training_state(
+                tmp, model=model, optimizer=optimizer, state=state, rng=rng, scaler=accelerator.scaler))
+            warning = preemption.save_fits_notice(result.seconds, cfg.checkpoint.notice_seconds)
+            if warning:
+                console.message(f"spotune: {warning}")
+        accelerator.wait_for_everyone()  # nobody runs ahead of a checkpoint that is not committed yet
+        seconds = time.monotonic() - started
+        ledger.add_checkpoint(seconds)
+        ledger.checkpointed()
+        ledger.heartbeat(progress.step)
+        return seconds
+
+    def log(row: dict[str, Any]) -> None:
+        ledger.heartbeat(row.get("step"))
+        if is_main:
+            sink.write(row)
+            if cfg.metrics.trackers:
+                accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"])
+
+    progress = loop.Progress()
+    if resume_dir is not None:
+        state = restore_training_state(resume_dir, model=model, optimizer=optimizer, rank=rank, world_size=world,
+                                       scaler=accelerator.scaler)  # RNG restored last, right before the first step
+        progress = loop.Progress(step=state.step, trainable_tokens=state.tokens,
+                                 skipped_steps=state.skipped_steps, bad_in_a_row=state.consecutive_bad_steps)
+        state.structural, state.config = structural, cfg.to_dict()
+        state.config_fingerprint, state.data_fingerprint, state.world_size = C.fingerprint(cfg, world), prepared.fingerprint, world
+        console.message(f"spotune: resuming from {resume_dir} at step {state.step} of {steps}")
+    meter.start_step = progress.step
+    console.update(progress.step)
+
+    plan = loop.LoopPlan(
+        total_steps=steps,
+        lr=loop.LrSchedule(peak=t.lr, total_steps=steps, warmup_steps=t.warmup_steps, kind=t.schedule, min_lr_ratio=t.min_lr_ratio),
+        max_grad_norm=t.max_grad_norm, max_bad_steps=t.max_bad_steps, log_every=cfg.metrics.log_every,
+        eval_every=t.eval_every if prepared.eval_path is not None else None,
+        save_every_steps=cfg.checkpoint.every_steps, save_every_minutes=cfg.checkpoint.every_minutes,
+        max_gpu_hours=t.max_gpu_hours, max_cost=t.max_cost,
+    )
+    hooks = loop.Hooks(
+        save=save, log=log, message=console.message, meter=meter, console=console,
+        stop_requested=lambda: preemption.agree(stop.requested, accelerator),
+        epoch_of=lambda step: round(step / sampler.steps_per_epoch, 4),
+        step_done=lambda seconds: ledger.add_productive(seconds),
+        evaluate=_evaluator(cfg, prepared, model, accelerator) if plan.eval_every else None,
+    )
+    reason: loop.StopReason = "finished"
+    try:
+        if progress.step < steps:
+            batches = _step_loader(rows, sampler, cfg, rank, world, steps, progress.step, accelerator.device,
+                                   select_logits=loop.accepts_logits_to_keep(model))
+            ledger.mark_first_step()
+            reason = loop.train_loop(accelerator, model, optimizer, batches, plan, progress, hooks)
+        if reason in ("finished", "budget") and is_main:
+            write_final(out / "final", model, tokenizer_path(cfg))
+        accelerator.wait_for_everyone()
+    except BaseException:
+        ledger.close("error")
+        raise
+    finally:
+        console.close()
+        stop.uninstall()
+        if sink is not None:
+            sink.close()
+    summary = meter.summary()
+    ledger.close(reason)
+    if cfg.metrics.trackers:
+        accelerator.end_training()
+    if is_main:
+        console.message(f"spotune: {reason} at step {progress.step}/{steps}; " + json.dumps(summary))
+    return EXIT_CODES[reason]
+
+
+# ---------------------------------------------------------------------------- pieces
+
+
+def _step_loader(rows: Any, sampler: StepSampler, cfg: C.RunConfig, rank: int, world: int, steps: int,
+                 start: int, device: torch.device, select_logits: bool) -> torch.utils.data.DataLoader:
+    """Prefetch whole optimizer steps from `start` on; one worker on CUDA hides reading and collating.
+
+    The DataLoader gets its own generator so creating it never draws from the global torch RNG
+    (which a resumed run has just restored and must leave untouched).
+    """
+    dataset = loop.StepDataset(rows, sampler, rank, world, cfg.train.micro_batch_size, cfg.train.grad_accum, steps,
+                               select_logits=select_logits)
+    workers = 1 if device.type == "cuda" else 0
+    return torch.utils.data.DataLoader(
+        dataset, batch_size=None, sampler=range(start, steps), collate_fn=loop.identity_collate,
+        num_workers=workers, prefetch_factor=4 if workers else None, pin_memory=device.type == "cuda",
+        generator=torch.Generator().manual_seed(cfg.seed),
+    )
+
+
+def _evaluator(cfg: C.RunConfig, prepared: Any, model: torch.nn.Module, accelerator: Any) -> Any:
+    """Token-weighted mean loss over the held-out rows, each rank taking every world-th row.
+
+    Every rank runs the same number of forwards (a rank past its share repeats a row with
+    weight 0) so no rank waits alone in a collective.
+    """
+    from datasets import load_from_disk
+
+    rows = load_from_disk(str(prepared.eval_path)).with_format("numpy", columns=list(loop.StepDataset.COLUMNS))
+    if len(rows) == 0:
+        return None
+    rank, world, mbs = accelerator.process_index, accelerator.num_processes, cfg.train.micro_batch_size
+    per_rank = math.ceil(len(rows) / world)
+
+    def evaluate() -> float:
+        model.eval()
+        total = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
+        with torch.no_grad():
+            for start in range(0, per_rank, mbs):
+                idx = [rank + world * i for i in range(start, min(start + mbs, per_rank))]
+                cols = rows[[min(i, len(rows) - 1) for i in idx]]
+                micro = {k: torch.from_numpy(loop.stack_column(cols[k])) for k in loop.StepDataset.COLUMNS}
+                beyond = torch.tensor([i >= len(rows) for i in idx])
+                micro["labels"][beyond] = loop.IGNORE_INDEX  # a filler row: forward for lockstep, no loss
+                micro = {k: v.to(accelerator.device) for k, v in micro.items()}
+                total[0] += loop.token_loss_sum(model, micro).double()
+                total[1] += loop.count_trainable(micro["labels"])
+        total = accelerator.reduce(total, reduction="sum")
+        return float(total[0] / total[1].clamp(min=1))
+
+    return evaluate
+
+
+def _flops_fn(hf_config: Any, trainable: int) -> metrics.FlopsFn | None:
+    try:
+        shape = flops.model_shape(hf_config)
+    except ValueError:
+        return None  # an architecture the FLOP model does not know: MFU stays null
+    frozen = shape.matmul_params()
+    return lambda tokens, doc_sq: flops.train_flops(shape, tokens, doc_sq, frozen, trainable)
+
+
+def write_final(directory: Path, model: torch.nn.Module, tokenizer: str) -> None:
+    """`final/`: the PEFT adapter (adapter_model.safetensors + adapter_config.json) and the tokenizer."""
+    from transformers import AutoTokenizer
+
+    while hasattr(model, "module"):
+        model = model.module
+    model.save_pretrained(str(directory), safe_serialization=True)
+    AutoTokenizer.from_pretrained(tokenizer).save_pretrained(str(directory))
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out
