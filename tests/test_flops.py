@@ -41,6 +41,8 @@ def test_hand_count_tiny_shape() -> None:
     assert flops.causal_pairs(tokens, sq) == 21
     expected = (4 * (block + 80) + 6 * 56) * 8 + 3 * (2 * 2 * 4 * 2) * 21 * 1
     assert flops.train_flops(s, tokens, sq, s.matmul_params(), lora) == expected == 25696  # 23680 linear + 2016 attention
+    # Logits only at 3 labelled positions: the frozen head (80 weights) runs for 3 tokens, not 8.
+    assert flops.train_flops(s, tokens, sq, s.matmul_params(), lora, head_tokens=3) == expected - 4 * 80 * 5
     # Control: making the LoRA weights frozen changes the answer by exactly their weight-gradient.
     assert flops.train_flops(s, tokens, sq, s.matmul_params() + lora, 0) == expected - 2 * 56 * 8
 

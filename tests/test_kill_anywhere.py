@@ -1,6 +1,8 @@
-"""Kill `python -m trainer train` at random moments (one inside a save), restart the same
-command until it finishes: the final adapter and every logged loss equal an uninterrupted
-run's. SIGTERM saves a checkpoint and exits 143."""
+"""Stop `python -m trainer train` every way a spot machine does, restart the same command
+until it finishes: SIGTERM (checkpoint, exit 143), SIGKILL inside a save (halfway through
+fsyncing, before the manifest) and SIGKILL at a random moment. The final adapter and every
+logged loss, redone steps included, equal an uninterrupted run's; the ledger has one row
+per attempt. Also (opt-in, slow) a two-process gloo run where only rank 1 gets SIGTERM."""
 
 from __future__ import annotations
 
@@ -105,36 +107,31 @@ def test_kill_anywhere_then_finish_equals_uninterrupted(tmp_path: Path, tiny_lla
     def steps_logged() -> int:
         return max((r["step"] for r in _metric_rows(out)), default=0)
 
-    # Attempt 1: SIGKILL inside a save (after the manifest-less half of the files), not the first one.
-    p = start(1, pause=3.0)
-    in_save = lambda: any(ck.root.glob("step-00000[4-9].tmp-*"))  # noqa: E731
-    assert _wait(p, in_save), (logs / "attempt1.log").read_text()
+    # Attempt 1: SIGTERM mid-run -> finish the step, checkpoint it, exit 143.
+    p = start(1)
+    assert _wait(p, lambda: steps_logged() >= 1), (logs / "attempt1.log").read_text()
+    time.sleep(rnd.uniform(0.0, 0.2))
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=120) == EXIT_PREEMPTED, (logs / "attempt1.log").read_text()
+    newest = ck.committed()[-1]
+    assert ck.verify(newest) == []
+    stopped_at = TrainState.from_json((newest / "trainer_state.json").read_text()).step
+    assert stopped_at == steps_logged() < STEPS  # the checkpoint holds the step it stopped at
+
+    # Attempt 2: SIGKILL inside a save, halfway through fsyncing its files, before the manifest.
+    p = start(2, pause=3.0)
+    committed = ck.committed()
+    assert _wait(p, lambda: any(ck.root.glob("step-*.tmp-*"))), (logs / "attempt2.log").read_text()
     p.kill(), p.wait()
-    assert [x.name for x in ck.committed()] == ["step-000002"]  # the save in flight never committed
+    assert ck.committed() == committed and any(ck.root.glob("step-*.tmp-*"))  # never committed
 
-    # Attempt 2: SIGKILL at a random moment after it has trained a step.
-    p = start(2)
-    before = steps_logged()
-    if _wait(p, lambda: steps_logged() > before):
-        time.sleep(rnd.uniform(0.0, 1.5))
-        p.kill()
-    p.wait()
-
-    # Attempt 3: SIGTERM -> finish the step, checkpoint, exit 143 (unless it already finished).
+    # Attempt 3: SIGKILL at a random moment after it has trained a step.
     p = start(3)
     before = steps_logged()
     if _wait(p, lambda: steps_logged() > before):
-        time.sleep(rnd.uniform(0.0, 0.5))
-        p.send_signal(signal.SIGTERM)
-        rc = p.wait(timeout=120)
-        if rc != 0:  # 0 only when the run ended before the signal landed
-            assert rc == EXIT_PREEMPTED, (logs / "attempt3.log").read_text()
-            newest = ck.committed()[-1]
-            assert ck.verify(newest) == []
-            st = TrainState.from_json((newest / "trainer_state.json").read_text())
-            assert st.step == steps_logged()  # the checkpoint holds the step it stopped at
-    else:
-        p.wait()
+        time.sleep(rnd.uniform(0.0, 1.0))
+        p.kill()
+    p.wait()
 
     # Then the same command until it finishes.
     for n in range(4, 8):
@@ -153,8 +150,11 @@ def test_kill_anywhere_then_finish_equals_uninterrupted(tmp_path: Path, tiny_lla
     # One ledger row per attempt, the SIGKILLed ones recovered from their heartbeat.
     expected = {-signal.SIGKILL: "killed", EXIT_PREEMPTED: "preempted", 0: "finished"}
     reasons = [json.loads(x)["exit_reason"] for x in (out / "ledger.jsonl").read_text().splitlines()]
-    assert reasons == [expected[q.returncode] for q in procs], reasons
-    assert reasons[0] == "killed" and reasons[-1] == "finished"
+    assert len(reasons) == len(procs), reasons
+    for q, reason in zip(procs, reasons):
+        # A SIGKILL that lands after the row was written (interpreter shutdown) keeps that row.
+        assert reason == expected[q.returncode] or (q.returncode == -signal.SIGKILL and reason != "killed"), reasons
+    assert reasons[:2] == ["preempted", "killed"] and reasons[-1] == "finished"
     assert not list(ck.root.glob("*.tmp-*"))  # the save killed in flight was cleaned up
 
 

@@ -21,8 +21,7 @@ def _meter(**kw) -> metrics.Meter:
 def test_window_sustained_mfu_and_cost() -> None:
     m = _meter()
     for step, seconds, stall, tokens in [(0, 4.0, 1.0, 100), (1, 2.0, 0.0, 100), (2, 1.0, 0.5, 100), (3, 1.0, 0.0, 300)]:
-        m.step_time(step, seconds, stall)
-    m.tokens([(0, 100, 0), (1, 100, 0), (2, 100, 0), (3, 300, 0)])
+        m.step(step, seconds, stall, tokens, 0)
     m.pause(30.0)  # a checkpoint: excluded from every rate
     row = m.row(step=4, loss=1.5)
     assert row["step"] == 4 and row["loss"] == 1.5
@@ -34,8 +33,7 @@ def test_window_sustained_mfu_and_cost() -> None:
     assert row["sustained_mfu"] == pytest.approx(4000 / (2.0 * 2 * 100.0))
     assert row["device_hours"] == pytest.approx(2.0) and row["cost"] == pytest.approx(7.2)
     # the window resets; the sustained figures do not
-    m.step_time(4, 2.0, 0.0)
-    m.tokens([(4, 200, 0)])
+    m.step(4, 2.0, 0.0, 200, 0)
     row = m.row(step=5)
     assert row["tokens_per_s"] == pytest.approx(100.0)
     assert row["sustained_tokens_per_s"] == pytest.approx(600 / 4.0)
@@ -43,10 +41,16 @@ def test_window_sustained_mfu_and_cost() -> None:
 
 def test_mfu_null_without_peak_and_cost_null_without_price() -> None:
     m = _meter(peak_flops=None, price_per_hour=None)
-    m.step_time(0, 1.0, 0.0)
-    m.tokens([(0, 10, 0)])
+    m.step(0, 1.0, 0.0, 10, 0)
     row = m.row(step=1)
     assert row["mfu"] is None and row["cost"] is None and row["tokens_per_s"] == 10.0
+
+
+def test_flops_get_the_document_lengths() -> None:
+    got: list[tuple[float, float]] = []
+    m = _meter(flops_fn=lambda tokens, sq: got.append((tokens, sq)) or 1.0, warmup_steps=0)
+    m.step(0, 1.0, 0.0, 30, 500)
+    assert got == [(30, 500)]
 
 
 def test_own_clock_counts_devices() -> None:

@@ -30,6 +30,11 @@ def test_torch_device_names_match(device: str, name: str) -> None:
     assert catalog.peak_flops_for(device) == gpu.peak_bf16_flops
 
 
+def test_catalogue_names_match_too() -> None:
+    assert catalog.match_device("A100-40GB").name == "A100-40GB"  # its alias regex alone would not say 40 vs 80
+    assert catalog.match_device(" l4 ").name == "L4"
+
+
 def test_unknown_device_has_no_peak() -> None:
     assert catalog.peak_flops_for("Tesla T4") is None
     assert catalog.peak_flops_for("cpu") is None

@@ -100,6 +100,9 @@ def test_checkpointing_and_8bit_optimizer_shrink_the_estimate() -> None:
     # An 8B llama in NF4 is ~5.5 GB of weights (blocks in 4-bit, embeddings and head in bf16).
     assert 5.0 < plain.weights / 1e9 < 6.0
     assert plain.weights == memory.weight_bytes(shape, "nf4", "bfloat16")
+    eager = memory.estimate_memory(shape, optimizer="adamw", gradient_checkpointing=False, eager_attention=True, **kw)
+    # Scores and probabilities: 2 x bf16 x 32 heads x 4096^2 per layer, 32 layers = 64 GiB more.
+    assert (eager.activations - plain.activations) / (1 + memory.FRAGMENTATION) == pytest.approx(32 * 2 * 2 * 32 * 4096**2)
 
 
 def test_nf4_weight_bytes_match_bitsandbytes(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from trainer import config as C
 from trainer import run, sampler, state, tiny
+from trainer.checkpoint import CheckpointManager
 
 K = 4
 
@@ -111,3 +112,30 @@ def test_resume_without_rng_or_sampler_state_differs(runs: dict[str, Any], contr
     straight = _losses(runs["root"] / "straight")
     got = runs["controls"][control]
     assert got[K + 1] != straight[K + 1]
+
+
+def test_corrupt_newest_checkpoint_falls_back_and_still_matches(runs: dict[str, Any], tiny_llama: Path,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    """End to end: a flipped byte in the newest checkpoint -> resume from the previous one,
+    say which file was bad, redo the steps, and finish with the same adapter."""
+    import shutil
+
+    root = runs["root"]
+    out = root / "fallback"
+    shutil.copytree(root / "split" / "checkpoints", out / "checkpoints")
+    bad = out / "checkpoints" / f"step-{2 * K:06d}" / "optimizer.safetensors"
+    data = bytearray(bad.read_bytes())
+    data[-3] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    cfg = _cfg(out, tiny_llama, runs["data"], root / "cache", 2 * K)
+    assert run.train(cfg) == 0
+    printed = capsys.readouterr()
+    text = printed.out + printed.err
+    assert f"step-{2 * K:06d} is corrupt, skipped: optimizer.safetensors: sha256 differs" in text
+    assert f"resuming from {out / 'checkpoints' / f'step-{K:06d}'}" in text
+    assert sorted(_losses(out)) == list(range(K + 1, 2 * K + 1))
+    a = load_file(root / "straight" / "final" / "adapter_model.safetensors")
+    b = load_file(out / "final" / "adapter_model.safetensors")
+    assert _equal(a, b)
+    ck = CheckpointManager(out / "checkpoints")
+    assert ck.verify(ck.step_dir(2 * K)) == []  # the corrupt copy was replaced by a good one

@@ -159,6 +159,7 @@ def test_write_and_restore_training_state(tmp_path: Path) -> None:
     assert names == {"adapter_model.safetensors", "adapter_config.json", "optimizer.safetensors", "optimizer.json",
                      "rng.safetensors", "trainer_state.json"}
     assert not any(p.suffix in (".bin", ".pt", ".pkl") for p in tmp_path.iterdir())
+    weights_at_save = {k: v.clone() for k, v in model.state_dict().items()}
     expected = [_step(model, opt) for _ in range(3)]
     expected_weights = {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -172,6 +173,14 @@ def test_write_and_restore_training_state(tmp_path: Path) -> None:
     got = [_step(fresh, fresh_opt) for _ in range(3)]
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     assert all(torch.equal(expected_weights[k], v) for k, v in fresh.state_dict().items())
+
+    # The checkpoint's adapter is a plain PEFT adapter.
+    from peft import PeftModel
+
+    torch.manual_seed(0)
+    loaded = PeftModel.from_pretrained(_Net(), str(tmp_path))
+    differ = [k for k, v in loaded.state_dict().items() if not torch.equal(v, weights_at_save[k])]
+    assert differ == [], differ
 
     # Control: restoring everything but the RNG gives other dropout masks, other losses.
     again = _peft(1)

@@ -53,20 +53,28 @@ def logits_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------- end to end
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny recipe (builtin model and data) trained briefly; shared by the tests below."""
+    """The shipped tiny recipe (builtin model and data), shortened; shared by the tests below."""
     out = tmp_path_factory.mktemp("run")
-    cfg = make_cfg(out, **{
-        "train.max_steps": 24, "train.lr": 5e-3, "train.warmup_steps": 2, "train.schedule": "constant",
-        "checkpoint.every_steps": 12, "metrics.log_every": 1,
-    })
+    cfg = C.load(REPO / "recipes" / "tiny-cpu.yaml", [
+        f"output_dir={out}", "train.max_steps=24", "train.micro_batch_size=2", "train.grad_accum=1",
+        "train.warmup_steps=2", "checkpoint.every_steps=12", "checkpoint.every_minutes=null",
+        "metrics.log_every=1", "metrics.progress=false", "data.eval_fraction=0.02", "train.eval_every=12",
+    ])
     assert run.train(cfg) == 0
     return out
 
 
 def test_tiny_recipe_trains_and_loss_falls(trained_run: Path) -> None:
-    rows = metrics_rows(trained_run)
+    all_rows = metrics_rows(trained_run)
+    evals = [r for r in all_rows if "eval_loss" in r]
+    rows = [r for r in all_rows if "loss" in r]
+    assert [r["step"] for r in evals] == [12, 24]
+    assert evals[-1]["eval_loss"] < rows[0]["loss"] - 0.3, "held-out loss improves on the random start"
     assert [r["step"] for r in rows] == list(range(1, 25))
     losses = [r["loss"] for r in rows]
     assert all(math.isfinite(x) for x in losses)
@@ -89,6 +97,8 @@ def test_tiny_recipe_trains_and_loss_falls(trained_run: Path) -> None:
 
 def test_final_adapter_loads_with_plain_peft_and_matches(trained_run: Path) -> None:
     from peft import PeftModel
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     adapter_cfg = json.loads((trained_run / "final" / "adapter_config.json").read_text())
@@ -96,10 +106,8 @@ def test_final_adapter_loads_with_plain_peft_and_matches(trained_run: Path) -> N
     ids = sample_ids()
     base_logits = logits_of(base, ids)
     loaded = PeftModel.from_pretrained(base, str(trained_run / "final"))
-    # The trained model, rebuilt by spotune and given the final weights from the last checkpoint.
-    from safetensors.torch import load_file
-    from peft.utils import set_peft_model_state_dict
-
+    # The trained model as spotune builds it, holding the weights of its last step (the
+    # step-24 checkpoint, written from the live model by the same code path as a resume reads).
     cfg = C.load(trained_run / "config.yaml")
     ours = build(cfg.model, cfg.adapter, name_or_path=adapter_cfg["base_model_name_or_path"])
     set_peft_model_state_dict(ours, load_file(trained_run / "checkpoints" / "step-000024" / "adapter_model.safetensors"))
@@ -137,7 +145,34 @@ def test_qlora_4bit_trains_on_cpu(tmp_path: Path, tiny_llama: Path, tiny_data: P
     assert (tmp_path / "q" / "final" / "adapter_model.safetensors").is_file()
 
 
+def test_budget_guard_stops_with_a_checkpoint(tmp_path: Path, tiny_llama: Path, tiny_data: Path) -> None:
+    from trainer import preemption
+
+    out = tmp_path / "b"
+    cfg = make_cfg(out, **{"model.name_or_path": str(tiny_llama), "data.path": str(tiny_data), "data.seq_len": 128,
+                           "train.max_steps": 50, "train.max_gpu_hours": 1e-9, "metrics.trackers": ["tensorboard"]})
+    assert run.train(cfg) == preemption.EXIT_BUDGET
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000001"]
+    assert len(metrics_rows(out)) == 1 and (out / "final" / "adapter_model.safetensors").is_file()
+    assert list(out.rglob("events.out.tfevents.*")), "the optional TensorBoard tracker wrote its event file"
+
+
 # ---------------------------------------------------------------------------- loop maths
+
+
+def test_logits_only_where_labels_are_give_the_same_loss(tiny_llama: Path) -> None:
+    rows = _rows(lengths=[64, 20, 50], trainable=[60, 0, 30])  # the middle row has no label at all
+    cols = rows.with_format("numpy")[:]
+    full = {k: torch.from_numpy(loop.stack_column(cols[k])) for k in loop.StepDataset.COLUMNS}
+    keep, keep_labels = loop.logit_positions(full["labels"])
+    assert keep.shape == (3, 60) and (keep_labels[1] == loop.IGNORE_INDEX).all()
+    model = _model(tiny_llama)
+    assert loop.accepts_logits_to_keep(model)
+    expected = loop.token_loss_sum(model, full)
+    got = loop.token_loss_sum(model, {**full, "keep": keep, "keep_labels": keep_labels})
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+    shuffled = {**full, "keep": keep, "keep_labels": keep_labels.roll(1, dims=1)}
+    assert abs(loop.token_loss_sum(model, shuffled) - expected) > 1e-3, "control: misaligned labels change the loss"
 
 
 def _rows(lengths: list[int], trainable: list[int], seq_len: int = 64, seed: int = 0) -> datasets.Dataset:
@@ -251,6 +286,18 @@ def test_non_finite_step_is_skipped_and_weights_untouched(tiny_llama: Path) -> N
 
 
 # ---------------------------------------------------------------------------- schedule
+
+
+def test_prefetching_worker_yields_the_same_batches_from_any_step() -> None:
+    rows = _rows(lengths=[64, 40, 50, 30, 64, 20, 33, 41], trainable=[30, 20, 25, 10, 30, 10, 5, 7])
+    dataset = loop.StepDataset(rows, StepSampler(len(rows), 2, seed=3), 0, 1, 2, 1, total_steps=8)
+    inline = list(run.step_loader(dataset, 0, torch.device("cpu"), seed=0, workers=0))
+    prefetched = list(run.step_loader(dataset, 5, torch.device("cpu"), seed=0, workers=1))  # a resume at step 5
+    assert [b.step for b in inline] == list(range(8)) and [b.step for b in prefetched] == [5, 6, 7]
+    for a, b in zip(inline[5:], prefetched):
+        assert torch.equal(a.counts, b.counts)
+        assert all(torch.equal(a.micro[0][k], b.micro[0][k]) for k in a.micro[0])
+    assert not torch.equal(inline[0].micro[0]["input_ids"], inline[1].micro[0]["input_ids"]), "control"
 
 
 def test_lr_schedule_values() -> None:

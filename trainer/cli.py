@@ -70,16 +70,16 @@ def _split(recipe: str | None, overrides: Sequence[str]) -> tuple[str | None, li
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from trainer.checkpoint import CheckpointError
+    from trainer.data import DataError
+
     try:
         return _dispatch(args)
-    except C.ConfigError as e:
+    except (C.ConfigError, DataError, CheckpointError) as e:
+        # Each carries complete sentences naming the key, file or line to fix; a traceback
+        # would only bury them. CheckpointError covers "none verifies" and ResumeMismatch.
         print(f"spotune: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except ValueError as e:  # DataError, ResumeMismatch and friends carry a complete sentence
-        if type(e).__name__ in {"DataError", "ResumeMismatch", "CheckpointError"}:
-            print(f"spotune: {e}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        raise
 
 
 def _dispatch(args: argparse.Namespace) -> int:

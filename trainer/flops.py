@@ -168,6 +168,7 @@ def train_flops(
     trainable_params: float,
     *,
     causal: bool = True,
+    head_tokens: float | None = None,
 ) -> float:
     """FLOPs of forward + backward over `tokens` tokens, excluding recompute.
 
@@ -177,8 +178,12 @@ def train_flops(
     `doc_len_sq_sum`: sum over documents of length**2 for the tokens counted (for
     unpacked rows, one document per row). `causal=False` counts the full square,
     which is what a dense attention kernel executes with a mask.
+    `head_tokens`: positions whose logits are computed, when the loop skips the output head
+    where no label is (default: every token); `frozen_params` must then include the head.
     """
     linear = (4.0 * frozen_params + 6.0 * trainable_params) * tokens
+    if head_tokens is not None:
+        linear -= 4.0 * shape.head_params() * (tokens - head_tokens)
     pairs = causal_pairs(tokens, doc_len_sq_sum) if causal else float(doc_len_sq_sum)
     return linear + attention_flops(shape, pairs)
 

@@ -258,7 +258,6 @@ def train_loop(
     world = accelerator.num_processes
     device = accelerator.device
     meter, console = hooks.meter, hooks.console
-    pending_counts: list[tuple[int, torch.Tensor]] = []  # device-side, read at log steps
     last_save = time.monotonic()
     data: Iterator[StepBatch] = iter(batches)
     model.train()
@@ -289,43 +288,41 @@ def train_loop(
 
         global_loss = accelerator.reduce(loss_sum, reduction="sum") / counts[0].clamp(min=1)
         grad_norm = accelerator.clip_grad_norm_(params, plan.max_grad_norm or math.inf)
-        # The one host sync per step: a non-finite loss or gradient is never applied.
-        finite = bool(torch.isfinite(global_loss) & torch.isfinite(grad_norm))
+        # The one host sync per step (one small transfer): a non-finite loss or gradient is
+        # never applied, and the same read brings the step's token counts for the meter.
+        loss_value, norm_value, trainable, real, doc_sq = torch.stack(
+            [global_loss.double(), grad_norm.double(), *counts.double()]
+        ).tolist()
+        finite = math.isfinite(loss_value) and math.isfinite(norm_value)
         if finite:
             optimizer.step()
             progress.bad_in_a_row = 0
         else:
             _skip_step(accelerator)
             progress.skipped_steps += 1
-            if not _scaler_calibrating(accelerator, global_loss):
+            if not _scaler_calibrating(accelerator, loss_value):
                 progress.bad_in_a_row += 1
             hooks.message(
-                f"step {step}: non-finite loss {float(global_loss):.4g} or grad norm {float(grad_norm):.4g}; "
-                f"step skipped ({progress.bad_in_a_row} in a row, limit train.max_bad_steps={plan.max_bad_steps})"
+                f"step {step}: non-finite loss ({loss_value:.4g}) or gradient norm ({norm_value:.4g}): step skipped, "
+                f"{progress.bad_in_a_row} in a row (stops at train.max_bad_steps={plan.max_bad_steps})"
             )
         optimizer.zero_grad(set_to_none=True)
         progress.step += 1
-        pending_counts.append((step, counts))
+        progress.trainable_tokens += int(trainable)
+        progress.real_tokens += int(real)
+        progress.last_loss = loss_value
         step_seconds = time.monotonic() - t_start
         hooks.step_done(step_seconds)
         if meter is not None:
-            meter.step_time(step, step_seconds, stall)
+            meter.step(step, step_seconds, stall, real, doc_sq)
 
         if progress.step % plan.log_every == 0 or progress.step == plan.total_steps or not finite:
-            totals = torch.stack([c for _, c in pending_counts]).tolist()
-            progress.trainable_tokens += sum(int(c[0]) for c in totals)
-            progress.real_tokens += sum(int(c[1]) for c in totals)
-            progress.last_loss = float(global_loss)
             row = dict(
-                step=progress.step, epoch=hooks.epoch_of(progress.step), loss=progress.last_loss, lr=lr,
-                grad_norm=float(grad_norm), skipped_steps=progress.skipped_steps,
+                step=progress.step, epoch=hooks.epoch_of(progress.step), loss=loss_value, lr=lr,
+                grad_norm=norm_value, skipped_steps=progress.skipped_steps,
                 trainable_tokens=progress.trainable_tokens, real_tokens=progress.real_tokens,
             )
-            if meter is not None:
-                meter.tokens([(s, float(c[1]), float(c[2])) for (s, _), c in zip(pending_counts, totals)])
-                row = meter.row(**row)
-            pending_counts.clear()
-            hooks.log(row)
+            hooks.log(meter.row(**row) if meter is not None else row)
             if console is not None:
                 console.update(0, row)
         if console is not None:
@@ -383,11 +380,11 @@ def _skip_step(accelerator: Any) -> None:
         scaler.update()
 
 
-def _scaler_calibrating(accelerator: Any, global_loss: torch.Tensor) -> bool:
+def _scaler_calibrating(accelerator: Any, loss_value: float) -> bool:
     """fp16 overflow with a finite loss while the scale is still above 1 is the scaler finding
     its range, not divergence: such steps are skipped but do not count toward max_bad_steps."""
     scaler = getattr(accelerator, "scaler", None)
-    return scaler is not None and bool(torch.isfinite(global_loss)) and scaler.get_scale() > 1.0
+    return scaler is not None and math.isfinite(loss_value) and scaler.get_scale() > 1.0
 
 
 def _over_budget(plan: LoopPlan, meter: Any) -> bool:

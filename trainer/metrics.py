@@ -13,8 +13,8 @@ Definitions (one place, see DESIGN.md):
 - device-hours: wall time x devices, summed over every attempt (earlier attempts come in
   as `prior_device_seconds`); cost = device-hours x `metrics.price_per_hour`.
 
-Only rank 0 builds sinks; the meter itself is cheap host arithmetic, fed with numbers the
-loop already moved to the host at a log step.
+Only rank 0 builds sinks; the meter itself is cheap host arithmetic on numbers the loop
+already reads once per step.
 """
 
 from __future__ import annotations
@@ -59,35 +59,24 @@ class Meter:
     _s_real: float = 0.0
     _s_flops: float = 0.0
     _paused: float = 0.0
-    _pending: list[tuple[int, float, float]] = field(default_factory=list)
 
-    def step_time(self, step: int, seconds: float, stall_seconds: float) -> None:
-        """Wall time of one optimizer step (data wait included) and the part spent waiting for data."""
-        self._pending.append((step, seconds, stall_seconds))
+    def step(self, step: int, seconds: float, stall_seconds: float, real_tokens: float, doc_len_sq_sum: float) -> None:
+        """One optimizer step: its wall time (data wait included), the part spent waiting for
+        data, and its real tokens and sum of squared document lengths over every rank."""
+        flops = self.flops_fn(real_tokens, doc_len_sq_sum) if self.flops_fn else 0.0
+        self._w_seconds += seconds
+        self._w_stall += stall_seconds
+        self._w_steps += 1
+        self._w_real += real_tokens
+        self._w_flops += flops
+        if step - self.start_step >= self.warmup_steps:
+            self._s_seconds += seconds
+            self._s_real += real_tokens
+            self._s_flops += flops
 
     def pause(self, seconds: float) -> None:
         """Checkpoint or evaluation time: counted in device-hours, excluded from throughput."""
         self._paused += seconds
-
-    def tokens(self, step_counts: list[tuple[int, float, float]]) -> None:
-        """Per-step (step, real tokens, sum of squared doc lengths), global over ranks.
-
-        Delivered at log steps only, when the loop reads its device-side counters.
-        """
-        by_step = {s: (r, sq) for s, r, sq in step_counts}
-        for step, seconds, stall in self._pending:
-            real, sq = by_step.get(step, (0.0, 0.0))
-            flops = self.flops_fn(real, sq) if self.flops_fn else 0.0
-            self._w_seconds += seconds
-            self._w_stall += stall
-            self._w_steps += 1
-            self._w_real += real
-            self._w_flops += flops
-            if step - self.start_step >= self.warmup_steps:
-                self._s_seconds += seconds
-                self._s_real += real
-                self._s_flops += flops
-        self._pending.clear()
 
     def device_seconds(self) -> float:
         if self.device_seconds_fn is not None:
@@ -211,9 +200,10 @@ def _finite(row: dict[str, Any]) -> dict[str, Any]:
 class Console:
     """A tqdm bar with ETA and a short postfix: loss, tokens/s, cost so far."""
 
-    def __init__(self, total_steps: int, initial: int, enabled: bool) -> None:
+    def __init__(self, total_steps: int, initial: int, enabled: bool, is_main: bool = True) -> None:
         self._bar = None
-        if enabled:
+        self._speak = is_main  # other ranks stay silent: one voice per run
+        if enabled and is_main:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total_steps, initial=initial, unit="step", dynamic_ncols=True)
@@ -231,6 +221,8 @@ class Console:
             self._bar.set_postfix(post, refresh=False)
 
     def message(self, text: str) -> None:
+        if not self._speak:
+            return
         if self._bar is not None:
             self._bar.write(text)
         else:

@@ -76,7 +76,7 @@ def agree(flag: bool, accelerator: Any = None) -> bool:
     others would hang in the next collective. Call it once per optimizer step on every rank.
     """
     num = getattr(accelerator, "num_processes", 1) if accelerator is not None else 1
-    if num == 1 or not torch.distributed.is_initialized():
+    if num == 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return flag
     device = accelerator.device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)

@@ -65,12 +65,23 @@ def make_accelerator(cfg: C.RunConfig) -> Any:
     if cfg.train.mixed_precision == "fp16" and not cuda:
         raise C.ConfigError(["train.mixed_precision: fp16 needs a CUDA GPU; use bf16 or no on CPU"])
     trackers = list(cfg.metrics.trackers)
-    return Accelerator(
+    accelerator = Accelerator(
         cpu=not cuda,
         mixed_precision=cfg.train.mixed_precision,
         log_with=trackers or None,
         project_dir=cfg.output_dir,
     )
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+        # Checkpoints are written by rank 0 from full (unsharded) adapter and optimizer state,
+        # which holds for DDP only; an FSDP/DeepSpeed run would silently save one shard.
+        raise C.ConfigError([
+            f"accelerate is configured for {accelerator.distributed_type.value}; spotune supports one process or "
+            "DDP (torchrun / accelerate launch --multi_gpu). A LoRA adapter's state fits on every GPU; for a base "
+            "model that does not, use adapter.method=qlora"
+        ], "accelerate config")
+    return accelerator
 
 
 def build_optimizer(train: C.TrainConfig, params: list[torch.nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
@@ -93,7 +104,6 @@ def total_steps(train: C.TrainConfig, sampler: StepSampler) -> int:
 def train(cfg: C.RunConfig) -> int:
     """Train (resuming when a checkpoint verifies) and return the process exit code."""
     from datasets import load_from_disk
-    from transformers import AutoTokenizer
 
     out = Path(cfg.output_dir)
     accelerator = make_accelerator(cfg)
@@ -131,7 +141,7 @@ def train(cfg: C.RunConfig) -> int:
     ledger = Ledger.open(out, world, price_per_hour=cfg.metrics.price_per_hour,
                          carried_totals=saved.ledger if resume_dir is not None else None, enabled=is_main)
     manager = CheckpointManager(out / "checkpoints", keep_last=cfg.checkpoint.keep_last)
-    console = metrics.Console(steps, 0, enabled=show)
+    console = metrics.Console(steps, 0, enabled=cfg.metrics.progress, is_main=is_main)
     for note in notes:
         console.message(f"spotune: {note}")
 
@@ -174,14 +184,9 @@ def train(cfg: C.RunConfig) -> int:
                 accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"])
 
     progress = loop.Progress()
-    if resume_dir is not None:
-        state = restore_training_state(resume_dir, model=model, optimizer=optimizer, rank=rank, world_size=world,
-                                       scaler=accelerator.scaler)  # RNG restored last, right before the first step
-        progress = loop.Progress(step=state.step, trainable_tokens=state.tokens,
-                                 skipped_steps=state.skipped_steps, bad_in_a_row=state.consecutive_bad_steps)
-        state.structural, state.config = structural, cfg.to_dict()
-        state.config_fingerprint, state.data_fingerprint, state.world_size = C.fingerprint(cfg, world), prepared.fingerprint, world
-        console.message(f"spotune: resuming from {resume_dir} at step {state.step} of {steps}")
+    if resume_dir is not None:  # last before the first step: it restores the RNG
+        state, progress = _restore(resume_dir, model, optimizer, accelerator, fresh=state)
+        console.message(f"spotune: resuming from {resume_dir} at step {progress.step} of {steps}")
     meter.start_step = progress.step
     console.update(progress.step)
 
@@ -203,15 +208,16 @@ def train(cfg: C.RunConfig) -> int:
     reason: loop.StopReason = "finished"
     try:
         if progress.step < steps:
-            batches = _step_loader(rows, sampler, cfg, rank, world, steps, progress.step, accelerator.device,
-                                   select_logits=loop.accepts_logits_to_keep(model))
+            dataset = loop.StepDataset(rows, sampler, rank, world, t.micro_batch_size, t.grad_accum, steps,
+                                       select_logits=loop.accepts_logits_to_keep(model))
+            batches = step_loader(dataset, progress.step, accelerator.device, cfg.seed)
             ledger.mark_first_step()
             reason = loop.train_loop(accelerator, model, optimizer, batches, plan, progress, hooks)
         if reason in ("finished", "budget") and is_main:
             write_final(out / "final", model, tokenizer_path(cfg))
         accelerator.wait_for_everyone()
-    except BaseException:
-        ledger.close("error")
+    except BaseException as e:  # the ledger row says how this attempt ended, whatever happened
+        ledger.close("aborted" if isinstance(e, (KeyboardInterrupt, SystemExit)) else "error")
         raise
     finally:
         console.close()
@@ -230,21 +236,47 @@ def train(cfg: C.RunConfig) -> int:
 # ---------------------------------------------------------------------------- pieces
 
 
-def _step_loader(rows: Any, sampler: StepSampler, cfg: C.RunConfig, rank: int, world: int, steps: int,
-                 start: int, device: torch.device, select_logits: bool) -> torch.utils.data.DataLoader:
-    """Prefetch whole optimizer steps from `start` on; one worker on CUDA hides reading and collating.
+def _restore(resume_dir: Path, model: torch.nn.Module, optimizer: Any, accelerator: Any,
+             fresh: TrainState) -> tuple[TrainState, loop.Progress]:
+    """Adapter, optimizer, grad scaler and this rank's RNG from `resume_dir`, every field.
+
+    The returned state keeps the checkpoint's counters and ledger totals but describes this
+    run (config, fingerprints, world size), since that is what the next save records.
+    """
+    saved = restore_training_state(resume_dir, model=model, optimizer=optimizer, rank=accelerator.process_index,
+                                   world_size=accelerator.num_processes, scaler=accelerator.scaler)
+    progress = loop.Progress(step=saved.step, trainable_tokens=saved.tokens,
+                             skipped_steps=saved.skipped_steps, bad_in_a_row=saved.consecutive_bad_steps)
+    state = dataclasses.replace(fresh, step=saved.step, epoch=saved.epoch, cursor=saved.cursor, tokens=saved.tokens,
+                                skipped_steps=saved.skipped_steps, consecutive_bad_steps=saved.consecutive_bad_steps,
+                                ledger=saved.ledger)
+    return state, progress
+
+
+def step_loader(dataset: loop.StepDataset, start: int, device: torch.device, seed: int,
+                workers: int | None = None) -> torch.utils.data.DataLoader:
+    """Prefetch whole optimizer steps from `start` on; by default one worker on CUDA hides
+    reading and collating behind the GPU's work (on CPU a worker would only compete for cores).
 
     The DataLoader gets its own generator so creating it never draws from the global torch RNG
     (which a resumed run has just restored and must leave untouched).
     """
-    dataset = loop.StepDataset(rows, sampler, rank, world, cfg.train.micro_batch_size, cfg.train.grad_accum, steps,
-                               select_logits=select_logits)
-    workers = 1 if device.type == "cuda" else 0
+    if workers is None:
+        workers = 1 if device.type == "cuda" else 0
     return torch.utils.data.DataLoader(
-        dataset, batch_size=None, sampler=range(start, steps), collate_fn=loop.identity_collate,
+        dataset, batch_size=None, sampler=range(start, dataset.total_steps), collate_fn=loop.identity_collate,
         num_workers=workers, prefetch_factor=4 if workers else None, pin_memory=device.type == "cuda",
-        generator=torch.Generator().manual_seed(cfg.seed),
+        generator=torch.Generator().manual_seed(seed), worker_init_fn=_ignore_stop_signals if workers else None,
     )
+
+
+def _ignore_stop_signals(worker_id: int) -> None:
+    """A data worker ignores preemption signals (Slurm signals every process of the job):
+    the main process finishes the step, saves, and shuts the worker down itself."""
+    import signal
+
+    for sig in preemption.SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _evaluator(cfg: C.RunConfig, prepared: Any, model: torch.nn.Module, accelerator: Any) -> Any:

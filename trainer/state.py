@@ -177,7 +177,7 @@ def restore_rng(tensors: dict[str, torch.Tensor]) -> None:
 def gather_rng(world_size: int) -> dict[str, torch.Tensor]:
     """Every rank's `capture_rng()`, keyed `rank<r>.<name>`. Collective: all ranks must call it."""
     local = capture_rng()
-    if world_size == 1 or not torch.distributed.is_initialized():
+    if world_size == 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return {f"rank0.{k}": v for k, v in local.items()}
     # all_gather_object pickles over the process group only; nothing pickled reaches disk.
     gathered: list[Any] = [None] * world_size

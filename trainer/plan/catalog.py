@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from trainer.plan import PlanError
+
 BUILTIN_CATALOG = Path(__file__).with_name("gpus.yaml")
 _REQUIRED = ("memory_gib", "peak_bf16_flops", "on_demand_price")
 
@@ -43,8 +45,8 @@ class GPU:
         return 1.0 - self.spot_price / self.on_demand_price
 
 
-class CatalogError(ValueError):
-    pass
+class CatalogError(PlanError):
+    """A bad GPU catalogue file or an unknown GPU name."""
 
 
 def load_catalog(overrides_path: str | Path | None = None) -> list[GPU]:
@@ -87,9 +89,12 @@ def find_gpu(name: str, catalog: list[GPU] | None = None) -> GPU:
 
 
 def match_device(device_name: str, catalog: list[GPU] | None = None) -> GPU | None:
-    """The entry whose alias matches the longest span of a torch device name."""
+    """The entry named `device_name`, else the one whose alias matches the longest span of it."""
     gpus = catalog if catalog is not None else load_catalog()
-    text = device_name.lower()
+    text = device_name.strip().lower()
+    for g in gpus:
+        if g.name.lower() == text:
+            return g
     best: tuple[int, GPU] | None = None
     for g in gpus:
         for pattern in g.aliases:

@@ -15,6 +15,7 @@ from typing import Any
 
 from trainer import flops
 from trainer.config import RunConfig
+from trainer.plan import PlanError
 from trainer.plan import catalog as cat
 from trainer.plan import forecast as fc
 from trainer.plan import memory as mem
@@ -51,7 +52,7 @@ def run_estimate(
     from trainer import tiny
 
     if gpus < 1:
-        raise ValueError(f"--gpus must be at least 1, got {gpus}")
+        raise PlanError(f"--gpus must be at least 1, got {gpus}")
     full_catalog = cat.load_catalog(catalog_path)
     gpus_list = [cat.find_gpu(gpu, full_catalog)] if gpu is not None else full_catalog
     shape, hf_name = _shape(cfg, tiny.resolve_model(cfg.model.name_or_path))
@@ -73,6 +74,7 @@ def run_estimate(
         target_modules=a.target_modules, lora_dropout=a.dropout > 0, optimizer=cfg.train.optimizer,
         micro_batch_size=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
+        eager_attention=cfg.model.attn_implementation == "eager",
     )
     pilot = json.loads(Path(pilot_json).read_text()) if pilot_json else None
     rate = _throughput(cfg, pilot, throughput, mfu, flops_per_token)
@@ -138,10 +140,11 @@ def run_estimate(
         "run": {"steps": steps, "gpus": gpus, "global_batch_rows": global_rows, "seq_len": cfg.data.seq_len,
                 "epochs": steps * global_rows / work.rows if work.rows else None,
                 "real_tokens": tokens, "trainable_tokens": trainable, "train_flops": run_flops},
-        "memory_gib": memory.as_gib(),
+        "memory_gib": memory.as_gib() | {"pilot_measured_peak": pilot.get("peak_memory_gib") if pilot else None},
         "throughput": {k: v for k, v in rate.items() if k not in ("low_factor", "high_factor")}
         | {"range_factors": [rate["low_factor"], rate["high_factor"]]},
-        "checkpoint": {"save_seconds": save_s, "configured_interval_minutes": _interval_minutes(cfg),
+        "checkpoint": {"save_seconds": save_s, "every_minutes": cfg.checkpoint.every_minutes,
+                       "every_steps": cfg.checkpoint.every_steps,
                        "restart_seconds": startup_s},
         "constraints": {"deadline_hours": deadline_hours, "budget": budget},
         "options": rows,
@@ -159,7 +162,7 @@ def _shape(cfg: RunConfig, path: str) -> tuple[flops.ModelShape, str]:
     try:
         hf = AutoConfig.from_pretrained(path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError) as e:
-        raise ValueError(f"model.name_or_path: cannot read the model config of {path!r}: {str(e).splitlines()[0]}") from None
+        raise PlanError(f"model.name_or_path: cannot read the model config of {path!r}: {str(e).splitlines()[0]}") from None
     return flops.model_shape(hf), str(getattr(hf, "model_type", ""))
 
 
@@ -187,18 +190,20 @@ def _throughput(cfg: RunConfig, pilot: dict[str, Any] | None, given: float | Non
     """Real tokens/s per GPU and where it came from; low/high factors scale the rate."""
     assumed = mfu if mfu is not None else DEFAULT_MFU[cfg.adapter.method]
     if not 0 < assumed <= 1:
-        raise ValueError(f"--mfu must be within (0, 1], got {assumed}")
+        raise PlanError(f"--mfu must be within (0, 1], got {assumed}")
     common = {"flops_per_token": flops_per_token, "assumed_mfu": assumed}
     if pilot is not None:
         world = int(pilot.get("world_size", 1))
-        p10, p50, p90 = (pilot["step_time_s"][k] for k in ("p10", "p50", "p90"))
+        # The sustained rate goes with the mean step time; p10/p90 steps bound the range
+        # (at least +/-5%: a short pilot on a quiet machine understates the spread).
+        mean, p10, p90 = (pilot["step_time_s"][k] for k in ("mean", "p10", "p90"))
         return {"source": "pilot", "tokens_per_s_per_gpu": pilot["sustained_tokens_per_s"] / world,
                 "device": pilot.get("device"), "measured_gpus": world, "mfu": pilot.get("sustained_mfu"),
-                "low_factor": min(p50 / p90, 0.95) if p90 else 0.95,
-                "high_factor": max(p50 / p10, 1.05) if p10 else 1.05} | common
+                "low_factor": min(mean / p90, 0.95) if p90 else 0.95,
+                "high_factor": max(mean / p10, 1.05) if p10 else 1.05} | common
     if given is not None:
         if given <= 0:
-            raise ValueError(f"--throughput must be above 0 tokens/s, got {given}")
+            raise PlanError(f"--throughput must be above 0 tokens/s, got {given}")
         ref = cfg.metrics.gpu
         return {"source": "given", "tokens_per_s_per_gpu": given, "device": ref, "measured_gpus": 1, "mfu": None,
                 "low_factor": 1 - GIVEN_SPREAD, "high_factor": 1 + GIVEN_SPREAD} | common
@@ -220,7 +225,7 @@ def _rate_on(rate: dict[str, Any], g: cat.GPU | None, catalog: list[cat.GPU]) ->
         return (*measured, "given")  # no device named: the given rate is taken for every GPU
     # Nothing measured on a catalogue GPU (an MFU estimate, or a pilot on CPU): peak x MFU.
     if not rate["flops_per_token"]:
-        raise ValueError("cannot derive a throughput: the run has no tokens")
+        raise PlanError("cannot derive a throughput: the run has no tokens")
     per_gpu = g.peak_bf16_flops * rate["assumed_mfu"] / rate["flops_per_token"]
     return (per_gpu, 1 - MFU_SPREAD, 1 + MFU_SPREAD, f"assumed MFU {rate['assumed_mfu']:.2f}")
 
@@ -235,10 +240,6 @@ def _interval_hours(cfg: RunConfig, step_hours: float) -> float | None:
     candidates = [h for h in (c.every_steps * step_hours if c.every_steps else None,
                               c.every_minutes / 60.0 if c.every_minutes else None) if h]
     return min(candidates) if candidates else None
-
-
-def _interval_minutes(cfg: RunConfig) -> float | None:
-    return cfg.checkpoint.every_minutes
 
 
 def _eval_hours(cfg: RunConfig, work: wl.Workload, steps: int, speed: float) -> float:
@@ -311,24 +312,26 @@ def format_estimate(result: dict[str, Any]) -> str:
         f"({d['trainable_tokens_per_epoch']:,.0f} trainable) [{exact}]",
         f"run     {r['steps']:,} steps x {r['global_batch_rows']} rows x {r['seq_len']} = {r['real_tokens']:,.0f} real tokens "
         f"on {r['gpus']} GPU(s), {r['train_flops']:.3g} FLOPs",
-        "memory  " + ", ".join(f"{k} {v:.3g}" for k, v in mem_g.items() if k != "total")
-        + f" -> {mem_g['total']:.3g} GiB per GPU",
+        "memory  " + ", ".join(f"{k} {v:.3g}" for k, v in mem_g.items() if k not in ("total", "pilot_measured_peak"))
+        + f" -> {mem_g['total']:.3g} GiB per GPU"
+        + (f" (pilot measured {mem_g['pilot_measured_peak']:.3g} GiB)" if mem_g.get("pilot_measured_peak") else ""),
         f"checkpoint save {result['checkpoint']['save_seconds']:.2g} s, startup/restart {result['checkpoint']['restart_seconds']:.0f} s",
         "",
-        f"{'GPU':<14}{'fit':<5}{'pricing':<10}{'$/GPU-h':>8}{'tok/s':>10}{'hours (low-exp-high)':>24}"
-        f"{'ckpt+eval':>10}{'spot loss':>10}{'GPU-h':>8}{'cost':>10}{'ckpt every':>11}",
+        f"{'GPU':<14}{'fit':<5}{'pricing':<10}{'$/GPU-h':>8}{'tok/s':>9}{'compute lo-exp-hi':>20}"
+        f"{'+start':>8}{'+ckpt':>7}{'+eval':>7}{'+interr':>8}{'= wall':>8}{'GPU-h':>8}{'cost lo-exp-hi':>22}{'ckpt every':>11}",
     ]
     for i, o in enumerate(result["options"]):
-        w, c = o["wall_hours"], o["cost"]
-        cost = f"{c['expected']:,.2f}" if c["expected"] is not None else "n/a"
+        c, w = o["cost"], o["compute_hours"]
+        cost = "-".join(f"{c[k]:,.2f}" for k in ("low", "expected", "high")) if c["expected"] is not None else "n/a"
         price = f"{o['price_per_gpu_hour']:.2f}" if o["price_per_gpu_hour"] is not None else "n/a"
         rec = o.get("recommended_checkpoint_minutes")
         star = " *" if result["recommendation"] and result["recommendation"]["index"] == i else ""
         lines.append(
-            f"{o['gpu'][:13]:<14}{'yes' if o['fits'] else 'NO':<5}{o['pricing']:<10}{price:>8}{_si(o['tokens_per_s']):>10}"
-            f"{_hours(w['low']) + '-' + _hours(w['expected']) + '-' + _hours(w['high']):>24}"
-            f"{_hours(o['checkpoint_hours'] + o['eval_hours']):>10}{_hours(o['restart_hours']):>10}"
-            f"{o['gpu_hours']['expected']:>8.2f}{cost:>10}{(f'{rec:.0f} min' if rec and o['pricing'] == 'spot' else ''):>11}{star}"
+            f"{o['gpu'][:13]:<14}{'yes' if o['fits'] else 'NO':<5}{o['pricing']:<10}{price:>8}{_si(o['tokens_per_s']):>9}"
+            f"{'-'.join(_hours(w[k]) for k in ('low', 'expected', 'high')):>20}"
+            f"{_hours(o['startup_hours']):>8}{_hours(o['checkpoint_hours']):>7}{_hours(o['eval_hours']):>7}"
+            f"{_hours(o['restart_hours']):>8}{_hours(o['wall_hours']['expected']):>8}"
+            f"{o['gpu_hours']['expected']:>8.2f}{cost:>22}{(f'{rec:.0f} min' if rec and o['pricing'] == 'spot' else ''):>11}{star}"
         )
     rec = result["recommendation"]
     lines.append("")
@@ -338,7 +341,8 @@ def format_estimate(result: dict[str, Any]) -> str:
         lines.append("recommended: none meets the deadline/budget; relax one, add GPUs (--gpus) or shorten the run")
     lines.append(f"throughput: {t['source']}" + (f" on {t['device']}" if t.get("device") else ""))
     lines += [f"  - {a}" for a in result["assumptions"]]
-    lines.append("hours are wall time: compute + startup + checkpoint saves + eval + (spot) expected interruption loss")
+    lines.append("wall = compute + startup + checkpoint saves + evaluation + (spot) expected interruptions x "
+                 "(restart + half a checkpoint interval); GPU-h = wall x GPUs; cost = GPU-h x price")
     return "\n".join(lines)
 
 
@@ -350,6 +354,8 @@ def _si(x: float) -> str:
 
 
 def _hours(h: float) -> str:
+    if h == 0:
+        return "0"
     if h < 1 / 60:
         return f"{h * 3600:.0f}s"
     return f"{h * 60:.0f}m" if h < 1 else f"{h:.1f}h"

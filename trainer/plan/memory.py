@@ -10,7 +10,7 @@ compute dtype), counted from what autograd keeps for backward:
 * two RMSNorms: each keeps an fp32 copy of its input and its normalised output: 2*(4h + a*h) bytes;
 * attention (flash/memory-efficient kernels, no seq x seq matrix): rotated q, k, v, the
   kernel output and its contiguous copy fed to o_proj: a*(2*q + 2*kv) + a*q, plus the fp32
-  log-sum-exp per head;
+  log-sum-exp per head; eager attention also keeps scores and probabilities, 2*a*heads*seq;
 * gated MLP: gate, silu(gate), up and their product: 4*a*i;
 * LoRA, per adapted linear: the A output (a*r); with dropout > 0 also the dropped copy of
   the input and its mask: in*(a + 1). (peft applies dropout separately per adapter, which
@@ -25,6 +25,10 @@ Logits: the head writes a*V per token and log_softmax keeps its fp32 output (4*V
 adds the fp32 gradient (4*V, plus a*V for the cast back when a < 4). Over a long vocabulary
 this is often the single largest term. The peak of a step is at the start of backward:
 all saved activations plus the logits and their gradient.
+
+spotune's loop computes logits only at positions that carry a label (`logits_to_keep`), so
+for prompt-masked SFT data the real logits term is smaller: the estimate assumes every
+position of a row is trained (true for `text` data), which keeps it on the safe side.
 
 Measured against CPU fp32 peaks (tests/test_plan_memory.py: profiler allocation trace of
 a full optimizer step, 4-layer hidden-512 llama/qwen2) the total agrees within 10%.
@@ -98,13 +102,17 @@ def optimizer_bytes_per_param(optimizer: str) -> float:
 
 
 def layer_activation_bytes_per_token(
-    shape: ModelShape, a: int, r: int, targets: Sequence[str], lora_dropout: bool
+    shape: ModelShape, a: int, r: int, targets: Sequence[str], lora_dropout: bool,
+    eager_attention_seq: int = 0,
 ) -> float:
-    """Bytes autograd keeps per token for one block (see the module docstring)."""
+    """Bytes autograd keeps per token for one block (see the module docstring).
+
+    `eager_attention_seq`: with eager attention, the sequence length whose scores and
+    softmax probabilities (heads x seq per token, each) are kept as well."""
     h, i = shape.hidden, shape.intermediate
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     norms = 2 * (4 * h + a * h)
-    attention = a * (2 * q + 2 * kv) + a * q + 4 * shape.heads
+    attention = a * (2 * q + 2 * kv) + a * q + 4 * shape.heads + 2 * a * shape.heads * eager_attention_seq
     mlp = (4 if shape.arch == "llama" else 3) * a * i
     lora = 0.0
     for _, fan_in, _ in adapted_linears(shape, targets):
@@ -127,11 +135,14 @@ def estimate_memory(
     gradient_checkpointing: bool,
     device_overhead: float = CUDA_OVERHEAD_BYTES,
     fragmentation: float = FRAGMENTATION,
+    eager_attention: bool = False,
 ) -> MemoryEstimate:
     """Peak bytes per GPU for one optimizer step (adapter kept in fp32, as peft does by default)."""
     a = _DTYPE_BYTES[compute_dtype]
     tokens = micro_batch_size * seq_len
-    per_layer = layer_activation_bytes_per_token(shape, a, lora_r, target_modules, lora_dropout) * tokens
+    per_layer = layer_activation_bytes_per_token(
+        shape, a, lora_r, target_modules, lora_dropout, eager_attention_seq=seq_len if eager_attention else 0
+    ) * tokens
     embed_out = a * shape.hidden * tokens  # the embedding output (first layer's input)
     final_norm = (4 + a) * shape.hidden * tokens
     # Held after forward: logits in the compute dtype and log_softmax's fp32 output (the

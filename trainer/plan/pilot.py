@@ -29,7 +29,9 @@ from typing import Any
 
 import numpy as np
 
+from trainer import preemption
 from trainer.config import RunConfig
+from trainer.plan import PlanError
 from trainer.plan import workload as wl
 
 DEFAULT_STEPS = 20
@@ -43,22 +45,26 @@ def pilot_dir(cfg: RunConfig) -> Path:
 def pilot_config(cfg: RunConfig, steps: int | None = None, minutes: float | None = None) -> RunConfig:
     """The run's config, changed only in what a pilot must change."""
     if steps is not None and minutes is not None:
-        raise ValueError("give --steps or --minutes, not both")
+        raise PlanError("give --steps or --minutes, not both")
     if minutes is not None and minutes <= 0:
-        raise ValueError(f"--minutes must be above 0, got {minutes}")
+        raise PlanError(f"--minutes must be above 0, got {minutes}")
     warm = cfg.metrics.warmup_steps
     n = steps if steps is not None else DEFAULT_STEPS
     if minutes is None and n < warm + 3:
-        raise ValueError(f"--steps {n} leaves fewer than 3 steps after metrics.warmup_steps={warm}; give at least {warm + 3}")
+        raise PlanError(f"--steps {n} leaves fewer than 3 steps after metrics.warmup_steps={warm}; give at least {warm + 3}")
+    budget_hours = None
     if minutes is not None:
-        # Stop by time through the budget guard (it counts device-hours from process start,
-        # so the minutes include startup); the step cap is just "more than will fit".
+        # Stop by time through the budget guard. It counts device-hours from process start,
+        # so what this process has used already is added: the pilot gets `minutes` from now
+        # (its own startup included). The step cap is just "more than will fit".
         n = 10**9 if cfg.train.max_steps is None else cfg.train.max_steps
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        budget_hours = (_seconds_since_process_start() + 60.0 * minutes) * world / 3600.0
     return cfg.replace(**{
         "output_dir": str(pilot_dir(cfg)),
         "data.cache_dir": str(wl.cache_root_for(cfg.data, cfg.output_dir)),  # share the run's prepared data
         "train.max_steps": n,
-        "train.max_gpu_hours": minutes / 60.0 if minutes is not None else None,
+        "train.max_gpu_hours": budget_hours,
         "train.max_cost": None,
         "train.eval_every": None,  # evaluation time is forecast from token counts instead
         "checkpoint.resume": "never",
@@ -68,8 +74,23 @@ def pilot_config(cfg: RunConfig, steps: int | None = None, minutes: float | None
     })
 
 
-def summarise(run_dir: Path, warmup_steps: int, device: str, prepare_seconds: float = 0.0) -> dict[str, Any]:
-    """pilot.json's content from a finished pilot's metrics.jsonl and ledger.jsonl."""
+def _seconds_since_process_start() -> float:
+    """The ledger's clock starts at process start (psutil); 0 where that cannot be read."""
+    try:
+        import psutil
+
+        return max(0.0, time.time() - float(psutil.Process().create_time()))
+    except Exception:  # psutil missing: the ledger then starts its own clock at open
+        return 0.0
+
+
+def summarise(run_dir: Path, warmup_steps: int, device: str, prepare_seconds: float = 0.0,
+              earlier_seconds: float = 0.0) -> dict[str, Any]:
+    """pilot.json's content from a finished pilot's metrics.jsonl and ledger.jsonl.
+
+    The ledger's clock starts at process start; `prepare_seconds` (a first-time data
+    preparation) and `earlier_seconds` (process time before the pilot that a `spotune
+    train` process would not have) are taken out of startup and wall time."""
     from trainer.ledger import read_rows
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -92,9 +113,9 @@ def summarise(run_dir: Path, warmup_steps: int, device: str, prepare_seconds: fl
     first_real = warm[-1]["real_tokens"] if warm else 0
     tokens_per_step = (sustained[-1]["real_tokens"] - first_real) / len(sustained)
     stall = [r["data_stall_share"] for r in sustained if r.get("data_stall_share") is not None]
-    startup = max(0.0, float(last["startup_seconds"]) / world - prepare_seconds)
+    startup = max(0.0, float(last["startup_seconds"]) / world - prepare_seconds - earlier_seconds)
     save = float(last["checkpoint_seconds"]) / world
-    wall = float(last["wall_seconds"]) - prepare_seconds
+    wall = float(last["wall_seconds"]) - prepare_seconds - earlier_seconds
     # Whatever the wall time holds beyond startup, steps and the save: writing final/, exit.
     teardown = max(0.0, wall - startup - sum(r["step_time_s"] for r in steps) - save)
     return {
@@ -128,25 +149,45 @@ def device_name() -> str:
     return f"cpu ({platform.machine()})"
 
 
-def run_pilot(cfg: RunConfig, steps: int | None = None, minutes: float | None = None) -> dict[str, Any]:
-    """Run the pilot, write `<output_dir>/pilot/pilot.json`, return its content."""
+def run_pilot(cfg: RunConfig, steps: int | None = None, minutes: float | None = None, *,
+              fresh_process: bool = True) -> dict[str, Any]:
+    """Run the pilot, write `<output_dir>/pilot/pilot.json`, return its content.
+
+    `fresh_process`: this process was started for the pilot (the CLI), so its time so far
+    (interpreter, imports, config) is startup that `spotune train` pays too. Pass False from
+    a long-lived process (tests, notebooks): startup then counts from this call, and the
+    imports already done are not measured."""
+    earlier = 0.0 if fresh_process else _seconds_since_process_start()
     from trainer import run
 
     pcfg = pilot_config(cfg, steps, minutes)
     out = pilot_dir(cfg)
-    if out.exists():
-        shutil.rmtree(out)  # a pilot is always fresh: old metrics or ledger rows would mix in
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    if main_rank and out.exists():
+        # A pilot is always fresh: old metrics or ledger rows would mix in. Under torchrun the
+        # other ranks cannot run ahead of this: train() starts with the process-group rendezvous.
+        shutil.rmtree(out)
     prepare_seconds = 0.0
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         # Preparing the data is a one-off that the real run will not repeat (it reuses the
-        # cache): time it here so it can be taken out of the measured startup.
+        # cache): time it here so it can be taken out of the measured startup. The imports
+        # come first, untimed: the real run pays for them too.
+        import datasets  # noqa: F401
+        import transformers  # noqa: F401
+        from transformers import AutoTokenizer  # noqa: F401
+
+        from trainer import data  # noqa: F401
+
         started = time.monotonic()
         prepared = run.prepare_data(pcfg, progress=cfg.metrics.progress)
         prepare_seconds = 0.0 if prepared.reused else time.monotonic() - started
     code = run.train(pcfg)
-    if code != 0:
+    # With --minutes the pilot ends through the budget guard, which also saves: both are fine.
+    if code not in (preemption.EXIT_FINISHED, preemption.EXIT_BUDGET):
         raise RuntimeError(f"the pilot run in {out} stopped with exit code {code}; see the messages above")
-    result = summarise(out, cfg.metrics.warmup_steps, device_name(), prepare_seconds)
+    if not main_rank:
+        return {}  # rank 0 writes the logs, and summarises them
+    result = summarise(out, cfg.metrics.warmup_steps, device_name(), prepare_seconds, earlier)
     (out / "pilot.json").write_text(json.dumps(result, indent=2))
     return result
 
@@ -159,8 +200,8 @@ def format_pilot(p: dict[str, Any]) -> str:
         f"pilot on {p['device']} x{p['world_size']}: {p['steps']} steps ({p['warmup_steps']} warm-up)",
         f"  sustained {p['sustained_tokens_per_s']:,.0f} real tokens/s{mfu}",
         f"  step time p10/p50/p90 {st['p10']:.3f} / {st['p50']:.3f} / {st['p90']:.3f} s; data stall {stall}",
-        f"  startup {p['startup_seconds']:.1f} s (+{p['prepare_seconds']:.1f} s preparing data, once), checkpoint save {p['save_seconds']:.2f} s, "
-        f"peak memory {p['peak_memory_gib']:.2f} GiB",
+        f"  startup {p['startup_seconds']:.1f} s (+{p['prepare_seconds']:.1f} s preparing data, once), "
+        f"checkpoint save {p['save_seconds']:.2f} s, peak memory {p['peak_memory_gib']:.2f} GiB",
     ])
 
 
@@ -169,6 +210,8 @@ def pilot_command(cfg: RunConfig, steps: int | None = None, minutes: float | Non
     from trainer.plan.estimate import format_estimate, run_estimate
 
     p = run_pilot(cfg, steps=steps, minutes=minutes)
+    if not p:
+        return 0  # not rank 0
     print(format_pilot(p))
     print(f"  written to {pilot_dir(cfg) / 'pilot.json'}\n")
     print(format_estimate(run_estimate(cfg, pilot_json=pilot_dir(cfg) / "pilot.json", gpus=p["world_size"])))

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import DataConfig
+from trainer.plan import PlanError
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,8 @@ def from_sample(data: DataConfig, resolved_path: str, tokenizer_path: str, *, sa
     with tempfile.TemporaryDirectory(prefix="spotune-estimate-") as tmp:
         sample_file = Path(tmp) / "sample.jsonl"
         full.select(range(n)).to_json(str(sample_file), lines=True)
-        # The eval split of the sample is prepared the same way, so train/eval shares carry over.
+        # An eval_fraction split applies to the sample as to the whole; a separate eval file is
+        # not sampled (its evaluation time shows once the data is prepared).
         sample_cfg = dataclasses.replace(data, path=str(sample_file), num_proc=1)
         if data.eval_path is not None:
             sample_cfg = dataclasses.replace(sample_cfg, eval_path=None, eval_fraction=0.0)
@@ -143,7 +145,7 @@ def steps_for(rows: float, global_rows: int, max_steps: int | None, epochs: floa
         return max_steps
     per_epoch = int(rows) // global_rows
     if per_epoch < 1:
-        raise ValueError(
+        raise PlanError(
             f"{int(rows)} packed rows are fewer than one optimizer step of {global_rows} rows; lower "
             "train.micro_batch_size or train.grad_accum, or add data"
         )

@@ -1,0 +1,156 @@
+"""`spotune estimate`: token counts, throughput sources, memory fit, recommendation, --json schema."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trainer import cli, config, run
+from trainer.plan import PlanError, estimate
+
+OPTION_KEYS = {
+    "gpu", "gpus", "pricing", "price_per_gpu_hour", "compute_hours", "eval_hours", "checkpoint_hours",
+    "startup_hours", "interruptions", "restart_hours", "checkpoint_interval_hours", "wall_hours", "gpu_hours",
+    "cost", "fits", "memory_gib", "throughput_basis", "tokens_per_s", "recommended_checkpoint_minutes",
+}
+TOP_KEYS = {"schema", "model", "data", "run", "memory_gib", "throughput", "checkpoint", "constraints", "options",
+            "recommendation", "assumptions"}
+
+
+@pytest.fixture()
+def cfg(tmp_path: Path, tiny_llama: Path, tiny_data: Path) -> config.RunConfig:
+    return config.from_dict({
+        "output_dir": str(tmp_path / "run"),
+        "model": {"name_or_path": str(tiny_llama), "dtype": "float32"},
+        "data": {"path": str(tiny_data), "seq_len": 256},
+        "train": {"epochs": 2, "micro_batch_size": 4, "grad_accum": 2},
+        "checkpoint": {"every_minutes": 30},
+        "metrics": {"progress": False},
+    })
+
+
+def _pilot(tmp_path: Path, device: str, tokens_per_s: float = 10_000.0) -> Path:
+    path = tmp_path / "pilot.json"
+    path.write_text(json.dumps({
+        "schema": "spotune.pilot/1", "device": device, "world_size": 1, "sustained_tokens_per_s": tokens_per_s,
+        "sustained_mfu": 0.4, "step_time_s": {"mean": 1.0, "p10": 0.9, "p50": 1.0, "p90": 1.2},
+        "warmup_extra_seconds": 5.0, "startup_seconds": 60.0, "teardown_seconds": 5.0, "save_seconds": 12.0,
+    }))
+    return path
+
+
+def test_sampled_counts_match_the_manifest_and_extrapolate(cfg: config.RunConfig) -> None:
+    # 400 examples: a sample of 2000 holds them all, so the "estimate" must equal the exact counts.
+    sampled = estimate.run_estimate(cfg, throughput=1000.0)
+    assert sampled["data"]["source"] == "sample" and not sampled["data"]["exact"]
+    prepared = run.prepare_data(cfg, progress=False)
+    exact = estimate.run_estimate(cfg, throughput=1000.0)
+    train = prepared.manifest["train"]
+    assert exact["data"]["source"] == "manifest" and exact["data"]["exact"]
+    assert exact["data"]["rows_per_epoch"] == train["rows"]
+    assert exact["data"]["real_tokens_per_epoch"] == train["real_tokens"]
+    assert exact["data"]["trainable_tokens_per_epoch"] == train["trainable_tokens"]
+    for key in ("rows_per_epoch", "real_tokens_per_epoch", "trainable_tokens_per_epoch"):
+        assert sampled["data"][key] == exact["data"][key]
+    # A quarter of the examples, scaled up: close to the exact counts, but not identical.
+    cfg_other = cfg.replace(**{"data.cache_dir": str(Path(cfg.output_dir) / "elsewhere")})
+    quarter = estimate.run_estimate(cfg_other, throughput=1000.0, sample_size=100)
+    assert quarter["data"]["sampled_examples"] == 100
+    assert quarter["data"]["real_tokens_per_epoch"] == pytest.approx(train["real_tokens"], rel=0.15)
+    # Steps follow the sampler's rule: whole steps per epoch, times epochs.
+    assert exact["run"]["steps"] == 2 * (train["rows"] // 8)
+    assert exact["run"]["real_tokens"] == pytest.approx(exact["run"]["steps"] * 8 * train["real_tokens"] / train["rows"])
+
+
+def test_given_throughput_sets_the_hours(cfg: config.RunConfig) -> None:
+    r = estimate.run_estimate(cfg, throughput=500.0, gpu="L4")
+    assert {o["gpu"] for o in r["options"]} == {"L4"} and len(r["options"]) == 2
+    od = next(o for o in r["options"] if o["pricing"] == "on-demand")
+    assert od["compute_hours"]["expected"] == pytest.approx(r["run"]["real_tokens"] / 500.0 / 3600)
+    assert od["compute_hours"]["low"] < od["compute_hours"]["expected"] < od["compute_hours"]["high"]
+    assert od["cost"]["expected"] == pytest.approx(od["wall_hours"]["expected"] * od["price_per_gpu_hour"])
+    # Four GPUs: 4 x 500 tokens/s at 90% data-parallel efficiency, a quarter of the steps.
+    r4 = estimate.run_estimate(cfg, throughput=500.0, gpu="L4", gpus=4)
+    od4 = next(o for o in r4["options"] if o["pricing"] == "on-demand")
+    assert od4["tokens_per_s"] == pytest.approx(4 * 500.0 * estimate.MULTI_GPU_EFFICIENCY)
+    assert r4["run"]["global_batch_rows"] == 32 and r4["run"]["steps"] == 2 * (r4["data"]["rows_per_epoch"] // 32)
+
+
+def test_evaluation_overhead(cfg: config.RunConfig) -> None:
+    with_eval = cfg.replace(**{"data.eval_fraction": 0.1, "train.eval_every": 10})
+    r = estimate.run_estimate(with_eval, throughput=500.0, gpu="L4")
+    prepared = run.prepare_data(with_eval, progress=False)
+    eval_tokens = prepared.manifest["eval"]["real_tokens"]
+    od = next(o for o in r["options"] if o["pricing"] == "on-demand")
+    evals = r["run"]["steps"] // 10
+    assert evals >= 1
+    # Each evaluation is a forward pass over the eval split: a third of a training token's cost.
+    assert od["eval_hours"] == pytest.approx(evals * eval_tokens / 3 / 500.0 / 3600, rel=0.02)  # sampled vs exact
+    assert estimate.run_estimate(cfg, throughput=500.0, gpu="L4")["options"][0]["eval_hours"] == 0.0
+
+
+def test_pilot_on_a_catalogue_gpu_scales_to_the_others(cfg: config.RunConfig, tmp_path: Path) -> None:
+    r = estimate.run_estimate(cfg, pilot_json=_pilot(tmp_path, "NVIDIA H100 80GB HBM3"))
+    by = {(o["gpu"], o["pricing"]): o for o in r["options"]}
+    h100, a100 = by[("H100-SXM", "on-demand")], by[("A100-80GB", "on-demand")]
+    assert h100["tokens_per_s"] == 10_000.0 and h100["throughput_basis"] == "measured"
+    assert a100["tokens_per_s"] == pytest.approx(10_000.0 * 312 / 989)
+    assert a100["throughput_basis"] == "scaled from H100-SXM"
+    # Range from the step-time spread: mean/p10 faster, mean/p90 slower.
+    c = h100["compute_hours"]
+    assert c["low"] == pytest.approx(c["expected"] / (1.0 / 0.9)) and c["high"] == pytest.approx(c["expected"] * 1.2)
+    assert h100["startup_hours"] == pytest.approx(70.0 / 3600)
+    assert r["checkpoint"]["save_seconds"] == 12.0
+    spot = by[("H100-SXM", "spot")]
+    assert spot["interruptions"] > 0 and spot["recommended_checkpoint_minutes"] == pytest.approx(
+        math.sqrt(2 * 12.0 * 10 * 3600) / 60)  # Young/Daly with the catalogue's 10 h MTBI
+
+
+def test_memory_fit_and_constraints_drive_the_recommendation(cfg: config.RunConfig, tmp_path: Path) -> None:
+    small = tmp_path / "gpus.yaml"
+    small.write_text("gpus:\n  - name: Tiny\n    memory_gib: 0.5\n    peak_bf16_flops: 1.0e15\n    on_demand_price: 0.01\n")
+    r = estimate.run_estimate(cfg, catalog_path=small)
+    tiny = next(o for o in r["options"] if o["gpu"] == "Tiny")
+    assert not tiny["fits"]  # 1 GiB of CUDA context alone does not fit in 0.5 GiB
+    rec = r["recommendation"]
+    assert rec is not None and rec["gpu"] != "Tiny"
+    fitting = [o for o in r["options"] if o["fits"]]
+    assert rec["cost"] == min(o["cost"]["expected"] for o in fitting)
+    assert estimate.run_estimate(cfg, deadline_hours=1e-6)["recommendation"] is None
+    fast = estimate.run_estimate(cfg, budget=1e6)["recommendation"]
+    assert fast["wall_hours"] == min(o["wall_hours"]["expected"] for o in fitting)
+
+
+def test_json_schema_via_the_cli(cfg: config.RunConfig, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(config.to_yaml(cfg))
+    assert cli.main(["estimate", str(recipe), "--json", "--gpus", "2", "--deadline-hours", "100"]) == 0
+    doc: dict[str, Any] = json.loads(capsys.readouterr().out)
+    assert set(doc) == TOP_KEYS and doc["schema"] == estimate.SCHEMA
+    assert doc["run"]["gpus"] == 2 and doc["run"]["global_batch_rows"] == 16
+    assert doc["throughput"]["source"] == "mfu"
+    assert doc["options"] and all(set(o) == OPTION_KEYS for o in doc["options"])
+    for o in doc["options"]:
+        for key in ("compute_hours", "wall_hours", "gpu_hours", "cost"):
+            assert set(o[key]) == {"low", "expected", "high"}
+            assert o[key]["low"] <= o[key]["expected"] <= o[key]["high"]
+        assert o["gpu_hours"]["expected"] == pytest.approx(2 * o["wall_hours"]["expected"])
+    assert set(doc["memory_gib"]) >= {"weights", "activations", "logits", "total", "pilot_measured_peak"}
+    rec = doc["recommendation"]
+    assert doc["options"][rec["index"]]["gpu"] == rec["gpu"]
+    # The readable table renders the same document.
+    text = estimate.format_estimate(doc)
+    assert "recommended: " + rec["gpu"] in text and "H100-SXM" in text
+
+
+def test_bad_flags_name_the_fix(cfg: config.RunConfig) -> None:
+    with pytest.raises(PlanError, match="--mfu"):
+        estimate.run_estimate(cfg, mfu=1.5)
+    with pytest.raises(PlanError, match="--gpus"):
+        estimate.run_estimate(cfg, gpus=0)
+    with pytest.raises(PlanError, match="not in the catalogue"):
+        estimate.run_estimate(cfg, gpu="Voodoo5")
