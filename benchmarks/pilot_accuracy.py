@@ -1,6 +1,6 @@
 """Does a pilot forecast the full run's wall time? Tiny recipe on CPU, target within 10%.
 
-    .venv/bin/python benchmarks/pilot_accuracy.py [--steps 15] [--workdir DIR]
+    .venv/bin/python benchmarks/pilot_accuracy.py [--steps 15] [--repeats 3 (default)] [--workdir DIR]
 
 1. `spotune pilot recipes/tiny-cpu.yaml --steps N` in a fresh process (it prepares the data
    once, into the run's cache, and takes that time out of its startup);
@@ -9,7 +9,11 @@
 3. `spotune train` of the full recipe in a fresh process on the same cache;
 4. prints forecast / measured, with the measurement being the full run's ledger wall time
    (process start to exit, the same clock the pilot's startup is read from), and the same
-   ratio adjusted for CPU contention (each process's wall / CPU time), for shared machines.
+   ratio adjusted for CPU contention (each process's wall / CPU time), for shared machines;
+   with --repeats, the median over several pilot + full-run pairs.
+
+Both processes run with one torch thread by default: on a machine shared with other jobs a
+single thread is disturbed less (and the same setting applies to both sides).
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ def once(recipe: str, steps: int, work: Path) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=15, help="pilot steps")
-    ap.add_argument("--repeats", type=int, default=1, help="pilot + full run pairs; the median ratio is reported")
+    ap.add_argument("--repeats", type=int, default=3, help="pilot + full run pairs; the median ratio is reported")
     ap.add_argument("--workdir", type=Path, help="where runs go (default: a temp dir)")
     ap.add_argument("--recipe", default=str(REPO / "recipes" / "tiny-cpu.yaml"))
     ap.add_argument("--threads", type=int, default=1,

@@ -10,6 +10,7 @@ and the checkpoints at two different steps differ.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +64,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> dict[str
         out = root / name
         (out / "checkpoints").mkdir(parents=True)
         src = root / "split" / "checkpoints" / f"step-{K:06d}"
-        import shutil
-
         shutil.copytree(src, out / "checkpoints" / src.name)
         mp = pytest.MonkeyPatch()
         if name == "no_rng":
@@ -118,8 +117,6 @@ def test_corrupt_newest_checkpoint_falls_back_and_still_matches(runs: dict[str, 
                                                                  capsys: pytest.CaptureFixture) -> None:
     """End to end: a flipped byte in the newest checkpoint -> resume from the previous one,
     say which file was bad, redo the steps, and finish with the same adapter."""
-    import shutil
-
     root = runs["root"]
     out = root / "fallback"
     shutil.copytree(root / "split" / "checkpoints", out / "checkpoints")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
@@ -134,10 +135,11 @@ def test_export_merge_matches_base_plus_adapter(trained_run: Path, tmp_path: Pat
     assert not torch.allclose(logits_of(base, ids), logits_of(merged, ids), atol=1e-4), "control: merge changed nothing"
 
 
-def test_qlora_4bit_trains_on_cpu(tmp_path: Path, tiny_llama: Path, tiny_data: Path) -> None:
+def test_qlora_4bit_with_8bit_adamw_trains_on_cpu(tmp_path: Path, tiny_llama: Path, tiny_data: Path) -> None:
     cfg = make_cfg(tmp_path / "q", **{
         "model.name_or_path": str(tiny_llama), "model.dtype": "bfloat16", "adapter.method": "qlora",
         "data.path": str(tiny_data), "data.seq_len": 128, "train.max_steps": 3, "train.lr": 1e-2,
+        "train.optimizer": "adamw_8bit",  # bitsandbytes' optimizer state must also checkpoint
     })
     assert run.train(cfg) == 0
     losses = [r["loss"] for r in metrics_rows(tmp_path / "q")]
@@ -286,6 +288,11 @@ def test_non_finite_step_is_skipped_and_weights_untouched(tiny_llama: Path) -> N
 
 
 # ---------------------------------------------------------------------------- schedule
+
+
+def test_document_lengths_for_the_flop_count() -> None:
+    assert loop.document_lengths(np.array([0, 1, 2, 0, 1, 0])).tolist() == [3, 2, 1]
+    assert loop.document_lengths(np.array([0, 1, 2, 3])).tolist() == [4]
 
 
 def test_prefetching_worker_yields_the_same_batches_from_any_step() -> None:

@@ -72,10 +72,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from trainer.checkpoint import CheckpointError
     from trainer.data import DataError
+    from trainer.plan import PlanError
 
     try:
         return _dispatch(args)
-    except (C.ConfigError, DataError, CheckpointError) as e:
+    except (C.ConfigError, DataError, CheckpointError, PlanError) as e:
         # Each carries complete sentences naming the key, file or line to fix; a traceback
         # would only bury them. CheckpointError covers "none verifies" and ResumeMismatch.
         print(f"spotune: {e}", file=sys.stderr)

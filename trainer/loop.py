@@ -72,7 +72,8 @@ class StepBatch(NamedTuple):
 
     step: int
     micro: list[dict[str, torch.Tensor]]
-    """Per micro-batch: input_ids, labels, position_ids (int64, [micro_batch_size, seq_len])."""
+    """Per micro-batch: input_ids, labels, position_ids (int64, [micro_batch_size, seq_len]), and
+    with logit selection keep, keep_labels (see `logit_positions`)."""
     counts: torch.Tensor
     """int64 [trainable tokens (shifted labels), real tokens, sum of squared document lengths] of this rank."""
 

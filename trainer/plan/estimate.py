@@ -4,6 +4,19 @@ The pieces: workload.py counts the tokens, flops.py the FLOPs per token, memory.
 bytes per GPU, forecast.py the hours and money. This module picks the throughput
 (measured by a pilot, given, or assumed from peak FLOP/s x MFU), assembles one option per
 GPU and pricing, and renders the result as a table or a stable JSON document.
+
+`--json` schema `spotune.estimate/1` (tests/test_plan_estimate.py pins the keys):
+  model{name_or_path, arch, params, trainable_params, weight_format, flops_per_token},
+  data{source: manifest|sample, exact, rows_per_epoch, real_tokens_per_epoch, ...},
+  run{steps, gpus, global_batch_rows, seq_len, epochs, real_tokens, trainable_tokens, train_flops},
+  memory_gib{weights, adapter, gradients, optimizer, activations, logits, backward_workspace,
+             overhead, total, pilot_measured_peak}, throughput{source: pilot|given|mfu, ...},
+  checkpoint{save_seconds, every_minutes, every_steps, restart_seconds}, constraints{...},
+  options[{gpu, gpus, pricing, price_per_gpu_hour, fits, tokens_per_s, throughput_basis,
+           compute_hours/wall_hours/gpu_hours/cost{low, expected, high}, startup_hours,
+           checkpoint_hours, eval_hours, interruptions, restart_hours, recommended_checkpoint_minutes, ...}],
+  recommendation{index, gpu, pricing, wall_hours, cost, why} | null, assumptions[str].
+Throughput is in real (non-padding) tokens per second, the unit of the training metrics.
 """
 
 from __future__ import annotations
