@@ -173,10 +173,10 @@ def main() -> None:
     args = ap.parse_args()
     if not DATA.is_file() or not TOKENIZER.is_dir():
         sys.exit(f"benchmark data not found under {SHARED} (gpteacher-roleplay.json, llama2-tokenizer/)")
-    os.environ.setdefault("SPOTUNE_HOME", tempfile.mkdtemp(prefix="spotune-bench-home-"))
     print(f"torch threads: {torch.get_num_threads()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="spotune-bench-") as tmp:
         root = Path(tmp)
+        os.environ.setdefault("SPOTUNE_HOME", str(root / "home"))
         model_path = make_model(root)
         cfg = spotune_cfg(root, model_path, args.steps, args.micro_batch_size)
         run.prepare_data(cfg, progress=False)  # cached; not timed

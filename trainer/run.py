@@ -282,8 +282,8 @@ def _ignore_stop_signals(worker_id: int) -> None:
 def _evaluator(cfg: C.RunConfig, prepared: Any, model: torch.nn.Module, accelerator: Any) -> Any:
     """Token-weighted mean loss over the held-out rows, each rank taking every world-th row.
 
-    Every rank runs the same number of forwards (a rank past its share repeats a row with
-    weight 0) so no rank waits alone in a collective.
+    Every rank runs the same number of forwards (a rank past its share runs a filler row
+    whose labels are all -100) so no rank waits alone in a collective.
     """
     from datasets import load_from_disk
 
