@@ -166,10 +166,6 @@ def _torchrun(procs: list, recipe: Path, log: Path) -> subprocess.Popen:
     return procs[-1]
 
 
-@pytest.mark.skipif(
-    os.environ.get("SPOTUNE_SLOW_TESTS") != "1",
-    reason="three two-process launches take ~90 s on a 2-core machine; set SPOTUNE_SLOW_TESTS=1",
-)
 def test_two_process_ddp_sigterm_on_one_rank_then_resume(tmp_path: Path, tiny_llama: Path, procs: list) -> None:
     """SIGTERM reaches only rank 1: both ranks agree on the stop step, save, exit; the resumed
     two-process run ends with the same adapter as an uninterrupted two-process run."""

@@ -12,7 +12,7 @@ from trainer import metrics
 
 
 def _meter(**kw) -> metrics.Meter:
-    defaults = dict(world_size=2, warmup_steps=2, flops_fn=lambda tokens, sq: 10.0 * tokens, peak_flops=100.0,
+    defaults = dict(world_size=2, warmup_steps=2, flops_fn=lambda tokens, sq, head: 10.0 * tokens, peak_flops=100.0,
                     price_per_hour=3.6, device_seconds_fn=lambda: 7200.0)
     defaults.update(kw)
     return metrics.Meter(**defaults)
@@ -46,11 +46,12 @@ def test_mfu_null_without_peak_and_cost_null_without_price() -> None:
     assert row["mfu"] is None and row["cost"] is None and row["tokens_per_s"] == 10.0
 
 
-def test_flops_get_the_document_lengths() -> None:
-    got: list[tuple[float, float]] = []
-    m = _meter(flops_fn=lambda tokens, sq: got.append((tokens, sq)) or 1.0, warmup_steps=0)
+def test_flops_get_the_document_lengths_and_head_tokens() -> None:
+    got: list[tuple[float, float, float]] = []
+    m = _meter(flops_fn=lambda tokens, sq, head: got.append((tokens, sq, head)) or 1.0, warmup_steps=0)
     m.step(0, 1.0, 0.0, 30, 500)
-    assert got == [(30, 500)]
+    m.step(1, 1.0, 0.0, 30, 500, head_tokens=12)
+    assert got == [(30, 500, 30), (30, 500, 12)]  # the head defaults to every real token
 
 
 def test_own_clock_counts_devices() -> None:

@@ -86,6 +86,10 @@ def test_split_run_equals_straight_run_bitwise(runs: dict[str, Any]) -> None:
     straight, split = _losses(root / "straight"), _losses(root / "split")
     assert sorted(straight) == list(range(1, 2 * K + 1))
     assert split == straight  # every per-step loss, exactly
+    counters = lambda name: [  # noqa: E731 - token counters carry across the restart too
+        (r["step"], r["trainable_tokens"], r["real_tokens"])
+        for r in map(json.loads, (root / name / "metrics.jsonl").read_text().splitlines())]
+    assert counters("split") == counters("straight")
     a = load_file(root / "straight" / "final" / "adapter_model.safetensors")
     b = load_file(root / "split" / "final" / "adapter_model.safetensors")
     assert a and _equal(a, b)

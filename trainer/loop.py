@@ -315,7 +315,9 @@ def train_loop(
         step_seconds = time.monotonic() - t_start
         hooks.step_done(step_seconds)
         if meter is not None:
-            meter.step(step, step_seconds, stall, real, doc_sq)
+            # Logits are computed only where a label is (token_loss_sum), so the head's FLOPs
+            # count the trainable tokens, not every real one.
+            meter.step(step, step_seconds, stall, real, doc_sq, head_tokens=trainable)
 
         if progress.step % plan.log_every == 0 or progress.step == plan.total_steps or not finite:
             row = dict(

@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 import torch
 
-FlopsFn = Callable[[float, float], float]
-"""(real tokens, sum of squared document lengths) -> training FLOPs for them."""
+FlopsFn = Callable[[float, float, float], float]
+"""(real tokens, sum of squared document lengths, tokens that reach the output head) -> training FLOPs."""
 
 
 @dataclass
@@ -60,10 +60,13 @@ class Meter:
     _s_flops: float = 0.0
     _paused: float = 0.0
 
-    def step(self, step: int, seconds: float, stall_seconds: float, real_tokens: float, doc_len_sq_sum: float) -> None:
+    def step(self, step: int, seconds: float, stall_seconds: float, real_tokens: float, doc_len_sq_sum: float,
+             head_tokens: float | None = None) -> None:
         """One optimizer step: its wall time (data wait included), the part spent waiting for
-        data, and its real tokens and sum of squared document lengths over every rank."""
-        flops = self.flops_fn(real_tokens, doc_len_sq_sum) if self.flops_fn else 0.0
+        data, and its real tokens and sum of squared document lengths over every rank.
+        `head_tokens`: tokens whose logits the loop computed (default: every real token)."""
+        head = real_tokens if head_tokens is None else head_tokens
+        flops = self.flops_fn(real_tokens, doc_len_sq_sum, head) if self.flops_fn else 0.0
         self._w_seconds += seconds
         self._w_stall += stall_seconds
         self._w_steps += 1

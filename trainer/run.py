@@ -147,7 +147,8 @@ def train(cfg: C.RunConfig) -> int:
 
     meter = metrics.Meter(
         world_size=world, warmup_steps=cfg.metrics.warmup_steps,
-        flops_fn=_flops_fn(accelerator.unwrap_model(model).config, counts.trainable),
+        flops_fn=_flops_fn(accelerator.unwrap_model(model).config, counts.trainable,
+                           selects_logits=loop.accepts_logits_to_keep(model)),
         peak_flops=metrics.resolve_peak_flops(cfg.metrics.peak_flops, cfg.metrics.gpu, accelerator.device),
         price_per_hour=cfg.metrics.price_per_hour,
         device_seconds_fn=lambda: float(ledger.totals()["device_seconds"]),  # one source of truth: the ledger
@@ -159,7 +160,7 @@ def train(cfg: C.RunConfig) -> int:
     def save(progress: loop.Progress) -> float:
         started = time.monotonic()
         rng = gather_rng(world)  # collective: every rank's generators
-        state.step, state.tokens = progress.step, progress.trainable_tokens
+        state.step, state.tokens, state.real_tokens = progress.step, progress.trainable_tokens, progress.real_tokens
         state.epoch, state.cursor = sampler.position(progress.step)
         state.skipped_steps, state.consecutive_bad_steps = progress.skipped_steps, progress.bad_in_a_row
         state.ledger = ledger.totals()
@@ -216,6 +217,10 @@ def train(cfg: C.RunConfig) -> int:
         if reason in ("finished", "budget") and is_main:
             write_final(out / "final", model, tokenizer_path(cfg))
         accelerator.wait_for_everyone()
+        summary = meter.summary()
+        # Closed while the signal handlers are still installed: a late SIGTERM (torchrun
+        # forwards one after a sibling exits) must not kill us before this row is written.
+        ledger.close(reason)
     except BaseException as e:  # the ledger row says how this attempt ended, whatever happened
         ledger.close("aborted" if isinstance(e, (KeyboardInterrupt, SystemExit)) else "error")
         raise
@@ -224,8 +229,6 @@ def train(cfg: C.RunConfig) -> int:
         stop.uninstall()
         if sink is not None:
             sink.close()
-    summary = meter.summary()
-    ledger.close(reason)
     if cfg.metrics.trackers:
         accelerator.end_training()
     if is_main:
@@ -245,9 +248,10 @@ def _restore(resume_dir: Path, model: torch.nn.Module, optimizer: Any, accelerat
     """
     saved = restore_training_state(resume_dir, model=model, optimizer=optimizer, rank=accelerator.process_index,
                                    world_size=accelerator.num_processes, scaler=accelerator.scaler)
-    progress = loop.Progress(step=saved.step, trainable_tokens=saved.tokens,
+    progress = loop.Progress(step=saved.step, trainable_tokens=saved.tokens, real_tokens=saved.real_tokens,
                              skipped_steps=saved.skipped_steps, bad_in_a_row=saved.consecutive_bad_steps)
     state = dataclasses.replace(fresh, step=saved.step, epoch=saved.epoch, cursor=saved.cursor, tokens=saved.tokens,
+                                real_tokens=saved.real_tokens,
                                 skipped_steps=saved.skipped_steps, consecutive_bad_steps=saved.consecutive_bad_steps,
                                 ledger=saved.ledger)
     return state, progress
@@ -312,13 +316,18 @@ def _evaluator(cfg: C.RunConfig, prepared: Any, model: torch.nn.Module, accelera
     return evaluate
 
 
-def _flops_fn(hf_config: Any, trainable: int) -> metrics.FlopsFn | None:
+def _flops_fn(hf_config: Any, trainable: int, selects_logits: bool) -> metrics.FlopsFn | None:
     try:
         shape = flops.model_shape(hf_config)
     except ValueError:
         return None  # an architecture the FLOP model does not know: MFU stays null
     frozen = shape.matmul_params()
-    return lambda tokens, doc_sq: flops.train_flops(shape, tokens, doc_sq, frozen, trainable)
+
+    def fn(tokens: float, doc_sq: float, head_tokens: float) -> float:
+        return flops.train_flops(shape, tokens, doc_sq, frozen, trainable,
+                                 head_tokens=head_tokens if selects_logits else None)
+
+    return fn
 
 
 def write_final(directory: Path, model: torch.nn.Module, tokenizer: str) -> None:
