@@ -1,8 +1,9 @@
 """Bitwise resume on CPU fp32: 2k steps straight equal k steps, stop, resume for k more.
 
 The run has gradient accumulation, LoRA dropout above zero and packed data; the stop
-falls mid-epoch and the continuation crosses an epoch boundary (14 packed rows, 4 rows a
-step: 3 steps an epoch; stop at step 4 = epoch 1 cursor 4, epoch 2 starts at step 6).
+falls mid-epoch and the continuation crosses an epoch boundary (30 examples packed two or
+three to a row into 14 rows of 256, 4 rows a step: 3 steps an epoch; stop at step 4 =
+epoch 1 cursor 4, epoch 2 starts at step 6).
 Controls: resuming without the RNG or without the sampler position changes the losses,
 and the checkpoints at two different steps differ.
 """
@@ -30,7 +31,7 @@ def _cfg(out: Path, model: Path, data: Path, cache: Path, max_steps: int, **extr
         "output_dir": str(out), "seed": 3,
         "model": {"name_or_path": str(model), "dtype": "float32"},
         "adapter": {"r": 4, "alpha": 8, "dropout": 0.1},
-        "data": {"path": str(data), "seq_len": 128, "cache_dir": str(cache)},
+        "data": {"path": str(data), "seq_len": 256, "cache_dir": str(cache)},
         "train": {"max_steps": max_steps, "micro_batch_size": 2, "grad_accum": 2, "lr": 1e-2,
                   "schedule": "constant", "warmup_steps": 2},
         "checkpoint": {"every_steps": None, "every_minutes": None},
@@ -51,7 +52,7 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("resume")
-    data = tiny.write_dataset(root / "train.jsonl", n=16)
+    data = tiny.write_dataset(root / "train.jsonl", n=30)
     make = lambda name, steps: _cfg(root / name, tiny_llama, data, root / "cache", steps)  # noqa: E731
 
     assert run.train(make("straight", 2 * K)) == 0

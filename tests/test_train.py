@@ -130,7 +130,8 @@ def test_export_merge_matches_base_plus_adapter(trained_run: Path, tmp_path: Pat
     with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), str(trained_run / "final"))
     merged = AutoModelForCausalLM.from_pretrained(merged_dir)
     assert not any("lora" in n for n, _ in merged.named_parameters())
-    torch.testing.assert_close(logits_of(merged, ids), logits_of(with_adapter, ids), rtol=1e-5, atol=1e-5)
+    # Merging folds B@A into W, which reorders fp32 sums: equal up to rounding, not bitwise.
+    torch.testing.assert_close(logits_of(merged, ids), logits_of(with_adapter, ids), rtol=1e-4, atol=1e-4)
     base = AutoModelForCausalLM.from_pretrained(base_path)
     assert not torch.allclose(logits_of(base, ids), logits_of(merged, ids), atol=1e-4), "control: merge changed nothing"
 

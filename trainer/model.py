@@ -8,12 +8,13 @@ parameters are the LoRA matrices. The adapter weights are kept in fp32 (peft's
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
 
-from trainer.config import AdapterConfig, ModelConfig
+from trainer.config import AdapterConfig, ConfigError, ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -90,10 +91,10 @@ def load_base(
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as e:
-        raise OSError(
+        raise ConfigError([
             f"model.name_or_path: cannot load {path!r}: {e}\n"
             "Give a local directory written by save_pretrained or a hub model id you can reach."
-        ) from e
+        ]) from e
     return model
 
 
@@ -129,12 +130,16 @@ def build(
         task_type="CAUSAL_LM",
     )
     try:
-        model = get_peft_model(base, lora, autocast_adapter_dtype=True)
+        with warnings.catch_warnings():
+            # peft 0.21 still asks transformers 5 for the old `is_gradient_checkpointing` name;
+            # the FutureWarning is about peft's code, not the user's recipe.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            model = get_peft_model(base, lora, autocast_adapter_dtype=True)
     except ValueError as e:
-        raise ValueError(
+        raise ConfigError([
             f"adapter.target_modules: {targets} does not fit this model ({e}); "
             "use 'all-linear' or names of its linear modules such as q_proj, v_proj"
-        ) from e
+        ]) from e
     return model  # accelerate.prepare places a non-quantised model on its device
 
 

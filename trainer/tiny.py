@@ -20,7 +20,7 @@ from typing import Callable, Literal
 from trainer.config import BUILTIN_TINY_DATA, BUILTIN_TINY_MODEL
 
 Arch = Literal["llama", "qwen2", "mistral", "gpt2"]
-ASSET_VERSION = "v1"  # bump when the generated assets change, so stale caches are not reused
+ASSET_VERSION = "v3"  # bump when the generated assets change, so stale caches are not reused
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
 CHAT_TEMPLATE = (
@@ -41,7 +41,11 @@ def resolve_model(name_or_path: str) -> str:
     if name_or_path != BUILTIN_TINY_MODEL:
         return name_or_path
     target = home() / f"tiny-llama-{ASSET_VERSION}"
-    return str(_build_once(target, lambda d: build_model(d, "llama", tokenizer_dir=None, hidden=128, layers=4)))
+    # init_std 0.1, not 0.02: LoRA leaves the final norm and the output head frozen, and a
+    # random head at std 0.02 over 128 dims caps every logit near 2.6, flooring the loss at
+    # about 4 nats whatever the adapter learns. A pretrained head has no such cap.
+    return str(_build_once(target, lambda d: build_model(d, "llama", tokenizer_dir=None, hidden=128, layers=4,
+                                                         init_std=0.1)))
 
 
 def resolve_data(path: str) -> str:
@@ -77,32 +81,44 @@ _CAPITALS = {
     "India": "New Delhi", "China": "Beijing", "Brazil": "Brasilia", "Mexico": "Mexico City",
     "Ireland": "Dublin", "Portugal": "Lisbon", "Austria": "Vienna", "Cuba": "Havana",
 }
+_FRENCH = {"red": "rouge", "blue": "bleu", "green": "vert", "yellow": "jaune", "black": "noir",
+           "white": "blanc", "grey": "gris", "pink": "rose", "brown": "marron", "orange": "orange"}
+_DAYS = "Monday Tuesday Wednesday Thursday Friday Saturday Sunday".split()
 _WORDS = ("red blue green yellow black white apple pear plum cat dog fox owl river stone "
           "cloud rain snow wind tree leaf seed moon star sun").split()
 
 
 def make_examples(n: int = 2000, seed: int = 0) -> list[dict[str, str]]:
-    """Synthetic alpaca-style examples over a few deterministic skills of varied length."""
+    """Synthetic alpaca-style examples a tiny model learns within a minute on CPU.
+
+    Mostly facts to memorise (capitals, French colours, weekdays, one-digit sums) plus short
+    word reversals, so the loss falls visibly and greedy answers become right; the lengths
+    still vary enough to exercise packing.
+    """
     rng = random.Random(seed)
     countries = sorted(_CAPITALS)
     out: list[dict[str, str]] = []
     for _ in range(n):
-        kind = rng.randrange(4)
+        kind = rng.randrange(5)
         if kind == 0:
-            words = rng.choices(_WORDS, k=rng.randint(2, 12))
-            out.append({"instruction": "Reverse the order of the words.", "input": " ".join(words),
-                        "output": " ".join(reversed(words))})
-        elif kind == 1:
             c = rng.choice(countries)
             out.append({"instruction": f"What is the capital of {c}?", "input": "",
                         "output": f"The capital of {c} is {_CAPITALS[c]}."})
+        elif kind == 1:
+            colour = rng.choice(sorted(_FRENCH))
+            out.append({"instruction": "Translate the colour to French.", "input": colour,
+                        "output": _FRENCH[colour]})
         elif kind == 2:
-            a, b = rng.randint(0, 99), rng.randint(0, 99)
+            i = rng.randrange(7)
+            out.append({"instruction": f"Which day comes after {_DAYS[i]}?", "input": "",
+                        "output": f"{_DAYS[(i + 1) % 7]} comes after {_DAYS[i]}."})
+        elif kind == 3:
+            a, b = rng.randint(0, 9), rng.randint(0, 9)
             out.append({"instruction": "Add the two numbers.", "input": f"{a} + {b}", "output": str(a + b)})
         else:
-            words = rng.choices(_WORDS, k=rng.randint(1, 30))
-            out.append({"instruction": "Repeat the list, one word per line.", "input": ", ".join(words),
-                        "output": "\n".join(words)})
+            words = rng.choices(_WORDS, k=rng.randint(2, 4))
+            out.append({"instruction": "Reverse the order of the words.", "input": " ".join(words),
+                        "output": " ".join(reversed(words))})
     return out
 
 
@@ -161,6 +177,7 @@ def build_model(
     kv_heads: int = 2,
     intermediate: int | None = None,
     max_positions: int = 4096,
+    init_std: float = 0.02,
 ) -> Path:
     """A tiny random-initialised model of a real architecture plus its tokenizer, in one directory."""
     import torch
@@ -179,13 +196,14 @@ def build_model(
     ffn = intermediate or 2 * hidden
     if arch == "gpt2":
         config = transformers.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=ffn,
-                                         n_positions=max_positions, **ids)
+                                         n_positions=max_positions, initializer_range=init_std, **ids)
     else:
         cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                "mistral": transformers.MistralConfig}[arch]
         config = cls(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                      num_key_value_heads=kv_heads, intermediate_size=ffn,
-                     max_position_embeddings=max_positions, tie_word_embeddings=False, **ids)
+                     max_position_embeddings=max_positions, tie_word_embeddings=False,
+                     initializer_range=init_std, **ids)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out)
