@@ -1,7 +1,8 @@
 """`spotune` command line: parse, load the config, hand over to the module that does the work.
 
-Exit codes: 0 finished, 143 stopped by a preemption signal after saving a checkpoint
-(requeue), 2 bad configuration or input, 1 any other failure. See trainer/preemption.py.
+Exit codes are defined and documented once, in trainer/preemption.py: 0 finished,
+143 preempted after saving (requeue), 3 budget reached, 4 too many non-finite steps,
+130 aborted, 2 bad configuration or input, 1 anything else.
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from trainer import config as C
-
-EXIT_BAD_INPUT = 2
+from trainer.preemption import EXIT_BAD_INPUT
 
 
 def _add_recipe(p: argparse.ArgumentParser) -> None:

@@ -7,7 +7,9 @@ saved, and the process exits with `EXIT_PREEMPTED`. A second SIGINT aborts at on
 
 Exit codes (what a supervisor or the docker entrypoint should do with them):
 - `EXIT_FINISHED = 0`: training reached its end; `final/` holds the adapter. Do not rerun.
-- `EXIT_ERROR = 1`: a config, data or runtime error; rerunning will fail the same way.
+- `EXIT_ERROR = 1`: an unexpected error (a traceback); look at it before rerunning.
+- `EXIT_BAD_INPUT = 2`: bad configuration or data, or a checkpoint that cannot be resumed;
+  the message names the key, file or line to fix. Rerunning unchanged fails the same way.
 - `EXIT_BUDGET = 3`: stopped at `train.max_gpu_hours` or `train.max_cost` after saving a
   checkpoint. Raise the budget and rerun the same command to continue.
 - `EXIT_BAD_STEPS = 4`: `train.max_bad_steps` consecutive non-finite steps; fix the run
@@ -29,6 +31,7 @@ import torch
 
 EXIT_FINISHED = 0
 EXIT_ERROR = 1
+EXIT_BAD_INPUT = 2
 EXIT_BUDGET = 3
 EXIT_BAD_STEPS = 4
 EXIT_ABORTED = 130
