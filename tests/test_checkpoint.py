@@ -68,6 +68,15 @@ def test_same_step_twice_is_a_no_op(tmp_path: Path) -> None:
     assert res.skipped and calls == [] and m.verify(res.path) == []
 
 
+def test_same_step_left_by_another_run_is_replaced(tmp_path: Path) -> None:
+    old = make(tmp_path, [5])
+    before = (old.step_dir(5) / "MANIFEST.json").read_text()
+    fresh = CheckpointManager(old.root, keep_last=3)  # a new run in the same directory (resume=never)
+    res = fresh.save(5, lambda d: (d / "trainer_state.json").write_text('{"step": 5, "run": "new"}'))
+    assert not res.skipped and fresh.verify(res.path) == []
+    assert (res.path / "MANIFEST.json").read_text() != before  # the new run's state, not the old one's
+
+
 def test_same_step_over_a_corrupt_copy_replaces_it(tmp_path: Path) -> None:
     m = make(tmp_path, [5])
     (m.step_dir(5) / "trainer_state.json").write_text("garbage!")

@@ -69,7 +69,7 @@ def test_summary_of_a_known_log(tmp_path: Path) -> None:
     assert s["startup_seconds"] == pytest.approx(3.5) and s["save_seconds"] == 0.5
     assert s["teardown_seconds"] == pytest.approx((wall - 1.5) - 3.5 - sum(times) - 0.5)
     assert s["peak_memory_gib"] == pytest.approx(0.8) and s["data_stall_share"] == pytest.approx(0.05)
-    with pytest.raises(RuntimeError, match="give more --steps"):
+    with pytest.raises(PlanError, match="give more --steps"):
         pilot.summarise(tmp_path, warmup_steps=7, device="cpu")
 
 

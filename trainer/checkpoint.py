@@ -36,6 +36,31 @@ _COMMITTED = re.compile(r"^step-(\d{6,})$")
 _TEMP = re.compile(r"^step-\d{6,}\.tmp-")
 
 
+def publish_dir(tmp: Path, final: Path) -> None:
+    """Rename a fully written, fsynced directory into place and fsync the parent.
+
+    An existing `final` (a corrupt or stale copy) is first moved aside under a `.tmp-` name,
+    so a kill at any moment leaves either the old directory, the new one, or a temp
+    directory that nothing trusts: never a mix of both.
+    """
+    if final.exists():
+        aside = final.parent / f"{final.name}.tmp-replaced-{secrets.token_hex(4)}"
+        os.rename(final, aside)
+        os.rename(tmp, final)
+        _fsync_path(final.parent)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_path(final.parent)
+
+
+def fsync_tree(directory: Path) -> None:
+    """fsync every file below `directory`, then the directory itself."""
+    for f in _files(directory):
+        _fsync_path(f)
+    _fsync_path(directory)
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written, or none that exists can be trusted."""
 
@@ -86,6 +111,8 @@ class CheckpointManager:
             raise ValueError(f"checkpoint.keep_last must be at least 2, got {keep_last}")
         self.root = Path(root)
         self.keep_last = keep_last
+        self._committed_here: set[int] = set()
+        """Steps this manager committed; only those may be skipped when saved again."""
 
     def step_dir(self, step: int) -> Path:
         return self.root / f"step-{step:06d}"
@@ -171,9 +198,10 @@ class CheckpointManager:
         """Write checkpoint `step` atomically with `write(temp_dir)`, then prune old ones."""
         start = time.perf_counter()
         final = self.step_dir(step)
-        if final.is_dir() and not self.verify(final):
-            # Same step saved twice (e.g. the final save right after an interval save):
-            # the state at a given step is the same, so the committed copy stands.
+        if step in self._committed_here and final.is_dir() and not self.verify(final):
+            # Same step saved twice by this run (the final save right after an interval save):
+            # the state at a given step is the same, so the committed copy stands. A copy left
+            # by another run (say one started with resume=never) is replaced, never trusted.
             return SaveResult(final, 0.0, sum(f.stat().st_size for f in _files(final)), skipped=True)
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f"{final.name}.tmp-{secrets.token_hex(4)}"  # os.urandom: no RNG stream consumed
@@ -181,17 +209,7 @@ class CheckpointManager:
             tmp.mkdir()
             write(tmp)
             total = self._seal(tmp, step)
-            if final.exists():
-                # A corrupt copy of this step: move it aside under a temp name (cleaned as stale
-                # if we die here), then rename the new one in.
-                aside = self.root / f"{final.name}.tmp-replaced-{secrets.token_hex(4)}"
-                os.rename(final, aside)
-                os.rename(tmp, final)
-                _fsync_path(self.root)
-                shutil.rmtree(aside, ignore_errors=True)
-            else:
-                os.rename(tmp, final)
-            _fsync_path(self.root)
+            publish_dir(tmp, final)
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
             previous = [p.name for p in self.committed()]
@@ -205,6 +223,7 @@ class CheckpointManager:
         except BaseException:  # KeyboardInterrupt/SystemExit: clean up, never wrap
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        self._committed_here.add(step)
         pruned = self.prune(protect=final)
         if pruned:
             log.debug("pruned %s", ", ".join(p.name for p in pruned))

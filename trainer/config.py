@@ -422,6 +422,7 @@ def structural_fields(cfg: RunConfig, world_size: int = 1) -> dict[str, Any]:
         "data.seq_len": d.seq_len,
         "data.packing": d.packing,
         "global_batch_rows": t.micro_batch_size * t.grad_accum * world_size,
+        "train.optimizer": t.optimizer,  # its saved state only loads into the same optimizer
     }
 
 

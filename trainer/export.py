@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from trainer.config import ConfigError
+
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "chat_template.jinja", "vocab.json", "merges.txt")
@@ -27,11 +29,11 @@ def adapter_source(run_dir: Path) -> Path:
     final = run_dir / "final"
     if all((final / f).is_file() for f in ADAPTER_FILES):
         return final
-    from trainer.checkpoint import CheckpointManager
+    from trainer.checkpoint import CheckpointError, CheckpointManager
 
     path, _ = CheckpointManager(run_dir / "checkpoints", keep_last=2).latest_verified()
     if path is None:
-        raise FileNotFoundError(
+        raise CheckpointError(
             f"{run_dir}: no final/ adapter and no verified checkpoint under {run_dir / 'checkpoints'}; "
             "give the output_dir of a run that trained at least one checkpoint"
         )
@@ -44,7 +46,7 @@ def export(run_dir: Path | str, out_dir: Path | str | None = None, merge: bool =
     src = adapter_source(run_dir)
     out = Path(out_dir) if out_dir is not None else run_dir / ("merged" if merge else "export")
     if out.resolve() == src.resolve():
-        raise ValueError(f"--out {out} is the adapter's own directory; choose another")
+        raise ConfigError([f"--out {out} is the adapter's own directory; choose another"], "command line")
     out.mkdir(parents=True, exist_ok=True)
     if not merge:
         for name in ADAPTER_FILES + TOKENIZER_FILES:
@@ -70,7 +72,8 @@ def merge_adapter(adapter_dir: Path, out: Path, model_settings: dict) -> None:
 
     base_path = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if not base_path:
-        raise ValueError(f"{adapter_dir / 'adapter_config.json'}: no base_model_name_or_path to merge into")
+        raise ConfigError([f"{adapter_dir / 'adapter_config.json'}: no base_model_name_or_path to merge into; "
+                           "set it to the base model's path or id"], "export --merge")
     dtype = getattr(torch, model_settings.get("dtype", "float32"))
     # A QLoRA adapter is merged into the unquantised base: merging into 4-bit weights would
     # round the update away, and serving stacks want plain weights anyway.

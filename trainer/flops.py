@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 # Module names that `all-linear` adapts in each architecture family. peft's `all-linear`
 # is every nn.Linear/Conv1D except the output head; these tables are the same set.
@@ -186,15 +186,3 @@ def train_flops(
         linear -= 4.0 * shape.head_params() * (tokens - head_tokens)
     pairs = causal_pairs(tokens, doc_len_sq_sum) if causal else float(doc_len_sq_sum)
     return linear + attention_flops(shape, pairs)
-
-
-def lora_train_flops(
-    shape: ModelShape, tokens: float, doc_len_sq_sum: float, r: int,
-    target_modules: Sequence[str] = ("all-linear",),
-) -> float:
-    """`train_flops` for a LoRA of rank `r` over a frozen base: the usual call."""
-    return train_flops(shape, tokens, doc_len_sq_sum, shape.matmul_params(), lora_params(shape, r, target_modules))
-
-
-def doc_len_sq_sum(lengths: Iterable[int]) -> int:
-    return sum(int(n) * int(n) for n in lengths)

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from trainer.preemption import agree_all
+
 IGNORE_INDEX = -100
 StopReason = Literal["finished", "preempted", "budget", "bad_steps"]
 
@@ -236,7 +238,7 @@ class Hooks:
     """Receive a metrics row (rank 0 writes it)."""
     message: Callable[[str], None] = print
     stop_requested: Callable[[], bool] = lambda: False
-    """Any rank saw a preemption signal (collective: `preemption.agree`)."""
+    """This rank saw a preemption signal (local; the loop agrees across ranks)."""
     step_done: Callable[[float], None] = lambda seconds: None
     """Seconds of one finished optimizer step (the ledger's productive time)."""
     epoch_of: Callable[[int], float] = float
@@ -348,9 +350,8 @@ def train_loop(
                 meter.pause(time.monotonic() - t_eval)
 
         # Every rank must take the same branch: each decision is reduced over ranks.
-        preempted = hooks.stop_requested()
         time_due = plan.save_every_minutes is not None and time.monotonic() - last_save >= 60 * plan.save_every_minutes
-        over_budget, time_due = _any_rank(accelerator, [_over_budget(plan, meter), time_due])
+        preempted, over_budget, time_due = agree_all([hooks.stop_requested(), _over_budget(plan, meter), time_due], accelerator)
         step_due = bool(plan.save_every_steps) and progress.step % plan.save_every_steps == 0
         finished = progress.step >= plan.total_steps
         if preempted or over_budget or time_due or step_due or finished:
@@ -397,11 +398,3 @@ def _over_budget(plan: LoopPlan, meter: Any) -> bool:
         return True
     cost = meter.cost()
     return plan.max_cost is not None and cost is not None and cost >= plan.max_cost
-
-
-def _any_rank(accelerator: Any, flags: list[bool]) -> list[bool]:
-    """Each flag true on every rank if it is true on any rank (one small all-reduce)."""
-    if accelerator.num_processes == 1:
-        return flags
-    t = torch.tensor([int(f) for f in flags], device=accelerator.device)
-    return [bool(x) for x in accelerator.reduce(t, reduction="sum").tolist()]

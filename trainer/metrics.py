@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 import torch
 
+from trainer.config import ConfigError
+
 FlopsFn = Callable[[float, float, float], float]
 """(real tokens, sum of squared document lengths, tokens that reach the output head) -> training FLOPs."""
 
@@ -171,7 +173,7 @@ def resolve_peak_flops(explicit: float | None, gpu_name: str | None, device: tor
         try:
             return catalog.find_gpu(gpu_name).peak_bf16_flops
         except catalog.CatalogError as e:
-            raise ValueError(f"metrics.gpu: {e}; or set metrics.peak_flops to the device's peak FLOP/s") from None
+            raise ConfigError([f"metrics.gpu: {e}; or set metrics.peak_flops to the device's peak FLOP/s"]) from None
     if device.type == "cuda":
         return catalog.peak_flops_for(torch.cuda.get_device_name(device))
     return None  # CPU: no meaningful peak, MFU stays null

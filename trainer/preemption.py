@@ -25,7 +25,7 @@ from __future__ import annotations
 import signal
 import sys
 from types import FrameType
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -73,18 +73,25 @@ class Preemption:
 
 
 def agree(flag: bool, accelerator: Any = None) -> bool:
-    """True on every rank when any rank's flag is set (a one-element all-reduce MAX).
+    """True on every rank when any rank's flag is set."""
+    return agree_all([flag], accelerator)[0]
+
+
+def agree_all(flags: Sequence[bool], accelerator: Any = None) -> list[bool]:
+    """Each flag true on every rank when it is set on any rank: one small all-reduce MAX for all.
 
     Signals reach ranks at different moments; without agreement one rank would stop and the
-    others would hang in the next collective. Call it once per optimizer step on every rank.
+    others would hang in the next collective. The loop folds every per-step decision (stop,
+    budget, time-based save) into one call, so a step costs one extra collective, not several.
     """
+    flags = [bool(f) for f in flags]
     num = getattr(accelerator, "num_processes", 1) if accelerator is not None else 1
     if num == 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return flag
+        return flags
     device = accelerator.device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=device)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return bool(t.item())
+    return [bool(x) for x in t.tolist()]
 
 
 def save_fits_notice(seconds: float, notice: float) -> str | None:

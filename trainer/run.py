@@ -8,8 +8,11 @@ ledger and meter, resumes from the newest checkpoint that verifies, hands everyt
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
+import secrets
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +21,7 @@ import torch
 
 from trainer import config as C
 from trainer import flops, loop, metrics, preemption, tiny
-from trainer.checkpoint import CheckpointManager, check_compatible, resolve_resume
+from trainer.checkpoint import CheckpointManager, check_compatible, fsync_tree, publish_dir, resolve_resume
 from trainer.ledger import Ledger
 from trainer.model import build, count_params
 from trainer.sampler import StepSampler
@@ -65,6 +68,10 @@ def make_accelerator(cfg: C.RunConfig) -> Any:
     if cfg.train.mixed_precision == "fp16" and not cuda:
         raise C.ConfigError(["train.mixed_precision: fp16 needs a CUDA GPU; use bf16 or no on CPU"])
     trackers = list(cfg.metrics.trackers)
+    missing = [t for t in trackers if importlib.util.find_spec(t) is None]
+    if missing:  # accelerate would only log a warning and drop the tracker
+        raise C.ConfigError([f"metrics.trackers: {', '.join(missing)} is not installed; pip install {' '.join(missing)} "
+                             "(or pip install 'spotune[trackers]'), or remove it from metrics.trackers"])
     accelerator = Accelerator(
         cpu=not cuda,
         mixed_precision=cfg.train.mixed_precision,
@@ -201,7 +208,7 @@ def train(cfg: C.RunConfig) -> int:
     )
     hooks = loop.Hooks(
         save=save, log=log, message=console.message, meter=meter, console=console,
-        stop_requested=lambda: preemption.agree(stop.requested, accelerator),
+        stop_requested=lambda: stop.requested,
         epoch_of=lambda step: round(step / sampler.steps_per_epoch, 4),
         step_done=lambda seconds: ledger.add_productive(seconds),
         evaluate=_evaluator(cfg, prepared, model, accelerator) if plan.eval_every else None,
@@ -331,13 +338,22 @@ def _flops_fn(hf_config: Any, trainable: int, selects_logits: bool) -> metrics.F
 
 
 def write_final(directory: Path, model: torch.nn.Module, tokenizer: str) -> None:
-    """`final/`: the PEFT adapter (adapter_model.safetensors + adapter_config.json) and the tokenizer."""
+    """`final/`: the PEFT adapter (adapter_model.safetensors + adapter_config.json) and the tokenizer.
+
+    Written into a temp directory, fsynced and renamed into place like a checkpoint, so a kill
+    mid-write never leaves a torn adapter that `export` or a server would pick up.
+    """
     from transformers import AutoTokenizer
 
     while hasattr(model, "module"):
         model = model.module
-    model.save_pretrained(str(directory), safe_serialization=True)
-    AutoTokenizer.from_pretrained(tokenizer).save_pretrained(str(directory))
+    for stale in directory.parent.glob(f"{directory.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = directory.with_name(f"{directory.name}.tmp-{secrets.token_hex(4)}")
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    AutoTokenizer.from_pretrained(tokenizer).save_pretrained(str(tmp))
+    fsync_tree(tmp)
+    publish_dir(tmp, directory)
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

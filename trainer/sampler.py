@@ -18,6 +18,8 @@ import math
 
 import numpy as np
 
+from trainer.config import ConfigError
+
 
 class StepSampler:
     """Rows of every optimizer step, for every rank, as a function of the step number."""
@@ -26,11 +28,11 @@ class StepSampler:
         if rows_per_step < 1:
             raise ValueError(f"rows per step must be at least 1, got {rows_per_step}")
         if num_rows < rows_per_step:
-            raise ValueError(
+            raise ConfigError([
                 f"the prepared dataset has {num_rows} packed rows but one optimizer step needs "
                 f"{rows_per_step} (train.micro_batch_size x train.grad_accum x devices); lower "
                 "train.micro_batch_size or train.grad_accum, lower data.seq_len, or add data"
-            )
+            ])
         self.num_rows = num_rows
         self.rows_per_step = rows_per_step
         self.seed = seed

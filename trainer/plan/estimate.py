@@ -79,7 +79,9 @@ def run_estimate(
     tokens = rows_done * work.real_tokens_per_row
     trainable = rows_done * (work.trainable_tokens / work.rows if work.rows else 0.0)
     doc_sq = work.doc_len_sq_sum * rows_done / work.rows if work.rows else 0.0
-    run_flops = flops.train_flops(shape, tokens, doc_sq, shape.matmul_params(), lora)
+    # The loop computes logits only where a label is (as the training meter counts them), so
+    # the output head costs trainable tokens, not every real one.
+    run_flops = flops.train_flops(shape, tokens, doc_sq, shape.matmul_params(), lora, head_tokens=trainable)
     flops_per_token = run_flops / tokens if tokens else 0.0
 
     memory = mem.estimate_memory(

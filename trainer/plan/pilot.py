@@ -98,7 +98,7 @@ def summarise(run_dir: Path, warmup_steps: int, device: str, prepare_seconds: fl
     warm = [r for r in steps if r["step"] <= warmup_steps]
     sustained = [r for r in steps if r["step"] > warmup_steps]
     if len(sustained) < 2:
-        raise RuntimeError(
+        raise PlanError(
             f"the pilot in {run_dir} logged {len(sustained)} step(s) after metrics.warmup_steps={warmup_steps}; "
             "give more --steps or --minutes"
         )
@@ -106,7 +106,7 @@ def summarise(run_dir: Path, warmup_steps: int, device: str, prepare_seconds: fl
     mean_step = float(times.mean())
     ledger = read_rows(run_dir)
     if not ledger:
-        raise RuntimeError(f"{run_dir}/ledger.jsonl is missing: the pilot did not finish cleanly")
+        raise PlanError(f"{run_dir}/ledger.jsonl is missing: the pilot did not finish cleanly")
     last = ledger[-1]
     world = int(last.get("world_size", 1))
     # Real tokens per step from the cumulative counter, over the sustained steps.
@@ -184,7 +184,7 @@ def run_pilot(cfg: RunConfig, steps: int | None = None, minutes: float | None = 
     code = run.train(pcfg)
     # With --minutes the pilot ends through the budget guard, which also saves: both are fine.
     if code not in (preemption.EXIT_FINISHED, preemption.EXIT_BUDGET):
-        raise RuntimeError(f"the pilot run in {out} stopped with exit code {code}; see the messages above")
+        raise PlanError(f"the pilot run in {out} stopped with exit code {code}; see the messages above")
     if not main_rank:
         return {}  # rank 0 writes the logs, and summarises them
     result = summarise(out, cfg.metrics.warmup_steps, device_name(), prepare_seconds, earlier)
