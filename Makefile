@@ -19,6 +19,7 @@ bench: setup
 	$(PY) benchmarks/packing.py
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/resume.py
+	$(PY) benchmarks/pilot_accuracy.py
 
 clean:
 	rm -rf runs .pytest_cache

@@ -25,7 +25,7 @@ from trainer.checkpoint import CheckpointManager, check_compatible, fsync_tree, 
 from trainer.ledger import Ledger
 from trainer.model import build, count_params
 from trainer.sampler import StepSampler
-from trainer.state import TrainState, gather_rng, restore_training_state, write_training_state
+from trainer.state import TrainState, gather_rng, restore_training_state, unwrap_peft, write_training_state
 
 EXIT_CODES = {
     "finished": preemption.EXIT_FINISHED,
@@ -127,6 +127,8 @@ def train(cfg: C.RunConfig) -> int:
 
     from accelerate.utils import set_seed
 
+    # Resolved before the model loads, so a bad metrics.gpu fails in a second, not a minute.
+    peak_flops = metrics.resolve_peak_flops(cfg.metrics.peak_flops, cfg.metrics.gpu, accelerator.device)
     set_seed(cfg.seed)  # same LoRA init on every rank (DDP also broadcasts rank 0's weights)
     model = build(cfg.model, cfg.adapter, name_or_path=model_path(cfg), device=accelerator.device)
     counts = count_params(model)
@@ -156,7 +158,7 @@ def train(cfg: C.RunConfig) -> int:
         world_size=world, warmup_steps=cfg.metrics.warmup_steps,
         flops_fn=_flops_fn(accelerator.unwrap_model(model).config, counts.trainable,
                            selects_logits=loop.accepts_logits_to_keep(model)),
-        peak_flops=metrics.resolve_peak_flops(cfg.metrics.peak_flops, cfg.metrics.gpu, accelerator.device),
+        peak_flops=peak_flops,
         price_per_hour=cfg.metrics.price_per_hour,
         device_seconds_fn=lambda: float(ledger.totals()["device_seconds"]),  # one source of truth: the ledger
     )
@@ -345,8 +347,7 @@ def write_final(directory: Path, model: torch.nn.Module, tokenizer: str) -> None
     """
     from transformers import AutoTokenizer
 
-    while hasattr(model, "module"):
-        model = model.module
+    model = unwrap_peft(model)
     for stale in directory.parent.glob(f"{directory.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = directory.with_name(f"{directory.name}.tmp-{secrets.token_hex(4)}")

@@ -264,7 +264,8 @@ def optimizer_from_tensors(optimizer: torch.optim.Optimizer, tensors: dict[str, 
 # ---------------------------------------------------------------------------- whole checkpoint
 
 
-def _peft_model(model: torch.nn.Module) -> Any:
+def unwrap_peft(model: torch.nn.Module) -> Any:
+    """The peft model inside DDP / accelerate wrappers."""
     while hasattr(model, "module"):  # DDP / accelerate wrappers
         model = model.module  # type: ignore[assignment]
     if not hasattr(model, "peft_config"):
@@ -286,7 +287,7 @@ def write_training_state(
     from peft.utils import get_peft_model_state_dict
 
     directory = Path(directory)
-    peft_model = _peft_model(model)
+    peft_model = unwrap_peft(model)
     name = peft_model.active_adapter
     adapter = {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(peft_model, adapter_name=name).items()}
     save_file(adapter, directory / ADAPTER_FILE, metadata={"format": "pt"})
@@ -323,7 +324,7 @@ def restore_training_state(
     state = TrainState.from_json((directory / STATE_FILE).read_text())
     world = state.world_size if world_size is None else world_size
 
-    peft_model = _peft_model(model)
+    peft_model = unwrap_peft(model)
     adapter = load_file(directory / ADAPTER_FILE)
     result = set_peft_model_state_dict(peft_model, adapter, adapter_name=peft_model.active_adapter)
     if result.unexpected_keys:
