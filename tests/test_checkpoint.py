@@ -148,9 +148,20 @@ def test_none_verifying_raises_instead_of_starting_over(tmp_path: Path) -> None:
 
 
 def test_resume_never_and_explicit_path(tmp_path: Path) -> None:
-    m = make(tmp_path, [10, 20])
+    m = make(tmp_path, [10, 20, 30])
+    assert resolve_resume(m.root, str(m.step_dir(10)), clean=False) == (m.step_dir(10), [])  # other ranks only read
+    assert len(m.committed()) == 3
+    path, messages = resolve_resume(m.root, str(m.step_dir(10)))
+    assert path == m.step_dir(10) and "set aside 2 newer checkpoint(s)" in messages[0]
+    # The abandoned timeline is renamed, not deleted, and no longer committed: a later
+    # resume=auto continues the new timeline instead of jumping back to step 30.
+    assert [p.name for p in m.committed()] == ["step-000010"]
+    assert sorted(p.name.split(".")[0] for p in m.root.glob("step-*.retired-*")) == ["step-000020", "step-000030"]
+    assert resolve_resume(m.root, "auto")[0] == m.step_dir(10)
     path, messages = resolve_resume(m.root, "never")
-    assert path is None and "ignoring 2 checkpoint(s)" in messages[0]
+    assert path is None and "starting at step 0; set aside 1 newer" in messages[0] and m.committed() == []
+
+    m = make(tmp_path / "b", [10])
     assert resolve_resume(m.root, str(m.step_dir(10)))[0] == m.step_dir(10)
     _delete(m.step_dir(10))
     with pytest.raises(CheckpointError, match="does not verify: sub/extra.json: missing"):

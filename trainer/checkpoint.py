@@ -131,6 +131,24 @@ class CheckpointManager:
         found = [p for p in self.root.iterdir() if p.is_dir() and _COMMITTED.match(p.name)]
         return sorted(found, key=self.step_of)
 
+    def retire(self, after_step: int) -> list[Path]:
+        """Set aside (rename, never delete) the committed checkpoints above `after_step`.
+
+        A run that restarts its timeline (resume=never, or an explicit older checkpoint) must
+        not leave newer checkpoints of the abandoned timeline committed: they would count
+        toward keep_last and a later resume=auto would jump back to them.
+        """
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        moved = []
+        for p in self.committed():
+            if self.step_of(p) > after_step:
+                dest = p.with_name(f"{p.name}.retired-{stamp}")
+                os.rename(p, dest)
+                moved.append(dest)
+        if moved:
+            _fsync_path(self.root)
+        return moved
+
     def clean_stale(self) -> list[Path]:
         """Remove temp directories of saves that never committed; returns what was removed."""
         if not self.root.is_dir():
@@ -274,12 +292,8 @@ def resolve_resume(root: Path | str, resume_setting: str, *, clean: bool = True)
     if clean:
         messages += [f"removed unfinished save {p}" for p in manager.clean_stale()]
     if resume_setting == "never":
-        existing = manager.committed()
-        if existing:
-            messages.append(
-                f"checkpoint.resume=never: starting at step 0 and ignoring {len(existing)} checkpoint(s) "
-                f"under {manager.root}; a later run with resume=auto may pick them up, so prefer a new output_dir"
-            )
+        if clean:  # one rank (the main one) renames; the others only read
+            messages += _retired("checkpoint.resume=never: starting at step 0", manager.retire(after_step=-1))
         return None, messages
     if resume_setting == "auto":
         path, skipped = manager.latest_verified()
@@ -290,7 +304,17 @@ def resolve_resume(root: Path | str, resume_setting: str, *, clean: bool = True)
     problems = manager.verify(path)
     if problems:
         raise CheckpointError(f"checkpoint.resume: {path} does not verify: " + "; ".join(problems))
+    if clean and _COMMITTED.match(path.name):
+        messages += _retired(f"checkpoint.resume={path}: continuing from step {manager.step_of(path)}",
+                             manager.retire(after_step=manager.step_of(path)))
     return path, messages
+
+
+def _retired(what: str, moved: list[Path]) -> list[str]:
+    if not moved:
+        return []
+    return [f"{what}; set aside {len(moved)} newer checkpoint(s) of the abandoned timeline "
+            f"({', '.join(p.name for p in moved)}): kept on disk, never resumed from, delete them when done"]
 
 
 def check_compatible(saved_state: Any, current_structural: dict[str, Any], data_fingerprint: str, allow: bool) -> list[str]:

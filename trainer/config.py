@@ -145,7 +145,7 @@ class CheckpointConfig:
     keep_last: int = 3
     """Committed checkpoints to keep (at least 2)."""
     resume: str = "auto"
-    """`auto` (newest that verifies), `never`, or a checkpoint directory."""
+    """`auto` (newest that verifies), `never`, or a checkpoint directory; `never` and a path set newer checkpoints aside."""
     allow_config_change: bool = False
     """Resume even if the dataset or a structural setting changed."""
     notice_seconds: float = 30.0
