@@ -46,6 +46,18 @@ def test_mfu_null_without_peak_and_cost_null_without_price() -> None:
     assert row["mfu"] is None and row["cost"] is None and row["tokens_per_s"] == 10.0
 
 
+def test_projected_total_cost() -> None:
+    m = _meter(total_steps=10, warmup_steps=1)  # 2 devices at 3.6 per device-hour; 7200 device-s so far
+    assert m.row(step=0)["projected_cost"] is None  # no step timed yet
+    m.step(0, 9.0, 0.0, 10, 0)  # warm-up: used only until a sustained step exists
+    assert m.projected_cost(1) == pytest.approx(7.2 + 9 * 9.0 * 2 / 3600 * 3.6)
+    m.step(1, 5.0, 0.0, 10, 0)
+    m.step(2, 3.0, 0.0, 10, 0)
+    # cost so far (7200 s x 3.6 / 3600) + 7 remaining steps x 4 s x 2 devices at 3.6 per hour
+    assert m.row(step=3)["projected_cost"] == pytest.approx(7.2 + 7 * 4.0 * 2 / 3600 * 3.6)
+    assert _meter(price_per_hour=None, total_steps=10).projected_cost(3) is None
+
+
 def test_flops_get_the_document_lengths_and_head_tokens() -> None:
     got: list[tuple[float, float, float]] = []
     m = _meter(flops_fn=lambda tokens, sq, head: got.append((tokens, sq, head)) or 1.0, warmup_steps=0)

@@ -6,6 +6,7 @@ never touches the weights."""
 from __future__ import annotations
 
 import json
+import re
 import math
 from pathlib import Path
 from typing import Any
@@ -320,3 +321,16 @@ def test_lr_schedule_values() -> None:
     assert [const(0), const(2), const(9)] == [1.0, 3.0, 3.0]
     values = [cos(s) for s in range(2, 12)]
     assert values == sorted(values, reverse=True), "cosine decays monotonically after warm-up"
+
+
+def test_progress_bar_shows_throughput_and_projected_cost(tmp_path: Path, tiny_llama: Path, tiny_data: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = make_cfg(tmp_path / "bar", **{"model.name_or_path": str(tiny_llama), "data.path": str(tiny_data),
+                                        "train.max_steps": 4, "metrics.progress": True, "metrics.log_every": 2,
+                                        "metrics.price_per_hour": 2.0, "metrics.warmup_steps": 1})
+    assert run.train(cfg) == 0
+    bar = capsys.readouterr().err.replace("\r", "\n")
+    assert "4/4" in bar and "tok/s=" in bar
+    assert re.search(r"\$=\d+\.\d\d/\d+\.\d\d", bar), "cost so far / projected total"
+    rows = [r for r in metrics_rows(tmp_path / "bar") if "loss" in r]
+    assert rows[-1]["projected_cost"] == pytest.approx(rows[-1]["cost"], rel=1e-3)  # last step: nothing left

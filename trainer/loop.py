@@ -327,7 +327,8 @@ def train_loop(
                 grad_norm=norm_value, skipped_steps=progress.skipped_steps,
                 trainable_tokens=progress.trainable_tokens, real_tokens=progress.real_tokens,
             )
-            hooks.log(meter.row(**row) if meter is not None else row)
+            row = meter.row(**row) if meter is not None else row  # adds rates, MFU, memory, cost
+            hooks.log(row)
             if console is not None:
                 console.update(0, row)
         if console is not None:

@@ -50,6 +50,8 @@ class Meter:
     device_seconds_fn: Callable[[], float] | None = None
     """Device-seconds of the whole run from elsewhere (the ledger); else counted here."""
     start_step: int = 0
+    total_steps: int | None = None
+    """Steps the run will take in all, for the projected total cost."""
     attempt_start: float = field(default_factory=time.monotonic)
     # window (since the previous row) and sustained (after warm-up) accumulators
     _w_seconds: float = 0.0
@@ -58,6 +60,7 @@ class Meter:
     _w_real: float = 0.0
     _w_flops: float = 0.0
     _s_seconds: float = 0.0
+    _s_steps: int = 0
     _s_real: float = 0.0
     _s_flops: float = 0.0
     _paused: float = 0.0
@@ -75,6 +78,7 @@ class Meter:
         self._w_real += real_tokens
         self._w_flops += flops
         if step - self.start_step >= self.warmup_steps:
+            self._s_steps += 1
             self._s_seconds += seconds
             self._s_real += real_tokens
             self._s_flops += flops
@@ -113,12 +117,28 @@ class Meter:
             gpu_util=gpu_utilisation(),
             device_hours=self.device_seconds() / 3600.0,
             cost=self.cost(),
+            projected_cost=self.projected_cost(fields.get("step")),
             paused_s=self._paused,
             time=time.time(),
         )
         self._w_seconds = self._w_stall = self._w_real = self._w_flops = 0.0
         self._w_steps = 0
         return row
+
+    def projected_cost(self, step: int | None) -> float | None:
+        """Cost so far plus the remaining steps at the sustained step time (the window's before
+        warm-up ends). Checkpoint and evaluation time ahead are not projected: a lower bound."""
+        cost = self.cost()
+        if cost is None or self.total_steps is None or step is None:
+            return None
+        if self._s_steps:
+            per_step = self._s_seconds / self._s_steps
+        elif self._w_steps:
+            per_step = self._w_seconds / self._w_steps
+        else:
+            return None
+        remaining = max(0, self.total_steps - step)
+        return cost + remaining * per_step * self.world_size / 3600.0 * (self.price_per_hour or 0.0)
 
     def summary(self) -> dict[str, Any]:
         return dict(
@@ -203,7 +223,7 @@ def _finite(row: dict[str, Any]) -> dict[str, Any]:
 
 
 class Console:
-    """A tqdm bar with ETA and a short postfix: loss, tokens/s, cost so far."""
+    """A tqdm bar with ETA and a short postfix: loss, tokens/s, cost so far / projected total."""
 
     def __init__(self, total_steps: int, initial: int, enabled: bool, is_main: bool = True) -> None:
         self._bar = None
@@ -222,7 +242,8 @@ class Console:
             if row.get("tokens_per_s") is not None:
                 post["tok/s"] = f"{row['tokens_per_s']:.0f}"
             if row.get("cost") is not None:
-                post["$"] = f"{row['cost']:.2f}"
+                projected = row.get("projected_cost")
+                post["$"] = f"{row['cost']:.2f}" + (f"/{projected:.2f}" if projected is not None else "")
             self._bar.set_postfix(post, refresh=False)
 
     def message(self, text: str) -> None:

@@ -159,7 +159,7 @@ def train(cfg: C.RunConfig) -> int:
         flops_fn=_flops_fn(accelerator.unwrap_model(model).config, counts.trainable,
                            selects_logits=loop.accepts_logits_to_keep(model)),
         peak_flops=peak_flops,
-        price_per_hour=cfg.metrics.price_per_hour,
+        price_per_hour=cfg.metrics.price_per_hour, total_steps=steps,
         device_seconds_fn=lambda: float(ledger.totals()["device_seconds"]),  # one source of truth: the ledger
     )
     sink = metrics.JsonlSink(out / "metrics.jsonl") if is_main else None
