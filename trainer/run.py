@@ -169,9 +169,9 @@ def train(cfg: C.RunConfig) -> int:
     def save(progress: loop.Progress) -> float:
         started = time.monotonic()
         rng = gather_rng(world)  # collective: every rank's generators
-        state.step, state.tokens, state.real_tokens = progress.step, progress.trainable_tokens, progress.real_tokens
+        for ours, theirs in _COUNTERS.items():
+            setattr(state, theirs, getattr(progress, ours))
         state.epoch, state.cursor = sampler.position(progress.step)
-        state.skipped_steps, state.consecutive_bad_steps = progress.skipped_steps, progress.bad_in_a_row
         state.ledger = ledger.totals()
         if is_main:
             result = manager.save(progress.step, lambda tmp: write_training_state(
@@ -247,6 +247,19 @@ def train(cfg: C.RunConfig) -> int:
 
 # ---------------------------------------------------------------------------- pieces
 
+# loop.Progress field -> TrainState field: the one map used to save and to restore the counters.
+_COUNTERS = {
+    "step": "step",
+    "trainable_tokens": "tokens",
+    "real_tokens": "real_tokens",
+    "skipped_steps": "skipped_steps",
+    "bad_in_a_row": "consecutive_bad_steps",
+}
+# A counter added to Progress but not mapped would silently restart at 0 on resume.
+_NOT_SAVED = {"last_loss", "last_eval_loss"}  # reported, not state
+if {f.name for f in dataclasses.fields(loop.Progress)} != set(_COUNTERS) | _NOT_SAVED:
+    raise ImportError("trainer/run.py: map every loop.Progress counter in _COUNTERS")
+
 
 def _restore(resume_dir: Path, model: torch.nn.Module, optimizer: Any, accelerator: Any,
              fresh: TrainState) -> tuple[TrainState, loop.Progress]:
@@ -257,12 +270,9 @@ def _restore(resume_dir: Path, model: torch.nn.Module, optimizer: Any, accelerat
     """
     saved = restore_training_state(resume_dir, model=model, optimizer=optimizer, rank=accelerator.process_index,
                                    world_size=accelerator.num_processes, scaler=accelerator.scaler)
-    progress = loop.Progress(step=saved.step, trainable_tokens=saved.tokens, real_tokens=saved.real_tokens,
-                             skipped_steps=saved.skipped_steps, bad_in_a_row=saved.consecutive_bad_steps)
-    state = dataclasses.replace(fresh, step=saved.step, epoch=saved.epoch, cursor=saved.cursor, tokens=saved.tokens,
-                                real_tokens=saved.real_tokens,
-                                skipped_steps=saved.skipped_steps, consecutive_bad_steps=saved.consecutive_bad_steps,
-                                ledger=saved.ledger)
+    counters = {theirs: getattr(saved, theirs) for theirs in _COUNTERS.values()}
+    progress = loop.Progress(**{ours: counters[theirs] for ours, theirs in _COUNTERS.items()})
+    state = dataclasses.replace(fresh, **counters, epoch=saved.epoch, cursor=saved.cursor, ledger=saved.ledger)
     return state, progress
 
 
