@@ -34,8 +34,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from trainer import batches as step_data  # noqa: E402
 from trainer import config as C  # noqa: E402
-from trainer import loop, run, tiny  # noqa: E402
+from trainer import loss as micro_loss  # noqa: E402
+from trainer import run, tiny  # noqa: E402
 from trainer.model import build  # noqa: E402
 from trainer.sampler import StepSampler  # noqa: E402
 
@@ -45,18 +47,40 @@ TOKENIZER = SHARED / "llama2-tokenizer"
 
 
 def make_model(root: Path) -> Path:
-    return tiny.build_model(root / "model", "llama", tokenizer_dir=TOKENIZER, hidden=256, layers=4, heads=4,
-                            kv_heads=4, intermediate=688, seed=0)
+    return tiny.build_model(
+        root / "model",
+        "llama",
+        tokenizer_dir=TOKENIZER,
+        hidden=256,
+        layers=4,
+        heads=4,
+        kv_heads=4,
+        intermediate=688,
+        seed=0,
+    )
 
 
 def spotune_cfg(root: Path, model: Path, steps: int, mbs: int) -> C.RunConfig:
-    return C.RunConfig().replace(**{
-        "output_dir": str(root / "spotune"), "model.name_or_path": str(model), "model.dtype": "float32",
-        "adapter.r": 16, "adapter.dropout": 0.0, "data.path": str(DATA), "data.tokenizer": str(TOKENIZER),
-        "data.seq_len": 512, "data.cache_dir": str(root / "cache"), "train.max_steps": steps,
-        "train.micro_batch_size": mbs, "train.lr": 1e-4, "train.schedule": "constant",
-        "metrics.progress": False, "metrics.log_every": 1, "checkpoint.every_minutes": None,
-    })
+    return C.RunConfig().replace(
+        **{
+            "output_dir": str(root / "spotune"),
+            "model.name_or_path": str(model),
+            "model.dtype": "float32",
+            "adapter.r": 16,
+            "adapter.dropout": 0.0,
+            "data.path": str(DATA),
+            "data.tokenizer": str(TOKENIZER),
+            "data.seq_len": 512,
+            "data.cache_dir": str(root / "cache"),
+            "train.max_steps": steps,
+            "train.micro_batch_size": mbs,
+            "train.lr": 1e-4,
+            "train.schedule": "constant",
+            "metrics.progress": False,
+            "metrics.log_every": 1,
+            "checkpoint.every_minutes": None,
+        }
+    )
 
 
 def spotune_run(cfg: C.RunConfig) -> dict[int, tuple[float, float]]:
@@ -66,7 +90,10 @@ def spotune_run(cfg: C.RunConfig) -> dict[int, tuple[float, float]]:
     assert run.train(cfg) == 0
     rows = [json.loads(x) for x in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
     # the row with step=k is written after 0-based step k-1: the gap up to it is step k-1
-    return {b["step"] - 1: (b["time"] - a["time"], b["real_tokens"] - a["real_tokens"]) for a, b in zip(rows, rows[1:])}
+    return {
+        b["step"] - 1: (b["time"] - a["time"], b["real_tokens"] - a["real_tokens"])
+        for a, b in zip(rows, rows[1:], strict=False)
+    }
 
 
 def bare_loop(cfg: C.RunConfig, steps: int) -> dict[int, tuple[float, float]]:
@@ -78,7 +105,7 @@ def bare_loop(cfg: C.RunConfig, steps: int) -> dict[int, tuple[float, float]]:
     rows = datasets.load_from_disk(str(prepared.train_path))
     t = cfg.train
     sampler = StepSampler(len(rows), t.micro_batch_size * t.grad_accum, seed=cfg.seed, shuffle=cfg.data.shuffle)
-    data = loop.StepDataset(rows, sampler, 0, 1, t.micro_batch_size, t.grad_accum, steps)
+    data = step_data.StepDataset(rows, sampler, 0, 1, t.micro_batch_size, t.grad_accum, steps)
     batches = [data[s] for s in range(steps)]  # collated before the clock starts
     torch.manual_seed(cfg.seed)
     model = build(cfg.model, cfg.adapter)
@@ -90,7 +117,7 @@ def bare_loop(cfg: C.RunConfig, steps: int) -> dict[int, tuple[float, float]]:
         start = time.perf_counter()
         n = int(batch.counts[0])
         for micro in batch.micro:
-            (loop.token_loss_sum(model, micro) / n).backward()
+            (micro_loss.token_loss_sum(model, micro) / n).backward()
         torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -126,10 +153,26 @@ def trl_run(root: Path, model_path: Path, steps: int, warmup: int, mbs: int) -> 
     if tok.pad_token is None:
         tok.pad_token = tok.unk_token
     args = SFTConfig(
-        output_dir=str(root / "trl"), max_steps=steps, per_device_train_batch_size=mbs, gradient_accumulation_steps=1,
-        learning_rate=1e-4, lr_scheduler_type="constant", packing=True, packing_strategy="bfd", padding_free=True,
-        max_length=512, completion_only_loss=True, logging_steps=1000, save_strategy="no", report_to=[],
-        use_cpu=True, bf16=False, fp16=False, dataloader_num_workers=0, seed=0, disable_tqdm=True,
+        output_dir=str(root / "trl"),
+        max_steps=steps,
+        per_device_train_batch_size=mbs,
+        gradient_accumulation_steps=1,
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",
+        packing=True,
+        packing_strategy="bfd",
+        padding_free=True,
+        max_length=512,
+        completion_only_loss=True,
+        logging_steps=1000,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        dataloader_num_workers=0,
+        seed=0,
+        disable_tqdm=True,
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
@@ -158,7 +201,7 @@ def trl_run(root: Path, model_path: Path, steps: int, warmup: int, mbs: int) -> 
     trainer.train()
     # Step wall time = begin of step i to begin of step i+1 (data loading and callbacks included).
     begins = stamps[0::2]
-    gaps = [b - a for a, b in zip(begins, begins[1:])][warmup:]
+    gaps = [b - a for a, b in zip(begins, begins[1:], strict=False)][warmup:]
     toks = seen[: len(begins)][warmup : warmup + len(gaps)]
     return sum(toks) / sum(gaps)
 
@@ -186,8 +229,11 @@ def main() -> None:
         for i in range(args.rounds):
             bare.append(bare_loop(cfg, args.steps))
             ours.append(spotune_run(cfg.replace(output_dir=str(root / f"spotune-{i}"))))
-            print(f"round {i}: bare {mean_step(bare[-1], args.warmup):.3f} s/step, "
-                  f"spotune {mean_step(ours[-1], args.warmup):.3f} s/step", flush=True)
+            print(
+                f"round {i}: bare {mean_step(bare[-1], args.warmup):.3f} s/step, "
+                f"spotune {mean_step(ours[-1], args.warmup):.3f} s/step",
+                flush=True,
+            )
         b, o = fastest(bare, args.warmup), fastest(ours, args.warmup)
         common = sorted(set(b) & set(o))
         b_s, o_s = sum(b[s][0] for s in common), sum(o[s][0] for s in common)

@@ -40,7 +40,7 @@ def _doc_lengths(train_path: Path) -> np.ndarray:
     ds = datasets.load_from_disk(str(train_path)).with_format("numpy")
     pos, real = ds["position_ids"], ds["num_real"]
     lengths: list[int] = []
-    for p, n in zip(pos, real):
+    for p, n in zip(pos, real, strict=False):
         starts = np.flatnonzero(p[:n] == 0)
         lengths.extend(np.diff(np.append(starts, n)).tolist())
     return np.asarray(lengths)
@@ -49,8 +49,11 @@ def _doc_lengths(train_path: Path) -> np.ndarray:
 def main() -> int:
     for path in (DATA, TOKENIZER):
         if not path.exists():
-            print(f"benchmarks/packing.py: {path} is absent; this benchmark needs the shared data folder "
-                  "(../shared/data next to the repository).", file=sys.stderr)
+            print(
+                f"benchmarks/packing.py: {path} is absent; this benchmark needs the shared data folder "
+                "(../shared/data next to the repository).",
+                file=sys.stderr,
+            )
             return 2
     datasets.utils.logging.disable_progress_bar()
     # Import the heavy libraries first so "cold" measures a cleared cache, not interpreter start-up.
@@ -58,7 +61,9 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     AutoTokenizer.from_pretrained(str(TOKENIZER))
-    print(f"data: {DATA.name}; tokenizer: {TOKENIZER.name}; baseline: random batches of {BATCH} padded to their longest")
+    print(
+        f"data: {DATA.name}; tokenizer: {TOKENIZER.name}; baseline: random batches of {BATCH} padded to their longest"
+    )
     # ratio = packed / baseline efficiency = baseline padded tokens / packed tokens for the same data
     header = f"{'seq_len':>7} {'rows':>5} {'packed':>8} {'BFD only':>9} {'baseline':>9} {'ratio':>6} {'cold ex/s':>9} {'warm s':>7}"
     print(header)
@@ -83,8 +88,10 @@ def main() -> int:
             f"{seq_len:>7} {st['rows']:>5} {eff:>8.2%} {bfd_eff:>9.2%} {base:>9.2%} {eff / base:>5.2f}x "
             f"{st['examples_in'] / cold:>9.0f} {warm:>7.2f}"
         )
-        print(f"{'':>7} algorithm={st['packing_algorithm']}, BFD rows={bfd_rows}, lower bound rows="
-              f"{-(-int(lens.sum()) // seq_len)}, truncated={st['truncated']}, cold prepare {cold:.2f}s for {st['examples_in']} examples")
+        print(
+            f"{'':>7} algorithm={st['packing_algorithm']}, BFD rows={bfd_rows}, lower bound rows="
+            f"{-(-int(lens.sum()) // seq_len)}, truncated={st['truncated']}, cold prepare {cold:.2f}s for {st['examples_in']} examples"
+        )
     return 0
 
 

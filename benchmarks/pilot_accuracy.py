@@ -63,19 +63,25 @@ def once(recipe: str, steps: int, work: Path) -> tuple[float, float]:
     measured_s = float(ledger[-1]["wall_seconds"])
 
     print(f"recipe {recipe}: {result['run']['steps']} steps; pilot {steps} steps on {pilot['device']}")
-    print(f"  pilot: {pilot['sustained_tokens_per_s']:,.0f} real tokens/s, startup {pilot['startup_seconds']:.1f} s "
-          f"(+{pilot['prepare_seconds']:.1f} s data preparation, once), save {pilot['save_seconds']:.2f} s, "
-          f"pilot process {pilot_wall:.1f} s")
-    print(f"  forecast wall {forecast_s:.1f} s (range {low_s:.1f}-{high_s:.1f}); measured full run {measured_s:.1f} s "
-          f"(ledger; process {full_wall:.1f} s as seen from outside)")
+    print(
+        f"  pilot: {pilot['sustained_tokens_per_s']:,.0f} real tokens/s, startup {pilot['startup_seconds']:.1f} s "
+        f"(+{pilot['prepare_seconds']:.1f} s data preparation, once), save {pilot['save_seconds']:.2f} s, "
+        f"pilot process {pilot_wall:.1f} s"
+    )
+    print(
+        f"  forecast wall {forecast_s:.1f} s (range {low_s:.1f}-{high_s:.1f}); measured full run {measured_s:.1f} s "
+        f"(ledger; process {full_wall:.1f} s as seen from outside)"
+    )
     ratio = forecast_s / measured_s
     # On a shared machine other processes slow either run by a varying factor: wall / CPU time
     # of a single-threaded process. Dividing each side by its own factor compares the two in
     # uncontended time; with the machine to itself both factors are ~1 and the ratios agree.
     slow_pilot, slow_full = pilot_wall / pilot_cpu, full_wall / full_cpu
     adjusted = ratio * slow_full / slow_pilot
-    print(f"  ratio forecast/measured = {ratio:.3f}; contention (wall/CPU) pilot {slow_pilot:.2f}, "
-          f"full run {slow_full:.2f}; contention-adjusted ratio = {adjusted:.3f}")
+    print(
+        f"  ratio forecast/measured = {ratio:.3f}; contention (wall/CPU) pilot {slow_pilot:.2f}, "
+        f"full run {slow_full:.2f}; contention-adjusted ratio = {adjusted:.3f}"
+    )
     return ratio, adjusted
 
 
@@ -85,8 +91,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="pilot + full run pairs; the median ratio is reported")
     ap.add_argument("--workdir", type=Path, help="where runs go (default: a temp dir)")
     ap.add_argument("--recipe", default=str(REPO / "recipes" / "tiny-cpu.yaml"))
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch CPU threads for both runs (1 keeps a shared machine's noise down; 0 = torch default)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads for both runs (1 keeps a shared machine's noise down; 0 = torch default)",
+    )
     args = ap.parse_args()
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -96,8 +106,10 @@ def main() -> None:
     ratio = statistics.median(r for r, _ in results)
     adjusted = statistics.median(a for _, a in results)
     verdict = "within" if abs(ratio - 1) <= 0.10 else "OUTSIDE"
-    print(f"median ratio forecast/measured over {len(results)} pair(s) = {ratio:.3f} ({verdict} 10%); "
-          f"contention-adjusted {adjusted:.3f}")
+    print(
+        f"median ratio forecast/measured over {len(results)} pair(s) = {ratio:.3f} ({verdict} 10%); "
+        f"contention-adjusted {adjusted:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -40,9 +40,9 @@ from safetensors.torch import save_file  # noqa: E402
 
 from trainer import config as C  # noqa: E402
 from trainer import run, tiny  # noqa: E402
-from trainer.checkpoint import CheckpointManager  # noqa: E402
+from trainer.restart.checkpoint import CheckpointManager  # noqa: E402
+from trainer.restart.state import TrainState, gather_rng, optimizer_to_tensors, write_training_state  # noqa: E402
 from trainer.sampler import StepSampler  # noqa: E402
-from trainer.state import TrainState, gather_rng, optimizer_to_tensors, write_training_state  # noqa: E402
 
 FAR = 10_000
 NEAR = 10
@@ -50,7 +50,8 @@ NEAR = 10
 
 def _recipe(work: Path, model: Path, data: Path) -> dict[str, Any]:
     return {
-        "output_dir": str(work / "seed-run"), "seed": 0,
+        "output_dir": str(work / "seed-run"),
+        "seed": 0,
         "model": {"name_or_path": str(model), "dtype": "float32"},
         "adapter": {"r": 8, "alpha": 16, "dropout": 0.05},
         "data": {"path": str(data), "seq_len": 128, "cache_dir": str(work / "cache")},
@@ -61,8 +62,9 @@ def _recipe(work: Path, model: Path, data: Path) -> dict[str, Any]:
 
 
 def _train(recipe: Path, *overrides: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "trainer", "train", str(recipe), *overrides], cwd=REPO,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer", "train", str(recipe), *overrides], cwd=REPO, capture_output=True, text=True
+    )
     if proc.returncode != 0:
         raise SystemExit(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
@@ -113,8 +115,10 @@ def startup_benchmark(work: Path, examples: int, repeats: int) -> dict[str, Any]
             startups[step].append(rows_[-1]["startup_seconds"])
             print(f"  repeat {r}: resume at step {step:>6}: start-up {startups[step][-1]:.2f}s")
     near_s, far_s = statistics.median(startups[NEAR]), statistics.median(startups[FAR])
-    print(f"start-up to first step, median of {repeats}: step {NEAR}: {near_s:.2f}s, step {FAR}: {far_s:.2f}s, "
-          f"ratio {far_s / near_s:.3f} (goal <= 1.1)")
+    print(
+        f"start-up to first step, median of {repeats}: step {NEAR}: {near_s:.2f}s, step {FAR}: {far_s:.2f}s, "
+        f"ratio {far_s / near_s:.3f} (goal <= 1.1)"
+    )
     return {"rows": rows, "near_s": near_s, "far_s": far_s, "ratio": far_s / near_s, "all": startups}
 
 
@@ -142,10 +146,15 @@ def tiny_recipe_save(work: Path, repeats: int = 5) -> dict[str, Any]:
     opt.step()
     rng = gather_rng(1)
     seconds, size, verify_s = _timed_saves(
-        work / "tiny-ck", lambda d: write_training_state(d, model=model, optimizer=opt, state=TrainState(), rng=rng), repeats)
+        work / "tiny-ck",
+        lambda d: write_training_state(d, model=model, optimizer=opt, state=TrainState(), rng=rng),
+        repeats,
+    )
     n = sum(p.numel() for p in params)
-    print(f"tiny recipe ({n:,} trainable params): save {seconds * 1000:.1f} ms, {size / 1e6:.2f} MB, "
-          f"verify {verify_s * 1000:.1f} ms")
+    print(
+        f"tiny recipe ({n:,} trainable params): save {seconds * 1000:.1f} ms, {size / 1e6:.2f} MB, "
+        f"verify {verify_s * 1000:.1f} ms"
+    )
     return {"params": n, "seconds": seconds, "bytes": size, "verify_s": verify_s}
 
 
@@ -165,17 +174,21 @@ def llama_8b(work: Path, measure: bool, r: int = 16) -> dict[str, Any]:
     n = sum(r * (fan_in + fan_out) for fan_in, fan_out in shapes)
     # adapter in fp32 + AdamW exp_avg and exp_avg_sq in fp32 (+ a scalar step per tensor).
     calc = n * 4 + n * 8 + 2 * len(shapes) * 4
-    print(f"8B Llama, LoRA r={r} on all linear layers: {n:,} adapter params = r * sum(in + out) "
-          f"= {r} * {n // r:,}; checkpoint = 12 bytes/param = {calc / 1e6:.0f} MB (adapter {n * 4 / 1e6:.0f} MB, "
-          f"AdamW {n * 8 / 1e6:.0f} MB)")
+    print(
+        f"8B Llama, LoRA r={r} on all linear layers: {n:,} adapter params = r * sum(in + out) "
+        f"= {r} * {n // r:,}; checkpoint = 12 bytes/param = {calc / 1e6:.0f} MB (adapter {n * 4 / 1e6:.0f} MB, "
+        f"AdamW {n * 8 / 1e6:.0f} MB)"
+    )
     out: dict[str, Any] = {"params": n, "calc_bytes": calc}
     if not measure:
         return out
     g = torch.Generator().manual_seed(0)
     params = []
     for fan_in, fan_out in shapes:
-        params += [torch.nn.Parameter(torch.randn(r, fan_in, generator=g) * 0.01),
-                   torch.nn.Parameter(torch.randn(fan_out, r, generator=g) * 0.01)]
+        params += [
+            torch.nn.Parameter(torch.randn(r, fan_in, generator=g) * 0.01),
+            torch.nn.Parameter(torch.randn(fan_out, r, generator=g) * 0.01),
+        ]
     opt = torch.optim.AdamW(params, lr=1e-4)
     for p in params:
         p.grad = torch.randn(p.shape, generator=g)
@@ -192,9 +205,11 @@ def llama_8b(work: Path, measure: bool, r: int = 16) -> dict[str, Any]:
         (d / "trainer_state.json").write_text(TrainState().to_json())
 
     seconds, size, verify_s = _timed_saves(work / "8b-ck", write, 3)
-    print(f"8B adapter checkpoint measured here: save {seconds:.2f}s ({size / seconds / 1e6:.0f} MB/s incl. fsync and "
-          f"sha256), {size / 1e6:.0f} MB on disk, verify on resume {verify_s:.2f}s; "
-          f"share of the default 30 s preemption notice: {seconds / 30:.2f}")
+    print(
+        f"8B adapter checkpoint measured here: save {seconds:.2f}s ({size / seconds / 1e6:.0f} MB/s incl. fsync and "
+        f"sha256), {size / 1e6:.0f} MB on disk, verify on resume {verify_s:.2f}s; "
+        f"share of the default 30 s preemption notice: {seconds / 30:.2f}"
+    )
     out.update(seconds=seconds, bytes=size, verify_s=verify_s)
     return out
 
@@ -216,7 +231,9 @@ def main() -> None:
     results["llama_8b"] = llama_8b(work, measure=not args.no_8b_save)
     if "seconds" in results["llama_8b"]:
         ratio = results["llama_8b"]["seconds"] / results["tiny"]["seconds"]
-        print(f"save time ratio 8B / tiny: {ratio:.0f}x for {results['llama_8b']['bytes'] / results['tiny']['bytes']:.0f}x the bytes")
+        print(
+            f"save time ratio 8B / tiny: {ratio:.0f}x for {results['llama_8b']['bytes'] / results['tiny']['bytes']:.0f}x the bytes"
+        )
     shutil.rmtree(work / "8b-ck", ignore_errors=True)  # half a gigabyte of random numbers
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)

@@ -45,15 +45,19 @@ def main() -> int:
     train_cmd = spotune("train", str(RECIPE), *overrides, "metrics.progress=false")
     proc = subprocess.Popen(train_cmd, cwd=REPO, env=env)
     checkpoints = RUN_DIR / "checkpoints"
-    while proc.poll() is None and not any(p.name.startswith("step-") and ".tmp" not in p.name
-                                          for p in (checkpoints.iterdir() if checkpoints.exists() else [])):
+    while proc.poll() is None and not any(
+        p.name.startswith("step-") and ".tmp" not in p.name
+        for p in (checkpoints.iterdir() if checkpoints.exists() else [])
+    ):
         time.sleep(0.2)
     if proc.poll() is None:
         time.sleep(1.0)  # a little work after the checkpoint, so the stop is mid-interval
         proc.send_signal(signal.SIGTERM)
     code = proc.wait()
-    print(f"demo: the interrupted run exited with code {code} "
-          f"({'preempted, checkpoint saved: requeue' if code == EXIT_PREEMPTED else 'unexpected'})")
+    print(
+        f"demo: the interrupted run exited with code {code} "
+        f"({'preempted, checkpoint saved: requeue' if code == EXIT_PREEMPTED else 'unexpected'})"
+    )
     if code not in (EXIT_PREEMPTED, 0):
         return code
 
@@ -102,7 +106,9 @@ def sample_generation() -> None:
     ids = tok(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(input_ids=ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
-    print(f"sample: 'What is the capital of France?' -> {tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)!r}")
+    print(
+        f"sample: 'What is the capital of France?' -> {tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)!r}"
+    )
 
 
 if __name__ == "__main__":

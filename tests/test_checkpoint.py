@@ -14,10 +14,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from trainer.checkpoint import (
-    MANIFEST, CheckpointError, CheckpointManager, ResumeMismatch, check_compatible, resolve_resume,
+from trainer.restart.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    CheckpointManager,
+    ResumeMismatch,
+    resolve_resume,
 )
-from trainer.state import TrainState
+from trainer.restart.state import TrainState, check_compatible
 
 
 def writer(step: int, size: int = 1000):
@@ -26,6 +30,7 @@ def writer(step: int, size: int = 1000):
         (d / "trainer_state.json").write_text(json.dumps({"step": step}))
         (d / "sub").mkdir()
         (d / "sub" / "extra.json").write_text("{}")
+
     return write
 
 
@@ -123,6 +128,7 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path: Path, corrupt) -> None:
     assert path == m.step_dir(10)
     assert len(messages) == 1 and str(m.step_dir(20)) in messages[0]
     import re
+
     assert re.search(pattern, messages[0]), messages[0]
 
 
@@ -205,7 +211,7 @@ def test_file_size_limit_in_a_real_process(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import resource, signal, sys, torch
         from safetensors.torch import save_file
-        from trainer.checkpoint import CheckpointManager, CheckpointError
+        from trainer.restart.checkpoint import CheckpointManager, CheckpointError
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # get EFBIG instead of being killed
         resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
         m = CheckpointManager({str(m.root)!r}, keep_last=2)
@@ -214,7 +220,9 @@ def test_file_size_limit_in_a_real_process(tmp_path: Path) -> None:
         except CheckpointError as e:
             print(e); sys.exit(7)
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=120
+    )
     assert proc.returncode == 7, proc.stderr
     assert "saving checkpoint step 20" in proc.stdout and "step-000020.tmp-" in proc.stdout
     assert [p.name for p in m.root.iterdir()] == ["step-000010"] and m.verify(m.step_dir(10)) == []

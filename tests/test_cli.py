@@ -23,10 +23,20 @@ def test_python_m_trainer_is_the_spotune_cli() -> None:
     assert script is not None, "the console script `spotune` is installed with the package"
 
 
-def test_bad_data_exits_2_naming_file_and_line(tmp_path: Path, tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_data_exits_2_naming_file_and_line(
+    tmp_path: Path, tiny_llama: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     data = tmp_path / "broken.jsonl"
     data.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c", "output": \n')
-    code = main(["prepare", f"output_dir={tmp_path / 'run'}", f"data.path={data}", f"model.name_or_path={tiny_llama}", "data.seq_len=64"])
+    code = main(
+        [
+            "prepare",
+            f"output_dir={tmp_path / 'run'}",
+            f"data.path={data}",
+            f"model.name_or_path={tiny_llama}",
+            "data.seq_len=64",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2
     assert f"{data}:2" in err or (str(data) in err and "line 2" in err), err

@@ -14,13 +14,13 @@ from hypothesis import strategies as st
 from trainer.config import DataConfig
 from trainer.data import prepare
 from trainer.data.pack import (
-    IGNORE,
     best_fit_decreasing,
     build_rows,
     fill_exact_decreasing,
     one_per_row,
     pack_lengths,
 )
+from trainer.data.template import IGNORE_INDEX
 
 PAD = 7
 
@@ -33,7 +33,7 @@ def _docs(draw: st.DrawFn, seq_len: int) -> list[tuple[list[int], list[int]]]:
         ids = draw(st.lists(st.integers(0, 50), min_size=length, max_size=length))
         # the pipeline guarantees a -100 first label; the rest is trained or not at random
         trained = draw(st.lists(st.booleans(), min_size=length, max_size=length))
-        labels = [IGNORE] + [t if keep else IGNORE for t, keep in zip(ids[1:], trained[1:])]
+        labels = [IGNORE_INDEX] + [t if keep else IGNORE_INDEX for t, keep in zip(ids[1:], trained[1:], strict=False)]
         docs.append((ids, labels))
     return docs
 
@@ -62,22 +62,24 @@ def check_rows(rows: dict[str, np.ndarray], docs: list[tuple[list[int], list[int
         real = int(rows["num_real"][r])
         assert 0 < real <= seq_len
         # padding only at the end: pad id, no label, positions 0..k-1
-        assert (ids[r, real:] == PAD).all() and (labels[r, real:] == IGNORE).all()
+        assert (ids[r, real:] == PAD).all() and (labels[r, real:] == IGNORE_INDEX).all()
         assert (pos[r, real:] == np.arange(seq_len - real)).all()
         starts = np.flatnonzero(pos[r, :real] == 0).tolist()
         assert starts and starts[0] == 0, "a row must start with a document"
         multi += len(starts) > 1
-        for s, e in zip(starts, starts[1:] + [real]):
+        for s, e in zip(starts, starts[1:] + [real], strict=False):
             assert (pos[r, s:e] == np.arange(e - s)).all(), "positions restart at 0 per document"
-            assert labels[r, s] == IGNORE, "the first token of a document must not be predicted from the previous one"
+            assert labels[r, s] == IGNORE_INDEX, "the first token of a document must not be predicted from the previous one"
             found.append((tuple(ids[r, s:e].tolist()), tuple(labels[r, s:e].tolist())))
-        assert rows["num_trainable"][r] == (labels[r] != IGNORE).sum()
+        assert rows["num_trainable"][r] == (labels[r] != IGNORE_INDEX).sum()
     # no document lost, duplicated or split
     assert sorted(found) == sorted((tuple(a), tuple(b)) for a, b in docs)
     return multi
 
 
-@pytest.mark.parametrize("packer", [best_fit_decreasing, fill_exact_decreasing, lambda l, c: pack_lengths(l, c)[0]])
+@pytest.mark.parametrize(
+    "packer", [best_fit_decreasing, fill_exact_decreasing, lambda lens, c: pack_lengths(lens, c)[0]]
+)
 @settings(max_examples=60, deadline=None)
 @given(case=packing_case())
 def test_packing_invariants(packer, case) -> None:  # type: ignore[no-untyped-def]
@@ -102,7 +104,7 @@ def test_one_per_row_invariants(case) -> None:  # type: ignore[no-untyped-def]
 
 def test_checker_is_not_vacuous() -> None:
     """The property check sees multi-document rows, and rejects a label that crosses a boundary."""
-    docs = [([1, 2, 3], [IGNORE, 2, 3]), ([4, 5], [IGNORE, 5]), ([6, 7, 8, 9], [IGNORE, IGNORE, 8, 9])]
+    docs = [([1, 2, 3], [IGNORE_INDEX, 2, 3]), ([4, 5], [IGNORE_INDEX, 5]), ([6, 7, 8, 9], [IGNORE_INDEX, IGNORE_INDEX, 8, 9])]
     ids, labels, offsets = _flat(docs)
     rows = build_rows(ids, labels, offsets, best_fit_decreasing(np.diff(offsets), 10), 10, PAD)
     assert check_rows(rows, docs, 10) == 1  # all three share one row
@@ -134,7 +136,7 @@ def test_packing_is_tight_and_fast() -> None:
 
 def _doc_spans(pos: list[int], real: int) -> list[tuple[int, int]]:
     starts = [i for i in range(real) if pos[i] == 0]
-    return list(zip(starts, starts[1:] + [real]))
+    return list(zip(starts, starts[1:] + [real], strict=False))
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +160,9 @@ def _model(path: Path, impl: str) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_packed_logits_equal_per_document_logits(tiny_llama: Path, packed_row: dict[str, torch.Tensor], impl: str) -> None:
+def test_packed_logits_equal_per_document_logits(
+    tiny_llama: Path, packed_row: dict[str, torch.Tensor], impl: str
+) -> None:
     model = _model(tiny_llama, impl)
     ids, pos = packed_row["input_ids"][None].long(), packed_row["position_ids"][None].long()
     real = int(packed_row["num_real"])
@@ -187,7 +191,7 @@ def test_packed_loss_equals_sum_of_document_losses(tiny_llama: Path, packed_row:
     spans = _doc_spans(pos[0].tolist(), int(packed_row["num_real"]))
 
     def loss_sum(logits: torch.Tensor, lab: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(logits[0, :-1], lab[0, 1:], ignore_index=IGNORE, reduction="sum")
+        return torch.nn.functional.cross_entropy(logits[0, :-1], lab[0, 1:], ignore_index=IGNORE_INDEX, reduction="sum")
 
     with torch.no_grad():
         total = loss_sum(model(input_ids=ids, position_ids=pos, use_cache=False).logits, labels)

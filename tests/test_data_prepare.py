@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from trainer.config import DataConfig
 from trainer.data import DataError, Prepared, prepare
 from trainer.data.report import plot_lengths
-from trainer.data.template import IGNORE, alpaca_prompt
+from trainer.data.template import IGNORE_INDEX, alpaca_prompt
 
 ROWS = [
     {"instruction": "Add the two numbers.", "input": "2 + 3", "output": "5"},
@@ -59,7 +59,7 @@ def _docs(ds: datasets.Dataset) -> list[tuple[list[int], list[int]]]:
     for row in ds:
         real, pos = row["num_real"], row["position_ids"]
         starts = [i for i in range(real) if pos[i] == 0]
-        for s, e in zip(starts, starts[1:] + [real]):
+        for s, e in zip(starts, starts[1:] + [real], strict=False):
             out.append((row["input_ids"][s:e], row["labels"][s:e]))
     return out
 
@@ -91,8 +91,14 @@ def test_every_reader_gives_the_same_rows(tmp_path: Path, tiny_tokenizer: Path) 
 
 def test_configurable_field_names(tmp_path: Path, tiny_tokenizer: Path) -> None:
     renamed = [{"q": r["instruction"], "ctx": r["input"], "a": r["output"]} for r in ROWS]
-    p = _prep(tmp_path, tiny_tokenizer, path=str(_jsonl(tmp_path / "r.jsonl", renamed)),
-              instruction_field="q", input_field="ctx", output_field="a")
+    p = _prep(
+        tmp_path,
+        tiny_tokenizer,
+        path=str(_jsonl(tmp_path / "r.jsonl", renamed)),
+        instruction_field="q",
+        input_field="ctx",
+        output_field="a",
+    )
     ref = _prep(tmp_path, tiny_tokenizer, path=str(_jsonl(tmp_path / "d.jsonl", ROWS)))
     assert _rows(p)["input_ids"] == _rows(ref)["input_ids"]
 
@@ -105,13 +111,13 @@ def test_alpaca_masks_the_prompt_and_trains_response_and_eos(tmp_path: Path, tin
     p = _prep(tmp_path, tiny_tokenizer, path=str(_jsonl(tmp_path / "d.jsonl", ROWS)), packing=False)
     ds = _rows(p)
     assert ds.num_rows == len(ROWS)  # packing off: one example per row, in input order
-    for ex, row in zip(ROWS, ds):
+    for ex, row in zip(ROWS, ds, strict=False):
         prompt = tok(alpaca_prompt(ex["instruction"], ex["input"]))["input_ids"]
         response = tok(ex["output"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         real = row["num_real"]
         assert prompt[0] == tok.bos_token_id
         assert row["input_ids"][:real] == prompt + response
-        assert row["labels"][:real] == [IGNORE] * len(prompt) + response  # BOS and prompt masked
+        assert row["labels"][:real] == [IGNORE_INDEX] * len(prompt) + response  # BOS and prompt masked
         assert row["num_trainable"] == len(response)
         assert all(t == tok.pad_token_id for t in row["input_ids"][real:])
 
@@ -121,15 +127,13 @@ def test_text_trains_every_token_but_the_first(tmp_path: Path, tiny_tokenizer: P
     texts = ["the capital of France is Paris", "red green blue"]
     path = _jsonl(tmp_path / "t.jsonl", [{"text": t} for t in texts])
     docs = sorted(_docs(_rows(_prep(tmp_path, tiny_tokenizer, path=str(path), format="text"))))
-    expected = sorted(
-        (ids, [IGNORE] + ids[1:]) for ids in (tok(t)["input_ids"] + [tok.eos_token_id] for t in texts)
-    )
+    expected = sorted((ids, [IGNORE_INDEX] + ids[1:]) for ids in (tok(t)["input_ids"] + [tok.eos_token_id] for t in texts))
     assert docs == expected
 
 
 def _trained_text(tok: Any, ids: list[int], labels: list[int]) -> str:
-    assert all(lab in (IGNORE, t) for t, lab in zip(ids, labels))
-    return tok.decode([t for t, lab in zip(ids, labels) if lab != IGNORE])
+    assert all(lab in (IGNORE_INDEX, t) for t, lab in zip(ids, labels, strict=False))
+    return tok.decode([t for t, lab in zip(ids, labels, strict=False) if lab != IGNORE_INDEX])
 
 
 @pytest.mark.parametrize("template", [None, CHAT_TEMPLATE_NO_GENERATION_TAGS], ids=["generation-tags", "prefix-render"])
@@ -137,8 +141,14 @@ def test_chat_trains_only_assistant_turns(tmp_path: Path, tiny_tokenizer: Path, 
     """`None`: the tiny tokenizer's own template marks {% generation %}; else prefixes are rendered."""
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer)
     rows = [{"messages": CONVERSATION}, {"messages": CONVERSATION[:2]}, {"messages": CONVERSATION[1:3]}]
-    p = _prep(tmp_path, tiny_tokenizer, path=str(_jsonl(tmp_path / "c.jsonl", rows)), format="chat",
-              chat_template=template, packing=False)
+    p = _prep(
+        tmp_path,
+        tiny_tokenizer,
+        path=str(_jsonl(tmp_path / "c.jsonl", rows)),
+        format="chat",
+        chat_template=template,
+        packing=False,
+    )
     ds = _rows(p)
     # the conversation that ends with a user turn has nothing to learn
     assert p.manifest["train"]["dropped"] == {"no_trainable_tokens": 1}
@@ -251,7 +261,9 @@ def test_cache_reuse_and_invalidation(tmp_path: Path, tiny_tokenizer: Path) -> N
     assert changed["data bytes"].manifest["train"]["examples_in"] == 3
 
 
-def test_failed_prepare_leaves_nothing_complete(tmp_path: Path, tiny_tokenizer: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_prepare_leaves_nothing_complete(
+    tmp_path: Path, tiny_tokenizer: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from trainer.data import cache
 
     path = _jsonl(tmp_path / "d.jsonl", ROWS)
@@ -307,7 +319,7 @@ def test_manifest_summary_and_plot(tmp_path: Path, tiny_tokenizer: Path, tiny_da
     st = m["train"]
     ds = _rows(p)
     assert st["rows"] == ds.num_rows and st["real_tokens"] == sum(ds["num_real"])
-    assert st["trainable_tokens"] == sum(ds["num_trainable"]) == int((np.array(ds["labels"]) != IGNORE).sum())
+    assert st["trainable_tokens"] == sum(ds["num_trainable"]) == int((np.array(ds["labels"]) != IGNORE_INDEX).sum())
     assert st["packing_efficiency"] == pytest.approx(st["real_tokens"] / (st["rows"] * 512))
     assert st["packing_efficiency"] > st["baseline"]["efficiency"]
     ls = st["lengths"]

@@ -30,10 +30,18 @@ def _free_port() -> int:
 
 def _overrides(model: Path, data: Path, cache: Path, out: Path, **extra: Any) -> dict[str, Any]:
     o: dict[str, Any] = {
-        "output_dir": str(out), "model.name_or_path": str(model), "model.dtype": "float32",
-        "adapter.dropout": 0.0, "data.path": str(data), "data.seq_len": 128, "data.cache_dir": str(cache),
-        "train.max_steps": 3, "train.micro_batch_size": 2, "train.lr": 1e-3,
-        "metrics.progress": False, "checkpoint.every_minutes": None,
+        "output_dir": str(out),
+        "model.name_or_path": str(model),
+        "model.dtype": "float32",
+        "adapter.dropout": 0.0,
+        "data.path": str(data),
+        "data.seq_len": 128,
+        "data.cache_dir": str(cache),
+        "train.max_steps": 3,
+        "train.micro_batch_size": 2,
+        "train.lr": 1e-3,
+        "metrics.progress": False,
+        "checkpoint.every_minutes": None,
     }
     o.update(extra)
     return o
@@ -46,21 +54,41 @@ def _rows(out: Path) -> list[dict[str, Any]]:
 def test_two_processes_match_one(tmp_path: Path, tiny_llama: Path, tiny_data: Path) -> None:
     cache = tmp_path / "cache"
     one = tmp_path / "one"
-    assert run.train(C.RunConfig().replace(**_overrides(tiny_llama, tiny_data, cache, one, **{"train.grad_accum": 2}))) == 0
+    assert (
+        run.train(C.RunConfig().replace(**_overrides(tiny_llama, tiny_data, cache, one, **{"train.grad_accum": 2})))
+        == 0
+    )
 
     two = tmp_path / "two"
     args = [f"{k}={'null' if v is None else v}" for k, v in _overrides(tiny_llama, tiny_data, cache, two).items()]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", str(_free_port()), "-m", "trainer", "train", *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(_free_port()),
+            "-m",
+            "trainer",
+            "train",
+            *args,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     a, b = _rows(one), _rows(two)
     assert [r["step"] for r in b] == [1, 2, 3]
-    for ra, rb in zip(a, b):
+    for ra, rb in zip(a, b, strict=False):
         assert ra["trainable_tokens"] == rb["trainable_tokens"] and ra["real_tokens"] == rb["real_tokens"]
         assert abs(ra["loss"] - rb["loss"]) <= 1e-5 * abs(ra["loss"])
         # The gradient norm is where a missing (or doubled) world-size factor would show.
@@ -73,5 +101,11 @@ def test_two_processes_match_one(tmp_path: Path, tiny_llama: Path, tiny_data: Pa
 
     # Control: half the global batch (one process, no accumulation) trains on other rows.
     half = tmp_path / "half"
-    assert run.train(C.RunConfig().replace(**_overrides(tiny_llama, tiny_data, cache, half, **{"train.max_steps": 1}))) == 0
-    assert abs(_rows(half)[0]["loss"] - a[0]["loss"]) > 1e-3 or _rows(half)[0]["trainable_tokens"] != a[0]["trainable_tokens"]
+    assert (
+        run.train(C.RunConfig().replace(**_overrides(tiny_llama, tiny_data, cache, half, **{"train.max_steps": 1})))
+        == 0
+    )
+    assert (
+        abs(_rows(half)[0]["loss"] - a[0]["loss"]) > 1e-3
+        or _rows(half)[0]["trainable_tokens"] != a[0]["trainable_tokens"]
+    )

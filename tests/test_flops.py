@@ -20,17 +20,43 @@ VOCAB = 300
 
 def _config(arch: str) -> transformers.PretrainedConfig:
     if arch == "gpt2":
-        return transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_inner=160, vocab_size=VOCAB, n_positions=64,
-                                       bos_token_id=0, eos_token_id=0)
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig}[arch]
-    return cls(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               intermediate_size=160, vocab_size=VOCAB, tie_word_embeddings=False)
+        return transformers.GPT2Config(
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_inner=160,
+            vocab_size=VOCAB,
+            n_positions=64,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig}[
+        arch
+    ]
+    return cls(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=160,
+        vocab_size=VOCAB,
+        tie_word_embeddings=False,
+    )
 
 
 def test_hand_count_tiny_shape() -> None:
     # hidden 8, 1 layer, 2 heads of 4, 1 kv head, ffn 16, vocab 10, LoRA r=2 on q and v only.
-    s = flops.ModelShape(arch="llama", layers=1, hidden=8, intermediate=16, heads=2, kv_heads=1, head_dim=4,
-                         vocab=10, tied_embeddings=False)
+    s = flops.ModelShape(
+        arch="llama",
+        layers=1,
+        hidden=8,
+        intermediate=16,
+        heads=2,
+        kv_heads=1,
+        head_dim=4,
+        vocab=10,
+        tied_embeddings=False,
+    )
     block = 8 * 8 + 8 * 4 + 8 * 4 + 8 * 8 + 3 * 8 * 16  # q, k, v, o, gate/up/down = 576
     assert s.block_matmul_params() == block
     assert s.matmul_params() == block + 10 * 8
@@ -40,7 +66,9 @@ def test_hand_count_tiny_shape() -> None:
     tokens, sq = 8, 3 * 3 + 5 * 5
     assert flops.causal_pairs(tokens, sq) == 21
     expected = (4 * (block + 80) + 6 * 56) * 8 + 3 * (2 * 2 * 4 * 2) * 21 * 1
-    assert flops.train_flops(s, tokens, sq, s.matmul_params(), lora) == expected == 25696  # 23680 linear + 2016 attention
+    assert (
+        flops.train_flops(s, tokens, sq, s.matmul_params(), lora) == expected == 25696
+    )  # 23680 linear + 2016 attention
     # Logits only at 3 labelled positions: the frozen head (80 weights) runs for 3 tokens, not 8.
     assert flops.train_flops(s, tokens, sq, s.matmul_params(), lora, head_tokens=3) == expected - 4 * 80 * 5
     # Control: making the LoRA weights frozen changes the answer by exactly their weight-gradient.
@@ -54,8 +82,10 @@ def test_shape_counts_match_hf_and_peft(arch: str) -> None:
     shape = flops.model_shape(cfg)
     assert shape.total_params() == sum(p.numel() for p in model.parameters())
     for r, targets in [(4, ("all-linear",)), (2, ("q_proj", "v_proj") if arch != "gpt2" else ("c_attn",))]:
-        lora = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(cfg),
-                                   peft.LoraConfig(r=r, target_modules=list(targets) if targets[0] != "all-linear" else "all-linear"))
+        lora = peft.get_peft_model(
+            transformers.AutoModelForCausalLM.from_config(cfg),
+            peft.LoraConfig(r=r, target_modules=list(targets) if targets[0] != "all-linear" else "all-linear"),
+        )
         assert flops.lora_params(shape, r, targets) == sum(p.numel() for p in lora.parameters() if p.requires_grad)
 
 
@@ -74,8 +104,9 @@ def test_agrees_with_flop_counter_mode(arch: str) -> None:
     shape = flops.model_shape(cfg)
     tokens = batch * seq
     # A dense kernel with a causal mask still computes the full seq x seq square: causal=False.
-    ours = flops.train_flops(shape, tokens, batch * seq * seq, shape.matmul_params(), flops.lora_params(shape, 4),
-                             causal=False)
+    ours = flops.train_flops(
+        shape, tokens, batch * seq * seq, shape.matmul_params(), flops.lora_params(shape, 4), causal=False
+    )
     # What autograd skips: the input-gradient of the first layer's projections fed by the
     # frozen embedding (q/k/v, or gpt2's fused c_attn) and of their LoRA A matrices.
     first = [(i, o) for n, i, o in shape.linears() if n in ("q_proj", "k_proj", "v_proj", "c_attn")]

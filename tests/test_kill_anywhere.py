@@ -23,9 +23,9 @@ from safetensors.torch import load_file
 
 from trainer import config as C
 from trainer import run, tiny
-from trainer.checkpoint import CheckpointManager
-from trainer.preemption import EXIT_PREEMPTED
-from trainer.state import TrainState
+from trainer.exit_codes import EXIT_PREEMPTED
+from trainer.restart.checkpoint import CheckpointManager
+from trainer.restart.state import TrainState
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 8
@@ -44,12 +44,19 @@ def procs():
 
 def _recipe(out: Path, model: Path, data: Path, cache: Path) -> dict[str, Any]:
     return {
-        "output_dir": str(out), "seed": 5,
+        "output_dir": str(out),
+        "seed": 5,
         "model": {"name_or_path": str(model), "dtype": "float32"},
         "adapter": {"r": 4, "alpha": 8, "dropout": 0.1},
         "data": {"path": str(data), "seq_len": 128, "cache_dir": str(cache)},
-        "train": {"max_steps": STEPS, "micro_batch_size": 2, "grad_accum": 2, "lr": 1e-2,
-                  "schedule": "cosine", "warmup_steps": 2},
+        "train": {
+            "max_steps": STEPS,
+            "micro_batch_size": 2,
+            "grad_accum": 2,
+            "lr": 1e-2,
+            "schedule": "cosine",
+            "warmup_steps": 2,
+        },
         "checkpoint": {"every_steps": 2, "every_minutes": None, "keep_last": 2},
         "metrics": {"progress": False, "log_every": 1},
     }
@@ -101,7 +108,9 @@ def test_kill_anywhere_then_finish_equals_uninterrupted(tmp_path: Path, tiny_lla
     def start(n: int, pause: float = 0.0) -> subprocess.Popen:
         env = {**os.environ, "SPOTUNE_TEST_SAVE_PAUSE": str(pause)}
         log = open(logs / f"attempt{n}.log", "w")
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        procs.append(
+            subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        )
         return procs[-1]
 
     def steps_logged() -> int:
@@ -151,7 +160,7 @@ def test_kill_anywhere_then_finish_equals_uninterrupted(tmp_path: Path, tiny_lla
     expected = {-signal.SIGKILL: "killed", EXIT_PREEMPTED: "preempted", 0: "finished"}
     reasons = [json.loads(x)["exit_reason"] for x in (out / "ledger.jsonl").read_text().splitlines()]
     assert len(reasons) == len(procs), reasons
-    for q, reason in zip(procs, reasons):
+    for q, reason in zip(procs, reasons, strict=False):
         # A SIGKILL that lands after the row was written (interpreter shutdown) keeps that row.
         assert reason == expected[q.returncode] or (q.returncode == -signal.SIGKILL and reason != "killed"), reasons
     assert reasons[:2] == ["preempted", "killed"] and reasons[-1] == "finished"
@@ -159,10 +168,28 @@ def test_kill_anywhere_then_finish_equals_uninterrupted(tmp_path: Path, tiny_lla
 
 
 def _torchrun(procs: list, recipe: Path, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "trainer", "train", str(recipe)]
-    procs.append(subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                                  stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "trainer",
+        "train",
+        str(recipe),
+    ]
+    procs.append(
+        subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    )
     return procs[-1]
 
 

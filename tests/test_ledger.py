@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer import ledger as L
+from trainer.restart import ledger as L
 
 
 class Clock:
@@ -84,8 +84,16 @@ def test_attempts_including_a_killed_one(tmp_path: Path, clock: Clock) -> None:
 
 
 def test_carried_totals_win_when_the_ledger_file_is_gone(tmp_path: Path, clock: Clock) -> None:
-    carried = {"attempts": 4, "device_seconds": 1000.0, "productive_seconds": 800.0, "checkpoint_seconds": 10.0,
-               "startup_seconds": 50.0, "lost_seconds": 5.0, "device_hours": 0.27, "goodput": 0.8}
+    carried = {
+        "attempts": 4,
+        "device_seconds": 1000.0,
+        "productive_seconds": 800.0,
+        "checkpoint_seconds": 10.0,
+        "startup_seconds": 50.0,
+        "lost_seconds": 5.0,
+        "device_hours": 0.27,
+        "goodput": 0.8,
+    }
     clock.now = 10.0
     led = L.Ledger.open(tmp_path, world_size=1, carried_totals=carried, process_start=10.0)
     clock.now = 20.0
@@ -95,7 +103,7 @@ def test_carried_totals_win_when_the_ledger_file_is_gone(tmp_path: Path, clock: 
 
 
 def test_torn_line_and_unreadable_heartbeat_are_tolerated(tmp_path: Path, clock: Clock) -> None:
-    (tmp_path / L.LEDGER_FILE).write_text(json.dumps({"attempt": 1, "device_seconds": 7.0}) + "\n{\"attempt\": 2, \"dev")
+    (tmp_path / L.LEDGER_FILE).write_text(json.dumps({"attempt": 1, "device_seconds": 7.0}) + '\n{"attempt": 2, "dev')
     (tmp_path / L.HEARTBEAT_FILE).write_text("{not json")
     clock.now = 5.0
     led = L.Ledger.open(tmp_path, world_size=1, process_start=5.0)

@@ -12,15 +12,26 @@ from trainer import metrics
 
 
 def _meter(**kw) -> metrics.Meter:
-    defaults = dict(world_size=2, warmup_steps=2, flops_fn=lambda tokens, sq, head: 10.0 * tokens, peak_flops=100.0,
-                    price_per_hour=3.6, device_seconds_fn=lambda: 7200.0)
+    defaults = dict(
+        world_size=2,
+        warmup_steps=2,
+        flops_fn=lambda tokens, sq, head: 10.0 * tokens,
+        peak_flops=100.0,
+        price_per_hour=3.6,
+        device_seconds_fn=lambda: 7200.0,
+    )
     defaults.update(kw)
     return metrics.Meter(**defaults)
 
 
 def test_window_sustained_mfu_and_cost() -> None:
     m = _meter()
-    for step, seconds, stall, tokens in [(0, 4.0, 1.0, 100), (1, 2.0, 0.0, 100), (2, 1.0, 0.5, 100), (3, 1.0, 0.0, 300)]:
+    for step, seconds, stall, tokens in [
+        (0, 4.0, 1.0, 100),
+        (1, 2.0, 0.0, 100),
+        (2, 1.0, 0.5, 100),
+        (3, 1.0, 0.0, 300),
+    ]:
         m.step(step, seconds, stall, tokens, 0)
     m.pause(30.0)  # a checkpoint: excluded from every rate
     row = m.row(step=4, loss=1.5)

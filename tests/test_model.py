@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -39,11 +39,15 @@ def test_lora_trains_only_adapters_in_fp32(tiny_model: Callable[..., Path], arch
 
 
 def test_target_modules_subset_and_error(tiny_llama: Path) -> None:
-    model = build(ModelConfig(name_or_path=str(tiny_llama), dtype="float32"), AdapterConfig(target_modules=("q_proj", "v_proj")))
+    model = build(
+        ModelConfig(name_or_path=str(tiny_llama), dtype="float32"), AdapterConfig(target_modules=("q_proj", "v_proj"))
+    )
     names = {n for n, p in model.named_parameters() if p.requires_grad}
     assert names and all(".q_proj." in n or ".v_proj." in n for n in names)
     with pytest.raises(ValueError, match="adapter.target_modules"):
-        build(ModelConfig(name_or_path=str(tiny_llama), dtype="float32"), AdapterConfig(target_modules=("no_such_proj",)))
+        build(
+            ModelConfig(name_or_path=str(tiny_llama), dtype="float32"), AdapterConfig(target_modules=("no_such_proj",))
+        )
 
 
 def test_qlora_4bit_quantises_the_base_on_cpu(tiny_llama: Path) -> None:
@@ -64,8 +68,10 @@ def test_qlora_4bit_quantises_the_base_on_cpu(tiny_llama: Path) -> None:
 def test_activation_checkpointing_gives_the_same_gradients(tiny_llama: Path) -> None:
     def grads(checkpointing: bool) -> dict[str, torch.Tensor]:
         torch.manual_seed(0)
-        model = build(ModelConfig(name_or_path=str(tiny_llama), dtype="float32", gradient_checkpointing=checkpointing),
-                      AdapterConfig(r=4, dropout=0.0))
+        model = build(
+            ModelConfig(name_or_path=str(tiny_llama), dtype="float32", gradient_checkpointing=checkpointing),
+            AdapterConfig(r=4, dropout=0.0),
+        )
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 torch.nn.init.normal_(p, std=0.02)

@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from trainer import config, preemption, run
-from trainer.ledger import read_rows
+from trainer import config, exit_codes, run
+from trainer.restart.ledger import read_rows
 
 
-def test_max_cost_stops_with_a_checkpoint_and_a_rerun_continues(tmp_path: Path, tiny_llama: Path,
-                                                                 tiny_data: Path) -> None:
+def test_max_cost_stops_with_a_checkpoint_and_a_rerun_continues(
+    tmp_path: Path, tiny_llama: Path, tiny_data: Path
+) -> None:
     out = tmp_path / "run"
     base = {
         "output_dir": str(out),
@@ -26,14 +27,14 @@ def test_max_cost_stops_with_a_checkpoint_and_a_rerun_continues(tmp_path: Path, 
         "metrics": {"progress": False, "price_per_hour": 2.0},
     }
     capped = config.from_dict({**base, "train": {**base["train"], "max_cost": 1e-9}})
-    assert run.train(capped) == preemption.EXIT_BUDGET
+    assert run.train(capped) == exit_codes.EXIT_BUDGET
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000001"]
     rows = read_rows(out)
     assert [r["exit_reason"] for r in rows] == ["budget"]
     assert rows[0]["cost"] == rows[0]["device_seconds"] / 3600 * 2.0 > 1e-9
 
     # Raise the limit (here: remove it) and run the same command again: it resumes and finishes.
-    assert run.train(config.from_dict(base)) == preemption.EXIT_FINISHED
+    assert run.train(config.from_dict(base)) == exit_codes.EXIT_FINISHED
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines() if "loss" in x]
     assert steps == [1, 2, 3, 4]  # control: step 1 is not redone, and the run did go on past the cap
     assert [r["exit_reason"] for r in read_rows(out)] == ["budget", "finished"]

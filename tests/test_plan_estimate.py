@@ -13,33 +13,73 @@ from trainer import cli, config, run
 from trainer.plan import PlanError, estimate
 
 OPTION_KEYS = {
-    "gpu", "gpus", "pricing", "price_per_gpu_hour", "compute_hours", "eval_hours", "checkpoint_hours",
-    "startup_hours", "interruptions", "restart_hours", "checkpoint_interval_hours", "wall_hours", "gpu_hours",
-    "cost", "fits", "memory_gib", "throughput_basis", "tokens_per_s", "recommended_checkpoint_minutes",
+    "gpu",
+    "gpus",
+    "pricing",
+    "price_per_gpu_hour",
+    "compute_hours",
+    "eval_hours",
+    "checkpoint_hours",
+    "startup_hours",
+    "interruptions",
+    "restart_hours",
+    "checkpoint_interval_hours",
+    "wall_hours",
+    "gpu_hours",
+    "cost",
+    "fits",
+    "memory_gib",
+    "throughput_basis",
+    "tokens_per_s",
+    "recommended_checkpoint_minutes",
 }
-TOP_KEYS = {"schema", "model", "data", "run", "memory_gib", "throughput", "checkpoint", "constraints", "options",
-            "recommendation", "assumptions"}
+TOP_KEYS = {
+    "schema",
+    "model",
+    "data",
+    "run",
+    "memory_gib",
+    "throughput",
+    "checkpoint",
+    "constraints",
+    "options",
+    "recommendation",
+    "assumptions",
+}
 
 
 @pytest.fixture()
 def cfg(tmp_path: Path, tiny_llama: Path, tiny_data: Path) -> config.RunConfig:
-    return config.from_dict({
-        "output_dir": str(tmp_path / "run"),
-        "model": {"name_or_path": str(tiny_llama), "dtype": "float32"},
-        "data": {"path": str(tiny_data), "seq_len": 256},
-        "train": {"epochs": 2, "micro_batch_size": 4, "grad_accum": 2},
-        "checkpoint": {"every_minutes": 30},
-        "metrics": {"progress": False},
-    })
+    return config.from_dict(
+        {
+            "output_dir": str(tmp_path / "run"),
+            "model": {"name_or_path": str(tiny_llama), "dtype": "float32"},
+            "data": {"path": str(tiny_data), "seq_len": 256},
+            "train": {"epochs": 2, "micro_batch_size": 4, "grad_accum": 2},
+            "checkpoint": {"every_minutes": 30},
+            "metrics": {"progress": False},
+        }
+    )
 
 
 def _pilot(tmp_path: Path, device: str, tokens_per_s: float = 10_000.0) -> Path:
     path = tmp_path / "pilot.json"
-    path.write_text(json.dumps({
-        "schema": "spotune.pilot/1", "device": device, "world_size": 1, "sustained_tokens_per_s": tokens_per_s,
-        "sustained_mfu": 0.4, "step_time_s": {"mean": 1.0, "p10": 0.9, "p50": 1.0, "p90": 1.2},
-        "warmup_extra_seconds": 5.0, "startup_seconds": 60.0, "teardown_seconds": 5.0, "save_seconds": 12.0,
-    }))
+    path.write_text(
+        json.dumps(
+            {
+                "schema": "spotune.pilot/1",
+                "device": device,
+                "world_size": 1,
+                "sustained_tokens_per_s": tokens_per_s,
+                "sustained_mfu": 0.4,
+                "step_time_s": {"mean": 1.0, "p10": 0.9, "p50": 1.0, "p90": 1.2},
+                "warmup_extra_seconds": 5.0,
+                "startup_seconds": 60.0,
+                "teardown_seconds": 5.0,
+                "save_seconds": 12.0,
+            }
+        )
+    )
     return path
 
 
@@ -63,7 +103,9 @@ def test_sampled_counts_match_the_manifest_and_extrapolate(cfg: config.RunConfig
     assert quarter["data"]["real_tokens_per_epoch"] == pytest.approx(train["real_tokens"], rel=0.15)
     # Steps follow the sampler's rule: whole steps per epoch, times epochs.
     assert exact["run"]["steps"] == 2 * (train["rows"] // 8)
-    assert exact["run"]["real_tokens"] == pytest.approx(exact["run"]["steps"] * 8 * train["real_tokens"] / train["rows"])
+    assert exact["run"]["real_tokens"] == pytest.approx(
+        exact["run"]["steps"] * 8 * train["real_tokens"] / train["rows"]
+    )
 
 
 def test_given_throughput_sets_the_hours(cfg: config.RunConfig) -> None:
@@ -107,12 +149,15 @@ def test_pilot_on_a_catalogue_gpu_scales_to_the_others(cfg: config.RunConfig, tm
     assert r["checkpoint"]["save_seconds"] == 12.0
     spot = by[("H100-SXM", "spot")]
     assert spot["interruptions"] > 0 and spot["recommended_checkpoint_minutes"] == pytest.approx(
-        math.sqrt(2 * 12.0 * 10 * 3600) / 60)  # Young/Daly with the catalogue's 10 h MTBI
+        math.sqrt(2 * 12.0 * 10 * 3600) / 60
+    )  # Young/Daly with the catalogue's 10 h MTBI
 
 
 def test_memory_fit_and_constraints_drive_the_recommendation(cfg: config.RunConfig, tmp_path: Path) -> None:
     small = tmp_path / "gpus.yaml"
-    small.write_text("gpus:\n  - name: Tiny\n    memory_gib: 0.5\n    peak_bf16_flops: 1.0e15\n    on_demand_price: 0.01\n")
+    small.write_text(
+        "gpus:\n  - name: Tiny\n    memory_gib: 0.5\n    peak_bf16_flops: 1.0e15\n    on_demand_price: 0.01\n"
+    )
     r = estimate.run_estimate(cfg, catalog_path=small)
     tiny = next(o for o in r["options"] if o["gpu"] == "Tiny")
     assert not tiny["fits"]  # 1 GiB of CUDA context alone does not fit in 0.5 GiB

@@ -43,10 +43,28 @@ def test_young_daly_interval() -> None:
 
 def test_spot_option_adds_interruption_loss_and_ranks_by_cost() -> None:
     compute = fc.Range(4.0, 4.55, 5.0)
-    od = fc.plan_option(gpu="X", gpus=1, pricing="on-demand", price_per_gpu_hour=P, compute_hours=compute,
-                        save_seconds=30, checkpoint_interval_hours=0.5, mtbi_hours=8, restart_hours=0.1)
-    spot = fc.plan_option(gpu="X", gpus=1, pricing="spot", price_per_gpu_hour=0.5 * P, compute_hours=compute,
-                          save_seconds=30, checkpoint_interval_hours=0.5, mtbi_hours=8, restart_hours=0.1)
+    od = fc.plan_option(
+        gpu="X",
+        gpus=1,
+        pricing="on-demand",
+        price_per_gpu_hour=P,
+        compute_hours=compute,
+        save_seconds=30,
+        checkpoint_interval_hours=0.5,
+        mtbi_hours=8,
+        restart_hours=0.1,
+    )
+    spot = fc.plan_option(
+        gpu="X",
+        gpus=1,
+        pricing="spot",
+        price_per_gpu_hour=0.5 * P,
+        compute_hours=compute,
+        save_seconds=30,
+        checkpoint_interval_hours=0.5,
+        mtbi_hours=8,
+        restart_hours=0.1,
+    )
     assert od.interruptions == 0 and od.restart_hours == 0
     saves = 10  # 9 periodic saves in 4.55 h, then the final one
     assert od.checkpoint_hours == pytest.approx(saves * 30 / 3600)

@@ -51,8 +51,15 @@ def _peak_allocated(fn) -> int:
 def test_estimate_matches_measured_peak(arch: str, seq: int, mbs: int, checkpointing: bool, dropout: float) -> None:
     torch.manual_seed(0)
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[arch]
-    cfg = cls(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-              intermediate_size=1376, vocab_size=8000, tie_word_embeddings=False)
+    cfg = cls(
+        hidden_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=1376,
+        vocab_size=8000,
+        tie_word_embeddings=False,
+    )
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -75,9 +82,19 @@ def test_estimate_matches_measured_peak(arch: str, seq: int, mbs: int, checkpoin
     shape = flops.model_shape(cfg)
     lora = flops.lora_params(shape, 16)
     est = memory.estimate_memory(
-        shape, weight_format="float32", compute_dtype="float32", lora_params=lora, lora_r=16,
-        target_modules=("all-linear",), lora_dropout=dropout > 0, optimizer="adamw", micro_batch_size=mbs,
-        seq_len=seq, gradient_checkpointing=checkpointing, device_overhead=0, fragmentation=0,
+        shape,
+        weight_format="float32",
+        compute_dtype="float32",
+        lora_params=lora,
+        lora_r=16,
+        target_modules=("all-linear",),
+        lora_dropout=dropout > 0,
+        optimizer="adamw",
+        micro_batch_size=mbs,
+        seq_len=seq,
+        gradient_checkpointing=checkpointing,
+        device_overhead=0,
+        fragmentation=0,
     )
     est_dynamic = est.activations + est.logits + est.backward_workspace + est.gradients
     assert est.weights + est.adapter + est.optimizer == pytest.approx(existing, rel=1e-6)
@@ -88,11 +105,27 @@ def test_estimate_matches_measured_peak(arch: str, seq: int, mbs: int, checkpoin
 
 
 def test_checkpointing_and_8bit_optimizer_shrink_the_estimate() -> None:
-    shape = flops.model_shape(transformers.LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                                                       num_key_value_heads=8, intermediate_size=14336, vocab_size=128256))
+    shape = flops.model_shape(
+        transformers.LlamaConfig(
+            hidden_size=4096,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            intermediate_size=14336,
+            vocab_size=128256,
+        )
+    )
     lora = flops.lora_params(shape, 16)
-    kw = dict(weight_format="nf4", compute_dtype="bfloat16", lora_params=lora, lora_r=16, target_modules=("all-linear",),
-              lora_dropout=True, micro_batch_size=1, seq_len=4096)
+    kw = dict(
+        weight_format="nf4",
+        compute_dtype="bfloat16",
+        lora_params=lora,
+        lora_r=16,
+        target_modules=("all-linear",),
+        lora_dropout=True,
+        micro_batch_size=1,
+        seq_len=4096,
+    )
     plain = memory.estimate_memory(shape, optimizer="adamw", gradient_checkpointing=False, **kw)
     ckpt = memory.estimate_memory(shape, optimizer="adamw", gradient_checkpointing=True, **kw)
     small_opt = memory.estimate_memory(shape, optimizer="adamw_8bit", gradient_checkpointing=True, **kw)
@@ -103,17 +136,31 @@ def test_checkpointing_and_8bit_optimizer_shrink_the_estimate() -> None:
     assert plain.weights == memory.weight_bytes(shape, "nf4", "bfloat16")
     eager = memory.estimate_memory(shape, optimizer="adamw", gradient_checkpointing=False, eager_attention=True, **kw)
     # Scores and probabilities: 2 x bf16 x 32 heads x 4096^2 per layer, 32 layers = 64 GiB more.
-    assert (eager.activations - plain.activations) / (1 + memory.FRAGMENTATION) == pytest.approx(32 * 2 * 2 * 32 * 4096**2)
+    assert (eager.activations - plain.activations) / (1 + memory.FRAGMENTATION) == pytest.approx(
+        32 * 2 * 2 * 32 * 4096**2
+    )
 
 
 def test_nf4_weight_bytes_match_bitsandbytes(tmp_path: Path) -> None:
-    cfg = transformers.LlamaConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   intermediate_size=704, vocab_size=1000, tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=704,
+        vocab_size=1000,
+        tie_word_embeddings=False,
+    )
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
-    q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                        bnb_4bit_compute_dtype=torch.bfloat16)
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=q, dtype=torch.bfloat16,
-                                                              device_map="cpu")
+    q = transformers.BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, quantization_config=q, dtype=torch.bfloat16, device_map="cpu"
+    )
     measured = 0
     for p in model.parameters():
         measured += p.numel() * p.element_size()

@@ -16,24 +16,36 @@ from trainer.plan import PlanError, estimate, pilot
 
 @pytest.fixture()
 def cfg(tmp_path: Path, tiny_llama: Path, tiny_data: Path) -> config.RunConfig:
-    return config.from_dict({
-        "output_dir": str(tmp_path / "run"),
-        "model": {"name_or_path": str(tiny_llama), "dtype": "float32"},
-        "data": {"path": str(tiny_data), "seq_len": 128},
-        "train": {"max_steps": 40, "micro_batch_size": 2, "grad_accum": 1, "eval_every": 10},
-        "checkpoint": {"every_steps": 10},
-        "metrics": {"progress": False, "warmup_steps": 2, "log_every": 5},
-    })
+    return config.from_dict(
+        {
+            "output_dir": str(tmp_path / "run"),
+            "model": {"name_or_path": str(tiny_llama), "dtype": "float32"},
+            "data": {"path": str(tiny_data), "seq_len": 128},
+            "train": {"max_steps": 40, "micro_batch_size": 2, "grad_accum": 1, "eval_every": 10},
+            "checkpoint": {"every_steps": 10},
+            "metrics": {"progress": False, "warmup_steps": 2, "log_every": 5},
+        }
+    )
 
 
 def test_pilot_config_changes_only_what_it_must(cfg: config.RunConfig) -> None:
     p = pilot.pilot_config(cfg, steps=7)
     assert p.output_dir == str(Path(cfg.output_dir) / "pilot")
     assert p.data.cache_dir == str(Path(cfg.output_dir) / "data")  # the run's own cache: prepared once
-    assert (p.train.max_steps, p.checkpoint.resume, p.checkpoint.every_steps, p.metrics.log_every) == (7, "never", None, 1)
+    assert (p.train.max_steps, p.checkpoint.resume, p.checkpoint.every_steps, p.metrics.log_every) == (
+        7,
+        "never",
+        None,
+        1,
+    )
     assert p.train.eval_every is None and p.train.max_gpu_hours is None
     assert (p.model, p.adapter, p.data.seq_len, p.train.micro_batch_size, p.train.lr) == (
-        cfg.model, cfg.adapter, cfg.data.seq_len, cfg.train.micro_batch_size, cfg.train.lr)
+        cfg.model,
+        cfg.adapter,
+        cfg.data.seq_len,
+        cfg.train.micro_batch_size,
+        cfg.train.lr,
+    )
     timed = pilot.pilot_config(cfg, minutes=3)
     used = pilot._seconds_since_process_start()  # the budget guard's clock already ran this long
     assert timed.train.max_gpu_hours == pytest.approx(0.05 + used / 3600, abs=2 / 3600)
@@ -49,13 +61,26 @@ def test_summary_of_a_known_log(tmp_path: Path) -> None:
     rows, real = [], 0
     for i, t in enumerate(times, start=1):
         real += 1000
-        rows.append({"step": i, "step_time_s": t, "real_tokens": real, "data_stall_share": 0.1 * (i % 2),
-                     "sustained_tokens_per_s": None, "peak_memory_gib": 0.1 * i})
+        rows.append(
+            {
+                "step": i,
+                "step_time_s": t,
+                "real_tokens": real,
+                "data_stall_share": 0.1 * (i % 2),
+                "sustained_tokens_per_s": None,
+                "peak_memory_gib": 0.1 * i,
+            }
+        )
     rows.insert(3, {"step": 3, "eval_loss": 1.0})  # rows without timings are ignored
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     wall = 20.0
-    ledger = {"world_size": 1, "startup_seconds": 5.0, "checkpoint_seconds": 0.5, "wall_seconds": wall,
-              "exit_reason": "finished"}
+    ledger = {
+        "world_size": 1,
+        "startup_seconds": 5.0,
+        "checkpoint_seconds": 0.5,
+        "wall_seconds": wall,
+        "exit_reason": "finished",
+    }
     (tmp_path / "ledger.jsonl").write_text(json.dumps(ledger) + "\n")
     s = pilot.summarise(tmp_path, warmup_steps=2, device="cpu", prepare_seconds=1.0, earlier_seconds=0.5)
     sustained = np.array(times[2:])
@@ -93,8 +118,17 @@ def test_tiny_pilot_end_to_end(cfg: config.RunConfig, capsys: pytest.CaptureFixt
     assert not (Path(cfg.output_dir) / "checkpoints").exists()  # the real run's directory is untouched
 
     # `spotune estimate` finds pilot.json by default and forecasts on the device it ran on.
-    args = argparse.Namespace(pilot=None, throughput=None, gpus=1, deadline_hours=None, budget=None, catalog=None,
-                              json=True, gpu=None, mfu=None)
+    args = argparse.Namespace(
+        pilot=None,
+        throughput=None,
+        gpus=1,
+        deadline_hours=None,
+        budget=None,
+        catalog=None,
+        json=True,
+        gpu=None,
+        mfu=None,
+    )
     assert estimate.estimate_command(cfg, args) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["throughput"]["source"] == "pilot" and doc["data"]["exact"]

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import tempfile
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from trainer import preemption as P
+from trainer import exit_codes as E
+from trainer.restart import preemption as P
 
 
 def test_signals_set_the_flag_and_uninstall_restores(capsys: pytest.CaptureFixture) -> None:
@@ -35,17 +35,17 @@ def test_second_sigint_aborts_at_once() -> None:
         os.kill(os.getpid(), signal.SIGTERM)  # a repeated SIGTERM is not an abort
         with pytest.raises(SystemExit) as info:
             os.kill(os.getpid(), signal.SIGINT)
-        assert info.value.code == P.EXIT_ABORTED == 130
+        assert info.value.code == E.EXIT_ABORTED == 130
     finally:
         stop.uninstall()
 
 
 def test_exit_codes() -> None:
-    assert (P.EXIT_FINISHED, P.EXIT_PREEMPTED) == (0, 143)
-    codes = [P.EXIT_FINISHED, P.EXIT_ERROR, P.EXIT_BUDGET, P.EXIT_BAD_STEPS, P.EXIT_ABORTED, P.EXIT_PREEMPTED]
+    assert (E.EXIT_FINISHED, E.EXIT_PREEMPTED) == (0, 143)
+    codes = [E.EXIT_FINISHED, E.EXIT_ERROR, E.EXIT_BUDGET, E.EXIT_BAD_STEPS, E.EXIT_ABORTED, E.EXIT_PREEMPTED]
     assert len(set(codes)) == len(codes)
     for name in ("EXIT_BUDGET = 3", "EXIT_BAD_STEPS = 4", "EXIT_ABORTED = 130", "EXIT_PREEMPTED = 143"):
-        assert name in P.__doc__
+        assert name in E.__doc__
 
 
 def test_agree_single_process_is_the_flag() -> None:

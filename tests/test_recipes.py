@@ -22,7 +22,9 @@ def test_recipe_validates(path: Path) -> None:
     first = path.read_text().splitlines()[0]
     assert first.startswith("#"), "each recipe opens with a comment"
     if "gpu" in path.parts:
-        assert "spotune" in path.read_text().split("\n\n")[0] or "torchrun" in path.read_text(), "launch command in the header"
+        assert "spotune" in path.read_text().split("\n\n")[0] or "torchrun" in path.read_text(), (
+            "launch command in the header"
+        )
         assert cfg.train.mixed_precision == "bf16"
 
 

@@ -21,19 +21,26 @@ from safetensors.torch import load_file
 
 from trainer import config as C
 from trainer import run, sampler, state, tiny
-from trainer.checkpoint import CheckpointManager
+from trainer.restart.checkpoint import CheckpointManager
 
 K = 4
 
 
 def _cfg(out: Path, model: Path, data: Path, cache: Path, max_steps: int, **extra: Any) -> C.RunConfig:
     raw = {
-        "output_dir": str(out), "seed": 3,
+        "output_dir": str(out),
+        "seed": 3,
         "model": {"name_or_path": str(model), "dtype": "float32"},
         "adapter": {"r": 4, "alpha": 8, "dropout": 0.1},
         "data": {"path": str(data), "seq_len": 256, "cache_dir": str(cache)},
-        "train": {"max_steps": max_steps, "micro_batch_size": 2, "grad_accum": 2, "lr": 1e-2,
-                  "schedule": "constant", "warmup_steps": 2},
+        "train": {
+            "max_steps": max_steps,
+            "micro_batch_size": 2,
+            "grad_accum": 2,
+            "lr": 1e-2,
+            "schedule": "constant",
+            "warmup_steps": 2,
+        },
         "checkpoint": {"every_steps": None, "every_minutes": None},
         "metrics": {"progress": False},
     }
@@ -72,8 +79,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> dict[str
         else:
             original = sampler.StepSampler.micro_batches
             # A sampler that forgot its position: the resumed run starts again at step 0's rows.
-            mp.setattr(sampler.StepSampler, "micro_batches",
-                       lambda self, step, *a: original(self, step - K, *a))
+            mp.setattr(
+                sampler.StepSampler,
+                "micro_batches",
+                lambda self, step, *a, original=original: original(self, step - K, *a),
+            )
         try:
             assert run.train(make(name, K + 1)) == 0
         finally:
@@ -89,7 +99,8 @@ def test_split_run_equals_straight_run_bitwise(runs: dict[str, Any]) -> None:
     assert split == straight  # every per-step loss, exactly
     counters = lambda name: [  # noqa: E731 - token counters carry across the restart too
         (r["step"], r["trainable_tokens"], r["real_tokens"])
-        for r in map(json.loads, (root / name / "metrics.jsonl").read_text().splitlines())]
+        for r in map(json.loads, (root / name / "metrics.jsonl").read_text().splitlines())
+    ]
     assert counters("split") == counters("straight")
     a = load_file(root / "straight" / "final" / "adapter_model.safetensors")
     b = load_file(root / "split" / "final" / "adapter_model.safetensors")
@@ -98,7 +109,9 @@ def test_split_run_equals_straight_run_bitwise(runs: dict[str, Any]) -> None:
     assert _equal(load_file(ck("straight") / "optimizer.safetensors"), load_file(ck("split") / "optimizer.safetensors"))
     st = state.TrainState.from_json((ck("split") / "trainer_state.json").read_text())
     assert (st.step, st.epoch, st.cursor) == (2 * K, 2, 8)  # crossed into epoch 2
-    resumed = state.TrainState.from_json((root / "split" / "checkpoints" / f"step-{K:06d}" / "trainer_state.json").read_text())
+    resumed = state.TrainState.from_json(
+        (root / "split" / "checkpoints" / f"step-{K:06d}" / "trainer_state.json").read_text()
+    )
     assert (resumed.epoch, resumed.cursor) == (1, 4)  # the stop was mid-epoch
     rows = [json.loads(x) for x in (root / "split" / "ledger.jsonl").read_text().splitlines()]
     assert [r["exit_reason"] for r in rows] == ["finished", "finished"]
@@ -118,8 +131,9 @@ def test_resume_without_rng_or_sampler_state_differs(runs: dict[str, Any], contr
     assert got[K + 1] != straight[K + 1]
 
 
-def test_corrupt_newest_checkpoint_falls_back_and_still_matches(runs: dict[str, Any], tiny_llama: Path,
-                                                                 capsys: pytest.CaptureFixture) -> None:
+def test_corrupt_newest_checkpoint_falls_back_and_still_matches(
+    runs: dict[str, Any], tiny_llama: Path, capsys: pytest.CaptureFixture
+) -> None:
     """End to end: a flipped byte in the newest checkpoint -> resume from the previous one,
     say which file was bad, redo the steps, and finish with the same adapter."""
     root = runs["root"]

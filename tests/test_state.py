@@ -11,12 +11,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer import state as S
+from trainer.restart import state as S
 
 
 def _draws() -> tuple:
-    return (random.random(), random.gauss(0, 1), np.random.rand(3).tolist(), np.random.randn(2).tolist(),
-            torch.rand(4).tolist(), torch.randint(0, 1000, (3,)).tolist())
+    return (
+        random.random(),
+        random.gauss(0, 1),
+        np.random.rand(3).tolist(),
+        np.random.randn(2).tolist(),
+        torch.rand(4).tolist(),
+        torch.randint(0, 1000, (3,)).tolist(),
+    )
 
 
 def test_rng_round_trip_through_safetensors(tmp_path: Path) -> None:
@@ -56,6 +62,7 @@ def test_optimizer_round_trip_is_exact(kind: str, tmp_path: Path) -> None:
     def make(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         if kind == "adamw_8bit":
             import bitsandbytes as bnb  # a runtime dependency: its absence is a failure, not a skip
+
             return bnb.optim.AdamW8bit(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, min_8bit_size=100)
         return torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=kind == "adamw_fused")
 
@@ -70,15 +77,17 @@ def test_optimizer_round_trip_is_exact(kind: str, tmp_path: Path) -> None:
 
     b = [torch.nn.Parameter(p.detach().clone()) for p in a]
     opt_b = make(b)
-    S.optimizer_from_tensors(opt_b, load_file(tmp_path / "o.safetensors"), json.loads((tmp_path / "o.json").read_text()))
+    S.optimizer_from_tensors(
+        opt_b, load_file(tmp_path / "o.safetensors"), json.loads((tmp_path / "o.json").read_text())
+    )
     assert opt_b.param_groups[0]["betas"] == (0.9, 0.95)  # tuples come back as tuples
     c = [torch.nn.Parameter(p.detach().clone()) for p in a]
     opt_c = make(c)  # control: same weights, no optimizer state
 
     for opt, ps in ((opt_a, a), (opt_b, b), (opt_c, c)):
         _train(opt, ps, 3, seed=2)
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
-    assert not all(torch.equal(x, y) for x, y in zip(a, c))
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=False))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c, strict=False))
 
 
 def test_optimizer_mismatch_is_a_clear_error() -> None:
@@ -92,9 +101,16 @@ def test_optimizer_mismatch_is_a_clear_error() -> None:
 
 
 def test_train_state_json_round_trip() -> None:
-    st = S.TrainState(step=7, epoch=1, cursor=16, tokens=900, ledger={"device_seconds": 1.5},
-                      structural={"adapter.r": 8, "adapter.target_modules": ["all-linear"]},
-                      scheduler={"betas": (0.9, 0.99)}, world_size=2)
+    st = S.TrainState(
+        step=7,
+        epoch=1,
+        cursor=16,
+        tokens=900,
+        ledger={"device_seconds": 1.5},
+        structural={"adapter.r": 8, "adapter.target_modules": ["all-linear"]},
+        scheduler={"betas": (0.9, 0.99)},
+        world_size=2,
+    )
     back = S.TrainState.from_json(st.to_json())
     assert back == st
     assert {"torch", "transformers", "peft", "accelerate", "python"} <= set(back.versions)
@@ -140,7 +156,13 @@ def test_write_and_restore_training_state(tmp_path: Path) -> None:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     for _ in range(3):
         _step(model, opt)
-    scaler_state = {"scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000, "_growth_tracker": 3}
+    scaler_state = {
+        "scale": 1024.0,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 2000,
+        "_growth_tracker": 3,
+    }
 
     class Scaler:
         def __init__(self, sd: dict) -> None:
@@ -153,10 +175,18 @@ def test_write_and_restore_training_state(tmp_path: Path) -> None:
             self.sd = dict(sd)
 
     ts = S.TrainState(step=3, epoch=0, cursor=24, tokens=120, world_size=1)
-    S.write_training_state(tmp_path, model=model, optimizer=opt, state=ts, rng=S.gather_rng(1), scaler=Scaler(scaler_state))
+    S.write_training_state(
+        tmp_path, model=model, optimizer=opt, state=ts, rng=S.gather_rng(1), scaler=Scaler(scaler_state)
+    )
     names = {p.name for p in tmp_path.iterdir()}
-    assert names == {"adapter_model.safetensors", "adapter_config.json", "optimizer.safetensors", "optimizer.json",
-                     "rng.safetensors", "trainer_state.json"}
+    assert names == {
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "optimizer.safetensors",
+        "optimizer.json",
+        "rng.safetensors",
+        "trainer_state.json",
+    }
     assert not any(p.suffix in (".bin", ".pt", ".pkl") for p in tmp_path.iterdir())
     weights_at_save = {k: v.clone() for k, v in model.state_dict().items()}
     expected = [_step(model, opt) for _ in range(3)]
@@ -170,7 +200,7 @@ def test_write_and_restore_training_state(tmp_path: Path) -> None:
     assert (back.step, back.cursor, back.tokens) == (3, 24, 120)
     assert scaler.sd == scaler_state
     got = [_step(fresh, fresh_opt) for _ in range(3)]
-    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=False))
     assert all(torch.equal(expected_weights[k], v) for k, v in fresh.state_dict().items())
 
     # The checkpoint's adapter is a plain PEFT adapter.
@@ -193,7 +223,9 @@ def test_restore_refuses_a_missing_scheduler(tmp_path: Path) -> None:
     model = _peft(0)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
-    S.write_training_state(tmp_path, model=model, optimizer=opt, state=S.TrainState(), rng=S.gather_rng(1), scheduler=sched)
+    S.write_training_state(
+        tmp_path, model=model, optimizer=opt, state=S.TrainState(), rng=S.gather_rng(1), scheduler=sched
+    )
     opt.step()
     sched.step()
     fresh_sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))

@@ -6,8 +6,8 @@ never touches the weights."""
 from __future__ import annotations
 
 import json
-import re
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +17,12 @@ import pytest
 import torch
 from accelerate import Accelerator
 
+from trainer import batches as step_data
 from trainer import config as C
 from trainer import loop, run
+from trainer import loss as micro_loss
 from trainer.config import AdapterConfig, ModelConfig
+from trainer.data.template import IGNORE_INDEX
 from trainer.export import export
 from trainer.model import build
 from trainer.sampler import StepSampler
@@ -62,11 +65,22 @@ REPO = Path(__file__).resolve().parents[1]
 def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shipped tiny recipe (builtin model and data), shortened; shared by the tests below."""
     out = tmp_path_factory.mktemp("run")
-    cfg = C.load(REPO / "recipes" / "tiny-cpu.yaml", [
-        f"output_dir={out}", "train.max_steps=24", "train.micro_batch_size=2", "train.grad_accum=1",
-        "train.warmup_steps=2", "checkpoint.every_steps=12", "checkpoint.every_minutes=null",
-        "metrics.log_every=1", "metrics.progress=false", "data.eval_fraction=0.02", "train.eval_every=12",
-    ])
+    cfg = C.load(
+        REPO / "recipes" / "tiny-cpu.yaml",
+        [
+            f"output_dir={out}",
+            "train.max_steps=24",
+            "train.micro_batch_size=2",
+            "train.grad_accum=1",
+            "train.warmup_steps=2",
+            "checkpoint.every_steps=12",
+            "checkpoint.every_minutes=null",
+            "metrics.log_every=1",
+            "metrics.progress=false",
+            "data.eval_fraction=0.02",
+            "train.eval_every=12",
+        ],
+    )
     assert run.train(cfg) == 0
     return out
 
@@ -84,8 +98,20 @@ def test_tiny_recipe_trains_and_loss_falls(trained_run: Path) -> None:
     assert first > math.log(500), f"random init should start near ln(vocab), got {first}"
     assert last < first - 0.4, f"loss did not fall clearly: first {first:.3f}, mean of last six {last:.3f}"
     row = rows[-1]
-    for key in ("lr", "grad_norm", "trainable_tokens", "real_tokens", "tokens_per_s", "sustained_tokens_per_s",
-                "step_time_s", "data_stall_share", "mfu", "peak_memory_gib", "device_hours", "cost"):
+    for key in (
+        "lr",
+        "grad_norm",
+        "trainable_tokens",
+        "real_tokens",
+        "tokens_per_s",
+        "sustained_tokens_per_s",
+        "step_time_s",
+        "data_stall_share",
+        "mfu",
+        "peak_memory_gib",
+        "device_hours",
+        "cost",
+    ):
         assert key in row, key
     assert row["mfu"] is None  # CPU without metrics.peak_flops
     assert 0 < row["trainable_tokens"] < row["real_tokens"] <= 24 * 2 * 256
@@ -112,7 +138,9 @@ def test_final_adapter_loads_with_plain_peft_and_matches(trained_run: Path) -> N
     # step-24 checkpoint, written from the live model by the same code path as a resume reads).
     cfg = C.load(trained_run / "config.yaml")
     ours = build(cfg.model, cfg.adapter, name_or_path=adapter_cfg["base_model_name_or_path"])
-    set_peft_model_state_dict(ours, load_file(trained_run / "checkpoints" / "step-000024" / "adapter_model.safetensors"))
+    set_peft_model_state_dict(
+        ours, load_file(trained_run / "checkpoints" / "step-000024" / "adapter_model.safetensors")
+    )
     expected = logits_of(ours, ids)
     got = logits_of(loaded, ids)
     assert torch.equal(got, expected)
@@ -128,7 +156,9 @@ def test_export_merge_matches_base_plus_adapter(trained_run: Path, tmp_path: Pat
     assert {"adapter_model.safetensors", "adapter_config.json"} <= {p.name for p in copied.iterdir()}
     base_path = json.loads((trained_run / "final" / "adapter_config.json").read_text())["base_model_name_or_path"]
     ids = sample_ids(1)
-    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), str(trained_run / "final"))
+    with_adapter = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base_path), str(trained_run / "final")
+    )
     merged = AutoModelForCausalLM.from_pretrained(merged_dir)
     assert not any("lora" in n for n, _ in merged.named_parameters())
     # Merging folds B@A into W, which reorders fp32 sums: equal up to rounding, not bitwise.
@@ -138,11 +168,19 @@ def test_export_merge_matches_base_plus_adapter(trained_run: Path, tmp_path: Pat
 
 
 def test_qlora_4bit_with_8bit_adamw_trains_on_cpu(tmp_path: Path, tiny_llama: Path, tiny_data: Path) -> None:
-    cfg = make_cfg(tmp_path / "q", **{
-        "model.name_or_path": str(tiny_llama), "model.dtype": "bfloat16", "adapter.method": "qlora",
-        "data.path": str(tiny_data), "data.seq_len": 128, "train.max_steps": 3, "train.lr": 1e-2,
-        "train.optimizer": "adamw_8bit",  # bitsandbytes' optimizer state must also checkpoint
-    })
+    cfg = make_cfg(
+        tmp_path / "q",
+        **{
+            "model.name_or_path": str(tiny_llama),
+            "model.dtype": "bfloat16",
+            "adapter.method": "qlora",
+            "data.path": str(tiny_data),
+            "data.seq_len": 128,
+            "train.max_steps": 3,
+            "train.lr": 1e-2,
+            "train.optimizer": "adamw_8bit",  # bitsandbytes' optimizer state must also checkpoint
+        },
+    )
     assert run.train(cfg) == 0
     losses = [r["loss"] for r in metrics_rows(tmp_path / "q")]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
@@ -150,12 +188,21 @@ def test_qlora_4bit_with_8bit_adamw_trains_on_cpu(tmp_path: Path, tiny_llama: Pa
 
 
 def test_budget_guard_stops_with_a_checkpoint(tmp_path: Path, tiny_llama: Path, tiny_data: Path) -> None:
-    from trainer import preemption
+    from trainer import exit_codes
 
     out = tmp_path / "b"
-    cfg = make_cfg(out, **{"model.name_or_path": str(tiny_llama), "data.path": str(tiny_data), "data.seq_len": 128,
-                           "train.max_steps": 50, "train.max_gpu_hours": 1e-9, "metrics.trackers": ["tensorboard"]})
-    assert run.train(cfg) == preemption.EXIT_BUDGET
+    cfg = make_cfg(
+        out,
+        **{
+            "model.name_or_path": str(tiny_llama),
+            "data.path": str(tiny_data),
+            "data.seq_len": 128,
+            "train.max_steps": 50,
+            "train.max_gpu_hours": 1e-9,
+            "metrics.trackers": ["tensorboard"],
+        },
+    )
+    assert run.train(cfg) == exit_codes.EXIT_BUDGET
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000001"]
     assert len(metrics_rows(out)) == 1 and (out / "final" / "adapter_model.safetensors").is_file()
     assert list(out.rglob("events.out.tfevents.*")), "the optional TensorBoard tracker wrote its event file"
@@ -167,23 +214,25 @@ def test_budget_guard_stops_with_a_checkpoint(tmp_path: Path, tiny_llama: Path, 
 def test_logits_only_where_labels_are_give_the_same_loss(tiny_llama: Path) -> None:
     rows = _rows(lengths=[64, 20, 50], trainable=[60, 0, 30])  # the middle row has no label at all
     cols = rows.with_format("numpy")[:]
-    full = {k: torch.from_numpy(loop.stack_column(cols[k])) for k in loop.StepDataset.COLUMNS}
-    keep, keep_labels = loop.logit_positions(full["labels"])
-    assert keep.shape == (3, 60) and (keep_labels[1] == loop.IGNORE_INDEX).all()
+    full = {k: torch.from_numpy(step_data.stack_column(cols[k])) for k in step_data.COLUMNS}
+    keep, keep_labels = step_data.logit_positions(full["labels"])
+    assert keep.shape == (3, 60) and (keep_labels[1] == IGNORE_INDEX).all()
     model = _model(tiny_llama)
-    assert loop.accepts_logits_to_keep(model)
-    expected = loop.token_loss_sum(model, full)
-    got = loop.token_loss_sum(model, {**full, "keep": keep, "keep_labels": keep_labels})
+    assert micro_loss.accepts_logits_to_keep(model)
+    expected = micro_loss.token_loss_sum(model, full)
+    got = micro_loss.token_loss_sum(model, {**full, "keep": keep, "keep_labels": keep_labels})
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
     shuffled = {**full, "keep": keep, "keep_labels": keep_labels.roll(1, dims=1)}
-    assert abs(loop.token_loss_sum(model, shuffled) - expected) > 1e-3, "control: misaligned labels change the loss"
+    assert abs(micro_loss.token_loss_sum(model, shuffled) - expected) > 1e-3, (
+        "control: misaligned labels change the loss"
+    )
 
 
 def _rows(lengths: list[int], trainable: list[int], seq_len: int = 64, seed: int = 0) -> datasets.Dataset:
     """Packed-format rows of one document each; the last `trainable` tokens of a document carry labels."""
     g = torch.Generator().manual_seed(seed)
     cols: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": [], "num_real": []}
-    for n, k in zip(lengths, trainable):
+    for n, k in zip(lengths, trainable, strict=False):
         ids = torch.randint(4, 500, (seq_len,), generator=g)
         ids[n:] = 3  # pad
         labels = torch.full((seq_len,), -100)
@@ -216,9 +265,11 @@ def _one_step(tiny_llama: Path, rows: datasets.Dataset, mbs: int, ga: int) -> di
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
     model, opt = accelerator.prepare(model, opt)
     sampler = StepSampler(len(rows), mbs * ga, seed=0, shuffle=False)
-    batches = loop.StepDataset(rows, sampler, 0, 1, mbs, ga, total_steps=1)
+    batches = step_data.StepDataset(rows, sampler, 0, 1, mbs, ga, total_steps=1)
     plan = loop.LoopPlan(total_steps=1, lr=loop.LrSchedule(peak=1.0, total_steps=1, kind="constant"), max_grad_norm=0.0)
-    reason = loop.train_loop(accelerator, model, opt, [batches[0]], plan, loop.Progress(), loop.Hooks(save=lambda p: 0.0))
+    reason = loop.train_loop(
+        accelerator, model, opt, [batches[0]], plan, loop.Progress(), loop.Hooks(save=lambda p: 0.0)
+    )
     assert reason == "finished"
     return {n: before[n] - p for n, p in _lora_state(model).items()}
 
@@ -233,8 +284,8 @@ def test_accumulation_is_token_weighted(tiny_llama: Path) -> None:
     # Independent reference: d(total loss / total trainable tokens) over the four rows at once.
     model = _model(tiny_llama)
     cols = rows.with_format("numpy")[:]
-    micro = {k: torch.from_numpy(loop.stack_column(cols[k])) for k in loop.StepDataset.COLUMNS}
-    (loop.token_loss_sum(model, micro) / loop.count_trainable(micro["labels"])).backward()
+    micro = {k: torch.from_numpy(step_data.stack_column(cols[k])) for k in step_data.COLUMNS}
+    (micro_loss.token_loss_sum(model, micro) / step_data.count_trainable(micro["labels"])).backward()
     reference = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     for name in batched:
         torch.testing.assert_close(batched[name], reference[name], rtol=1e-5, atol=1e-8)
@@ -243,7 +294,7 @@ def test_accumulation_is_token_weighted(tiny_llama: Path) -> None:
     model = _model(tiny_llama)
     for i in range(4):
         one = {k: v[i : i + 1] for k, v in micro.items()}
-        (loop.token_loss_sum(model, one) / loop.count_trainable(one["labels"]) / 4).backward()
+        (micro_loss.token_loss_sum(model, one) / step_data.count_trainable(one["labels"]) / 4).backward()
     naive = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     worst = max(((naive[n] - reference[n]).abs().max() / reference[n].abs().max()).item() for n in reference)
     assert worst > 0.05, f"control failed: naive averaging should differ on variable-length data (got {worst})"
@@ -272,12 +323,19 @@ def test_non_finite_step_is_skipped_and_weights_untouched(tiny_llama: Path) -> N
         adam_steps[row["step"]] = float(next(iter(opt.state.values()))["step"])
         current["step"] = row["step"]
 
-    dataset = loop.StepDataset(rows, sampler, 0, 1, 1, 1, total_steps=6)
+    dataset = step_data.StepDataset(rows, sampler, 0, 1, 1, 1, total_steps=6)
     plan = loop.LoopPlan(total_steps=6, lr=loop.LrSchedule(peak=1e-2, total_steps=6, kind="constant"), max_bad_steps=2)
     progress = loop.Progress()
     messages: list[str] = []
-    reason = loop.train_loop(accelerator, model, opt, [dataset[i] for i in range(6)], plan, progress,
-                             loop.Hooks(save=lambda p: 0.0, log=on_log, message=messages.append))
+    reason = loop.train_loop(
+        accelerator,
+        model,
+        opt,
+        [dataset[i] for i in range(6)],
+        plan,
+        progress,
+        loop.Hooks(save=lambda p: 0.0, log=on_log, message=messages.append),
+    )
 
     assert not all(torch.equal(snapshots[1][n], snapshots[0][n]) for n in snapshots[0]), "control: a good step trains"
     assert all(torch.equal(snapshots[3][n], snapshots[2][n]) for n in snapshots[2]), "the NaN step changed weights"
@@ -293,17 +351,17 @@ def test_non_finite_step_is_skipped_and_weights_untouched(tiny_llama: Path) -> N
 
 
 def test_document_lengths_for_the_flop_count() -> None:
-    assert loop.document_lengths(np.array([0, 1, 2, 0, 1, 0])).tolist() == [3, 2, 1]
-    assert loop.document_lengths(np.array([0, 1, 2, 3])).tolist() == [4]
+    assert step_data.document_lengths(np.array([0, 1, 2, 0, 1, 0])).tolist() == [3, 2, 1]
+    assert step_data.document_lengths(np.array([0, 1, 2, 3])).tolist() == [4]
 
 
 def test_prefetching_worker_yields_the_same_batches_from_any_step() -> None:
     rows = _rows(lengths=[64, 40, 50, 30, 64, 20, 33, 41], trainable=[30, 20, 25, 10, 30, 10, 5, 7])
-    dataset = loop.StepDataset(rows, StepSampler(len(rows), 2, seed=3), 0, 1, 2, 1, total_steps=8)
-    inline = list(run.step_loader(dataset, 0, torch.device("cpu"), seed=0, workers=0))
-    prefetched = list(run.step_loader(dataset, 5, torch.device("cpu"), seed=0, workers=1))  # a resume at step 5
+    dataset = step_data.StepDataset(rows, StepSampler(len(rows), 2, seed=3), 0, 1, 2, 1, total_steps=8)
+    inline = list(step_data.step_loader(dataset, 0, torch.device("cpu"), seed=0, workers=0))
+    prefetched = list(step_data.step_loader(dataset, 5, torch.device("cpu"), seed=0, workers=1))  # a resume at step 5
     assert [b.step for b in inline] == list(range(8)) and [b.step for b in prefetched] == [5, 6, 7]
-    for a, b in zip(inline[5:], prefetched):
+    for a, b in zip(inline[5:], prefetched, strict=False):
         assert torch.equal(a.counts, b.counts)
         assert all(torch.equal(a.micro[0][k], b.micro[0][k]) for k in a.micro[0])
     assert not torch.equal(inline[0].micro[0]["input_ids"], inline[1].micro[0]["input_ids"]), "control"
@@ -323,11 +381,21 @@ def test_lr_schedule_values() -> None:
     assert values == sorted(values, reverse=True), "cosine decays monotonically after warm-up"
 
 
-def test_progress_bar_shows_throughput_and_projected_cost(tmp_path: Path, tiny_llama: Path, tiny_data: Path,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = make_cfg(tmp_path / "bar", **{"model.name_or_path": str(tiny_llama), "data.path": str(tiny_data),
-                                        "train.max_steps": 4, "metrics.progress": True, "metrics.log_every": 2,
-                                        "metrics.price_per_hour": 2.0, "metrics.warmup_steps": 1})
+def test_progress_bar_shows_throughput_and_projected_cost(
+    tmp_path: Path, tiny_llama: Path, tiny_data: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = make_cfg(
+        tmp_path / "bar",
+        **{
+            "model.name_or_path": str(tiny_llama),
+            "data.path": str(tiny_data),
+            "train.max_steps": 4,
+            "metrics.progress": True,
+            "metrics.log_every": 2,
+            "metrics.price_per_hour": 2.0,
+            "metrics.warmup_steps": 1,
+        },
+    )
     assert run.train(cfg) == 0
     bar = capsys.readouterr().err.replace("\r", "\n")
     assert "4/4" in bar and "tok/s=" in bar

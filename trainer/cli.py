@@ -1,6 +1,6 @@
 """`spotune` command line: parse, load the config, hand over to the module that does the work.
 
-Exit codes are defined and documented once, in trainer/preemption.py: 0 finished,
+Exit codes are defined and documented once, in trainer/exit_codes.py: 0 finished,
 143 preempted after saving (requeue), 3 budget reached, 4 too many non-finite steps,
 130 aborted, 2 bad configuration or input, 1 anything else.
 """
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from trainer import config as C
-from trainer.preemption import EXIT_BAD_INPUT
+from trainer.exit_codes import EXIT_BAD_INPUT
 
 
 def _add_recipe(p: argparse.ArgumentParser) -> None:
@@ -36,7 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_recipe(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--throughput", type=float, help="sustained tokens/s per GPU, if known")
-    p.add_argument("--pilot", type=Path, help="pilot.json from `spotune pilot` (default: <output_dir>/pilot/pilot.json if present)")
+    p.add_argument(
+        "--pilot", type=Path, help="pilot.json from `spotune pilot` (default: <output_dir>/pilot/pilot.json if present)"
+    )
     p.add_argument("--gpus", type=int, default=1, help="GPUs per run")
     p.add_argument("--gpu", help="forecast for this catalogue GPU only")
     p.add_argument("--deadline-hours", type=float, help="recommend the cheapest option finishing within this")
@@ -70,9 +72,9 @@ def _split(recipe: str | None, overrides: Sequence[str]) -> tuple[str | None, li
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from trainer.checkpoint import CheckpointError
     from trainer.data import DataError
     from trainer.plan import PlanError
+    from trainer.restart.checkpoint import CheckpointError
 
     try:
         return _dispatch(args)

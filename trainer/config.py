@@ -14,9 +14,10 @@ import hashlib
 import json
 import types
 import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence, Union
+from typing import Any, Literal, Union
 
 import yaml
 
@@ -380,13 +381,19 @@ def _cross_checks(cfg: RunConfig) -> list[str]:
     if not 0.0 <= cfg.data.eval_fraction < 1.0:
         p.append(f"data.eval_fraction: must be within [0, 1), got {cfg.data.eval_fraction}")
     if cfg.checkpoint.keep_last < 2:
-        p.append(f"checkpoint.keep_last: must be at least 2 so a committed checkpoint always survives, got {cfg.checkpoint.keep_last}")
+        p.append(
+            f"checkpoint.keep_last: must be at least 2 so a committed checkpoint always survives, got {cfg.checkpoint.keep_last}"
+        )
     if cfg.checkpoint.every_minutes is not None and cfg.checkpoint.every_minutes <= 0:
         p.append(f"checkpoint.every_minutes: must be above 0 or null, got {cfg.checkpoint.every_minutes}")
     if cfg.train.max_cost is not None and cfg.metrics.price_per_hour is None:
-        p.append("train.max_cost: needs metrics.price_per_hour to turn device-hours into cost; set metrics.price_per_hour")
+        p.append(
+            "train.max_cost: needs metrics.price_per_hour to turn device-hours into cost; set metrics.price_per_hour"
+        )
     if cfg.train.mixed_precision == "fp16" and cfg.model.dtype == "bfloat16":
-        p.append("train.mixed_precision: fp16 over a bfloat16 base mixes dtypes; use train.mixed_precision=bf16 or model.dtype=float16")
+        p.append(
+            "train.mixed_precision: fp16 over a bfloat16 base mixes dtypes; use train.mixed_precision=bf16 or model.dtype=float16"
+        )
     return p
 
 

@@ -20,8 +20,15 @@ import yaml
 from trainer.config import ConfigError
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "chat_template.jinja", "vocab.json", "merges.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 def adapter_source(run_dir: Path) -> Path:
@@ -29,7 +36,7 @@ def adapter_source(run_dir: Path) -> Path:
     final = run_dir / "final"
     if all((final / f).is_file() for f in ADAPTER_FILES):
         return final
-    from trainer.checkpoint import CheckpointError, CheckpointManager
+    from trainer.restart.checkpoint import CheckpointError, CheckpointManager
 
     path, _ = CheckpointManager(run_dir / "checkpoints", keep_last=2).latest_verified()
     if path is None:
@@ -72,13 +79,20 @@ def merge_adapter(adapter_dir: Path, out: Path, model_settings: dict) -> None:
 
     base_path = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if not base_path:
-        raise ConfigError([f"{adapter_dir / 'adapter_config.json'}: no base_model_name_or_path to merge into; "
-                           "set it to the base model's path or id"], "export --merge")
+        raise ConfigError(
+            [
+                f"{adapter_dir / 'adapter_config.json'}: no base_model_name_or_path to merge into; "
+                "set it to the base model's path or id"
+            ],
+            "export --merge",
+        )
     dtype = getattr(torch, model_settings.get("dtype", "float32"))
     # A QLoRA adapter is merged into the unquantised base: merging into 4-bit weights would
     # round the update away, and serving stacks want plain weights anyway.
     base = AutoModelForCausalLM.from_pretrained(
-        base_path, dtype=dtype, revision=model_settings.get("revision"),
+        base_path,
+        dtype=dtype,
+        revision=model_settings.get("revision"),
         trust_remote_code=bool(model_settings.get("trust_remote_code", False)),
     )
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()

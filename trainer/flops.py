@@ -25,8 +25,9 @@ embedding output directly. `tests/test_flops.py` measures that difference exactl
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 # Module names that `all-linear` adapts in each architecture family. peft's `all-linear`
 # is every nn.Linear/Conv1D except the output head; these tables are the same set.
@@ -60,8 +61,13 @@ class ModelShape:
         if self.arch == "gpt2":
             return [("c_attn", h, 3 * h), ("attn.c_proj", h, h), ("c_fc", h, i), ("mlp.c_proj", i, h)]
         return [
-            ("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv), ("o_proj", q, h),
-            ("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h),
+            ("q_proj", h, q),
+            ("k_proj", h, kv),
+            ("v_proj", h, kv),
+            ("o_proj", q, h),
+            ("gate_proj", h, i),
+            ("up_proj", h, i),
+            ("down_proj", i, h),
         ]
 
     def block_matmul_params(self) -> int:
@@ -98,11 +104,17 @@ def model_shape(hf_config: Any) -> ModelShape:
         h = int(hf_config.n_embd)
         heads = int(hf_config.n_head)
         return ModelShape(
-            arch="gpt2", layers=int(hf_config.n_layer), hidden=h,
+            arch="gpt2",
+            layers=int(hf_config.n_layer),
+            hidden=h,
             intermediate=int(getattr(hf_config, "n_inner", None) or 4 * h),
-            heads=heads, kv_heads=heads, head_dim=h // heads, vocab=int(hf_config.vocab_size),
+            heads=heads,
+            kv_heads=heads,
+            head_dim=h // heads,
+            vocab=int(hf_config.vocab_size),
             tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", True)),
-            qkv_bias=True, max_positions=int(hf_config.n_positions),
+            qkv_bias=True,
+            max_positions=int(hf_config.n_positions),
         )
     try:
         h = int(hf_config.hidden_size)
@@ -118,8 +130,14 @@ def model_shape(hf_config: Any) -> ModelShape:
     kv = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or h // heads
     return ModelShape(
-        arch="llama", layers=layers, hidden=h, intermediate=inter, heads=heads, kv_heads=int(kv),
-        head_dim=int(head_dim), vocab=vocab,
+        arch="llama",
+        layers=layers,
+        hidden=h,
+        intermediate=inter,
+        heads=heads,
+        kv_heads=int(kv),
+        head_dim=int(head_dim),
+        vocab=vocab,
         tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         # Qwen2 hard-codes bias on q/k/v; llama/mistral expose `attention_bias` (default off).
         qkv_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),

@@ -5,8 +5,7 @@ from the step, count the step's trainable tokens over every micro-batch and rank
 micro-batches (gradient sync only on the last), clip, refuse a non-finite step, step, log,
 maybe evaluate, maybe checkpoint, maybe stop.
 
-Loss convention (what must stay true):
-- labels are aligned with input_ids; logits[:, :-1] predict labels[:, 1:]; -100 is ignored.
+Loss convention (what must stay true; the per-token side is in trainer/loss.py):
 - the step's loss is sum(per-token loss) / N, N = trainable tokens of the whole optimizer
   step over all micro-batches and ranks. Each micro-batch backpropagates
   loss_sum_local / (N / world_size); DDP then averages gradients over world_size ranks,
@@ -18,19 +17,16 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Literal, NamedTuple
-
-import numpy as np
+from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 
-from trainer.preemption import agree_all
-
-IGNORE_INDEX = -100
-StopReason = Literal["finished", "preempted", "budget", "bad_steps"]
-
+from trainer.batches import StepBatch, count_trainable, eval_micro_batches
+from trainer.exit_codes import StopReason
+from trainer.loss import token_loss_sum
+from trainer.restart.preemption import agree_all
 
 # ---------------------------------------------------------------------------- schedule
 
@@ -61,137 +57,6 @@ class LrSchedule:
         if self.kind == "linear":
             return floor + (self.peak - floor) * (1.0 - progress)
         return floor + (self.peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-# ---------------------------------------------------------------------------- batches
-
-
-class StepBatch(NamedTuple):
-    """Everything one rank needs for one optimizer step (built in a DataLoader worker).
-
-    A NamedTuple so the DataLoader's pin-memory thread pins every tensor inside it.
-    """
-
-    step: int
-    micro: list[dict[str, torch.Tensor]]
-    """Per micro-batch: input_ids, labels, position_ids (int64, [micro_batch_size, seq_len]), and
-    with logit selection keep, keep_labels (see `logit_positions`)."""
-    counts: torch.Tensor
-    """int64 [trainable tokens (shifted labels), real tokens, sum of squared document lengths] of this rank."""
-
-
-class StepDataset(torch.utils.data.Dataset):
-    """Map-style "optimizer step -> this rank's micro-batches", so order is a pure function of
-    (seed, step): a resumed run starts its DataLoader at the step, reading nothing before it."""
-
-    COLUMNS = ("input_ids", "labels", "position_ids")
-
-    def __init__(self, rows: Any, sampler: Any, rank: int, world_size: int, micro_batch_size: int, grad_accum: int,
-                 total_steps: int, select_logits: bool = True) -> None:
-        self.rows = rows.with_format("numpy", columns=[*self.COLUMNS, "num_real"])
-        self.sampler = sampler
-        self.rank, self.world_size = rank, world_size
-        self.micro_batch_size, self.grad_accum = micro_batch_size, grad_accum
-        self.total_steps = total_steps
-        self.select_logits = select_logits
-        """Compute logits only where labels are (needs a model whose forward takes a tensor `logits_to_keep`)."""
-
-    def __len__(self) -> int:
-        return self.total_steps
-
-    def __getitem__(self, step: int) -> StepBatch:
-        micro, trainable, real, doc_sq = [], 0, 0, 0
-        for indices in self.sampler.micro_batches(step, self.rank, self.world_size, self.micro_batch_size, self.grad_accum):
-            cols = self.rows[indices]
-            batch = {k: torch.from_numpy(stack_column(cols[k])) for k in self.COLUMNS}
-            if self.select_logits:
-                batch["keep"], batch["keep_labels"] = logit_positions(batch["labels"])
-            trainable += count_trainable(batch["labels"])
-            for positions, n_real in zip(cols["position_ids"], cols["num_real"]):
-                lengths = document_lengths(positions[: int(n_real)])
-                real += int(n_real)
-                doc_sq += int((lengths.astype(np.int64) ** 2).sum())
-            micro.append(batch)
-        return StepBatch(step, micro, torch.tensor([trainable, real, doc_sq], dtype=torch.int64))
-
-
-def document_lengths(positions: np.ndarray) -> np.ndarray:
-    """Lengths of the packed documents in a row: a document starts where position_ids is 0."""
-    starts = np.flatnonzero(positions == 0)
-    if len(starts) == 0 or starts[0] != 0:
-        starts = np.concatenate([[0], starts])
-    return np.diff(np.append(starts, len(positions)))
-
-
-def stack_column(column: Any) -> np.ndarray:
-    """A [rows, seq_len] int64 array from a numpy-formatted column (2-D, or 1-D of row arrays)."""
-    arr = np.asarray(column)
-    if arr.dtype == object:
-        arr = np.stack([np.asarray(r) for r in column])
-    return arr.astype(np.int64, copy=False)
-
-
-def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
-    """Whether the causal LM's forward takes `logits_to_keep` (transformers' own models do;
-    some remote-code models do not, and then every position gets logits)."""
-    import inspect
-
-    while hasattr(model, "module"):
-        model = model.module
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "logits_to_keep" in inspect.signature(base.forward).parameters
-
-
-def identity_collate(item: StepBatch) -> StepBatch:
-    return item
-
-
-def token_loss_sum(model: torch.nn.Module, micro: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Summed next-token cross-entropy over the micro-batch's trainable tokens.
-
-    No attention_mask and use_cache=False: with position_ids alone transformers builds the
-    block-diagonal causal mask of the packed documents.
-
-    With `keep`/`keep_labels` (see `logit_positions`) the vocabulary projection runs only
-    at positions that carry a label, a large saving in SFT where prompts are masked; the
-    sum is the same, since masked positions contribute nothing to loss or gradient.
-    """
-    if "keep" in micro:
-        logits = model(input_ids=micro["input_ids"], position_ids=micro["position_ids"], use_cache=False,
-                       logits_to_keep=micro["keep"]).logits
-        labels = micro["keep_labels"]
-    else:
-        logits = model(input_ids=micro["input_ids"], position_ids=micro["position_ids"], use_cache=False).logits
-        logits = logits[:, :-1]
-        labels = micro["labels"][:, 1:]
-    logits = logits.float()  # the loss in fp32 whatever the compute dtype
-    return F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-
-
-def logit_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, the positions whose logits predict a label, and those labels: ([B, K], [B, K]).
-
-    Logit p predicts label p+1. Rows with fewer than K such positions are filled with
-    position 0 and label -100. Built on the host (in the data worker) so that selecting
-    positions on the device needs no host sync.
-    """
-    shifted = labels[:, 1:]
-    wanted = shifted != IGNORE_INDEX
-    k = max(1, int(wanted.sum(dim=1).max()))
-    keep = torch.zeros((labels.size(0), k), dtype=torch.int64)
-    keep_labels = torch.full((labels.size(0), k), IGNORE_INDEX, dtype=torch.int64)
-    for row in range(labels.size(0)):
-        pos = wanted[row].nonzero().squeeze(1)
-        keep[row, : len(pos)] = pos
-        keep_labels[row, : len(pos)] = shifted[row, pos]
-    return keep, keep_labels
-
-
-def count_trainable(labels: torch.Tensor) -> int:
-    """Tokens that carry a loss after the shift: labels[:, 1:] != -100."""
-    return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
 # ---------------------------------------------------------------------------- loop
@@ -323,9 +188,14 @@ def train_loop(
 
         if progress.step % plan.log_every == 0 or progress.step == plan.total_steps or not finite:
             row = dict(
-                step=progress.step, epoch=hooks.epoch_of(progress.step), loss=loss_value, lr=lr,
-                grad_norm=norm_value, skipped_steps=progress.skipped_steps,
-                trainable_tokens=progress.trainable_tokens, real_tokens=progress.real_tokens,
+                step=progress.step,
+                epoch=hooks.epoch_of(progress.step),
+                loss=loss_value,
+                lr=lr,
+                grad_norm=norm_value,
+                skipped_steps=progress.skipped_steps,
+                trainable_tokens=progress.trainable_tokens,
+                real_tokens=progress.real_tokens,
             )
             row = meter.row(**row) if meter is not None else row  # adds rates, MFU, memory, cost
             hooks.log(row)
@@ -352,7 +222,9 @@ def train_loop(
 
         # Every rank must take the same branch: each decision is reduced over ranks.
         time_due = plan.save_every_minutes is not None and time.monotonic() - last_save >= 60 * plan.save_every_minutes
-        preempted, over_budget, time_due = agree_all([hooks.stop_requested(), _over_budget(plan, meter), time_due], accelerator)
+        preempted, over_budget, time_due = agree_all(
+            [hooks.stop_requested(), _over_budget(plan, meter), time_due], accelerator
+        )
         step_due = bool(plan.save_every_steps) and progress.step % plan.save_every_steps == 0
         finished = progress.step >= plan.total_steps
         if preempted or over_budget or time_due or step_due or finished:
@@ -399,3 +271,29 @@ def _over_budget(plan: LoopPlan, meter: Any) -> bool:
         return True
     cost = meter.cost()
     return plan.max_cost is not None and cost is not None and cost >= plan.max_cost
+
+
+# ---------------------------------------------------------------------------- evaluation
+
+
+def make_evaluator(
+    rows: Any, model: torch.nn.Module, accelerator: Any, micro_batch_size: int
+) -> Callable[[], float] | None:
+    """Token-weighted mean loss over the held-out `rows` (collective: every rank runs its share)."""
+    if len(rows) == 0:
+        return None
+
+    def evaluate() -> float:
+        model.eval()
+        total = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
+        with torch.no_grad():
+            for micro in eval_micro_batches(
+                rows, accelerator.process_index, accelerator.num_processes, micro_batch_size
+            ):
+                micro = {k: v.to(accelerator.device) for k, v in micro.items()}
+                total[0] += token_loss_sum(model, micro).double()
+                total[1] += count_trainable(micro["labels"])
+        total = accelerator.reduce(total, reduction="sum")
+        return float(total[0] / total[1].clamp(min=1))
+
+    return evaluate

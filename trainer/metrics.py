@@ -24,9 +24,10 @@ import math
 import resource
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -65,8 +66,15 @@ class Meter:
     _s_flops: float = 0.0
     _paused: float = 0.0
 
-    def step(self, step: int, seconds: float, stall_seconds: float, real_tokens: float, doc_len_sq_sum: float,
-             head_tokens: float | None = None) -> None:
+    def step(
+        self,
+        step: int,
+        seconds: float,
+        stall_seconds: float,
+        real_tokens: float,
+        doc_len_sq_sum: float,
+        head_tokens: float | None = None,
+    ) -> None:
         """One optimizer step: its wall time (data wait included), the part spent waiting for
         data, and its real tokens and sum of squared document lengths over every rank.
         `head_tokens`: tokens whose logits the loop computed (default: every real token)."""

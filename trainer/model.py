@@ -91,10 +91,12 @@ def load_base(
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as e:
-        raise ConfigError([
-            f"model.name_or_path: cannot load {path!r}: {e}\n"
-            "Give a local directory written by save_pretrained or a hub model id you can reach."
-        ]) from e
+        raise ConfigError(
+            [
+                f"model.name_or_path: cannot load {path!r}: {e}\n"
+                "Give a local directory written by save_pretrained or a hub model id you can reach."
+            ]
+        ) from e
     return model
 
 
@@ -136,10 +138,12 @@ def build(
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             model = get_peft_model(base, lora, autocast_adapter_dtype=True)
     except ValueError as e:
-        raise ConfigError([
-            f"adapter.target_modules: {targets} does not fit this model ({e}); "
-            "use 'all-linear' or names of its linear modules such as q_proj, v_proj"
-        ]) from e
+        raise ConfigError(
+            [
+                f"adapter.target_modules: {targets} does not fit this model ({e}); "
+                "use 'all-linear' or names of its linear modules such as q_proj, v_proj"
+            ]
+        ) from e
     return model  # accelerate.prepare places a non-quantised model on its device
 
 

@@ -10,9 +10,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import math
-import secrets
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -20,19 +17,23 @@ from typing import Any
 import torch
 
 from trainer import config as C
-from trainer import flops, loop, metrics, preemption, tiny
-from trainer.checkpoint import CheckpointManager, check_compatible, fsync_tree, publish_dir, resolve_resume
-from trainer.ledger import Ledger
+from trainer import exit_codes, flops, loop, metrics, tiny
+from trainer.atomic import fsync_tree, publish_dir, remove_temp_siblings, temp_sibling
+from trainer.batches import StepDataset, step_loader
+from trainer.loss import accepts_logits_to_keep
 from trainer.model import build, count_params
+from trainer.restart import preemption
+from trainer.restart.checkpoint import CheckpointManager, resolve_resume
+from trainer.restart.ledger import Ledger
+from trainer.restart.state import (
+    TrainState,
+    check_compatible,
+    gather_rng,
+    restore_training_state,
+    unwrap_peft,
+    write_training_state,
+)
 from trainer.sampler import StepSampler
-from trainer.state import TrainState, gather_rng, restore_training_state, unwrap_peft, write_training_state
-
-EXIT_CODES = {
-    "finished": preemption.EXIT_FINISHED,
-    "preempted": preemption.EXIT_PREEMPTED,
-    "budget": preemption.EXIT_BUDGET,
-    "bad_steps": preemption.EXIT_BAD_STEPS,
-}
 
 
 def model_path(cfg: C.RunConfig) -> str:
@@ -70,8 +71,12 @@ def make_accelerator(cfg: C.RunConfig) -> Any:
     trackers = list(cfg.metrics.trackers)
     missing = [t for t in trackers if importlib.util.find_spec(t) is None]
     if missing:  # accelerate would only log a warning and drop the tracker
-        raise C.ConfigError([f"metrics.trackers: {', '.join(missing)} is not installed; pip install {' '.join(missing)} "
-                             "(or pip install 'spotune[trackers]'), or remove it from metrics.trackers"])
+        raise C.ConfigError(
+            [
+                f"metrics.trackers: {', '.join(missing)} is not installed; pip install {' '.join(missing)} "
+                "(or pip install 'spotune[trackers]'), or remove it from metrics.trackers"
+            ]
+        )
     accelerator = Accelerator(
         cpu=not cuda,
         mixed_precision=cfg.train.mixed_precision,
@@ -83,15 +88,20 @@ def make_accelerator(cfg: C.RunConfig) -> Any:
     if accelerator.distributed_type not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
         # Checkpoints are written by rank 0 from full (unsharded) adapter and optimizer state,
         # which holds for DDP only; an FSDP/DeepSpeed run would silently save one shard.
-        raise C.ConfigError([
-            f"accelerate is configured for {accelerator.distributed_type.value}; spotune supports one process or "
-            "DDP (torchrun / accelerate launch --multi_gpu). A LoRA adapter's state fits on every GPU; for a base "
-            "model that does not, use adapter.method=qlora"
-        ], "accelerate config")
+        raise C.ConfigError(
+            [
+                f"accelerate is configured for {accelerator.distributed_type.value}; spotune supports one process or "
+                "DDP (torchrun / accelerate launch --multi_gpu). A LoRA adapter's state fits on every GPU; for a base "
+                "model that does not, use adapter.method=qlora"
+            ],
+            "accelerate config",
+        )
     return accelerator
 
 
-def build_optimizer(train: C.TrainConfig, params: list[torch.nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(
+    train: C.TrainConfig, params: list[torch.nn.Parameter], device: torch.device
+) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters only; bitsandbytes 8-bit (paged) variants on request."""
     kwargs: dict[str, Any] = dict(
         lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps, weight_decay=train.weight_decay
@@ -142,24 +152,38 @@ def train(cfg: C.RunConfig) -> int:
 
     structural = C.structural_fields(cfg, world)
     resume_dir, notes = resolve_resume(out / "checkpoints", cfg.checkpoint.resume, clean=is_main)
-    state = TrainState(config_fingerprint=C.fingerprint(cfg, world), structural=structural,
-                       data_fingerprint=prepared.fingerprint, config=cfg.to_dict(), world_size=world, seed=cfg.seed)
+    state = TrainState(
+        config_fingerprint=C.fingerprint(cfg, world),
+        structural=structural,
+        data_fingerprint=prepared.fingerprint,
+        config=cfg.to_dict(),
+        world_size=world,
+        seed=cfg.seed,
+    )
     if resume_dir is not None:
         saved = TrainState.from_json((resume_dir / "trainer_state.json").read_text())
         notes += check_compatible(saved, structural, prepared.fingerprint, cfg.checkpoint.allow_config_change)
-    ledger = Ledger.open(out, world, price_per_hour=cfg.metrics.price_per_hour,
-                         carried_totals=saved.ledger if resume_dir is not None else None, enabled=is_main)
+    ledger = Ledger.open(
+        out,
+        world,
+        price_per_hour=cfg.metrics.price_per_hour,
+        carried_totals=saved.ledger if resume_dir is not None else None,
+        enabled=is_main,
+    )
     manager = CheckpointManager(out / "checkpoints", keep_last=cfg.checkpoint.keep_last)
     console = metrics.Console(steps, 0, enabled=cfg.metrics.progress, is_main=is_main)
     for note in notes:
         console.message(f"spotune: {note}")
 
     meter = metrics.Meter(
-        world_size=world, warmup_steps=cfg.metrics.warmup_steps,
-        flops_fn=_flops_fn(accelerator.unwrap_model(model).config, counts.trainable,
-                           selects_logits=loop.accepts_logits_to_keep(model)),
+        world_size=world,
+        warmup_steps=cfg.metrics.warmup_steps,
+        flops_fn=_flops_fn(
+            accelerator.unwrap_model(model).config, counts.trainable, selects_logits=accepts_logits_to_keep(model)
+        ),
         peak_flops=peak_flops,
-        price_per_hour=cfg.metrics.price_per_hour, total_steps=steps,
+        price_per_hour=cfg.metrics.price_per_hour,
+        total_steps=steps,
         device_seconds_fn=lambda: float(ledger.totals()["device_seconds"]),  # one source of truth: the ledger
     )
     sink = metrics.JsonlSink(out / "metrics.jsonl") if is_main else None
@@ -174,8 +198,12 @@ def train(cfg: C.RunConfig) -> int:
         state.epoch, state.cursor = sampler.position(progress.step)
         state.ledger = ledger.totals()
         if is_main:
-            result = manager.save(progress.step, lambda tmp: write_training_state(
-                tmp, model=model, optimizer=optimizer, state=state, rng=rng, scaler=accelerator.scaler))
+            result = manager.save(
+                progress.step,
+                lambda tmp: write_training_state(
+                    tmp, model=model, optimizer=optimizer, state=state, rng=rng, scaler=accelerator.scaler
+                ),
+            )
             warning = preemption.save_fits_notice(result.seconds, cfg.checkpoint.notice_seconds)
             if warning:
                 console.message(f"spotune: {warning}")
@@ -202,14 +230,24 @@ def train(cfg: C.RunConfig) -> int:
 
     plan = loop.LoopPlan(
         total_steps=steps,
-        lr=loop.LrSchedule(peak=t.lr, total_steps=steps, warmup_steps=t.warmup_steps, kind=t.schedule, min_lr_ratio=t.min_lr_ratio),
-        max_grad_norm=t.max_grad_norm, max_bad_steps=t.max_bad_steps, log_every=cfg.metrics.log_every,
+        lr=loop.LrSchedule(
+            peak=t.lr, total_steps=steps, warmup_steps=t.warmup_steps, kind=t.schedule, min_lr_ratio=t.min_lr_ratio
+        ),
+        max_grad_norm=t.max_grad_norm,
+        max_bad_steps=t.max_bad_steps,
+        log_every=cfg.metrics.log_every,
         eval_every=t.eval_every if prepared.eval_path is not None else None,
-        save_every_steps=cfg.checkpoint.every_steps, save_every_minutes=cfg.checkpoint.every_minutes,
-        max_gpu_hours=t.max_gpu_hours, max_cost=t.max_cost,
+        save_every_steps=cfg.checkpoint.every_steps,
+        save_every_minutes=cfg.checkpoint.every_minutes,
+        max_gpu_hours=t.max_gpu_hours,
+        max_cost=t.max_cost,
     )
     hooks = loop.Hooks(
-        save=save, log=log, message=console.message, meter=meter, console=console,
+        save=save,
+        log=log,
+        message=console.message,
+        meter=meter,
+        console=console,
         stop_requested=lambda: stop.requested,
         epoch_of=lambda step: round(step / sampler.steps_per_epoch, 4),
         step_done=lambda seconds: ledger.add_productive(seconds),
@@ -218,8 +256,16 @@ def train(cfg: C.RunConfig) -> int:
     reason: loop.StopReason = "finished"
     try:
         if progress.step < steps:
-            dataset = loop.StepDataset(rows, sampler, rank, world, t.micro_batch_size, t.grad_accum, steps,
-                                       select_logits=loop.accepts_logits_to_keep(model))
+            dataset = StepDataset(
+                rows,
+                sampler,
+                rank,
+                world,
+                t.micro_batch_size,
+                t.grad_accum,
+                steps,
+                select_logits=accepts_logits_to_keep(model),
+            )
             batches = step_loader(dataset, progress.step, accelerator.device, cfg.seed)
             ledger.mark_first_step()
             reason = loop.train_loop(accelerator, model, optimizer, batches, plan, progress, hooks)
@@ -242,7 +288,7 @@ def train(cfg: C.RunConfig) -> int:
         accelerator.end_training()
     if is_main:
         console.message(f"spotune: {reason} at step {progress.step}/{steps}; " + json.dumps(summary))
-    return EXIT_CODES[reason]
+    return exit_codes.FOR_STOP[reason]
 
 
 # ---------------------------------------------------------------------------- pieces
@@ -261,78 +307,32 @@ if {f.name for f in dataclasses.fields(loop.Progress)} != set(_COUNTERS) | _NOT_
     raise ImportError("trainer/run.py: map every loop.Progress counter in _COUNTERS")
 
 
-def _restore(resume_dir: Path, model: torch.nn.Module, optimizer: Any, accelerator: Any,
-             fresh: TrainState) -> tuple[TrainState, loop.Progress]:
+def _restore(
+    resume_dir: Path, model: torch.nn.Module, optimizer: Any, accelerator: Any, fresh: TrainState
+) -> tuple[TrainState, loop.Progress]:
     """Adapter, optimizer, grad scaler and this rank's RNG from `resume_dir`, every field.
 
     The returned state keeps the checkpoint's counters and ledger totals but describes this
     run (config, fingerprints, world size), since that is what the next save records.
     """
-    saved = restore_training_state(resume_dir, model=model, optimizer=optimizer, rank=accelerator.process_index,
-                                   world_size=accelerator.num_processes, scaler=accelerator.scaler)
+    saved = restore_training_state(
+        resume_dir,
+        model=model,
+        optimizer=optimizer,
+        rank=accelerator.process_index,
+        world_size=accelerator.num_processes,
+        scaler=accelerator.scaler,
+    )
     counters = {theirs: getattr(saved, theirs) for theirs in _COUNTERS.values()}
     progress = loop.Progress(**{ours: counters[theirs] for ours, theirs in _COUNTERS.items()})
     state = dataclasses.replace(fresh, **counters, epoch=saved.epoch, cursor=saved.cursor, ledger=saved.ledger)
     return state, progress
 
 
-def step_loader(dataset: loop.StepDataset, start: int, device: torch.device, seed: int,
-                workers: int | None = None) -> torch.utils.data.DataLoader:
-    """Prefetch whole optimizer steps from `start` on; by default one worker on CUDA hides
-    reading and collating behind the GPU's work (on CPU a worker would only compete for cores).
-
-    The DataLoader gets its own generator so creating it never draws from the global torch RNG
-    (which a resumed run has just restored and must leave untouched).
-    """
-    if workers is None:
-        workers = 1 if device.type == "cuda" else 0
-    return torch.utils.data.DataLoader(
-        dataset, batch_size=None, sampler=range(start, dataset.total_steps), collate_fn=loop.identity_collate,
-        num_workers=workers, prefetch_factor=4 if workers else None, pin_memory=device.type == "cuda",
-        generator=torch.Generator().manual_seed(seed), worker_init_fn=_ignore_stop_signals if workers else None,
-    )
-
-
-def _ignore_stop_signals(worker_id: int) -> None:
-    """A data worker ignores preemption signals (Slurm signals every process of the job):
-    the main process finishes the step, saves, and shuts the worker down itself."""
-    import signal
-
-    for sig in preemption.SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-
-
 def _evaluator(cfg: C.RunConfig, prepared: Any, model: torch.nn.Module, accelerator: Any) -> Any:
-    """Token-weighted mean loss over the held-out rows, each rank taking every world-th row.
-
-    Every rank runs the same number of forwards (a rank past its share runs a filler row
-    whose labels are all -100) so no rank waits alone in a collective.
-    """
     from datasets import load_from_disk
 
-    rows = load_from_disk(str(prepared.eval_path)).with_format("numpy", columns=list(loop.StepDataset.COLUMNS))
-    if len(rows) == 0:
-        return None
-    rank, world, mbs = accelerator.process_index, accelerator.num_processes, cfg.train.micro_batch_size
-    per_rank = math.ceil(len(rows) / world)
-
-    def evaluate() -> float:
-        model.eval()
-        total = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
-        with torch.no_grad():
-            for start in range(0, per_rank, mbs):
-                idx = [rank + world * i for i in range(start, min(start + mbs, per_rank))]
-                cols = rows[[min(i, len(rows) - 1) for i in idx]]
-                micro = {k: torch.from_numpy(loop.stack_column(cols[k])) for k in loop.StepDataset.COLUMNS}
-                beyond = torch.tensor([i >= len(rows) for i in idx])
-                micro["labels"][beyond] = loop.IGNORE_INDEX  # a filler row: forward for lockstep, no loss
-                micro = {k: v.to(accelerator.device) for k, v in micro.items()}
-                total[0] += loop.token_loss_sum(model, micro).double()
-                total[1] += loop.count_trainable(micro["labels"])
-        total = accelerator.reduce(total, reduction="sum")
-        return float(total[0] / total[1].clamp(min=1))
-
-    return evaluate
+    return loop.make_evaluator(load_from_disk(str(prepared.eval_path)), model, accelerator, cfg.train.micro_batch_size)
 
 
 def _flops_fn(hf_config: Any, trainable: int, selects_logits: bool) -> metrics.FlopsFn | None:
@@ -343,8 +343,9 @@ def _flops_fn(hf_config: Any, trainable: int, selects_logits: bool) -> metrics.F
     frozen = shape.matmul_params()
 
     def fn(tokens: float, doc_sq: float, head_tokens: float) -> float:
-        return flops.train_flops(shape, tokens, doc_sq, frozen, trainable,
-                                 head_tokens=head_tokens if selects_logits else None)
+        return flops.train_flops(
+            shape, tokens, doc_sq, frozen, trainable, head_tokens=head_tokens if selects_logits else None
+        )
 
     return fn
 
@@ -358,9 +359,8 @@ def write_final(directory: Path, model: torch.nn.Module, tokenizer: str) -> None
     from transformers import AutoTokenizer
 
     model = unwrap_peft(model)
-    for stale in directory.parent.glob(f"{directory.name}.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = directory.with_name(f"{directory.name}.tmp-{secrets.token_hex(4)}")
+    remove_temp_siblings(directory)
+    tmp = temp_sibling(directory)
     model.save_pretrained(str(tmp), safe_serialization=True)
     AutoTokenizer.from_pretrained(tokenizer).save_pretrained(str(tmp))
     fsync_tree(tmp)

@@ -28,11 +28,13 @@ class StepSampler:
         if rows_per_step < 1:
             raise ValueError(f"rows per step must be at least 1, got {rows_per_step}")
         if num_rows < rows_per_step:
-            raise ConfigError([
-                f"the prepared dataset has {num_rows} packed rows but one optimizer step needs "
-                f"{rows_per_step} (train.micro_batch_size x train.grad_accum x devices); lower "
-                "train.micro_batch_size or train.grad_accum, lower data.seq_len, or add data"
-            ])
+            raise ConfigError(
+                [
+                    f"the prepared dataset has {num_rows} packed rows but one optimizer step needs "
+                    f"{rows_per_step} (train.micro_batch_size x train.grad_accum x devices); lower "
+                    "train.micro_batch_size or train.grad_accum, lower data.seq_len, or add data"
+                ]
+            )
         self.num_rows = num_rows
         self.rows_per_step = rows_per_step
         self.seed = seed

@@ -13,10 +13,11 @@ import json
 import os
 import random
 import shutil
-import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
+from trainer.atomic import fsync_tree, temp_sibling
 from trainer.config import BUILTIN_TINY_DATA, BUILTIN_TINY_MODEL
 
 Arch = Literal["llama", "qwen2", "mistral", "gpt2"]
@@ -44,8 +45,9 @@ def resolve_model(name_or_path: str) -> str:
     # init_std 0.1, not 0.02: LoRA leaves the final norm and the output head frozen, and a
     # random head at std 0.02 over 128 dims caps every logit near 2.6, flooring the loss at
     # about 4 nats whatever the adapter learns. A pretrained head has no such cap.
-    return str(_build_once(target, lambda d: build_model(d, "llama", tokenizer_dir=None, hidden=128, layers=4,
-                                                         init_std=0.1)))
+    return str(
+        _build_once(target, lambda d: build_model(d, "llama", tokenizer_dir=None, hidden=128, layers=4, init_std=0.1))
+    )
 
 
 def resolve_data(path: str) -> str:
@@ -60,9 +62,11 @@ def _build_once(target: Path, build: Callable[[Path], object]) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    tmp = temp_sibling(target)
+    tmp.mkdir()
     try:
         build(tmp)
+        fsync_tree(tmp)
         os.rename(tmp, target)  # atomic; fails if another process won the race
     except OSError:
         if not target.exists():
@@ -75,17 +79,46 @@ def _build_once(target: Path, build: Callable[[Path], object]) -> Path:
 # ---------------------------------------------------------------------------- dataset
 
 _CAPITALS = {
-    "France": "Paris", "Japan": "Tokyo", "Italy": "Rome", "Spain": "Madrid", "Egypt": "Cairo",
-    "Kenya": "Nairobi", "Peru": "Lima", "Chile": "Santiago", "Canada": "Ottawa", "Norway": "Oslo",
-    "Sweden": "Stockholm", "Poland": "Warsaw", "Greece": "Athens", "Turkey": "Ankara",
-    "India": "New Delhi", "China": "Beijing", "Brazil": "Brasilia", "Mexico": "Mexico City",
-    "Ireland": "Dublin", "Portugal": "Lisbon", "Austria": "Vienna", "Cuba": "Havana",
+    "France": "Paris",
+    "Japan": "Tokyo",
+    "Italy": "Rome",
+    "Spain": "Madrid",
+    "Egypt": "Cairo",
+    "Kenya": "Nairobi",
+    "Peru": "Lima",
+    "Chile": "Santiago",
+    "Canada": "Ottawa",
+    "Norway": "Oslo",
+    "Sweden": "Stockholm",
+    "Poland": "Warsaw",
+    "Greece": "Athens",
+    "Turkey": "Ankara",
+    "India": "New Delhi",
+    "China": "Beijing",
+    "Brazil": "Brasilia",
+    "Mexico": "Mexico City",
+    "Ireland": "Dublin",
+    "Portugal": "Lisbon",
+    "Austria": "Vienna",
+    "Cuba": "Havana",
 }
-_FRENCH = {"red": "rouge", "blue": "bleu", "green": "vert", "yellow": "jaune", "black": "noir",
-           "white": "blanc", "grey": "gris", "pink": "rose", "brown": "marron", "orange": "orange"}
+_FRENCH = {
+    "red": "rouge",
+    "blue": "bleu",
+    "green": "vert",
+    "yellow": "jaune",
+    "black": "noir",
+    "white": "blanc",
+    "grey": "gris",
+    "pink": "rose",
+    "brown": "marron",
+    "orange": "orange",
+}
 _DAYS = "Monday Tuesday Wednesday Thursday Friday Saturday Sunday".split()
-_WORDS = ("red blue green yellow black white apple pear plum cat dog fox owl river stone "
-          "cloud rain snow wind tree leaf seed moon star sun").split()
+_WORDS = (
+    "red blue green yellow black white apple pear plum cat dog fox owl river stone "
+    "cloud rain snow wind tree leaf seed moon star sun"
+).split()
 
 
 def make_examples(n: int = 2000, seed: int = 0) -> list[dict[str, str]]:
@@ -102,23 +135,37 @@ def make_examples(n: int = 2000, seed: int = 0) -> list[dict[str, str]]:
         kind = rng.randrange(5)
         if kind == 0:
             c = rng.choice(countries)
-            out.append({"instruction": f"What is the capital of {c}?", "input": "",
-                        "output": f"The capital of {c} is {_CAPITALS[c]}."})
+            out.append(
+                {
+                    "instruction": f"What is the capital of {c}?",
+                    "input": "",
+                    "output": f"The capital of {c} is {_CAPITALS[c]}.",
+                }
+            )
         elif kind == 1:
             colour = rng.choice(sorted(_FRENCH))
-            out.append({"instruction": "Translate the colour to French.", "input": colour,
-                        "output": _FRENCH[colour]})
+            out.append({"instruction": "Translate the colour to French.", "input": colour, "output": _FRENCH[colour]})
         elif kind == 2:
             i = rng.randrange(7)
-            out.append({"instruction": f"Which day comes after {_DAYS[i]}?", "input": "",
-                        "output": f"{_DAYS[(i + 1) % 7]} comes after {_DAYS[i]}."})
+            out.append(
+                {
+                    "instruction": f"Which day comes after {_DAYS[i]}?",
+                    "input": "",
+                    "output": f"{_DAYS[(i + 1) % 7]} comes after {_DAYS[i]}.",
+                }
+            )
         elif kind == 3:
             a, b = rng.randint(0, 9), rng.randint(0, 9)
             out.append({"instruction": "Add the two numbers.", "input": f"{a} + {b}", "output": str(a + b)})
         else:
             words = rng.choices(_WORDS, k=rng.randint(2, 4))
-            out.append({"instruction": "Reverse the order of the words.", "input": " ".join(words),
-                        "output": " ".join(reversed(words))})
+            out.append(
+                {
+                    "instruction": "Reverse the order of the words.",
+                    "input": " ".join(words),
+                    "output": " ".join(reversed(words)),
+                }
+            )
     return out
 
 
@@ -143,8 +190,10 @@ def build_tokenizer(out_dir: Path | str, vocab_size: int = 1024) -> Path:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     corpus = [" ".join(ex.values()) for ex in make_examples(2000, seed=1)]
     corpus += ["### Instruction:\n### Input:\n### Response:\nBelow is an instruction that describes a task."]
@@ -154,7 +203,11 @@ def build_tokenizer(out_dir: Path | str, vocab_size: int = 1024) -> Path:
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
     )
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
         model_max_length=4096,
     )
     fast.chat_template = CHAT_TEMPLATE
@@ -191,19 +244,37 @@ def build_model(
     else:
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)
-    ids = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-               pad_token_id=tok.pad_token_id)
+    ids = dict(
+        vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
     ffn = intermediate or 2 * hidden
     if arch == "gpt2":
-        config = transformers.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=ffn,
-                                         n_positions=max_positions, initializer_range=init_std, **ids)
+        config = transformers.GPT2Config(
+            n_embd=hidden,
+            n_layer=layers,
+            n_head=heads,
+            n_inner=ffn,
+            n_positions=max_positions,
+            initializer_range=init_std,
+            **ids,
+        )
     else:
-        cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-               "mistral": transformers.MistralConfig}[arch]
-        config = cls(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                     num_key_value_heads=kv_heads, intermediate_size=ffn,
-                     max_position_embeddings=max_positions, tie_word_embeddings=False,
-                     initializer_range=init_std, **ids)
+        cls = {
+            "llama": transformers.LlamaConfig,
+            "qwen2": transformers.Qwen2Config,
+            "mistral": transformers.MistralConfig,
+        }[arch]
+        config = cls(
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            intermediate_size=ffn,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=False,
+            initializer_range=init_std,
+            **ids,
+        )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out)

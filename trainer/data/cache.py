@@ -21,10 +21,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from trainer.atomic import TEMP_MARK, fsync_path, fsync_tree, write_text
+
 # Bump when the pipeline's output for the same inputs changes (template text, masking, packing).
 PIPELINE_VERSION = "1"
 MANIFEST = "manifest.json"
-_TMP = ".tmp-"
+_TMP = TEMP_MARK
 _STALE_SECONDS = 24 * 3600  # temp dirs from another host or an unknown pid older than this are stale
 
 # Files that define a tokenizer's behaviour; model weights in the same directory are not hashed.
@@ -138,14 +140,14 @@ def atomic_build(cache_root: Path, fp: str) -> Iterator[Path]:
         yield tmp
         if not (tmp / MANIFEST).is_file():
             raise RuntimeError(f"internal error: {tmp} has no {MANIFEST}; refusing to commit it")
-        _fsync_dir(tmp)
+        fsync_tree(tmp)  # the Arrow files too: a power cut must not leave a committed, empty cache
         try:
             os.rename(tmp, cache_root / fp)
         except OSError:
             if load_complete(cache_root, fp) is None:
                 raise
             shutil.rmtree(tmp, ignore_errors=True)  # a concurrent prepare won the race
-        _fsync_dir(cache_root)
+        fsync_path(cache_root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -153,18 +155,4 @@ def atomic_build(cache_root: Path, fp: str) -> Iterator[Path]:
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     """Write manifest.json durably (the commit marker of a cache entry)."""
-    path = directory / MANIFEST
-    with path.open("w") as f:
-        json.dump(manifest, f, indent=2, sort_keys=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    write_text(directory / MANIFEST, json.dumps(manifest, indent=2, sort_keys=False) + "\n")

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-IGNORE = -100
+from trainer.data.template import IGNORE_INDEX
 
 
 def _check_lengths(lens: np.ndarray, capacity: int) -> None:
@@ -166,7 +166,7 @@ def build_rows(
     # Padding defaults everywhere, then the real tokens are scattered over them.
     col = np.tile(np.arange(seq_len, dtype=np.int64), n_rows)
     input_ids = np.full(n_rows * seq_len, pad_id, dtype=np.int32)
-    labels = np.full(n_rows * seq_len, IGNORE, dtype=np.int32)
+    labels = np.full(n_rows * seq_len, IGNORE_INDEX, dtype=np.int32)
     position_ids = (col - np.repeat(real, seq_len)).astype(np.int32)  # trailing pad: 0..k-1
     input_ids[dst] = flat_ids[src]
     labels[dst] = flat_labels[src]
@@ -177,7 +177,7 @@ def build_rows(
         "labels": labels2d,
         "position_ids": position_ids.reshape(n_rows, seq_len),
         "num_real": real.astype(np.int32),
-        "num_trainable": (labels2d != IGNORE).sum(axis=1).astype(np.int32),
+        "num_trainable": (labels2d != IGNORE_INDEX).sum(axis=1).astype(np.int32),
     }
 
 

@@ -27,10 +27,16 @@ from trainer.data import cache
 from trainer.data.pack import batch_pad_efficiency, build_rows, one_per_row, pack_lengths
 from trainer.data.read import DataError, check_source, read_rows, require_fields
 from trainer.data.stats import BASELINE_BATCH, format_summary, length_stats
-from trainer.data.template import ROW_COLUMN as _ROW, Tokenize, check_chat_template
+from trainer.data.template import ROW_COLUMN as _ROW
+from trainer.data.template import Tokenize, check_chat_template
 
 _TOKENIZED = Features(
-    {"input_ids": List(Value("int32")), "labels": List(Value("int32")), "length": Value("int32"), "status": Value("string")}
+    {
+        "input_ids": List(Value("int32")),
+        "labels": List(Value("int32")),
+        "length": Value("int32"),
+        "status": Value("string"),
+    }
 )
 
 
@@ -77,7 +83,11 @@ def prepare(
 def _settings(cfg: DataConfig, seed: int) -> dict[str, Any]:
     """Every setting that changes the output rows (and nothing that does not, e.g. num_proc)."""
     fields = {
-        "alpaca": {"instruction_field": cfg.instruction_field, "input_field": cfg.input_field, "output_field": cfg.output_field},
+        "alpaca": {
+            "instruction_field": cfg.instruction_field,
+            "input_field": cfg.input_field,
+            "output_field": cfg.output_field,
+        },
         "chat": {"messages_field": cfg.messages_field},
         "text": {"text_field": cfg.text_field},
     }[cfg.format]
@@ -141,8 +151,15 @@ def _build(
     for name, raw in (("train", train_raw), ("eval", eval_raw)):
         if raw is None:
             continue
-        tok = Tokenize(cfg.format, tokenizer, fields, cfg.seq_len, cfg.overlong, cfg.chat_template,
-                       source=str(eval_src if name == "eval" and eval_src else data_path))
+        tok = Tokenize(
+            cfg.format,
+            tokenizer,
+            fields,
+            cfg.seq_len,
+            cfg.overlong,
+            cfg.chat_template,
+            source=str(eval_src if name == "eval" and eval_src else data_path),
+        )
         manifest[name] = _tokenize_pack_save(raw, tok, cfg, name, tmp, scratch, fp, pad_id, seed)
     shutil.rmtree(scratch, ignore_errors=True)
     manifest["seconds"] = round(time.perf_counter() - started, 3)

@@ -74,7 +74,9 @@ def _read_jsonl(p: Path) -> list[dict[str, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{p}:{lineno}: malformed JSON line ({e.msg} at column {e.colno}); fix or remove that line.") from None
+                raise DataError(
+                    f"{p}:{lineno}: malformed JSON line ({e.msg} at column {e.colno}); fix or remove that line."
+                ) from None
             if not isinstance(row, dict):
                 raise DataError(f"{p}:{lineno}: expected a JSON object per line, got {type(row).__name__}.")
             rows.append(row)

@@ -14,11 +14,15 @@ def plot_lengths(manifest: dict[str, Any], png_path: Path) -> None:
     import matplotlib.pyplot as plt
 
     seq_len = manifest["settings"]["seq_len"]
-    splits = [(s, manifest[s]["lengths"]) for s in ("train", "eval") if manifest.get(s) and manifest[s]["lengths"].get("count")]
+    splits = [
+        (s, manifest[s]["lengths"])
+        for s in ("train", "eval")
+        if manifest.get(s) and manifest[s]["lengths"].get("count")
+    ]
     fig, axes = plt.subplots(len(splits) or 1, 1, figsize=(8, 3.2 * max(1, len(splits))), squeeze=False)
-    for ax, (name, ls) in zip(axes[:, 0], splits):
+    for ax, (name, ls) in zip(axes[:, 0], splits, strict=False):
         edges, counts = ls["histogram"]["edges"], ls["histogram"]["counts"]
-        widths = [hi - lo for lo, hi in zip(edges[:-1], edges[1:])]
+        widths = [hi - lo for lo, hi in zip(edges[:-1], edges[1:], strict=False)]
         ax.bar(edges[:-1], counts, width=widths, align="edge", color="#4c72b0", edgecolor="white")
         for q, style in (("p50", ":"), ("p90", "--"), ("p99", "-.")):
             ax.axvline(ls[q], color="#333333", linestyle=style, label=f"{q} = {ls[q]}")

@@ -52,9 +52,7 @@ def format_summary(manifest: dict[str, Any], reused: bool, where: str) -> str:
     verb = "reused cached dataset" if reused else "built dataset"
     lines = [f"spotune prepare: {verb} {fp} at {where}"]
     s = manifest["settings"]
-    lines.append(
-        f"  format={s['format']} seq_len={s['seq_len']} packing={s['packing']} overlong={s['overlong']}"
-    )
+    lines.append(f"  format={s['format']} seq_len={s['seq_len']} packing={s['packing']} overlong={s['overlong']}")
     for split in ("train", "eval"):
         st = manifest.get(split)
         if st:
@@ -93,7 +91,7 @@ def ascii_histogram(hist: dict[str, list[int]], width: int = 40) -> list[str]:
     top = max(counts) if counts else 0
     w = len(str(edges[-1])) if edges else 1
     lines = []
-    for lo, hi, n in zip(edges[:-1], edges[1:], counts):
+    for lo, hi, n in zip(edges[:-1], edges[1:], counts, strict=False):
         bar = "#" * (round(width * n / top) if top else 0)
         lines.append(f"{lo:>{w}}-{hi - 1:<{w}} |{bar:<{width}} {n}")
     return lines

@@ -13,12 +13,14 @@ before truncation, and a status: "" (kept) or the reason the row is dropped.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 from trainer.data.read import DataError
 
-IGNORE = -100
+IGNORE_INDEX = -100
+"""The label that carries no loss (PyTorch's cross_entropy default ignore_index); defined once here."""
 
 ALPACA_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -74,17 +76,17 @@ class Tokenize:
             pairs = self._chat(batch, indices, status)
         out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "length": [], "status": []}
         eos = self.tokenizer.eos_token_id
-        for (ids, labels, eos_trained), st in zip(pairs, status):
+        for (ids, labels, eos_trained), st in zip(pairs, status, strict=False):
             if st:
                 self._emit(out, [], [], 0, st)
                 continue
             if eos is not None and eos_trained is not None and (not ids or ids[-1] != eos):
                 # EOS teaches the model to stop: trained after a response (alpaca), after text,
                 # and after a conversation that ends with an assistant turn.
-                labels.append(eos if eos_trained else IGNORE)
+                labels.append(eos if eos_trained else IGNORE_INDEX)
                 ids.append(eos)
             if labels:
-                labels[0] = IGNORE  # see the module docstring: no prediction across documents
+                labels[0] = IGNORE_INDEX  # see the module docstring: no prediction across documents
             self._finish(out, ids, labels)
         return out
 
@@ -96,7 +98,7 @@ class Tokenize:
         inputs = batch[f["input"]] if f["input"] in batch else [""] * len(instr)
         outputs = batch[f["output"]]
         prompts, responses = [], []
-        for i, (a, b, c) in enumerate(zip(instr, inputs, outputs)):
+        for i, (a, b, c) in enumerate(zip(instr, inputs, outputs, strict=False)):
             if a is None or c is None:
                 status[i] = NULL_FIELD
             prompts.append(alpaca_prompt(str(a or ""), str(b or "")))
@@ -105,7 +107,9 @@ class Tokenize:
         # exact and the response starts where generation would start after the prompt.
         p_ids = self.tokenizer(prompts, add_special_tokens=True)["input_ids"]
         r_ids = self.tokenizer(responses, add_special_tokens=False)["input_ids"]
-        return [(list(p) + list(r), [IGNORE] * len(p) + list(r), True) for p, r in zip(p_ids, r_ids)]
+        return [
+            (list(p) + list(r), [IGNORE_INDEX] * len(p) + list(r), True) for p, r in zip(p_ids, r_ids, strict=False)
+        ]
 
     def _text(self, batch: dict[str, list[Any]], status: list[str]) -> list[Pair]:
         texts = batch[self.fields["text"]]
@@ -123,7 +127,7 @@ class Tokenize:
         texts: list[str] = []
         spans: list[list[tuple[int, int]]] = []
         ends_with_assistant: list[bool] = []
-        for j, (messages, row) in enumerate(zip(col, indices)):
+        for j, (messages, row) in enumerate(zip(col, indices, strict=False)):
             if messages is None:
                 status[j] = NULL_FIELD
                 messages = []
@@ -131,11 +135,15 @@ class Tokenize:
             ends_with_assistant.append(bool(messages) and messages[-1]["role"] == "assistant")
             if uses_generation:
                 # The template marks assistant text itself: let transformers compute the mask.
-                enc = self.tokenizer.apply_chat_template(
-                    messages, chat_template=tmpl, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-                ) if messages else {"input_ids": [], "assistant_masks": []}
+                enc = (
+                    self.tokenizer.apply_chat_template(
+                        messages, chat_template=tmpl, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+                    )
+                    if messages
+                    else {"input_ids": [], "assistant_masks": []}
+                )
                 ids = list(enc["input_ids"])
-                labels = [t if m else IGNORE for t, m in zip(ids, enc["assistant_masks"])]
+                labels = [t if m else IGNORE_INDEX for t, m in zip(ids, enc["assistant_masks"], strict=False)]
                 result.append((ids, labels, self._eos_rule(ids, ends_with_assistant[-1])))
                 continue
             text, sp = self._render_with_spans(messages, row)
@@ -144,9 +152,14 @@ class Tokenize:
         if uses_generation:
             return result
         enc = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-        for ids, offsets, sp, last in zip(enc["input_ids"], enc["offset_mapping"], spans, ends_with_assistant):
+        for ids, offsets, sp, last in zip(
+            enc["input_ids"], enc["offset_mapping"], spans, ends_with_assistant, strict=False
+        ):
             # A token belongs to the turn its first character belongs to.
-            labels = [t if any(s <= start < e for s, e in sp) else IGNORE for t, (start, _) in zip(ids, offsets)]
+            labels = [
+                t if any(s <= start < e for s, e in sp) else IGNORE_INDEX
+                for t, (start, _) in zip(ids, offsets, strict=False)
+            ]
             result.append((list(ids), labels, self._eos_rule(ids, last)))
         return result
 
@@ -207,9 +220,9 @@ class Tokenize:
                 self._emit(out, [], [], length, OVERLONG)
                 return
             ids, labels = ids[: self.seq_len], labels[: self.seq_len]
-            if all(x == IGNORE for x in labels):
+            if all(x == IGNORE_INDEX for x in labels):
                 status = NO_TRAINABLE_AFTER_TRUNCATION
-        elif all(x == IGNORE for x in labels):
+        elif all(x == IGNORE_INDEX for x in labels):
             status = NO_TRAINABLE
         if status:
             self._emit(out, [], [], length, status)

@@ -116,7 +116,10 @@ def peak_flops_for(device_name: str, catalog: list[GPU] | None = None) -> float 
 @lru_cache(maxsize=1)
 def _builtin() -> tuple[GPU, ...]:
     raw = yaml.safe_load(BUILTIN_CATALOG.read_text())
-    return tuple(GPU(**_fields(e, f"{BUILTIN_CATALOG}: gpus[{i}]", partial=False)) for i, e in enumerate(_entries(raw, BUILTIN_CATALOG)))
+    return tuple(
+        GPU(**_fields(e, f"{BUILTIN_CATALOG}: gpus[{i}]", partial=False))
+        for i, e in enumerate(_entries(raw, BUILTIN_CATALOG))
+    )
 
 
 def _entries(raw: Any, path: Path) -> list[dict[str, Any]]:

@@ -85,18 +85,30 @@ def run_estimate(
     flops_per_token = run_flops / tokens if tokens else 0.0
 
     memory = mem.estimate_memory(
-        shape, weight_format=_weight_format(cfg), compute_dtype=cfg.model.dtype, lora_params=lora, lora_r=a.r,
-        target_modules=a.target_modules, lora_dropout=a.dropout > 0, optimizer=cfg.train.optimizer,
-        micro_batch_size=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
+        shape,
+        weight_format=_weight_format(cfg),
+        compute_dtype=cfg.model.dtype,
+        lora_params=lora,
+        lora_r=a.r,
+        target_modules=a.target_modules,
+        lora_dropout=a.dropout > 0,
+        optimizer=cfg.train.optimizer,
+        micro_batch_size=cfg.train.micro_batch_size,
+        seq_len=cfg.data.seq_len,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
         eager_attention=cfg.model.attn_implementation == "eager",
     )
     pilot = json.loads(Path(pilot_json).read_text()) if pilot_json else None
     rate = _throughput(cfg, pilot, throughput, mfu, flops_per_token)
-    save_s = float(pilot["save_seconds"]) if pilot and pilot.get("save_seconds") is not None else _default_save_seconds(lora)
+    save_s = (
+        float(pilot["save_seconds"]) if pilot and pilot.get("save_seconds") is not None else _default_save_seconds(lora)
+    )
     # Fixed per-attempt time: startup, the slower warm-up steps and teardown (writing final/).
-    startup_s = (sum(float(pilot.get(k) or 0.0) for k in ("startup_seconds", "warmup_extra_seconds", "teardown_seconds"))
-                 if pilot else DEFAULT_RESTART_S)
+    startup_s = (
+        sum(float(pilot.get(k) or 0.0) for k in ("startup_seconds", "warmup_extra_seconds", "teardown_seconds"))
+        if pilot
+        else DEFAULT_RESTART_S
+    )
 
     options: list[fc.Option] = []
     rows: list[dict[str, Any]] = []
@@ -107,8 +119,9 @@ def run_estimate(
     for name, g in targets:
         per_gpu, slow, fast, basis = _rate_on(rate, g, full_catalog)
         speed = per_gpu * gpus * (MULTI_GPU_EFFICIENCY if gpus > rate["measured_gpus"] else 1.0)
-        compute = fc.Range(fc.hours_for(tokens, speed * fast), fc.hours_for(tokens, speed),
-                           fc.hours_for(tokens, speed * slow))
+        compute = fc.Range(
+            fc.hours_for(tokens, speed * fast), fc.hours_for(tokens, speed), fc.hours_for(tokens, speed * slow)
+        )
         step_hours = compute.expected / steps
         interval = _interval_hours(cfg, step_hours)
         eval_h = _eval_hours(cfg, work, steps, speed)
@@ -125,42 +138,81 @@ def run_estimate(
                     continue
                 price = float("nan")  # unknown price: hours still shown, cost null
             o = fc.plan_option(
-                gpu=name, gpus=gpus, pricing=pricing, price_per_gpu_hour=price, compute_hours=compute,
-                eval_hours=eval_h, save_seconds=save_s, checkpoint_interval_hours=interval,
-                startup_hours=startup_s / 3600.0, mtbi_hours=mtbi, restart_hours=startup_s / 3600.0,
+                gpu=name,
+                gpus=gpus,
+                pricing=pricing,
+                price_per_gpu_hour=price,
+                compute_hours=compute,
+                eval_hours=eval_h,
+                save_seconds=save_s,
+                checkpoint_interval_hours=interval,
+                startup_hours=startup_s / 3600.0,
+                mtbi_hours=mtbi,
+                restart_hours=startup_s / 3600.0,
             )
             options.append(o)
             row = _clean(o.as_dict())
-            row.update(fits=fits, memory_gib=g.memory_gib if g else None, throughput_basis=basis,
-                       tokens_per_s=speed,
-                       recommended_checkpoint_minutes=recommended * 60 if recommended else None)
+            row.update(
+                fits=fits,
+                memory_gib=g.memory_gib if g else None,
+                throughput_basis=basis,
+                tokens_per_s=speed,
+                recommended_checkpoint_minutes=recommended * 60 if recommended else None,
+            )
             rows.append(row)
 
-    fitting = [o for o, r in zip(options, rows) if r["fits"] and not math.isnan(o.price_per_gpu_hour)]
+    fitting = [o for o, r in zip(options, rows, strict=False) if r["fits"] and not math.isnan(o.price_per_gpu_hour)]
     best = fc.cheapest(fitting, deadline_hours, budget)
     recommendation = None
     if best is not None:
-        recommendation = {"index": options.index(best), "gpu": best.gpu, "pricing": best.pricing,
-                          "wall_hours": best.wall_hours.expected, "cost": best.cost.expected,
-                          "why": _why(deadline_hours, budget)}
+        recommendation = {
+            "index": options.index(best),
+            "gpu": best.gpu,
+            "pricing": best.pricing,
+            "wall_hours": best.wall_hours.expected,
+            "cost": best.cost.expected,
+            "why": _why(deadline_hours, budget),
+        }
     return {
         "schema": SCHEMA,
-        "model": {"name_or_path": cfg.model.name_or_path, "arch": shape.arch, "hf_model_type": hf_name,
-                  "params": shape.total_params(), "trainable_params": lora,
-                  "weight_format": _weight_format(cfg), "flops_per_token": flops_per_token},
-        "data": {"source": work.source, "exact": work.exact, "rows_per_epoch": work.rows,
-                 "real_tokens_per_epoch": work.real_tokens, "trainable_tokens_per_epoch": work.trainable_tokens,
-                 "examples": work.examples, "sampled_examples": work.sampled_examples,
-                 "manifest": work.manifest_path},
-        "run": {"steps": steps, "gpus": gpus, "global_batch_rows": global_rows, "seq_len": cfg.data.seq_len,
-                "epochs": steps * global_rows / work.rows if work.rows else None,
-                "real_tokens": tokens, "trainable_tokens": trainable, "train_flops": run_flops},
+        "model": {
+            "name_or_path": cfg.model.name_or_path,
+            "arch": shape.arch,
+            "hf_model_type": hf_name,
+            "params": shape.total_params(),
+            "trainable_params": lora,
+            "weight_format": _weight_format(cfg),
+            "flops_per_token": flops_per_token,
+        },
+        "data": {
+            "source": work.source,
+            "exact": work.exact,
+            "rows_per_epoch": work.rows,
+            "real_tokens_per_epoch": work.real_tokens,
+            "trainable_tokens_per_epoch": work.trainable_tokens,
+            "examples": work.examples,
+            "sampled_examples": work.sampled_examples,
+            "manifest": work.manifest_path,
+        },
+        "run": {
+            "steps": steps,
+            "gpus": gpus,
+            "global_batch_rows": global_rows,
+            "seq_len": cfg.data.seq_len,
+            "epochs": steps * global_rows / work.rows if work.rows else None,
+            "real_tokens": tokens,
+            "trainable_tokens": trainable,
+            "train_flops": run_flops,
+        },
         "memory_gib": memory.as_gib() | {"pilot_measured_peak": pilot.get("peak_memory_gib") if pilot else None},
         "throughput": {k: v for k, v in rate.items() if k not in ("low_factor", "high_factor")}
         | {"range_factors": [rate["low_factor"], rate["high_factor"]]},
-        "checkpoint": {"save_seconds": save_s, "every_minutes": cfg.checkpoint.every_minutes,
-                       "every_steps": cfg.checkpoint.every_steps,
-                       "restart_seconds": startup_s},
+        "checkpoint": {
+            "save_seconds": save_s,
+            "every_minutes": cfg.checkpoint.every_minutes,
+            "every_steps": cfg.checkpoint.every_steps,
+            "restart_seconds": startup_s,
+        },
         "constraints": {"deadline_hours": deadline_hours, "budget": budget},
         "options": rows,
         "recommendation": recommendation,
@@ -175,9 +227,13 @@ def _shape(cfg: RunConfig, path: str) -> tuple[flops.ModelShape, str]:
     from transformers import AutoConfig
 
     try:
-        hf = AutoConfig.from_pretrained(path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
+        hf = AutoConfig.from_pretrained(
+            path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+        )
     except (OSError, ValueError) as e:
-        raise PlanError(f"model.name_or_path: cannot read the model config of {path!r}: {str(e).splitlines()[0]}") from None
+        raise PlanError(
+            f"model.name_or_path: cannot read the model config of {path!r}: {str(e).splitlines()[0]}"
+        ) from None
     return flops.model_shape(hf), str(getattr(hf, "model_type", ""))
 
 
@@ -200,8 +256,9 @@ def _weight_format(cfg: RunConfig) -> mem.WeightFormat:
     return cfg.model.dtype  # type: ignore[return-value]
 
 
-def _throughput(cfg: RunConfig, pilot: dict[str, Any] | None, given: float | None, mfu: float | None,
-                flops_per_token: float) -> dict[str, Any]:
+def _throughput(
+    cfg: RunConfig, pilot: dict[str, Any] | None, given: float | None, mfu: float | None, flops_per_token: float
+) -> dict[str, Any]:
     """Real tokens/s per GPU and where it came from; low/high factors scale the rate."""
     assumed = mfu if mfu is not None else DEFAULT_MFU[cfg.adapter.method]
     if not 0 < assumed <= 1:
@@ -212,18 +269,37 @@ def _throughput(cfg: RunConfig, pilot: dict[str, Any] | None, given: float | Non
         # The sustained rate goes with the mean step time; p10/p90 steps bound the range
         # (at least +/-5%: a short pilot on a quiet machine understates the spread).
         mean, p10, p90 = (pilot["step_time_s"][k] for k in ("mean", "p10", "p90"))
-        return {"source": "pilot", "tokens_per_s_per_gpu": pilot["sustained_tokens_per_s"] / world,
-                "device": pilot.get("device"), "measured_gpus": world, "mfu": pilot.get("sustained_mfu"),
-                "low_factor": min(mean / p90, 0.95) if p90 else 0.95,
-                "high_factor": max(mean / p10, 1.05) if p10 else 1.05} | common
+        return {
+            "source": "pilot",
+            "tokens_per_s_per_gpu": pilot["sustained_tokens_per_s"] / world,
+            "device": pilot.get("device"),
+            "measured_gpus": world,
+            "mfu": pilot.get("sustained_mfu"),
+            "low_factor": min(mean / p90, 0.95) if p90 else 0.95,
+            "high_factor": max(mean / p10, 1.05) if p10 else 1.05,
+        } | common
     if given is not None:
         if given <= 0:
             raise PlanError(f"--throughput must be above 0 tokens/s, got {given}")
         ref = cfg.metrics.gpu
-        return {"source": "given", "tokens_per_s_per_gpu": given, "device": ref, "measured_gpus": 1, "mfu": None,
-                "low_factor": 1 - GIVEN_SPREAD, "high_factor": 1 + GIVEN_SPREAD} | common
-    return {"source": "mfu", "tokens_per_s_per_gpu": None, "device": None, "measured_gpus": 1, "mfu": assumed,
-            "low_factor": 1 - MFU_SPREAD, "high_factor": 1 + MFU_SPREAD} | common
+        return {
+            "source": "given",
+            "tokens_per_s_per_gpu": given,
+            "device": ref,
+            "measured_gpus": 1,
+            "mfu": None,
+            "low_factor": 1 - GIVEN_SPREAD,
+            "high_factor": 1 + GIVEN_SPREAD,
+        } | common
+    return {
+        "source": "mfu",
+        "tokens_per_s_per_gpu": None,
+        "device": None,
+        "measured_gpus": 1,
+        "mfu": assumed,
+        "low_factor": 1 - MFU_SPREAD,
+        "high_factor": 1 + MFU_SPREAD,
+    } | common
 
 
 def _rate_on(rate: dict[str, Any], g: cat.GPU | None, catalog: list[cat.GPU]) -> tuple[float, float, float, str]:
@@ -252,8 +328,14 @@ def _default_save_seconds(lora_params: int) -> float:
 
 def _interval_hours(cfg: RunConfig, step_hours: float) -> float | None:
     c = cfg.checkpoint
-    candidates = [h for h in (c.every_steps * step_hours if c.every_steps else None,
-                              c.every_minutes / 60.0 if c.every_minutes else None) if h]
+    candidates = [
+        h
+        for h in (
+            c.every_steps * step_hours if c.every_steps else None,
+            c.every_minutes / 60.0 if c.every_minutes else None,
+        )
+        if h
+    ]
     return min(candidates) if candidates else None
 
 
@@ -290,24 +372,32 @@ def _why(deadline: float | None, budget: float | None) -> str:
 def _assumptions(rate: dict[str, Any], work: wl.Workload, gpus: int, piloted: bool, bases: set[str]) -> list[str]:
     out = []
     if rate["source"] == "mfu":
-        out.append(f"throughput assumed from peak bf16 FLOP/s x MFU {rate['mfu']:.2f} (+/-{MFU_SPREAD:.0%}); "
-                   "run `spotune pilot` to measure it")
+        out.append(
+            f"throughput assumed from peak bf16 FLOP/s x MFU {rate['mfu']:.2f} (+/-{MFU_SPREAD:.0%}); "
+            "run `spotune pilot` to measure it"
+        )
     elif rate["source"] == "given":
-        out.append(f"throughput given: {rate['tokens_per_s_per_gpu']:.0f} real tokens/s per GPU (+/-{GIVEN_SPREAD:.0%})")
+        out.append(
+            f"throughput given: {rate['tokens_per_s_per_gpu']:.0f} real tokens/s per GPU (+/-{GIVEN_SPREAD:.0%})"
+        )
     else:
         out.append(f"throughput measured by a pilot on {rate['device']}; range from its p10/p90 step times")
     if any(b.startswith("scaled") for b in bases):
         out.append("other GPUs scaled by peak bf16 FLOP/s (same MFU as measured)")
     if rate["source"] != "mfu" and any(b.startswith("assumed") for b in bases):
-        out.append(f"catalogue GPUs: peak bf16 FLOP/s x assumed MFU {rate['assumed_mfu']:.2f} (+/-{MFU_SPREAD:.0%}); "
-                   "the measurement was not on a catalogue GPU")
+        out.append(
+            f"catalogue GPUs: peak bf16 FLOP/s x assumed MFU {rate['assumed_mfu']:.2f} (+/-{MFU_SPREAD:.0%}); "
+            "the measurement was not on a catalogue GPU"
+        )
     if gpus > rate["measured_gpus"]:
         out.append(f"{MULTI_GPU_EFFICIENCY:.0%} data-parallel scaling efficiency beyond {rate['measured_gpus']} GPU(s)")
     if not work.exact:
         out.append(f"token counts extrapolated from {work.sampled_examples} sampled examples (data not prepared yet)")
     if not piloted:
-        out.append(f"checkpoint save and startup/restart times are defaults ({DEFAULT_RESTART_S:.0f} s restart); "
-                   "a pilot measures them")
+        out.append(
+            f"checkpoint save and startup/restart times are defaults ({DEFAULT_RESTART_S:.0f} s restart); "
+            "a pilot measures them"
+        )
     out.append("spot: each interruption costs a restart plus half a checkpoint interval of redone work")
     return out
 
@@ -319,7 +409,9 @@ def format_estimate(result: dict[str, Any]) -> str:
     """The readable report: workload, memory, throughput, then one line per GPU and pricing."""
     m, d, r, t = result["model"], result["data"], result["run"], result["throughput"]
     mem_g = result["memory_gib"]
-    exact = "exact, from the prepared manifest" if d["exact"] else f"estimate from {d['sampled_examples']} sampled examples"
+    exact = (
+        "exact, from the prepared manifest" if d["exact"] else f"estimate from {d['sampled_examples']} sampled examples"
+    )
     lines = [
         f"model   {m['name_or_path']} ({m['arch']}, {m['params'] / 1e6:,.1f}M params, {m['weight_format']}), "
         f"LoRA {m['trainable_params'] / 1e6:,.2f}M trainable, {_si(m['flops_per_token'])} FLOP/token",
@@ -327,7 +419,8 @@ def format_estimate(result: dict[str, Any]) -> str:
         f"({d['trainable_tokens_per_epoch']:,.0f} trainable) [{exact}]",
         f"run     {r['steps']:,} steps x {r['global_batch_rows']} rows x {r['seq_len']} = {r['real_tokens']:,.0f} real tokens "
         f"on {r['gpus']} GPU(s), {r['train_flops']:.3g} FLOPs",
-        "memory  " + ", ".join(f"{k} {v:.3g}" for k, v in mem_g.items() if k not in ("total", "pilot_measured_peak"))
+        "memory  "
+        + ", ".join(f"{k} {v:.3g}" for k, v in mem_g.items() if k not in ("total", "pilot_measured_peak"))
         + f" -> {mem_g['total']:.3g} GiB per GPU"
         + (f" (pilot measured {mem_g['pilot_measured_peak']:.3g} GiB)" if mem_g.get("pilot_measured_peak") else ""),
         f"checkpoint save {result['checkpoint']['save_seconds']:.2g} s, startup/restart {result['checkpoint']['restart_seconds']:.0f} s",
@@ -351,13 +444,17 @@ def format_estimate(result: dict[str, Any]) -> str:
     rec = result["recommendation"]
     lines.append("")
     if rec:
-        lines.append(f"recommended: {rec['gpu']} {rec['pricing']}, ~{_hours(rec['wall_hours'])}, ~{rec['cost']:,.2f} ({rec['why']})")
+        lines.append(
+            f"recommended: {rec['gpu']} {rec['pricing']}, ~{_hours(rec['wall_hours'])}, ~{rec['cost']:,.2f} ({rec['why']})"
+        )
     elif result["constraints"]["deadline_hours"] is not None or result["constraints"]["budget"] is not None:
         lines.append("recommended: none meets the deadline/budget; relax one, add GPUs (--gpus) or shorten the run")
     lines.append(f"throughput: {t['source']}" + (f" on {t['device']}" if t.get("device") else ""))
     lines += [f"  - {a}" for a in result["assumptions"]]
-    lines.append("wall = compute + startup + checkpoint saves + evaluation + (spot) expected interruptions x "
-                 "(restart + half a checkpoint interval); GPU-h = wall x GPUs; cost = GPU-h x price")
+    lines.append(
+        "wall = compute + startup + checkpoint saves + evaluation + (spot) expected interruptions x "
+        "(restart + half a checkpoint interval); GPU-h = wall x GPUs; cost = GPU-h x price"
+    )
     return "\n".join(lines)
 
 
@@ -383,8 +480,16 @@ def estimate_command(cfg: RunConfig, args: Any) -> int:
         default = Path(cfg.output_dir) / "pilot" / "pilot.json"
         pilot = default if default.is_file() else None
     result = run_estimate(
-        cfg, throughput=args.throughput, pilot_json=pilot, gpus=args.gpus, deadline_hours=args.deadline_hours,
-        budget=args.budget, catalog_path=args.catalog, as_json=args.json, gpu=args.gpu, mfu=args.mfu,
+        cfg,
+        throughput=args.throughput,
+        pilot_json=pilot,
+        gpus=args.gpus,
+        deadline_hours=args.deadline_hours,
+        budget=args.budget,
+        catalog_path=args.catalog,
+        as_json=args.json,
+        gpu=args.gpu,
+        mfu=args.mfu,
     )
     print(json.dumps(result, indent=2) if args.json else format_estimate(result))
     return 0

@@ -13,8 +13,9 @@ balances the two is Young/Daly's sqrt(2 * save_time * MTBI).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Iterable, Literal
+from typing import Literal
 
 Pricing = Literal["on-demand", "spot"]
 
@@ -92,7 +93,9 @@ class Option:
 
     @property
     def wall_hours(self) -> Range:
-        return self.compute_hours.plus(self.eval_hours + self.checkpoint_hours + self.startup_hours + self.restart_hours)
+        return self.compute_hours.plus(
+            self.eval_hours + self.checkpoint_hours + self.startup_hours + self.restart_hours
+        )
 
     @property
     def gpu_hours(self) -> Range:
@@ -132,20 +135,33 @@ def plan_option(
     interval = checkpoint_interval_hours if checkpoint_interval_hours else compute_hours.expected
     lost = n * interruption_loss_hours(restart_hours, interval)
     return Option(
-        gpu=gpu, gpus=gpus, pricing=pricing, price_per_gpu_hour=price_per_gpu_hour, compute_hours=compute_hours,
-        eval_hours=eval_hours, checkpoint_hours=ckpt, startup_hours=startup_hours, interruptions=n,
-        restart_hours=lost, checkpoint_interval_hours=checkpoint_interval_hours,
+        gpu=gpu,
+        gpus=gpus,
+        pricing=pricing,
+        price_per_gpu_hour=price_per_gpu_hour,
+        compute_hours=compute_hours,
+        eval_hours=eval_hours,
+        checkpoint_hours=ckpt,
+        startup_hours=startup_hours,
+        interruptions=n,
+        restart_hours=lost,
+        checkpoint_interval_hours=checkpoint_interval_hours,
     )
 
 
-def cheapest(options: Iterable[Option], deadline_hours: float | None = None, budget: float | None = None) -> Option | None:
+def cheapest(
+    options: Iterable[Option], deadline_hours: float | None = None, budget: float | None = None
+) -> Option | None:
     """The cheapest option whose expected wall time meets the deadline and cost meets the budget.
 
     With only a budget, the fastest option within it is returned instead (spending the
     budget to finish sooner is what a budget usually means)."""
-    ok = [o for o in options
-          if (deadline_hours is None or o.wall_hours.expected <= deadline_hours)
-          and (budget is None or o.cost.expected <= budget)]
+    ok = [
+        o
+        for o in options
+        if (deadline_hours is None or o.wall_hours.expected <= deadline_hours)
+        and (budget is None or o.cost.expected <= budget)
+    ]
     if not ok:
         return None
     if budget is not None and deadline_hours is None:

@@ -37,8 +37,9 @@ checkpointing and 16% high with it (the measured peak there lacks the logits gra
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 from trainer.flops import ModelShape, adapted_linears
 
@@ -103,7 +104,11 @@ def optimizer_bytes_per_param(optimizer: str) -> float:
 
 
 def layer_activation_bytes_per_token(
-    shape: ModelShape, a: int, r: int, targets: Sequence[str], lora_dropout: bool,
+    shape: ModelShape,
+    a: int,
+    r: int,
+    targets: Sequence[str],
+    lora_dropout: bool,
     eager_attention_seq: int = 0,
 ) -> float:
     """Bytes autograd keeps per token for one block (see the module docstring).
@@ -141,9 +146,12 @@ def estimate_memory(
     """Peak bytes per GPU for one optimizer step (adapter kept in fp32, as peft does by default)."""
     a = _DTYPE_BYTES[compute_dtype]
     tokens = micro_batch_size * seq_len
-    per_layer = layer_activation_bytes_per_token(
-        shape, a, lora_r, target_modules, lora_dropout, eager_attention_seq=seq_len if eager_attention else 0
-    ) * tokens
+    per_layer = (
+        layer_activation_bytes_per_token(
+            shape, a, lora_r, target_modules, lora_dropout, eager_attention_seq=seq_len if eager_attention else 0
+        )
+        * tokens
+    )
     embed_out = a * shape.hidden * tokens  # the embedding output (first layer's input)
     final_norm = (4 + a) * shape.hidden * tokens
     # Held after forward: logits in the compute dtype and log_softmax's fp32 output (the

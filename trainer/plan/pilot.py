@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer import preemption
+from trainer import exit_codes
 from trainer.config import RunConfig
 from trainer.plan import PlanError
 from trainer.plan import workload as wl
@@ -51,7 +51,9 @@ def pilot_config(cfg: RunConfig, steps: int | None = None, minutes: float | None
     warm = cfg.metrics.warmup_steps
     n = steps if steps is not None else DEFAULT_STEPS
     if minutes is None and n < warm + 3:
-        raise PlanError(f"--steps {n} leaves fewer than 3 steps after metrics.warmup_steps={warm}; give at least {warm + 3}")
+        raise PlanError(
+            f"--steps {n} leaves fewer than 3 steps after metrics.warmup_steps={warm}; give at least {warm + 3}"
+        )
     budget_hours = None
     if minutes is not None:
         # Stop by time through the budget guard. It counts device-hours from process start,
@@ -60,18 +62,20 @@ def pilot_config(cfg: RunConfig, steps: int | None = None, minutes: float | None
         n = 10**9 if cfg.train.max_steps is None else cfg.train.max_steps
         world = int(os.environ.get("WORLD_SIZE", "1"))
         budget_hours = (_seconds_since_process_start() + 60.0 * minutes) * world / 3600.0
-    return cfg.replace(**{
-        "output_dir": str(pilot_dir(cfg)),
-        "data.cache_dir": str(wl.cache_root_for(cfg.data, cfg.output_dir)),  # share the run's prepared data
-        "train.max_steps": n,
-        "train.max_gpu_hours": budget_hours,
-        "train.max_cost": None,
-        "train.eval_every": None,  # evaluation time is forecast from token counts instead
-        "checkpoint.resume": "never",
-        "checkpoint.every_steps": None,
-        "checkpoint.every_minutes": None,  # one save, at the end: the one we time
-        "metrics.log_every": 1,  # one row per step: the step-time distribution
-    })
+    return cfg.replace(
+        **{
+            "output_dir": str(pilot_dir(cfg)),
+            "data.cache_dir": str(wl.cache_root_for(cfg.data, cfg.output_dir)),  # share the run's prepared data
+            "train.max_steps": n,
+            "train.max_gpu_hours": budget_hours,
+            "train.max_cost": None,
+            "train.eval_every": None,  # evaluation time is forecast from token counts instead
+            "checkpoint.resume": "never",
+            "checkpoint.every_steps": None,
+            "checkpoint.every_minutes": None,  # one save, at the end: the one we time
+            "metrics.log_every": 1,  # one row per step: the step-time distribution
+        }
+    )
 
 
 def _seconds_since_process_start() -> float:
@@ -84,14 +88,15 @@ def _seconds_since_process_start() -> float:
         return 0.0
 
 
-def summarise(run_dir: Path, warmup_steps: int, device: str, prepare_seconds: float = 0.0,
-              earlier_seconds: float = 0.0) -> dict[str, Any]:
+def summarise(
+    run_dir: Path, warmup_steps: int, device: str, prepare_seconds: float = 0.0, earlier_seconds: float = 0.0
+) -> dict[str, Any]:
     """pilot.json's content from a finished pilot's metrics.jsonl and ledger.jsonl.
 
     The ledger's clock starts at process start; `prepare_seconds` (a first-time data
     preparation) and `earlier_seconds` (process time before the pilot that a `spotune
     train` process would not have) are taken out of startup and wall time."""
-    from trainer.ledger import read_rows
+    from trainer.restart.ledger import read_rows
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if r.get("step_time_s") is not None]
@@ -127,8 +132,12 @@ def summarise(run_dir: Path, warmup_steps: int, device: str, prepare_seconds: fl
         "sustained_tokens_per_s": sustained[-1].get("sustained_tokens_per_s") or tokens_per_step / mean_step,
         "sustained_mfu": sustained[-1].get("sustained_mfu"),
         "real_tokens_per_step": tokens_per_step,
-        "step_time_s": {"mean": mean_step, "p10": float(np.percentile(times, 10)),
-                        "p50": float(np.percentile(times, 50)), "p90": float(np.percentile(times, 90))},
+        "step_time_s": {
+            "mean": mean_step,
+            "p10": float(np.percentile(times, 10)),
+            "p50": float(np.percentile(times, 50)),
+            "p90": float(np.percentile(times, 90)),
+        },
         "warmup_extra_seconds": max(0.0, sum(r["step_time_s"] for r in warm) - len(warm) * mean_step),
         "startup_seconds": startup,
         "teardown_seconds": teardown,
@@ -149,8 +158,9 @@ def device_name() -> str:
     return f"cpu ({platform.machine()})"
 
 
-def run_pilot(cfg: RunConfig, steps: int | None = None, minutes: float | None = None, *,
-              fresh_process: bool = True) -> dict[str, Any]:
+def run_pilot(
+    cfg: RunConfig, steps: int | None = None, minutes: float | None = None, *, fresh_process: bool = True
+) -> dict[str, Any]:
     """Run the pilot, write `<output_dir>/pilot/pilot.json`, return its content.
 
     `fresh_process`: this process was started for the pilot (the CLI), so its time so far
@@ -183,7 +193,7 @@ def run_pilot(cfg: RunConfig, steps: int | None = None, minutes: float | None = 
         prepare_seconds = 0.0 if prepared.reused else time.monotonic() - started
     code = run.train(pcfg)
     # With --minutes the pilot ends through the budget guard, which also saves: both are fine.
-    if code not in (preemption.EXIT_FINISHED, preemption.EXIT_BUDGET):
+    if code not in (exit_codes.EXIT_FINISHED, exit_codes.EXIT_BUDGET):
         raise PlanError(f"the pilot run in {out} stopped with exit code {code}; see the messages above")
     if not main_rank:
         return {}  # rank 0 writes the logs, and summarises them
@@ -196,13 +206,15 @@ def format_pilot(p: dict[str, Any]) -> str:
     st = p["step_time_s"]
     mfu = f", MFU {p['sustained_mfu']:.1%}" if p.get("sustained_mfu") else ""
     stall = f"{p['data_stall_share']:.1%}" if p.get("data_stall_share") is not None else "n/a"
-    return "\n".join([
-        f"pilot on {p['device']} x{p['world_size']}: {p['steps']} steps ({p['warmup_steps']} warm-up)",
-        f"  sustained {p['sustained_tokens_per_s']:,.0f} real tokens/s{mfu}",
-        f"  step time p10/p50/p90 {st['p10']:.3f} / {st['p50']:.3f} / {st['p90']:.3f} s; data stall {stall}",
-        f"  startup {p['startup_seconds']:.1f} s (+{p['prepare_seconds']:.1f} s preparing data, once), "
-        f"checkpoint save {p['save_seconds']:.2f} s, peak memory {p['peak_memory_gib']:.2f} GiB",
-    ])
+    return "\n".join(
+        [
+            f"pilot on {p['device']} x{p['world_size']}: {p['steps']} steps ({p['warmup_steps']} warm-up)",
+            f"  sustained {p['sustained_tokens_per_s']:,.0f} real tokens/s{mfu}",
+            f"  step time p10/p50/p90 {st['p10']:.3f} / {st['p50']:.3f} / {st['p90']:.3f} s; data stall {stall}",
+            f"  startup {p['startup_seconds']:.1f} s (+{p['prepare_seconds']:.1f} s preparing data, once), "
+            f"checkpoint save {p['save_seconds']:.2f} s, peak memory {p['peak_memory_gib']:.2f} GiB",
+        ]
+    )
 
 
 def pilot_command(cfg: RunConfig, steps: int | None = None, minutes: float | None = None) -> int:

@@ -84,11 +84,16 @@ def from_manifest(manifest: dict[str, Any], path: Path | None = None) -> Workloa
     train = manifest["train"]
     ev = manifest.get("eval") or {}
     return Workload(
-        source="manifest", rows=float(train["rows"]), real_tokens=float(train["real_tokens"]),
-        trainable_tokens=float(train["trainable_tokens"]), examples=int(train["examples_out"]),
-        doc_len_sq_sum=doc_len_sq_from_lengths(train.get("lengths", {}), manifest["settings"]["seq_len"],
-                                               int(train["examples_out"])),
-        eval_rows=float(ev.get("rows", 0)), eval_real_tokens=float(ev.get("real_tokens", 0)),
+        source="manifest",
+        rows=float(train["rows"]),
+        real_tokens=float(train["real_tokens"]),
+        trainable_tokens=float(train["trainable_tokens"]),
+        examples=int(train["examples_out"]),
+        doc_len_sq_sum=doc_len_sq_from_lengths(
+            train.get("lengths", {}), manifest["settings"]["seq_len"], int(train["examples_out"])
+        ),
+        eval_rows=float(ev.get("rows", 0)),
+        eval_real_tokens=float(ev.get("real_tokens", 0)),
         manifest_path=str(path) if path else None,
     )
 
@@ -102,12 +107,13 @@ def doc_len_sq_from_lengths(lengths: dict[str, Any], seq_len: int, documents: in
         return documents * min(mean, seq_len) ** 2
     edges, counts = hist["edges"], hist["counts"]
     total = sum(counts)
-    sq = sum(c * min((lo + hi) / 2.0, seq_len) ** 2 for lo, hi, c in zip(edges[:-1], edges[1:], counts))
+    sq = sum(c * min((lo + hi) / 2.0, seq_len) ** 2 for lo, hi, c in zip(edges[:-1], edges[1:], counts, strict=False))
     return sq * (documents / total) if total else 0.0
 
 
-def from_sample(data: DataConfig, resolved_path: str, tokenizer_path: str, *, sample_size: int = 2000,
-                seed: int = 0) -> Workload:
+def from_sample(
+    data: DataConfig, resolved_path: str, tokenizer_path: str, *, sample_size: int = 2000, seed: int = 0
+) -> Workload:
     """Prepare the first `sample_size` examples in a scratch directory and extrapolate."""
     from trainer.data import prepare
     from trainer.data.read import read_rows
@@ -131,10 +137,14 @@ def from_sample(data: DataConfig, resolved_path: str, tokenizer_path: str, *, sa
     # Packing gets a little tighter with more documents to choose from: rows scale at most linearly.
     rows = math.ceil(train["rows"] * scale)
     return Workload(
-        source="sample", rows=float(rows), real_tokens=train["real_tokens"] * scale,
-        trainable_tokens=train["trainable_tokens"] * scale, examples=round(train["examples_out"] * scale),
+        source="sample",
+        rows=float(rows),
+        real_tokens=train["real_tokens"] * scale,
+        trainable_tokens=train["trainable_tokens"] * scale,
+        examples=round(train["examples_out"] * scale),
         doc_len_sq_sum=doc_len_sq_from_lengths(train.get("lengths", {}), data.seq_len, train["examples_out"]) * scale,
-        eval_rows=float(ev.get("rows", 0)) * scale, eval_real_tokens=float(ev.get("real_tokens", 0)) * scale,
+        eval_rows=float(ev.get("rows", 0)) * scale,
+        eval_real_tokens=float(ev.get("real_tokens", 0)) * scale,
         sampled_examples=n,
     )
 

@@ -30,6 +30,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from trainer.atomic import append_line, write_text
+
 log = logging.getLogger(__name__)
 
 LEDGER_FILE = "ledger.jsonl"
@@ -50,12 +52,6 @@ def _process_start() -> float:
         return time.time()
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)  # readers see the old or the new file, never a torn one
-
-
 def read_rows(run_dir: Path | str) -> list[dict[str, Any]]:
     """The ledger rows of `run_dir`, skipping (and logging) a torn last line."""
     path = Path(run_dir) / LEDGER_FILE
@@ -72,18 +68,19 @@ def read_rows(run_dir: Path | str) -> list[dict[str, Any]]:
     return rows
 
 
-def _append_row(run_dir: Path, row: dict[str, Any]) -> None:
-    with open(run_dir / LEDGER_FILE, "a") as f:
-        f.write(json.dumps(row, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
 class Ledger:
     """The current attempt's clock plus the run's totals from earlier attempts."""
 
-    def __init__(self, run_dir: Path, world_size: int, price_per_hour: float | None, base: dict[str, float],
-                 enabled: bool, process_start: float, attempt: int) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        world_size: int,
+        price_per_hour: float | None,
+        base: dict[str, float],
+        enabled: bool,
+        process_start: float,
+        attempt: int,
+    ) -> None:
         self.run_dir = run_dir
         self.world_size = world_size
         self.price_per_hour = price_per_hour
@@ -99,9 +96,16 @@ class Ledger:
         self.closed: dict[str, Any] | None = None
 
     @classmethod
-    def open(cls, run_dir: Path | str, world_size: int, price_per_hour: float | None = None,
-             carried_totals: dict[str, Any] | None = None, *, enabled: bool = True,
-             process_start: float | None = None) -> Ledger:
+    def open(
+        cls,
+        run_dir: Path | str,
+        world_size: int,
+        price_per_hour: float | None = None,
+        carried_totals: dict[str, Any] | None = None,
+        *,
+        enabled: bool = True,
+        process_start: float | None = None,
+    ) -> Ledger:
         """Start this attempt's ledger; `enabled=False` on non-main ranks (no files touched)."""
         run_dir = Path(run_dir)
         rows: list[dict[str, Any]] = []
@@ -110,8 +114,12 @@ class Ledger:
             recover_killed(run_dir)
             rows = read_rows(run_dir)
         carried = carried_totals or {}
-        base = {k: max(float(sum(r.get(k, 0) for r in rows) if k != "attempts" else len(rows)),
-                       float(carried.get(k, 0) or 0)) for k in ADDITIVE}
+        base = {
+            k: max(
+                float(sum(r.get(k, 0) for r in rows) if k != "attempts" else len(rows)), float(carried.get(k, 0) or 0)
+            )
+            for k in ADDITIVE
+        }
         start = process_start if process_start is not None else _process_start()
         ledger = cls(run_dir, world_size, price_per_hour, base, enabled, start, attempt=int(base["attempts"]) + 1)
         ledger.heartbeat()  # a kill before the first log step still leaves a row behind
@@ -141,7 +149,7 @@ class Ledger:
         if step is not None:
             self.last_step = step
         if self.enabled and self.closed is None:
-            _atomic_write(self.run_dir / HEARTBEAT_FILE, json.dumps(self._progress(time.time())))
+            write_text(self.run_dir / HEARTBEAT_FILE, json.dumps(self._progress(time.time())))
 
     def totals(self) -> dict[str, Any]:
         """Whole-run totals including this attempt so far (store them in TrainState.ledger)."""
@@ -158,7 +166,7 @@ class Ledger:
         row["exit_reason"] = exit_reason
         self.closed = row
         if self.enabled:
-            _append_row(self.run_dir, row)
+            append_line(self.run_dir / LEDGER_FILE, json.dumps(row, sort_keys=True))
             (self.run_dir / HEARTBEAT_FILE).unlink(missing_ok=True)
         return row
 
@@ -166,10 +174,17 @@ class Ledger:
 
     def _progress(self, now: float) -> dict[str, Any]:
         return {
-            "attempt": self.attempt, "pid": os.getpid(), "start_time": self.start, "heartbeat_time": now,
-            "first_step_time": self.first_step_time, "world_size": self.world_size,
-            "productive_wall": self.productive, "productive_at_checkpoint_wall": self.productive_at_checkpoint,
-            "checkpoint_wall": self.checkpoint, "last_step": self.last_step, "price_per_hour": self.price_per_hour,
+            "attempt": self.attempt,
+            "pid": os.getpid(),
+            "start_time": self.start,
+            "heartbeat_time": now,
+            "first_step_time": self.first_step_time,
+            "world_size": self.world_size,
+            "productive_wall": self.productive,
+            "productive_at_checkpoint_wall": self.productive_at_checkpoint,
+            "checkpoint_wall": self.checkpoint,
+            "last_step": self.last_step,
+            "price_per_hour": self.price_per_hour,
         }
 
     def _row(self, now: float, keep_all: bool) -> dict[str, Any]:
@@ -183,8 +198,12 @@ def _row_from_progress(p: dict[str, Any], end: float, keep_all: bool) -> dict[st
     first = p["first_step_time"]
     lost = 0.0 if keep_all else max(0.0, p["productive_wall"] - p["productive_at_checkpoint_wall"])
     row = {
-        "attempt": p["attempt"], "pid": p["pid"], "world_size": w,
-        "start": _iso(start), "end": _iso(end), "wall_seconds": round(end - start, 3),
+        "attempt": p["attempt"],
+        "pid": p["pid"],
+        "world_size": w,
+        "start": _iso(start),
+        "end": _iso(end),
+        "wall_seconds": round(end - start, 3),
         "device_seconds": (end - start) * w,
         "startup_seconds": ((first if first is not None else end) - start) * w,
         "productive_seconds": (p["productive_wall"] - lost) * w,
@@ -212,7 +231,7 @@ def recover_killed(run_dir: Path | str) -> dict[str, Any] | None:
         return None
     row["exit_reason"] = "killed"
     row["end_is_last_heartbeat"] = True
-    _append_row(run_dir, row)
+    append_line(Path(run_dir) / LEDGER_FILE, json.dumps(row, sort_keys=True))
     path.unlink(missing_ok=True)
     return row
 

@@ -31,6 +31,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from trainer.config import diff_structural
+from trainer.restart.checkpoint import ResumeMismatch
+
 log = logging.getLogger(__name__)
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -131,9 +134,7 @@ def capture_rng() -> dict[str, torch.Tensor]:
         "python.version": torch.tensor([version], dtype=torch.int64),
         "python.state": torch.tensor(internal, dtype=torch.int64),
         # [has value, value]: random.gauss keeps a spare draw between calls.
-        "python.gauss_next": torch.tensor(
-            [0.0, 0.0] if gauss_next is None else [1.0, gauss_next], dtype=torch.float64
-        ),
+        "python.gauss_next": torch.tensor([0.0, 0.0] if gauss_next is None else [1.0, gauss_next], dtype=torch.float64),
         "numpy.keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
         "numpy.pos_has_gauss": torch.tensor([pos, has_gauss], dtype=torch.int64),
         "numpy.cached_gaussian": torch.tensor([cached_gaussian], dtype=torch.float64),
@@ -169,7 +170,11 @@ def restore_rng(tensors: dict[str, torch.Tensor]) -> None:
     cuda = sorted((int(k.split(".")[1]), v) for k, v in tensors.items() if k.startswith("cuda."))
     if cuda and torch.cuda.is_available():
         if len(cuda) != torch.cuda.device_count():
-            log.warning("checkpoint holds RNG state for %d CUDA devices, this process sees %d", len(cuda), torch.cuda.device_count())
+            log.warning(
+                "checkpoint holds RNG state for %d CUDA devices, this process sees %d",
+                len(cuda),
+                torch.cuda.device_count(),
+            )
         for i, st in cuda[: torch.cuda.device_count()]:
             torch.cuda.set_rng_state(st.to(torch.uint8), device=i)
 
@@ -185,7 +190,9 @@ def gather_rng(world_size: int) -> dict[str, torch.Tensor]:
     return {f"rank{r}.{k}": torch.from_numpy(v) for r, d in enumerate(gathered) for k, v in d.items()}
 
 
-def _rng_for_rank(tensors: dict[str, torch.Tensor], rank: int, state: TrainState, world_size: int) -> dict[str, torch.Tensor] | None:
+def _rng_for_rank(
+    tensors: dict[str, torch.Tensor], rank: int, state: TrainState, world_size: int
+) -> dict[str, torch.Tensor] | None:
     prefix = f"rank{rank}."
     mine = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
     if mine and world_size == state.world_size:
@@ -229,15 +236,20 @@ def optimizer_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, to
             return {"dict": {str(k): flatten(v, f"{key}.{k}") for k, v in value.items()}}
         return {"value": _encode(value, f"optimizer {key}")}
 
-    state_meta = {str(idx): flatten(entries, f"state.{idx}")["dict"] if entries else {}
-                  for idx, entries in sd["state"].items()}
-    groups = [{name: flatten(v, f"group.{gi}.{name}") for name, v in group.items()}
-              for gi, group in enumerate(sd["param_groups"])]
+    state_meta = {
+        str(idx): flatten(entries, f"state.{idx}")["dict"] if entries else {} for idx, entries in sd["state"].items()
+    }
+    groups = [
+        {name: flatten(v, f"group.{gi}.{name}") for name, v in group.items()}
+        for gi, group in enumerate(sd["param_groups"])
+    ]
     meta = {"format": 1, "class": type(optimizer).__name__, "state": state_meta, "param_groups": groups}
     return tensors, meta
 
 
-def optimizer_from_tensors(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+def optimizer_from_tensors(
+    optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+) -> None:
     """Load what `optimizer_to_tensors` produced; torch moves state to each parameter's device."""
 
     def value(entry: dict[str, Any]) -> Any:
@@ -289,7 +301,10 @@ def write_training_state(
     directory = Path(directory)
     peft_model = unwrap_peft(model)
     name = peft_model.active_adapter
-    adapter = {k: v.detach().to("cpu").contiguous() for k, v in get_peft_model_state_dict(peft_model, adapter_name=name).items()}
+    adapter = {
+        k: v.detach().to("cpu").contiguous()
+        for k, v in get_peft_model_state_dict(peft_model, adapter_name=name).items()
+    }
     save_file(adapter, directory / ADAPTER_FILE, metadata={"format": "pt"})
     peft_model.peft_config[name].save_pretrained(str(directory))  # adapter_config.json
 
@@ -330,7 +345,9 @@ def restore_training_state(
     if result.unexpected_keys:
         raise ValueError(f"{directory / ADAPTER_FILE}: tensors this model does not have: {result.unexpected_keys[:5]}")
 
-    optimizer_from_tensors(optimizer, load_file(directory / OPTIMIZER_FILE), json.loads((directory / OPTIMIZER_META).read_text()))
+    optimizer_from_tensors(
+        optimizer, load_file(directory / OPTIMIZER_FILE), json.loads((directory / OPTIMIZER_META).read_text())
+    )
 
     if (state.scheduler is None) != (scheduler is None):
         raise ValueError(
@@ -350,9 +367,33 @@ def restore_training_state(
         log.warning(
             "checkpoint was written by %d processes, this run has %d: random streams are reseeded "
             "from (seed, step, rank), so this resume is not bitwise identical",
-            state.world_size, world,
+            state.world_size,
+            world,
         )
         _reseed(state.seed, state.step, rank)
     else:
         restore_rng(mine)
     return state
+
+
+def check_compatible(
+    saved_state: Any, current_structural: dict[str, Any], data_fingerprint: str, allow: bool
+) -> list[str]:
+    """Differences between the checkpoint's run and this one; raises ResumeMismatch unless `allow`.
+
+    `saved_state` is a TrainState (or its dict). Run-length settings (max_steps, intervals,
+    budgets) are not structural and may change freely.
+    """
+    get = saved_state.get if isinstance(saved_state, dict) else lambda k: getattr(saved_state, k)
+    diff = diff_structural(get("structural") or {}, current_structural)
+    if get("data_fingerprint") != data_fingerprint:
+        diff.append(
+            f"dataset fingerprint: {get('data_fingerprint')!r} -> {data_fingerprint!r} (the prepared data changed)"
+        )
+    if diff and not allow:
+        raise ResumeMismatch(
+            "the checkpoint was written by a different run:\n  " + "\n  ".join(diff) + "\nUndo the change, "
+            "use a new output_dir (or checkpoint.resume=never) to start over, or set "
+            "checkpoint.allow_config_change=true to resume anyway."
+        )
+    return diff

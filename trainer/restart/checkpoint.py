@@ -7,7 +7,7 @@ leaves either the previous set of committed checkpoints or that set plus the new
 leftover temp directories are never read and are removed by `clean_stale` at the next
 start. Old checkpoints are pruned only after the new one is committed.
 
-What goes *into* a checkpoint is `trainer.state.write_training_state`; this module only
+What goes *into* a checkpoint is `trainer.restart.state.write_training_state`; this module only
 knows files.
 """
 
@@ -18,14 +18,14 @@ import json
 import logging
 import os
 import re
-import secrets
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from trainer.config import diff_structural
+from trainer.atomic import files_below, fsync_path, publish_dir, temp_sibling
 
 log = logging.getLogger(__name__)
 
@@ -34,31 +34,6 @@ PAUSE_ENV = "SPOTUNE_TEST_SAVE_PAUSE"
 """Test hook: seconds to sleep halfway through fsyncing a save, before the manifest exists."""
 _COMMITTED = re.compile(r"^step-(\d{6,})$")
 _TEMP = re.compile(r"^step-\d{6,}\.tmp-")
-
-
-def publish_dir(tmp: Path, final: Path) -> None:
-    """Rename a fully written, fsynced directory into place and fsync the parent.
-
-    An existing `final` (a corrupt or stale copy) is first moved aside under a `.tmp-` name,
-    so a kill at any moment leaves either the old directory, the new one, or a temp
-    directory that nothing trusts: never a mix of both.
-    """
-    if final.exists():
-        aside = final.parent / f"{final.name}.tmp-replaced-{secrets.token_hex(4)}"
-        os.rename(final, aside)
-        os.rename(tmp, final)
-        _fsync_path(final.parent)
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
-    _fsync_path(final.parent)
-
-
-def fsync_tree(directory: Path) -> None:
-    """fsync every file below `directory`, then the directory itself."""
-    for f in _files(directory):
-        _fsync_path(f)
-    _fsync_path(directory)
 
 
 class CheckpointError(RuntimeError):
@@ -78,14 +53,6 @@ class SaveResult:
     """True when this step was already committed and verified, so nothing was written."""
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _digest(path: Path, fsync: bool) -> tuple[int, str]:
     """(size, sha256) of a file; with `fsync`, also force its data to disk (one pass over it)."""
     h = hashlib.sha256()
@@ -97,10 +64,6 @@ def _digest(path: Path, fsync: bool) -> tuple[int, str]:
         if fsync:
             os.fsync(f.fileno())
     return size, h.hexdigest()
-
-
-def _files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*") if p.is_file())
 
 
 class CheckpointManager:
@@ -146,7 +109,7 @@ class CheckpointManager:
                 os.rename(p, dest)
                 moved.append(dest)
         if moved:
-            _fsync_path(self.root)
+            fsync_path(self.root)
         return moved
 
     def clean_stale(self) -> list[Path]:
@@ -220,9 +183,9 @@ class CheckpointManager:
             # Same step saved twice by this run (the final save right after an interval save):
             # the state at a given step is the same, so the committed copy stands. A copy left
             # by another run (say one started with resume=never) is replaced, never trusted.
-            return SaveResult(final, 0.0, sum(f.stat().st_size for f in _files(final)), skipped=True)
+            return SaveResult(final, 0.0, sum(f.stat().st_size for f in files_below(final)), skipped=True)
         self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f"{final.name}.tmp-{secrets.token_hex(4)}"  # os.urandom: no RNG stream consumed
+        tmp = temp_sibling(final)  # os.urandom: no RNG stream consumed
         try:
             tmp.mkdir()
             write(tmp)
@@ -248,7 +211,7 @@ class CheckpointManager:
         return SaveResult(final, time.perf_counter() - start, total)
 
     def _seal(self, tmp: Path, step: int) -> int:
-        files = _files(tmp)
+        files = files_below(tmp)
         if not files:
             raise CheckpointError(f"the checkpoint writer put no files into {tmp}")
         pause = float(os.environ.get(PAUSE_ENV, "0") or 0)
@@ -263,7 +226,7 @@ class CheckpointManager:
             json.dump(manifest, out, indent=1, sort_keys=True)
             out.flush()
             os.fsync(out.fileno())
-        _fsync_path(tmp)  # the directory entries themselves
+        fsync_path(tmp)  # the directory entries themselves
         return sum(e["size"] for e in entries.values()) + (tmp / MANIFEST).stat().st_size
 
     def prune(self, protect: Path | None = None) -> list[Path]:
@@ -272,7 +235,7 @@ class CheckpointManager:
         doomed = [p for p in committed[: max(0, len(committed) - self.keep_last)] if p != protect]
         for p in doomed:
             # Rename first so a kill mid-delete leaves a temp name, not a half-deleted "committed" dir.
-            aside = self.root / f"{p.name}.tmp-pruned-{secrets.token_hex(4)}"
+            aside = temp_sibling(p, "pruned")
             os.rename(p, aside)
             shutil.rmtree(aside, ignore_errors=True)
         return doomed
@@ -300,37 +263,24 @@ def resolve_resume(root: Path | str, resume_setting: str, *, clean: bool = True)
         return path, messages + skipped
     path = Path(resume_setting)
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint.resume: {path} is not a directory (use auto, never or a step-XXXXXX directory)")
+        raise CheckpointError(
+            f"checkpoint.resume: {path} is not a directory (use auto, never or a step-XXXXXX directory)"
+        )
     problems = manager.verify(path)
     if problems:
         raise CheckpointError(f"checkpoint.resume: {path} does not verify: " + "; ".join(problems))
     if clean and _COMMITTED.match(path.name):
-        messages += _retired(f"checkpoint.resume={path}: continuing from step {manager.step_of(path)}",
-                             manager.retire(after_step=manager.step_of(path)))
+        messages += _retired(
+            f"checkpoint.resume={path}: continuing from step {manager.step_of(path)}",
+            manager.retire(after_step=manager.step_of(path)),
+        )
     return path, messages
 
 
 def _retired(what: str, moved: list[Path]) -> list[str]:
     if not moved:
         return []
-    return [f"{what}; set aside {len(moved)} newer checkpoint(s) of the abandoned timeline "
-            f"({', '.join(p.name for p in moved)}): kept on disk, never resumed from, delete them when done"]
-
-
-def check_compatible(saved_state: Any, current_structural: dict[str, Any], data_fingerprint: str, allow: bool) -> list[str]:
-    """Differences between the checkpoint's run and this one; raises ResumeMismatch unless `allow`.
-
-    `saved_state` is a TrainState (or its dict). Run-length settings (max_steps, intervals,
-    budgets) are not structural and may change freely.
-    """
-    get = saved_state.get if isinstance(saved_state, dict) else lambda k: getattr(saved_state, k)
-    diff = diff_structural(get("structural") or {}, current_structural)
-    if get("data_fingerprint") != data_fingerprint:
-        diff.append(f"dataset fingerprint: {get('data_fingerprint')!r} -> {data_fingerprint!r} (the prepared data changed)")
-    if diff and not allow:
-        raise ResumeMismatch(
-            "the checkpoint was written by a different run:\n  " + "\n  ".join(diff) + "\nUndo the change, "
-            "use a new output_dir (or checkpoint.resume=never) to start over, or set "
-            "checkpoint.allow_config_change=true to resume anyway."
-        )
-    return diff
+    return [
+        f"{what}; set aside {len(moved)} newer checkpoint(s) of the abandoned timeline "
+        f"({', '.join(p.name for p in moved)}): kept on disk, never resumed from, delete them when done"
+    ]

@@ -1,41 +1,24 @@
-"""Graceful stop on preemption signals, the same stop step on every rank, and exit codes.
+"""Graceful stop on preemption signals and the same stop step on every rank.
 
 SIGTERM (what spot/preemptible VMs, Kubernetes and Slurm send), SIGINT (Ctrl-C) and
 SIGUSR1 (Slurm's `--signal=USR1@90`) only set a flag. The loop finishes the optimizer
 step it is in, every rank agrees to stop at the same step (`agree`), a checkpoint is
 saved, and the process exits with `EXIT_PREEMPTED`. A second SIGINT aborts at once.
 
-Exit codes (what a supervisor or the docker entrypoint should do with them):
-- `EXIT_FINISHED = 0`: training reached its end; `final/` holds the adapter. Do not rerun.
-- `EXIT_ERROR = 1`: an unexpected error (a traceback); look at it before rerunning.
-- `EXIT_BAD_INPUT = 2`: bad configuration or data, or a checkpoint that cannot be resumed;
-  the message names the key, file or line to fix. Rerunning unchanged fails the same way.
-- `EXIT_BUDGET = 3`: stopped at `train.max_gpu_hours` or `train.max_cost` after saving a
-  checkpoint. Raise the budget and rerun the same command to continue.
-- `EXIT_BAD_STEPS = 4`: `train.max_bad_steps` consecutive non-finite steps; fix the run
-  (learning rate, data) before rerunning.
-- `EXIT_ABORTED = 130`: a second SIGINT; no checkpoint was saved for the step in flight.
-  Rerunning resumes from the last committed checkpoint.
-- `EXIT_PREEMPTED = 143` (128 + SIGTERM): stopped by a signal after saving a checkpoint.
-  Rerun the same command to resume.
+Exit codes live in `trainer.exit_codes`.
 """
 
 from __future__ import annotations
 
 import signal
 import sys
+from collections.abc import Sequence
 from types import FrameType
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-EXIT_FINISHED = 0
-EXIT_ERROR = 1
-EXIT_BAD_INPUT = 2
-EXIT_BUDGET = 3
-EXIT_BAD_STEPS = 4
-EXIT_ABORTED = 130
-EXIT_PREEMPTED = 143
+from trainer.exit_codes import EXIT_ABORTED
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -69,7 +52,11 @@ class Preemption:
             self.requested = True
             self.signal_name = name
             hint = " (press Ctrl-C again to abort without saving)" if signum == signal.SIGINT else ""
-            print(f"\n{name} received: finishing this step, saving a checkpoint, then exiting{hint}", file=sys.stderr, flush=True)
+            print(
+                f"\n{name} received: finishing this step, saving a checkpoint, then exiting{hint}",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def agree(flag: bool, accelerator: Any = None) -> bool:

@@ -1,0 +1,172 @@
+"""A step's rows -> this rank's micro-batches, and the loader that prefetches them.
+
+Built in a DataLoader worker (on CUDA) from the packed rows of `spotune prepare`: per
+micro-batch input_ids, labels and position_ids (position_ids restart at every packed
+document, which is how attention learns the document bounds), and per step the counts
+the loss normalisation and the meter need.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from trainer.data.template import IGNORE_INDEX
+from trainer.restart.preemption import SIGNALS
+
+COLUMNS = ("input_ids", "labels", "position_ids")
+"""The columns of a packed row that a forward pass needs."""
+
+
+class StepBatch(NamedTuple):
+    """Everything one rank needs for one optimizer step (built in a DataLoader worker).
+
+    A NamedTuple so the DataLoader's pin-memory thread pins every tensor inside it.
+    """
+
+    step: int
+    micro: list[dict[str, torch.Tensor]]
+    """Per micro-batch: input_ids, labels, position_ids (int64, [micro_batch_size, seq_len]), and
+    with logit selection keep, keep_labels (see `logit_positions`)."""
+    counts: torch.Tensor
+    """int64 [trainable tokens (shifted labels), real tokens, sum of squared document lengths] of this rank."""
+
+
+class StepDataset(torch.utils.data.Dataset):
+    """Map-style "optimizer step -> this rank's micro-batches", so order is a pure function of
+    (seed, step): a resumed run starts its DataLoader at the step, reading nothing before it."""
+
+    def __init__(
+        self,
+        rows: Any,
+        sampler: Any,
+        rank: int,
+        world_size: int,
+        micro_batch_size: int,
+        grad_accum: int,
+        total_steps: int,
+        select_logits: bool = True,
+    ) -> None:
+        self.rows = rows.with_format("numpy", columns=[*COLUMNS, "num_real"])
+        self.sampler = sampler
+        self.rank, self.world_size = rank, world_size
+        self.micro_batch_size, self.grad_accum = micro_batch_size, grad_accum
+        self.total_steps = total_steps
+        self.select_logits = select_logits
+        """Compute logits only where labels are (needs a model whose forward takes a tensor `logits_to_keep`)."""
+
+    def __len__(self) -> int:
+        return self.total_steps
+
+    def __getitem__(self, step: int) -> StepBatch:
+        micro, trainable, real, doc_sq = [], 0, 0, 0
+        for indices in self.sampler.micro_batches(
+            step, self.rank, self.world_size, self.micro_batch_size, self.grad_accum
+        ):
+            cols = self.rows[indices]
+            batch = {k: torch.from_numpy(stack_column(cols[k])) for k in COLUMNS}
+            if self.select_logits:
+                batch["keep"], batch["keep_labels"] = logit_positions(batch["labels"])
+            trainable += count_trainable(batch["labels"])
+            for positions, n_real in zip(cols["position_ids"], cols["num_real"], strict=False):
+                lengths = document_lengths(positions[: int(n_real)])
+                real += int(n_real)
+                doc_sq += int((lengths.astype(np.int64) ** 2).sum())
+            micro.append(batch)
+        return StepBatch(step, micro, torch.tensor([trainable, real, doc_sq], dtype=torch.int64))
+
+
+def document_lengths(positions: np.ndarray) -> np.ndarray:
+    """Lengths of the packed documents in a row: a document starts where position_ids is 0."""
+    starts = np.flatnonzero(positions == 0)
+    if len(starts) == 0 or starts[0] != 0:
+        starts = np.concatenate([[0], starts])
+    return np.diff(np.append(starts, len(positions)))
+
+
+def stack_column(column: Any) -> np.ndarray:
+    """A [rows, seq_len] int64 array from a numpy-formatted column (2-D, or 1-D of row arrays)."""
+    arr = np.asarray(column)
+    if arr.dtype == object:
+        arr = np.stack([np.asarray(r) for r in column])
+    return arr.astype(np.int64, copy=False)
+
+
+def identity_collate(item: StepBatch) -> StepBatch:
+    return item
+
+
+def logit_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the positions whose logits predict a label, and those labels: ([B, K], [B, K]).
+
+    Logit p predicts label p+1. Rows with fewer than K such positions are filled with
+    position 0 and label -100. Built on the host (in the data worker) so that selecting
+    positions on the device needs no host sync.
+    """
+    shifted = labels[:, 1:]
+    wanted = shifted != IGNORE_INDEX
+    k = max(1, int(wanted.sum(dim=1).max()))
+    keep = torch.zeros((labels.size(0), k), dtype=torch.int64)
+    keep_labels = torch.full((labels.size(0), k), IGNORE_INDEX, dtype=torch.int64)
+    for row in range(labels.size(0)):
+        pos = wanted[row].nonzero().squeeze(1)
+        keep[row, : len(pos)] = pos
+        keep_labels[row, : len(pos)] = shifted[row, pos]
+    return keep, keep_labels
+
+
+def count_trainable(labels: torch.Tensor) -> int:
+    """Tokens that carry a loss after the shift: labels[:, 1:] != -100."""
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def step_loader(
+    dataset: StepDataset, start: int, device: torch.device, seed: int, workers: int | None = None
+) -> torch.utils.data.DataLoader:
+    """Prefetch whole optimizer steps from `start` on; by default one worker on CUDA hides
+    reading and collating behind the GPU's work (on CPU a worker would only compete for cores).
+
+    The DataLoader gets its own generator so creating it never draws from the global torch RNG
+    (which a resumed run has just restored and must leave untouched).
+    """
+    if workers is None:
+        workers = 1 if device.type == "cuda" else 0
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=None,
+        sampler=range(start, dataset.total_steps),
+        collate_fn=identity_collate,
+        num_workers=workers,
+        prefetch_factor=4 if workers else None,
+        pin_memory=device.type == "cuda",
+        generator=torch.Generator().manual_seed(seed),
+        worker_init_fn=_ignore_stop_signals if workers else None,
+    )
+
+
+def _ignore_stop_signals(worker_id: int) -> None:
+    """A data worker ignores preemption signals (Slurm signals every process of the job):
+    the main process finishes the step, saves, and shuts the worker down itself."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def eval_micro_batches(rows: Any, rank: int, world: int, micro_batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
+    """This rank's share of the held-out rows (every world-th row), as micro-batches.
+
+    Every rank yields the same number of micro-batches: a rank past its share gets a filler
+    row whose labels are all ignored, so no rank waits alone in a collective.
+    """
+    rows = rows.with_format("numpy", columns=list(COLUMNS))
+    per_rank = -(-len(rows) // world)
+    for start in range(0, per_rank, micro_batch_size):
+        idx = [rank + world * i for i in range(start, min(start + micro_batch_size, per_rank))]
+        cols = rows[[min(i, len(rows) - 1) for i in idx]]
+        micro = {k: torch.from_numpy(stack_column(cols[k])) for k in COLUMNS}
+        beyond = torch.tensor([i >= len(rows) for i in idx])
+        micro["labels"][beyond] = IGNORE_INDEX  # a filler row: forward for lockstep, no loss
+        yield micro
