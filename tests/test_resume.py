@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from trainer import config as C
-from trainer import run, sampler, state, tiny
+from trainer import run, sampler, tiny
+from trainer.restart import state
 from trainer.restart.checkpoint import CheckpointManager
 
 K = 4
