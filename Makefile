@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo lint test bench clean
 
 setup:
 	bash scripts/setup.sh
@@ -12,7 +12,13 @@ setup:
 demo: setup
 	$(PY) scripts/demo.py
 
-test: setup
+# ruff (lint + format) and mypy over the code; part of `make test`, so CI runs them.
+lint: setup
+	$(VENV)/bin/ruff check trainer tests benchmarks scripts
+	$(VENV)/bin/ruff format --check trainer tests benchmarks scripts
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
 
 bench: setup

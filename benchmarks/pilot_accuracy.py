@@ -4,7 +4,7 @@
 
 1. `spotune pilot recipes/tiny-cpu.yaml --steps N` in a fresh process (it prepares the data
    once, into the run's cache, and takes that time out of its startup);
-2. the forecast: `run_estimate` with the pilot.json, on the row of the device the pilot ran
+2. the forecast: `estimate_for_run` with the pilot.json, on the row of the device the pilot ran
    on (wall hours = startup + warm-up + tokens / sustained rate + saves + teardown);
 3. `spotune train` of the full recipe in a fresh process on the same cache;
 4. prints forecast / measured, with the measurement being the full run's ledger wall time
@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from trainer import config  # noqa: E402
-from trainer.plan.estimate import run_estimate  # noqa: E402
+from trainer.plan_cli import estimate_for_run  # noqa: E402
 
 
 def spotune(*args: str) -> tuple[float, float]:
@@ -53,7 +53,7 @@ def once(recipe: str, steps: int, work: Path) -> tuple[float, float]:
 
     pilot_wall, pilot_cpu = spotune("pilot", recipe, *overrides, "--steps", str(steps))
     pilot = json.loads((work / "run" / "pilot" / "pilot.json").read_text())
-    result = run_estimate(cfg, pilot_json=work / "run" / "pilot" / "pilot.json", gpus=pilot["world_size"])
+    result = estimate_for_run(cfg, pilot_json=work / "run" / "pilot" / "pilot.json", gpus=pilot["world_size"])
     row = next(o for o in result["options"] if o["gpu"] == pilot["device"])
     forecast_s = row["wall_hours"]["expected"] * 3600
     low_s, high_s = row["wall_hours"]["low"] * 3600, row["wall_hours"]["high"] * 3600

@@ -41,7 +41,8 @@ from safetensors.torch import save_file  # noqa: E402
 from trainer import config as C  # noqa: E402
 from trainer import run, tiny  # noqa: E402
 from trainer.restart.checkpoint import CheckpointManager  # noqa: E402
-from trainer.restart.state import TrainState, gather_rng, optimizer_to_tensors, write_training_state  # noqa: E402
+from trainer.restart.rng import gather_rng  # noqa: E402
+from trainer.restart.state import TrainState, optimizer_to_tensors, write_training_state  # noqa: E402
 from trainer.sampler import StepSampler  # noqa: E402
 
 FAR = 10_000

@@ -127,7 +127,9 @@ def test_text_trains_every_token_but_the_first(tmp_path: Path, tiny_tokenizer: P
     texts = ["the capital of France is Paris", "red green blue"]
     path = _jsonl(tmp_path / "t.jsonl", [{"text": t} for t in texts])
     docs = sorted(_docs(_rows(_prep(tmp_path, tiny_tokenizer, path=str(path), format="text"))))
-    expected = sorted((ids, [IGNORE_INDEX] + ids[1:]) for ids in (tok(t)["input_ids"] + [tok.eos_token_id] for t in texts))
+    expected = sorted(
+        (ids, [IGNORE_INDEX] + ids[1:]) for ids in (tok(t)["input_ids"] + [tok.eos_token_id] for t in texts)
+    )
     assert docs == expected
 
 

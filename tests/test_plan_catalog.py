@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.plan import catalog
+from trainer import catalog
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from trainer import cli, config, run
-from trainer.plan import PlanError, estimate
+from trainer import cli, config, plan_cli, run
+from trainer.plan import PlanError, estimate, table
 
 OPTION_KEYS = {
     "gpu",
@@ -85,10 +85,10 @@ def _pilot(tmp_path: Path, device: str, tokens_per_s: float = 10_000.0) -> Path:
 
 def test_sampled_counts_match_the_manifest_and_extrapolate(cfg: config.RunConfig) -> None:
     # 400 examples: a sample of 2000 holds them all, so the "estimate" must equal the exact counts.
-    sampled = estimate.run_estimate(cfg, throughput=1000.0)
+    sampled = plan_cli.estimate_for_run(cfg, throughput=1000.0)
     assert sampled["data"]["source"] == "sample" and not sampled["data"]["exact"]
     prepared = run.prepare_data(cfg, progress=False)
-    exact = estimate.run_estimate(cfg, throughput=1000.0)
+    exact = plan_cli.estimate_for_run(cfg, throughput=1000.0)
     train = prepared.manifest["train"]
     assert exact["data"]["source"] == "manifest" and exact["data"]["exact"]
     assert exact["data"]["rows_per_epoch"] == train["rows"]
@@ -98,7 +98,7 @@ def test_sampled_counts_match_the_manifest_and_extrapolate(cfg: config.RunConfig
         assert sampled["data"][key] == exact["data"][key]
     # A quarter of the examples, scaled up: close to the exact counts, but not identical.
     cfg_other = cfg.replace(**{"data.cache_dir": str(Path(cfg.output_dir) / "elsewhere")})
-    quarter = estimate.run_estimate(cfg_other, throughput=1000.0, sample_size=100)
+    quarter = plan_cli.estimate_for_run(cfg_other, throughput=1000.0, sample_size=100)
     assert quarter["data"]["sampled_examples"] == 100
     assert quarter["data"]["real_tokens_per_epoch"] == pytest.approx(train["real_tokens"], rel=0.15)
     # Steps follow the sampler's rule: whole steps per epoch, times epochs.
@@ -109,14 +109,14 @@ def test_sampled_counts_match_the_manifest_and_extrapolate(cfg: config.RunConfig
 
 
 def test_given_throughput_sets_the_hours(cfg: config.RunConfig) -> None:
-    r = estimate.run_estimate(cfg, throughput=500.0, gpu="L4")
+    r = plan_cli.estimate_for_run(cfg, throughput=500.0, gpu="L4")
     assert {o["gpu"] for o in r["options"]} == {"L4"} and len(r["options"]) == 2
     od = next(o for o in r["options"] if o["pricing"] == "on-demand")
     assert od["compute_hours"]["expected"] == pytest.approx(r["run"]["real_tokens"] / 500.0 / 3600)
     assert od["compute_hours"]["low"] < od["compute_hours"]["expected"] < od["compute_hours"]["high"]
     assert od["cost"]["expected"] == pytest.approx(od["wall_hours"]["expected"] * od["price_per_gpu_hour"])
     # Four GPUs: 4 x 500 tokens/s at 90% data-parallel efficiency, a quarter of the steps.
-    r4 = estimate.run_estimate(cfg, throughput=500.0, gpu="L4", gpus=4)
+    r4 = plan_cli.estimate_for_run(cfg, throughput=500.0, gpu="L4", gpus=4)
     od4 = next(o for o in r4["options"] if o["pricing"] == "on-demand")
     assert od4["tokens_per_s"] == pytest.approx(4 * 500.0 * estimate.MULTI_GPU_EFFICIENCY)
     assert r4["run"]["global_batch_rows"] == 32 and r4["run"]["steps"] == 2 * (r4["data"]["rows_per_epoch"] // 32)
@@ -124,7 +124,7 @@ def test_given_throughput_sets_the_hours(cfg: config.RunConfig) -> None:
 
 def test_evaluation_overhead(cfg: config.RunConfig) -> None:
     with_eval = cfg.replace(**{"data.eval_fraction": 0.1, "train.eval_every": 10})
-    r = estimate.run_estimate(with_eval, throughput=500.0, gpu="L4")
+    r = plan_cli.estimate_for_run(with_eval, throughput=500.0, gpu="L4")
     prepared = run.prepare_data(with_eval, progress=False)
     eval_tokens = prepared.manifest["eval"]["real_tokens"]
     od = next(o for o in r["options"] if o["pricing"] == "on-demand")
@@ -132,11 +132,11 @@ def test_evaluation_overhead(cfg: config.RunConfig) -> None:
     assert evals >= 1
     # Each evaluation is a forward pass over the eval split: a third of a training token's cost.
     assert od["eval_hours"] == pytest.approx(evals * eval_tokens / 3 / 500.0 / 3600, rel=0.02)  # sampled vs exact
-    assert estimate.run_estimate(cfg, throughput=500.0, gpu="L4")["options"][0]["eval_hours"] == 0.0
+    assert plan_cli.estimate_for_run(cfg, throughput=500.0, gpu="L4")["options"][0]["eval_hours"] == 0.0
 
 
 def test_pilot_on_a_catalogue_gpu_scales_to_the_others(cfg: config.RunConfig, tmp_path: Path) -> None:
-    r = estimate.run_estimate(cfg, pilot_json=_pilot(tmp_path, "NVIDIA H100 80GB HBM3"))
+    r = plan_cli.estimate_for_run(cfg, pilot_json=_pilot(tmp_path, "NVIDIA H100 80GB HBM3"))
     by = {(o["gpu"], o["pricing"]): o for o in r["options"]}
     h100, a100 = by[("H100-SXM", "on-demand")], by[("A100-80GB", "on-demand")]
     assert h100["tokens_per_s"] == 10_000.0 and h100["throughput_basis"] == "measured"
@@ -158,15 +158,15 @@ def test_memory_fit_and_constraints_drive_the_recommendation(cfg: config.RunConf
     small.write_text(
         "gpus:\n  - name: Tiny\n    memory_gib: 0.5\n    peak_bf16_flops: 1.0e15\n    on_demand_price: 0.01\n"
     )
-    r = estimate.run_estimate(cfg, catalog_path=small)
+    r = plan_cli.estimate_for_run(cfg, catalog_path=small)
     tiny = next(o for o in r["options"] if o["gpu"] == "Tiny")
     assert not tiny["fits"]  # 1 GiB of CUDA context alone does not fit in 0.5 GiB
     rec = r["recommendation"]
     assert rec is not None and rec["gpu"] != "Tiny"
     fitting = [o for o in r["options"] if o["fits"]]
     assert rec["cost"] == min(o["cost"]["expected"] for o in fitting)
-    assert estimate.run_estimate(cfg, deadline_hours=1e-6)["recommendation"] is None
-    fast = estimate.run_estimate(cfg, budget=1e6)["recommendation"]
+    assert plan_cli.estimate_for_run(cfg, deadline_hours=1e-6)["recommendation"] is None
+    fast = plan_cli.estimate_for_run(cfg, budget=1e6)["recommendation"]
     assert fast["wall_hours"] == min(o["wall_hours"]["expected"] for o in fitting)
 
 
@@ -188,14 +188,14 @@ def test_json_schema_via_the_cli(cfg: config.RunConfig, capsys: pytest.CaptureFi
     rec = doc["recommendation"]
     assert doc["options"][rec["index"]]["gpu"] == rec["gpu"]
     # The readable table renders the same document.
-    text = estimate.format_estimate(doc)
+    text = table.format_estimate(doc)
     assert "recommended: " + rec["gpu"] in text and "H100-SXM" in text
 
 
 def test_bad_flags_name_the_fix(cfg: config.RunConfig) -> None:
     with pytest.raises(PlanError, match="--mfu"):
-        estimate.run_estimate(cfg, mfu=1.5)
+        plan_cli.estimate_for_run(cfg, mfu=1.5)
     with pytest.raises(PlanError, match="--gpus"):
-        estimate.run_estimate(cfg, gpus=0)
+        plan_cli.estimate_for_run(cfg, gpus=0)
     with pytest.raises(PlanError, match="not in the catalogue"):
-        estimate.run_estimate(cfg, gpu="Voodoo5")
+        plan_cli.estimate_for_run(cfg, gpu="Voodoo5")

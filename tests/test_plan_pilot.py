@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer import config, run
-from trainer.plan import PlanError, estimate, pilot
+from trainer import config, plan_cli, run
+from trainer.plan import PlanError, pilot
 
 
 @pytest.fixture()
@@ -101,13 +101,13 @@ def test_summary_of_a_known_log(tmp_path: Path) -> None:
 def test_timed_pilot_stops_by_the_clock(cfg: config.RunConfig) -> None:
     run.prepare_data(cfg, progress=False)  # shared with the pilot: its clock then goes to model load and steps
     started = time.monotonic()
-    result = pilot.run_pilot(cfg.replace(**{"train.max_steps": 10**6}), minutes=0.3, fresh_process=False)
+    result = plan_cli.run_pilot(cfg.replace(**{"train.max_steps": 10**6}), minutes=0.3, fresh_process=False)
     assert result["exit_reason"] == "budget" and result["steps"] > 5
     assert 0.3 * 60 <= time.monotonic() - started < 0.3 * 60 + 15  # stops at the first step past the budget
 
 
 def test_tiny_pilot_end_to_end(cfg: config.RunConfig, capsys: pytest.CaptureFixture[str]) -> None:
-    result = pilot.run_pilot(cfg, steps=6, fresh_process=False)
+    result = plan_cli.run_pilot(cfg, steps=6, fresh_process=False)
     out = Path(cfg.output_dir) / "pilot"
     assert json.loads((out / "pilot.json").read_text()) == result
     assert (result["steps"], result["warmup_steps"], result["exit_reason"]) == (6, 2, "finished")
@@ -129,7 +129,7 @@ def test_tiny_pilot_end_to_end(cfg: config.RunConfig, capsys: pytest.CaptureFixt
         gpu=None,
         mfu=None,
     )
-    assert estimate.estimate_command(cfg, args) == 0
+    assert plan_cli.estimate_command(cfg, args) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["throughput"]["source"] == "pilot" and doc["data"]["exact"]
     row = next(o for o in doc["options"] if o["gpu"] == result["device"])

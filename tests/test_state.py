@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from trainer.restart import rng
 from trainer.restart import state as S
 
 
@@ -28,20 +29,20 @@ def _draws() -> tuple:
 def test_rng_round_trip_through_safetensors(tmp_path: Path) -> None:
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     random.gauss(0, 1), np.random.randn()  # leave cached gaussians behind: they are state too
-    saved = S.capture_rng()
+    saved = rng.capture_rng()
     assert saved["torch.cpu"].dtype == torch.uint8
     assert all(v.dtype in (torch.int64, torch.float64, torch.uint8) for v in saved.values())
     save_file(saved, tmp_path / "rng.safetensors")
     expected = _draws()
     _draws()  # move every generator on
     assert _draws() != expected  # control: the streams really moved
-    S.restore_rng(load_file(tmp_path / "rng.safetensors"))
+    rng.restore_rng(load_file(tmp_path / "rng.safetensors"))
     assert _draws() == expected
 
 
 def test_gather_rng_single_process_prefixes_rank0() -> None:
-    got = S.gather_rng(1)
-    assert set(got) == {f"rank0.{k}" for k in S.capture_rng()}
+    got = rng.gather_rng(1)
+    assert set(got) == {f"rank0.{k}" for k in rng.capture_rng()}
 
 
 def _params(seed: int) -> list[torch.nn.Parameter]:
@@ -108,7 +109,7 @@ def test_train_state_json_round_trip() -> None:
         tokens=900,
         ledger={"device_seconds": 1.5},
         structural={"adapter.r": 8, "adapter.target_modules": ["all-linear"]},
-        scheduler={"betas": (0.9, 0.99)},
+        scaler={"betas": (0.9, 0.99)},  # a tuple inside: encoded and decoded back
         world_size=2,
     )
     back = S.TrainState.from_json(st.to_json())
@@ -176,7 +177,7 @@ def test_write_and_restore_training_state(tmp_path: Path) -> None:
 
     ts = S.TrainState(step=3, epoch=0, cursor=24, tokens=120, world_size=1)
     S.write_training_state(
-        tmp_path, model=model, optimizer=opt, state=ts, rng=S.gather_rng(1), scaler=Scaler(scaler_state)
+        tmp_path, model=model, optimizer=opt, state=ts, rng=rng.gather_rng(1), scaler=Scaler(scaler_state)
     )
     names = {p.name for p in tmp_path.iterdir()}
     assert names == {
@@ -219,26 +220,23 @@ def test_write_and_restore_training_state(tmp_path: Path) -> None:
     assert not all(torch.equal(a, _step(again, again_opt)) for a in expected[:1])
 
 
-def test_restore_refuses_a_missing_scheduler(tmp_path: Path) -> None:
-    model = _peft(0)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
-    S.write_training_state(
-        tmp_path, model=model, optimizer=opt, state=S.TrainState(), rng=S.gather_rng(1), scheduler=sched
-    )
-    opt.step()
-    sched.step()
-    fresh_sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
-    S.restore_training_state(tmp_path, model=model, optimizer=opt, rank=0, scheduler=fresh_sched)
-    assert fresh_sched.last_epoch == 0
-    with pytest.raises(ValueError, match="has learning-rate scheduler state but this run has no scheduler"):
-        S.restore_training_state(tmp_path, model=model, optimizer=opt, rank=0)
+def test_state_written_by_0_1_still_loads() -> None:
+    """0.1 wrote `scheduler` (always null) and `config_fingerprint` (never read): both are ignored."""
+    old = json.loads(S.TrainState(step=4, tokens=9).to_json())
+    old.update(scheduler=None, config_fingerprint="abc")
+    back = S.TrainState.from_json(json.dumps(old))
+    assert (back.step, back.tokens) == (4, 9)
+    old["surprise"] = 1  # control: a field nobody knows is still refused
+    with pytest.raises(ValueError, match="unknown fields"):
+        S.TrainState.from_json(json.dumps(old))
 
 
 def test_changed_world_size_reseeds_distinct_streams(tmp_path: Path) -> None:
     model = _peft(0)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
-    S.write_training_state(tmp_path, model=model, optimizer=opt, state=S.TrainState(world_size=1), rng=S.gather_rng(1))
+    S.write_training_state(
+        tmp_path, model=model, optimizer=opt, state=S.TrainState(world_size=1), rng=rng.gather_rng(1)
+    )
     draws = []
     for rank in range(2):
         S.restore_training_state(tmp_path, model=model, optimizer=opt, rank=rank, world_size=2)

@@ -25,6 +25,7 @@ from trainer.config import AdapterConfig, ModelConfig
 from trainer.data.template import IGNORE_INDEX
 from trainer.export import export
 from trainer.model import build
+from trainer.restart.state import Counters
 from trainer.sampler import StepSampler
 
 
@@ -267,9 +268,7 @@ def _one_step(tiny_llama: Path, rows: datasets.Dataset, mbs: int, ga: int) -> di
     sampler = StepSampler(len(rows), mbs * ga, seed=0, shuffle=False)
     batches = step_data.StepDataset(rows, sampler, 0, 1, mbs, ga, total_steps=1)
     plan = loop.LoopPlan(total_steps=1, lr=loop.LrSchedule(peak=1.0, total_steps=1, kind="constant"), max_grad_norm=0.0)
-    reason = loop.train_loop(
-        accelerator, model, opt, [batches[0]], plan, loop.Progress(), loop.Hooks(save=lambda p: 0.0)
-    )
+    reason = loop.train_loop(accelerator, model, opt, [batches[0]], plan, Counters(), loop.Hooks(save=lambda p: 0.0))
     assert reason == "finished"
     return {n: before[n] - p for n, p in _lora_state(model).items()}
 
@@ -325,7 +324,7 @@ def test_non_finite_step_is_skipped_and_weights_untouched(tiny_llama: Path) -> N
 
     dataset = step_data.StepDataset(rows, sampler, 0, 1, 1, 1, total_steps=6)
     plan = loop.LoopPlan(total_steps=6, lr=loop.LrSchedule(peak=1e-2, total_steps=6, kind="constant"), max_bad_steps=2)
-    progress = loop.Progress()
+    progress = Counters()
     messages: list[str] = []
     reason = loop.train_loop(
         accelerator,
@@ -334,7 +333,7 @@ def test_non_finite_step_is_skipped_and_weights_untouched(tiny_llama: Path) -> N
         [dataset[i] for i in range(6)],
         plan,
         progress,
-        loop.Hooks(save=lambda p: 0.0, log=on_log, message=messages.append),
+        loop.Hooks(save=lambda p: 0.0, on_step=lambda r: on_log({"step": r.counters.step}), message=messages.append),
     )
 
     assert not all(torch.equal(snapshots[1][n], snapshots[0][n]) for n in snapshots[0]), "control: a good step trains"

@@ -72,13 +72,14 @@ def _split(recipe: str | None, overrides: Sequence[str]) -> tuple[str | None, li
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from trainer.catalog import CatalogError
     from trainer.data import DataError
     from trainer.plan import PlanError
     from trainer.restart.checkpoint import CheckpointError
 
     try:
         return _dispatch(args)
-    except (C.ConfigError, DataError, CheckpointError, PlanError) as e:
+    except (C.ConfigError, DataError, CheckpointError, PlanError, CatalogError) as e:
         # Each carries complete sentences naming the key, file or line to fix; a traceback
         # would only bury them. CheckpointError covers "none verifies" and ResumeMismatch.
         print(f"spotune: {e}", file=sys.stderr)
@@ -116,11 +117,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "train":
         return run.train(cfg)
     if args.command == "estimate":
-        from trainer.plan.estimate import estimate_command
+        from trainer.plan_cli import estimate_command
 
         return estimate_command(cfg, args)
     if args.command == "pilot":
-        from trainer.plan.pilot import pilot_command
+        from trainer.plan_cli import pilot_command
 
         return pilot_command(cfg, steps=args.steps, minutes=args.minutes)
     raise AssertionError(args.command)

@@ -281,7 +281,7 @@ def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
             problems.append(f"{name}: unknown key{_suggest(str(key), prefix, fields)}")
             continue
         hint = hints[key]
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             kwargs[key] = _build(hint, value if value is not None else {}, f"{name}.", problems)
             continue
         ok, coerced, expected = _check(hint, value)
@@ -361,13 +361,14 @@ def _cross_checks(cfg: RunConfig) -> list[str]:
     for key, value in positive.items():
         if value < 1:
             p.append(f"{key}: must be at least 1, got {value}")
-    for key, value in {
+    optional: dict[str, int | None] = {
         "train.max_steps": cfg.train.max_steps,
         "checkpoint.every_steps": cfg.checkpoint.every_steps,
         "train.eval_every": cfg.train.eval_every,
-    }.items():
-        if value is not None and value < 1:
-            p.append(f"{key}: must be at least 1 or null, got {value}")
+    }
+    for key, maybe in optional.items():
+        if maybe is not None and maybe < 1:
+            p.append(f"{key}: must be at least 1 or null, got {maybe}")
     if cfg.train.max_steps is None and cfg.train.epochs <= 0:
         p.append(f"train.epochs: must be above 0 when train.max_steps is unset, got {cfg.train.epochs}")
     if cfg.train.lr <= 0:
@@ -458,7 +459,7 @@ def field_docs() -> list[tuple[str, str, str]]:
             for i, stmt in enumerate(body):
                 if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
                     nxt = body[i + 1] if i + 1 < len(body) else None
-                    if isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
+                    if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
                         docs[(node.name, stmt.target.id)] = str(nxt.value.value)
     rows: list[tuple[str, str, str]] = []
 
@@ -468,7 +469,7 @@ def field_docs() -> list[tuple[str, str, str]]:
             if dataclasses.is_dataclass(hints[f.name]):
                 walk(hints[f.name], f"{prefix}{f.name}.")
                 continue
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
             rows.append((prefix + f.name, json.dumps(_plain(default)), docs.get((cls.__name__, f.name), "")))
 
     walk(RunConfig, "")

@@ -15,9 +15,7 @@ import json
 import shutil
 from pathlib import Path
 
-import yaml
-
-from trainer.config import ConfigError
+from trainer.config import ConfigError, ModelConfig, load
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 TOKENIZER_FILES = (
@@ -60,19 +58,18 @@ def export(run_dir: Path | str, out_dir: Path | str | None = None, merge: bool =
             if (src / name).is_file():
                 shutil.copy2(src / name, out / name)
         return out
-    merge_adapter(src, out, _run_settings(run_dir))
+    merge_adapter(src, out, _run_model_config(run_dir))
     return out
 
 
-def _run_settings(run_dir: Path) -> dict:
-    """model.* settings from the run's config.yaml (dtype, trust_remote_code, revision)."""
+def _run_model_config(run_dir: Path) -> ModelConfig:
+    """The run's `model` section through the config loader, so its defaults are the schema's
+    (a config.yaml that omits `model.dtype` means the schema default, not some export default)."""
     path = run_dir / "config.yaml"
-    if not path.is_file():
-        return {}
-    return (yaml.safe_load(path.read_text()) or {}).get("model", {})
+    return load(path).model if path.is_file() else ModelConfig()
 
 
-def merge_adapter(adapter_dir: Path, out: Path, model_settings: dict) -> None:
+def merge_adapter(adapter_dir: Path, out: Path, model_cfg: ModelConfig) -> None:
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -86,14 +83,14 @@ def merge_adapter(adapter_dir: Path, out: Path, model_settings: dict) -> None:
             ],
             "export --merge",
         )
-    dtype = getattr(torch, model_settings.get("dtype", "float32"))
+    dtype = getattr(torch, model_cfg.dtype)
     # A QLoRA adapter is merged into the unquantised base: merging into 4-bit weights would
     # round the update away, and serving stacks want plain weights anyway.
     base = AutoModelForCausalLM.from_pretrained(
         base_path,
         dtype=dtype,
-        revision=model_settings.get("revision"),
-        trust_remote_code=bool(model_settings.get("trust_remote_code", False)),
+        revision=model_cfg.revision,
+        trust_remote_code=model_cfg.trust_remote_code,
     )
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(str(out), safe_serialization=True)

@@ -15,6 +15,7 @@ Loss convention (what must stay true; the per-token side is in trainer/loss.py):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -27,6 +28,7 @@ from trainer.batches import StepBatch, count_trainable, eval_micro_batches
 from trainer.exit_codes import StopReason
 from trainer.loss import token_loss_sum
 from trainer.restart.preemption import agree_all
+from trainer.restart.state import Counters
 
 # ---------------------------------------------------------------------------- schedule
 
@@ -64,52 +66,57 @@ class LrSchedule:
 
 @dataclass(frozen=True)
 class LoopPlan:
-    """The loop's own settings, taken from train/checkpoint/metrics config by run.py."""
+    """The loop's own settings, taken from train/checkpoint config by run.py."""
 
     total_steps: int
     lr: LrSchedule
     max_grad_norm: float = 1.0
     max_bad_steps: int = 5
-    log_every: int = 1
     eval_every: int | None = None
     save_every_steps: int | None = None
     save_every_minutes: float | None = None
-    max_gpu_hours: float | None = None
-    max_cost: float | None = None
 
 
-@dataclass
-class Progress:
-    """What the loop advances; run.py maps it to and from TrainState."""
+@dataclass(frozen=True)
+class StepRecord:
+    """What one finished optimizer step hands out: the wiring feeds the meter, the metrics
+    sinks, the console and the ledger from it, so the loop knows none of them."""
 
-    step: int = 0
-    trainable_tokens: int = 0
-    real_tokens: int = 0
-    skipped_steps: int = 0
-    bad_in_a_row: int = 0
-    last_loss: float | None = None
-    last_eval_loss: float | None = None
+    counters: Counters
+    """A copy of the run's counters after this step (`counters.step` steps completed)."""
+    loss: float
+    """Token-weighted loss of the step over every rank (NaN/inf when it was skipped)."""
+    lr: float
+    grad_norm: float
+    applied: bool
+    """False when a non-finite loss or gradient made the loop skip the update."""
+    seconds: float
+    """Wall time of the step, data wait included."""
+    stall_seconds: float
+    """Time spent waiting for the step's batch (data stall)."""
+    trainable_tokens: int
+    """This step's tokens that carry a label, over every rank (where the head's logits are computed)."""
+    real_tokens: int
+    """This step's non-padding tokens over every rank."""
+    doc_len_sq: int
+    """Sum over this step's documents of length squared (causal attention FLOPs)."""
 
 
 @dataclass
 class Hooks:
     """The loop's side effects, kept out of it so it stays readable. All are called on every rank."""
 
-    save: Callable[[Progress], float]
-    """Write a checkpoint of `progress` (collective); returns seconds spent."""
-    evaluate: Callable[[], float] | None = None
-    """Token-weighted mean eval loss (collective)."""
-    log: Callable[[dict[str, Any]], None] = lambda row: None
-    """Receive a metrics row (rank 0 writes it)."""
+    save: Callable[[Counters], float]
+    """Write a checkpoint at `counters` (collective); returns seconds spent."""
+    evaluate: Callable[[], float | None] | None = None
+    """Run evaluation and report it (collective); returns the token-weighted mean eval loss."""
+    on_step: Callable[[StepRecord], None] = lambda record: None
+    """Every finished optimizer step, in order."""
     message: Callable[[str], None] = print
     stop_requested: Callable[[], bool] = lambda: False
     """This rank saw a preemption signal (local; the loop agrees across ranks)."""
-    step_done: Callable[[float], None] = lambda seconds: None
-    """Seconds of one finished optimizer step (the ledger's productive time)."""
-    epoch_of: Callable[[int], float] = float
-    meter: Any = None
-    """A trainer.metrics.Meter (or None in bare tests)."""
-    console: Any = None
+    over_budget: Callable[[], str | None] = lambda: None
+    """Why the run's GPU-hour or cost budget is spent, or None (local; the loop agrees across ranks)."""
 
 
 def train_loop(
@@ -118,20 +125,19 @@ def train_loop(
     optimizer: torch.optim.Optimizer,
     batches: Iterable[StepBatch],
     plan: LoopPlan,
-    progress: Progress,
+    counters: Counters,
     hooks: Hooks,
 ) -> StopReason:
-    """Train from `progress.step` to `plan.total_steps`; returns why it stopped."""
+    """Train from `counters.step` to `plan.total_steps`, advancing `counters`; returns why it stopped."""
     params = [p for p in model.parameters() if p.requires_grad]
     world = accelerator.num_processes
     device = accelerator.device
-    meter, console = hooks.meter, hooks.console
     last_save = time.monotonic()
     data: Iterator[StepBatch] = iter(batches)
     model.train()
 
-    while progress.step < plan.total_steps:
-        step = progress.step
+    while counters.step < plan.total_steps:
+        step = counters.step
         t_start = time.monotonic()
         batch = next(data)  # prefetched by a DataLoader worker; time blocked here is data stall
         stall = time.monotonic() - t_start
@@ -164,80 +170,65 @@ def train_loop(
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)
         if finite:
             optimizer.step()
-            progress.bad_in_a_row = 0
+            counters.consecutive_bad_steps = 0
         else:
             _skip_step(accelerator)
-            progress.skipped_steps += 1
+            counters.skipped_steps += 1
             if not _scaler_calibrating(accelerator, loss_value):
-                progress.bad_in_a_row += 1
+                counters.consecutive_bad_steps += 1
             hooks.message(
                 f"step {step}: non-finite loss ({loss_value:.4g}) or gradient norm ({norm_value:.4g}): step skipped, "
-                f"{progress.bad_in_a_row} in a row (stops at train.max_bad_steps={plan.max_bad_steps})"
+                f"{counters.consecutive_bad_steps} in a row (stops at train.max_bad_steps={plan.max_bad_steps})"
             )
         optimizer.zero_grad(set_to_none=True)
-        progress.step += 1
-        progress.trainable_tokens += int(trainable)
-        progress.real_tokens += int(real)
-        progress.last_loss = loss_value
-        step_seconds = time.monotonic() - t_start
-        hooks.step_done(step_seconds)
-        if meter is not None:
-            # Logits are computed only where a label is (token_loss_sum), so the head's FLOPs
-            # count the trainable tokens, not every real one.
-            meter.step(step, step_seconds, stall, real, doc_sq, head_tokens=trainable)
-
-        if progress.step % plan.log_every == 0 or progress.step == plan.total_steps or not finite:
-            row = dict(
-                step=progress.step,
-                epoch=hooks.epoch_of(progress.step),
+        counters.step += 1
+        counters.tokens += int(trainable)
+        counters.real_tokens += int(real)
+        hooks.on_step(
+            StepRecord(
+                counters=dataclasses.replace(counters),
                 loss=loss_value,
                 lr=lr,
                 grad_norm=norm_value,
-                skipped_steps=progress.skipped_steps,
-                trainable_tokens=progress.trainable_tokens,
-                real_tokens=progress.real_tokens,
+                applied=finite,
+                seconds=time.monotonic() - t_start,
+                stall_seconds=stall,
+                trainable_tokens=int(trainable),
+                real_tokens=int(real),
+                doc_len_sq=int(doc_sq),
             )
-            row = meter.row(**row) if meter is not None else row  # adds rates, MFU, memory, cost
-            hooks.log(row)
-            if console is not None:
-                console.update(0, row)
-        if console is not None:
-            console.update(1)
+        )
 
-        if progress.bad_in_a_row >= plan.max_bad_steps:
+        if counters.consecutive_bad_steps >= plan.max_bad_steps:
             hooks.message(
-                f"stopping: {progress.bad_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
+                f"stopping: {counters.consecutive_bad_steps} optimizer steps in a row had a non-finite loss or gradient "
                 f"(train.max_bad_steps={plan.max_bad_steps}); lower train.lr, check the data, or use "
                 "train.mixed_precision=bf16 instead of fp16. The weights are those of the last good step."
             )
             return "bad_steps"
 
-        if hooks.evaluate is not None and plan.eval_every and progress.step % plan.eval_every == 0:
-            t_eval = time.monotonic()
-            progress.last_eval_loss = hooks.evaluate()
+        if hooks.evaluate is not None and plan.eval_every and counters.step % plan.eval_every == 0:
+            hooks.evaluate()
             model.train()
-            hooks.log({"step": progress.step, "eval_loss": progress.last_eval_loss})
-            if meter is not None:
-                meter.pause(time.monotonic() - t_eval)
 
         # Every rank must take the same branch: each decision is reduced over ranks.
         time_due = plan.save_every_minutes is not None and time.monotonic() - last_save >= 60 * plan.save_every_minutes
+        budget_note = hooks.over_budget()
         preempted, over_budget, time_due = agree_all(
-            [hooks.stop_requested(), _over_budget(plan, meter), time_due], accelerator
+            [hooks.stop_requested(), budget_note is not None, time_due], accelerator
         )
-        step_due = bool(plan.save_every_steps) and progress.step % plan.save_every_steps == 0
-        finished = progress.step >= plan.total_steps
+        every = plan.save_every_steps
+        step_due = bool(every and counters.step % every == 0)
+        finished = counters.step >= plan.total_steps
         if preempted or over_budget or time_due or step_due or finished:
-            seconds = hooks.save(progress)
+            hooks.save(counters)
             last_save = time.monotonic()
-            if meter is not None:
-                meter.pause(seconds)
         if preempted:
             return "preempted"
         if over_budget:
             hooks.message(
-                f"stopping at step {progress.step}: budget reached (train.max_gpu_hours={plan.max_gpu_hours}, "
-                f"train.max_cost={plan.max_cost}); a checkpoint was saved, raise the limit and rerun to continue"
+                f"stopping at step {counters.step}: {budget_note or 'the budget is spent on another rank'}; "
+                "a checkpoint was saved, raise the limit and rerun to continue"
             )
             return "budget"
     return "finished"
@@ -262,15 +253,6 @@ def _scaler_calibrating(accelerator: Any, loss_value: float) -> bool:
     its range, not divergence: such steps are skipped but do not count toward max_bad_steps."""
     scaler = getattr(accelerator, "scaler", None)
     return scaler is not None and math.isfinite(loss_value) and scaler.get_scale() > 1.0
-
-
-def _over_budget(plan: LoopPlan, meter: Any) -> bool:
-    if meter is None:
-        return False
-    if plan.max_gpu_hours is not None and meter.device_seconds() / 3600.0 >= plan.max_gpu_hours:
-        return True
-    cost = meter.cost()
-    return plan.max_cost is not None and cost is not None and cost >= plan.max_cost
 
 
 # ---------------------------------------------------------------------------- evaluation

@@ -195,7 +195,7 @@ def resolve_peak_flops(explicit: float | None, gpu_name: str | None, device: tor
     name such as H100-SXM, or a device name) or for the detected CUDA device; None on CPU."""
     if explicit:
         return explicit
-    from trainer.plan import catalog
+    from trainer import catalog
 
     if gpu_name is not None:
         try:

@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,20 +21,24 @@ from trainer import config as C
 from trainer import exit_codes, flops, loop, metrics, tiny
 from trainer.atomic import fsync_tree, publish_dir, remove_temp_siblings, temp_sibling
 from trainer.batches import StepDataset, step_loader
+from trainer.data.cache import data_cache_root
+from trainer.exit_codes import StopReason
 from trainer.loss import accepts_logits_to_keep
 from trainer.model import build, count_params
 from trainer.restart import preemption
 from trainer.restart.checkpoint import CheckpointManager, resolve_resume
 from trainer.restart.ledger import Ledger
+from trainer.restart.rng import gather_rng
 from trainer.restart.state import (
+    Counters,
     TrainState,
     check_compatible,
-    gather_rng,
     restore_training_state,
     unwrap_peft,
     write_training_state,
 )
-from trainer.sampler import StepSampler
+from trainer.sampler import StepSampler, run_steps
+from trainer.telemetry import Budget, Telemetry
 
 
 def model_path(cfg: C.RunConfig) -> str:
@@ -49,7 +54,7 @@ def prepare_data(cfg: C.RunConfig, progress: bool = True) -> Any:
     from trainer import data
 
     data_cfg = dataclasses.replace(cfg.data, path=tiny.resolve_data(cfg.data.path))
-    cache_root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output_dir) / "data"
+    cache_root = data_cache_root(cfg.data.cache_dir, cfg.output_dir)
     prepared = data.prepare(data_cfg, tokenizer_path(cfg), cache_root, progress=progress, seed=cfg.seed)
     if progress:
         print(prepared.summary(), flush=True)
@@ -114,10 +119,6 @@ def build_optimizer(
     return cls(params, **kwargs)
 
 
-def total_steps(train: C.TrainConfig, sampler: StepSampler) -> int:
-    return train.max_steps if train.max_steps is not None else sampler.steps_for_epochs(train.epochs)
-
-
 def train(cfg: C.RunConfig) -> int:
     """Train (resuming when a checkpoint verifies) and return the process exit code."""
     from datasets import load_from_disk
@@ -145,7 +146,7 @@ def train(cfg: C.RunConfig) -> int:
     rows = load_from_disk(str(prepared.train_path))
     t = cfg.train
     sampler = StepSampler(len(rows), t.micro_batch_size * t.grad_accum * world, seed=cfg.seed, shuffle=cfg.data.shuffle)
-    steps = total_steps(t, sampler)
+    steps = run_steps(len(rows), sampler.rows_per_step, t.max_steps, t.epochs)
     optimizer = build_optimizer(t, [p for p in model.parameters() if p.requires_grad], accelerator.device)
     model, optimizer = accelerator.prepare(model, optimizer)
     set_seed(cfg.seed + rank)  # distinct dropout streams per rank from here on
@@ -153,7 +154,6 @@ def train(cfg: C.RunConfig) -> int:
     structural = C.structural_fields(cfg, world)
     resume_dir, notes = resolve_resume(out / "checkpoints", cfg.checkpoint.resume, clean=is_main)
     state = TrainState(
-        config_fingerprint=C.fingerprint(cfg, world),
         structural=structural,
         data_fingerprint=prepared.fingerprint,
         config=cfg.to_dict(),
@@ -186,22 +186,30 @@ def train(cfg: C.RunConfig) -> int:
         total_steps=steps,
         device_seconds_fn=lambda: float(ledger.totals()["device_seconds"]),  # one source of truth: the ledger
     )
-    sink = metrics.JsonlSink(out / "metrics.jsonl") if is_main else None
     if cfg.metrics.trackers:
         accelerator.init_trackers("spotune", config=_flat(cfg.to_dict()))
+    telemetry = Telemetry(
+        meter,
+        console,
+        ledger,
+        metrics.JsonlSink(out / "metrics.jsonl") if is_main else None,
+        log_every=cfg.metrics.log_every,
+        total_steps=steps,
+        budget=Budget(max_gpu_hours=t.max_gpu_hours, max_cost=t.max_cost),
+        epoch_of=lambda step: round(step / sampler.steps_per_epoch, 4),
+        tracker_log=(lambda row, step: accelerator.log(row, step=step)) if cfg.metrics.trackers else None,
+    )
 
-    def save(progress: loop.Progress) -> float:
+    def save(counters: Counters) -> float:
         started = time.monotonic()
         rng = gather_rng(world)  # collective: every rank's generators
-        for ours, theirs in _COUNTERS.items():
-            setattr(state, theirs, getattr(progress, ours))
-        state.epoch, state.cursor = sampler.position(progress.step)
-        state.ledger = ledger.totals()
+        snapshot = dataclasses.replace(state, **vars(counters.counters()), ledger=ledger.totals(), scaler=None)
+        snapshot.epoch, snapshot.cursor = sampler.position(counters.step)
         if is_main:
             result = manager.save(
-                progress.step,
+                counters.step,
                 lambda tmp: write_training_state(
-                    tmp, model=model, optimizer=optimizer, state=state, rng=rng, scaler=accelerator.scaler
+                    tmp, model=model, optimizer=optimizer, state=snapshot, rng=rng, scaler=accelerator.scaler
                 ),
             )
             warning = preemption.save_fits_notice(result.seconds, cfg.checkpoint.notice_seconds)
@@ -209,24 +217,15 @@ def train(cfg: C.RunConfig) -> int:
                 console.message(f"spotune: {warning}")
         accelerator.wait_for_everyone()  # nobody runs ahead of a checkpoint that is not committed yet
         seconds = time.monotonic() - started
-        ledger.add_checkpoint(seconds)
-        ledger.checkpointed()
-        ledger.heartbeat(progress.step)
+        telemetry.saved(counters.step, seconds)
         return seconds
 
-    def log(row: dict[str, Any]) -> None:
-        ledger.heartbeat(row.get("step"))
-        if is_main:
-            sink.write(row)
-            if cfg.metrics.trackers:
-                accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"])
-
-    progress = loop.Progress()
+    counters = Counters()
     if resume_dir is not None:  # last before the first step: it restores the RNG
-        state, progress = _restore(resume_dir, model, optimizer, accelerator, fresh=state)
-        console.message(f"spotune: resuming from {resume_dir} at step {progress.step} of {steps}")
-    meter.start_step = progress.step
-    console.update(progress.step)
+        counters = _restore(resume_dir, model, optimizer, accelerator)
+        console.message(f"spotune: resuming from {resume_dir} at step {counters.step} of {steps}")
+    meter.start_step = counters.step
+    console.update(counters.step)
 
     plan = loop.LoopPlan(
         total_steps=steps,
@@ -235,27 +234,21 @@ def train(cfg: C.RunConfig) -> int:
         ),
         max_grad_norm=t.max_grad_norm,
         max_bad_steps=t.max_bad_steps,
-        log_every=cfg.metrics.log_every,
         eval_every=t.eval_every if prepared.eval_path is not None else None,
         save_every_steps=cfg.checkpoint.every_steps,
         save_every_minutes=cfg.checkpoint.every_minutes,
-        max_gpu_hours=t.max_gpu_hours,
-        max_cost=t.max_cost,
     )
     hooks = loop.Hooks(
         save=save,
-        log=log,
+        on_step=telemetry.on_step,
         message=console.message,
-        meter=meter,
-        console=console,
         stop_requested=lambda: stop.requested,
-        epoch_of=lambda step: round(step / sampler.steps_per_epoch, 4),
-        step_done=lambda seconds: ledger.add_productive(seconds),
-        evaluate=_evaluator(cfg, prepared, model, accelerator) if plan.eval_every else None,
+        over_budget=telemetry.over_budget,
+        evaluate=_evaluator(cfg, prepared, model, accelerator, telemetry, counters) if plan.eval_every else None,
     )
-    reason: loop.StopReason = "finished"
+    reason: StopReason = "finished"
     try:
-        if progress.step < steps:
+        if counters.step < steps:
             dataset = StepDataset(
                 rows,
                 sampler,
@@ -266,9 +259,9 @@ def train(cfg: C.RunConfig) -> int:
                 steps,
                 select_logits=accepts_logits_to_keep(model),
             )
-            batches = step_loader(dataset, progress.step, accelerator.device, cfg.seed)
+            batches = step_loader(dataset, counters.step, accelerator.device, cfg.seed)
             ledger.mark_first_step()
-            reason = loop.train_loop(accelerator, model, optimizer, batches, plan, progress, hooks)
+            reason = loop.train_loop(accelerator, model, optimizer, batches, plan, counters, hooks)
         if reason in ("finished", "budget") and is_main:
             write_final(out / "final", model, tokenizer_path(cfg))
         accelerator.wait_for_everyone()
@@ -282,39 +275,21 @@ def train(cfg: C.RunConfig) -> int:
     finally:
         console.close()
         stop.uninstall()
-        if sink is not None:
-            sink.close()
+        if telemetry.sink is not None:
+            telemetry.sink.close()
     if cfg.metrics.trackers:
         accelerator.end_training()
     if is_main:
-        console.message(f"spotune: {reason} at step {progress.step}/{steps}; " + json.dumps(summary))
+        console.message(f"spotune: {reason} at step {counters.step}/{steps}; " + json.dumps(summary))
     return exit_codes.FOR_STOP[reason]
 
 
 # ---------------------------------------------------------------------------- pieces
 
-# loop.Progress field -> TrainState field: the one map used to save and to restore the counters.
-_COUNTERS = {
-    "step": "step",
-    "trainable_tokens": "tokens",
-    "real_tokens": "real_tokens",
-    "skipped_steps": "skipped_steps",
-    "bad_in_a_row": "consecutive_bad_steps",
-}
-# A counter added to Progress but not mapped would silently restart at 0 on resume.
-_NOT_SAVED = {"last_loss", "last_eval_loss"}  # reported, not state
-if {f.name for f in dataclasses.fields(loop.Progress)} != set(_COUNTERS) | _NOT_SAVED:
-    raise ImportError("trainer/run.py: map every loop.Progress counter in _COUNTERS")
 
-
-def _restore(
-    resume_dir: Path, model: torch.nn.Module, optimizer: Any, accelerator: Any, fresh: TrainState
-) -> tuple[TrainState, loop.Progress]:
-    """Adapter, optimizer, grad scaler and this rank's RNG from `resume_dir`, every field.
-
-    The returned state keeps the checkpoint's counters and ledger totals but describes this
-    run (config, fingerprints, world size), since that is what the next save records.
-    """
+def _restore(resume_dir: Path, model: torch.nn.Module, optimizer: Any, accelerator: Any) -> Counters:
+    """Adapter, optimizer, grad scaler and this rank's RNG from `resume_dir`, every field; returns
+    the checkpoint's counters. The ledger totals it carried were read when the ledger opened."""
     saved = restore_training_state(
         resume_dir,
         model=model,
@@ -323,16 +298,27 @@ def _restore(
         world_size=accelerator.num_processes,
         scaler=accelerator.scaler,
     )
-    counters = {theirs: getattr(saved, theirs) for theirs in _COUNTERS.values()}
-    progress = loop.Progress(**{ours: counters[theirs] for ours, theirs in _COUNTERS.items()})
-    state = dataclasses.replace(fresh, **counters, epoch=saved.epoch, cursor=saved.cursor, ledger=saved.ledger)
-    return state, progress
+    return saved.counters()
 
 
-def _evaluator(cfg: C.RunConfig, prepared: Any, model: torch.nn.Module, accelerator: Any) -> Any:
+def _evaluator(
+    cfg: C.RunConfig, prepared: Any, model: torch.nn.Module, accelerator: Any, telemetry: Telemetry, counters: Counters
+) -> Callable[[], float | None] | None:
     from datasets import load_from_disk
 
-    return loop.make_evaluator(load_from_disk(str(prepared.eval_path)), model, accelerator, cfg.train.micro_batch_size)
+    evaluate = loop.make_evaluator(
+        load_from_disk(str(prepared.eval_path)), model, accelerator, cfg.train.micro_batch_size
+    )
+    if evaluate is None:
+        return None
+
+    def run_and_report() -> float | None:
+        started = time.monotonic()
+        loss = evaluate()
+        telemetry.evaluated(counters.step, loss, time.monotonic() - started)
+        return loss
+
+    return run_and_report
 
 
 def _flops_fn(hf_config: Any, trainable: int, selects_logits: bool) -> metrics.FlopsFn | None:
@@ -358,10 +344,10 @@ def write_final(directory: Path, model: torch.nn.Module, tokenizer: str) -> None
     """
     from transformers import AutoTokenizer
 
-    model = unwrap_peft(model)
+    peft_model = unwrap_peft(model)
     remove_temp_siblings(directory)
     tmp = temp_sibling(directory)
-    model.save_pretrained(str(tmp), safe_serialization=True)
+    peft_model.save_pretrained(str(tmp), safe_serialization=True)
     AutoTokenizer.from_pretrained(tokenizer).save_pretrained(str(tmp))
     fsync_tree(tmp)
     publish_dir(tmp, directory)

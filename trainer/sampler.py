@@ -21,25 +21,37 @@ import numpy as np
 from trainer.config import ConfigError
 
 
+def steps_per_epoch(num_rows: int, rows_per_step: int) -> int:
+    """Whole optimizer steps in one pass over `num_rows` packed rows (the tail is dropped)."""
+    if rows_per_step < 1:
+        raise ValueError(f"rows per step must be at least 1, got {rows_per_step}")
+    if num_rows < rows_per_step:
+        raise ConfigError(
+            [
+                f"the prepared dataset has {num_rows} packed rows but one optimizer step needs "
+                f"{rows_per_step} (train.micro_batch_size x train.grad_accum x devices); lower "
+                "train.micro_batch_size or train.grad_accum, lower data.seq_len, or add data"
+            ]
+        )
+    return num_rows // rows_per_step
+
+
+def run_steps(num_rows: int, rows_per_step: int, max_steps: int | None, epochs: float) -> int:
+    """Optimizer steps of a whole run: `train.max_steps`, else `train.epochs` passes (a fractional
+    epoch rounds up to a whole step)."""
+    per_epoch = steps_per_epoch(num_rows, rows_per_step)
+    return max_steps if max_steps is not None else max(1, math.ceil(epochs * per_epoch))
+
+
 class StepSampler:
     """Rows of every optimizer step, for every rank, as a function of the step number."""
 
     def __init__(self, num_rows: int, rows_per_step: int, seed: int, shuffle: bool = True) -> None:
-        if rows_per_step < 1:
-            raise ValueError(f"rows per step must be at least 1, got {rows_per_step}")
-        if num_rows < rows_per_step:
-            raise ConfigError(
-                [
-                    f"the prepared dataset has {num_rows} packed rows but one optimizer step needs "
-                    f"{rows_per_step} (train.micro_batch_size x train.grad_accum x devices); lower "
-                    "train.micro_batch_size or train.grad_accum, lower data.seq_len, or add data"
-                ]
-            )
+        self.steps_per_epoch = steps_per_epoch(num_rows, rows_per_step)
         self.num_rows = num_rows
         self.rows_per_step = rows_per_step
         self.seed = seed
         self.shuffle = shuffle
-        self.steps_per_epoch = num_rows // rows_per_step
         # Only the current epoch's order is kept: a run walks epochs in sequence.
         self._cached: tuple[int, np.ndarray] | None = None
 
@@ -74,8 +86,8 @@ class StepSampler:
         return epoch * self.steps_per_epoch + cursor // self.rows_per_step
 
     def steps_for_epochs(self, epochs: float) -> int:
-        """Optimizer steps in `epochs` passes (a fractional epoch rounds up to a whole step)."""
-        return max(1, math.ceil(epochs * self.steps_per_epoch))
+        """Optimizer steps in `epochs` passes (`run_steps` without a `max_steps`)."""
+        return run_steps(self.num_rows, self.rows_per_step, None, epochs)
 
     def rows_for_step(self, step: int) -> list[int]:
         """Global row indices of optimizer step `step`, across all ranks and micro-steps."""

@@ -1,6 +1,6 @@
 """Data preparation: read rows -> template -> tokenise once -> pack -> cached Arrow dataset.
 
-Public API (docs/INTERFACES.md): `prepare(cfg, tokenizer_path, cache_root, *, progress=True, seed=0) -> Prepared`.
+Public API: `prepare(cfg, tokenizer_path, cache_root, *, progress=True, seed=0) -> Prepared`.
 """
 
 from trainer.data.cache import PIPELINE_VERSION

@@ -33,6 +33,11 @@ _STALE_SECONDS = 24 * 3600  # temp dirs from another host or an unknown pid olde
 _TOKENIZER_PREFIXES = ("tokenizer", "special_tokens_map", "vocab", "merges", "added_tokens", "chat_template", "spiece")
 
 
+def data_cache_root(cache_dir: str | None, output_dir: str) -> Path:
+    """Where `prepare` caches packed data: `data.cache_dir`, else `<output_dir>/data`."""
+    return Path(cache_dir) if cache_dir else Path(output_dir) / "data"
+
+
 def hash_path(path: Path, h: Any) -> None:
     """Feed a file's bytes, or every file of a directory (sorted, with relative names), into `h`."""
     if path.is_dir():

@@ -20,7 +20,7 @@ from datasets import Features, Value
 try:
     from datasets import List  # datasets >= 4
 except ImportError:  # datasets 3.x spells a variable-length list `Sequence`
-    from datasets import Sequence as List  # type: ignore[assignment,no-redef]
+    from datasets import Sequence as List
 
 from trainer.config import DataConfig
 from trainer.data import cache
@@ -82,15 +82,7 @@ def prepare(
 
 def _settings(cfg: DataConfig, seed: int) -> dict[str, Any]:
     """Every setting that changes the output rows (and nothing that does not, e.g. num_proc)."""
-    fields = {
-        "alpaca": {
-            "instruction_field": cfg.instruction_field,
-            "input_field": cfg.input_field,
-            "output_field": cfg.output_field,
-        },
-        "chat": {"messages_field": cfg.messages_field},
-        "text": {"text_field": cfg.text_field},
-    }[cfg.format]
+    fields = {key: getattr(cfg, key) for key, _, _ in FORMAT_FIELDS[cfg.format]}
     split: dict[str, Any] = {"eval_path": cfg.eval_path is not None}
     if cfg.eval_path is None and cfg.eval_fraction > 0:
         split.update(eval_fraction=cfg.eval_fraction, seed=seed)
@@ -129,8 +121,8 @@ def _build(
     if cfg.format == "chat":
         check_chat_template(tokenizer, cfg.chat_template)
     fields = _fields(cfg)
-    train_raw = _read(data_path, "data.path", fields)
-    eval_raw = _read(eval_src, "data.eval_path", fields) if eval_src is not None else None
+    train_raw = _read(data_path, "data.path")
+    eval_raw = _read(eval_src, "data.eval_path") if eval_src is not None else None
     if eval_raw is None and cfg.eval_fraction > 0:
         train_raw, eval_raw = _split(train_raw, cfg.eval_fraction, seed)
 
@@ -168,28 +160,31 @@ def _build(
     return manifest
 
 
+# The one map of data formats to the columns they read: (config key, role in Tokenize, required).
+# `input` is optional in alpaca data (many sets have none); the rest are required.
+FORMAT_FIELDS: dict[str, tuple[tuple[str, str, bool], ...]] = {
+    "alpaca": (
+        ("instruction_field", "instruction", True),
+        ("input_field", "input", False),
+        ("output_field", "output", True),
+    ),
+    "chat": (("messages_field", "messages", True),),
+    "text": (("text_field", "text", True),),
+}
+
+
 def _fields(cfg: DataConfig) -> dict[str, str]:
-    return {
-        "instruction": cfg.instruction_field,
-        "input": cfg.input_field,
-        "output": cfg.output_field,
-        "messages": cfg.messages_field,
-        "text": cfg.text_field,
-    }
+    """Role -> column name for the format of `cfg`."""
+    return {role: getattr(cfg, key) for key, role, _ in FORMAT_FIELDS[cfg.format]}
 
 
-def _read(path: Path, key: str, fields: dict[str, str]) -> datasets.Dataset:
+def _read(path: Path, key: str) -> datasets.Dataset:
     ds = read_rows(path, key=key)
     return ds.add_column(_ROW, np.arange(len(ds), dtype=np.int64))
 
 
 def _check_fields(ds: datasets.Dataset, fmt: str, fields: dict[str, str], source: Path) -> None:
-    # `input` is optional in alpaca data (many sets have none); the rest are required.
-    need = {
-        "alpaca": {"instruction_field": fields["instruction"], "output_field": fields["output"]},
-        "chat": {"messages_field": fields["messages"]},
-        "text": {"text_field": fields["text"]},
-    }[fmt]
+    need = {key: fields[role] for key, role, required in FORMAT_FIELDS[fmt] if required}
     require_fields([c for c in ds.column_names if c != _ROW], need, source)
 
 

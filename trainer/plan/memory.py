@@ -160,6 +160,8 @@ def estimate_memory(
     # Backward starts with every activation still held and adds the fp32 logits gradient
     # (and its cast back to the compute dtype): the step's peak unless checkpointing moved it.
     logits_grad = tokens * shape.vocab * (4 + (a if a < 4 else 0))
+    activations: float
+    workspace: float
     if gradient_checkpointing:
         # Each layer keeps only its input; later in backward one layer at a time is
         # recomputed, by which point the logits are gone: the peak is the larger of the two.

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
 import statistics
 import time
 from pathlib import Path
@@ -29,10 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from trainer import exit_codes
 from trainer.config import RunConfig
+from trainer.data.cache import data_cache_root
 from trainer.plan import PlanError
-from trainer.plan import workload as wl
 
 DEFAULT_STEPS = 20
 PILOT_SCHEMA = "spotune.pilot/1"
@@ -65,7 +63,7 @@ def pilot_config(cfg: RunConfig, steps: int | None = None, minutes: float | None
     return cfg.replace(
         **{
             "output_dir": str(pilot_dir(cfg)),
-            "data.cache_dir": str(wl.cache_root_for(cfg.data, cfg.output_dir)),  # share the run's prepared data
+            "data.cache_dir": str(data_cache_root(cfg.data.cache_dir, cfg.output_dir)),  # share the run's prepared data
             "train.max_steps": n,
             "train.max_gpu_hours": budget_hours,
             "train.max_cost": None,
@@ -158,50 +156,6 @@ def device_name() -> str:
     return f"cpu ({platform.machine()})"
 
 
-def run_pilot(
-    cfg: RunConfig, steps: int | None = None, minutes: float | None = None, *, fresh_process: bool = True
-) -> dict[str, Any]:
-    """Run the pilot, write `<output_dir>/pilot/pilot.json`, return its content.
-
-    `fresh_process`: this process was started for the pilot (the CLI), so its time so far
-    (interpreter, imports, config) is startup that `spotune train` pays too. Pass False from
-    a long-lived process (tests, notebooks): startup then counts from this call, and the
-    imports already done are not measured."""
-    earlier = 0.0 if fresh_process else _seconds_since_process_start()
-    from trainer import run
-
-    pcfg = pilot_config(cfg, steps, minutes)
-    out = pilot_dir(cfg)
-    main_rank = int(os.environ.get("RANK", "0")) == 0
-    if main_rank and out.exists():
-        # A pilot is always fresh: old metrics or ledger rows would mix in. Under torchrun the
-        # other ranks cannot run ahead of this: train() starts with the process-group rendezvous.
-        shutil.rmtree(out)
-    prepare_seconds = 0.0
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        # Preparing the data is a one-off that the real run will not repeat (it reuses the
-        # cache): time it here so it can be taken out of the measured startup. The imports
-        # come first, untimed: the real run pays for them too.
-        import datasets  # noqa: F401
-        import transformers  # noqa: F401
-        from transformers import AutoTokenizer  # noqa: F401
-
-        from trainer import data  # noqa: F401
-
-        started = time.monotonic()
-        prepared = run.prepare_data(pcfg, progress=cfg.metrics.progress)
-        prepare_seconds = 0.0 if prepared.reused else time.monotonic() - started
-    code = run.train(pcfg)
-    # With --minutes the pilot ends through the budget guard, which also saves: both are fine.
-    if code not in (exit_codes.EXIT_FINISHED, exit_codes.EXIT_BUDGET):
-        raise PlanError(f"the pilot run in {out} stopped with exit code {code}; see the messages above")
-    if not main_rank:
-        return {}  # rank 0 writes the logs, and summarises them
-    result = summarise(out, cfg.metrics.warmup_steps, device_name(), prepare_seconds, earlier)
-    (out / "pilot.json").write_text(json.dumps(result, indent=2))
-    return result
-
-
 def format_pilot(p: dict[str, Any]) -> str:
     st = p["step_time_s"]
     mfu = f", MFU {p['sustained_mfu']:.1%}" if p.get("sustained_mfu") else ""
@@ -215,16 +169,3 @@ def format_pilot(p: dict[str, Any]) -> str:
             f"checkpoint save {p['save_seconds']:.2f} s, peak memory {p['peak_memory_gib']:.2f} GiB",
         ]
     )
-
-
-def pilot_command(cfg: RunConfig, steps: int | None = None, minutes: float | None = None) -> int:
-    """`spotune pilot`: measure, write pilot.json, print the measurement and the forecast."""
-    from trainer.plan.estimate import format_estimate, run_estimate
-
-    p = run_pilot(cfg, steps=steps, minutes=minutes)
-    if not p:
-        return 0  # not rank 0
-    print(format_pilot(p))
-    print(f"  written to {pilot_dir(cfg) / 'pilot.json'}\n")
-    print(format_estimate(run_estimate(cfg, pilot_json=pilot_dir(cfg) / "pilot.json", gpus=p["world_size"])))
-    return 0

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import DataConfig
-from trainer.plan import PlanError
 
 
 @dataclass(frozen=True)
@@ -45,11 +44,6 @@ class Workload:
     @property
     def real_tokens_per_row(self) -> float:
         return self.real_tokens / self.rows if self.rows else 0.0
-
-
-def cache_root_for(data: DataConfig, output_dir: str) -> Path:
-    """Where `prepare` caches packed data for this recipe (same rule as trainer/run.py)."""
-    return Path(data.cache_dir) if data.cache_dir else Path(output_dir) / "data"
 
 
 def find_manifest(data: DataConfig, resolved_path: str, cache_root: Path) -> tuple[dict[str, Any], Path] | None:
@@ -147,16 +141,3 @@ def from_sample(
         eval_real_tokens=float(ev.get("real_tokens", 0)) * scale,
         sampled_examples=n,
     )
-
-
-def steps_for(rows: float, global_rows: int, max_steps: int | None, epochs: float) -> int:
-    """Optimizer steps of the run (same rule as trainer/sampler.py: whole steps per epoch)."""
-    if max_steps is not None:
-        return max_steps
-    per_epoch = int(rows) // global_rows
-    if per_epoch < 1:
-        raise PlanError(
-            f"{int(rows)} packed rows are fewer than one optimizer step of {global_rows} rows; lower "
-            "train.micro_batch_size or train.grad_accum, or add data"
-        )
-    return max(1, math.ceil(epochs * per_epoch))

@@ -4,14 +4,14 @@
 ledger totals), the fingerprints a resume is checked against and the library versions.
 `write_training_state` is the `write` callback of `CheckpointManager.save`;
 `restore_training_state` is the single restore function: adapter weights, optimizer,
-scheduler, grad scaler and this rank's RNG, every field, unconditionally.
+grad scaler and this rank's RNG, every field, unconditionally (the learning rate needs no
+state: it is a pure function of the step).
 
 Formats (tensors in safetensors, the rest JSON):
 - `adapter_model.safetensors` + `adapter_config.json`: the PEFT adapter, loadable by peft.
 - `optimizer.safetensors` (`state.<param_idx>.<name>`) + `optimizer.json` (non-tensor
   state values, param groups).
-- `rng.safetensors`: `rank<r>.python.*` (int64/float64), `rank<r>.numpy.*`,
-  `rank<r>.torch.cpu` and `rank<r>.cuda.<device>` (uint8, torch's own byte encoding).
+- `rng.safetensors`: every rank's generators (see trainer/restart/rng.py).
 - `trainer_state.json`: `TrainState.to_json()`.
 """
 
@@ -22,7 +22,6 @@ import importlib.metadata
 import json
 import logging
 import platform
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from trainer.config import diff_structural
 from trainer.restart.checkpoint import ResumeMismatch
+from trainer.restart.rng import rank_rng, reseed, restore_rng
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,11 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 OPTIMIZER_META = "optimizer.json"
 RNG_FILE = "rng.safetensors"
 STATE_FILE = "trainer_state.json"
+
+
+_RETIRED_FIELDS = ("scheduler", "config_fingerprint")
+"""Written by spotune 0.1 and never read (the LR is a pure function of the step; `structural`
+is what a resume compares): ignored when an older checkpoint is read."""
 
 
 def library_versions() -> dict[str, str]:
@@ -54,29 +59,43 @@ def library_versions() -> dict[str, str]:
 
 
 @dataclass
-class TrainState:
-    """Counters and identity of a run at the end of optimizer step `step`."""
+class Counters:
+    """What the training loop advances, saved and restored as one unit (inside TrainState)."""
 
     step: int = 0
     """Optimizer steps completed (the next step to run has this 0-based index)."""
-    epoch: int = 0
-    cursor: int = 0
-    """Sampler position of the next step: rows of `epoch`'s order already consumed."""
     tokens: int = 0
     """Trained tokens so far (non-padding tokens that carry a label)."""
     real_tokens: int = 0
     """Non-padding tokens seen so far, labelled or not (for throughput)."""
     skipped_steps: int = 0
+    """Steps whose update was refused (non-finite loss or gradient)."""
     consecutive_bad_steps: int = 0
+    """Refused steps in a row up to now; `train.max_bad_steps` stops the run."""
+
+    def counters(self) -> Counters:
+        """A copy of just the counters (also of a TrainState, which embeds them)."""
+        return Counters(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Counters)})
+
+
+@dataclass
+class TrainState(Counters):
+    """The counters plus identity of a run at the end of optimizer step `step`.
+
+    The counters come first in the JSON as top-level keys (the on-disk format predates the
+    split). `epoch` and `cursor` are recorded for audit; a resume derives both from `step`.
+    """
+
+    epoch: int = 0
+    cursor: int = 0
+    """Sampler position of the next step: rows of `epoch`'s order already consumed."""
     ledger: dict[str, Any] = field(default_factory=dict)
     """`Ledger.totals()` at save time, carried into the next attempt."""
-    config_fingerprint: str = ""
     structural: dict[str, Any] = field(default_factory=dict)
     data_fingerprint: str = ""
     config: dict[str, Any] = field(default_factory=dict)
     world_size: int = 1
     seed: int = 0
-    scheduler: dict[str, Any] | None = None
     scaler: dict[str, Any] | None = None
     versions: dict[str, str] = field(default_factory=library_versions)
 
@@ -88,6 +107,8 @@ class TrainState:
         raw = json.loads(text)
         if not isinstance(raw, dict):
             raise ValueError("trainer_state.json: expected a JSON object")
+        for legacy in _RETIRED_FIELDS:
+            raw.pop(legacy, None)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -121,91 +142,6 @@ def _decode(value: Any) -> Any:
             return tuple(_decode(v) for v in value["__tuple__"])
         return {k: _decode(v) for k, v in value.items()}
     return value
-
-
-# ---------------------------------------------------------------------------- RNG
-
-
-def capture_rng() -> dict[str, torch.Tensor]:
-    """This process's python, numpy, torch CPU and every CUDA device's generator state."""
-    version, internal, gauss_next = random.getstate()
-    _, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
-    out = {
-        "python.version": torch.tensor([version], dtype=torch.int64),
-        "python.state": torch.tensor(internal, dtype=torch.int64),
-        # [has value, value]: random.gauss keeps a spare draw between calls.
-        "python.gauss_next": torch.tensor([0.0, 0.0] if gauss_next is None else [1.0, gauss_next], dtype=torch.float64),
-        "numpy.keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-        "numpy.pos_has_gauss": torch.tensor([pos, has_gauss], dtype=torch.int64),
-        "numpy.cached_gaussian": torch.tensor([cached_gaussian], dtype=torch.float64),
-        "torch.cpu": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        for i, st in enumerate(torch.cuda.get_rng_state_all()):
-            out[f"cuda.{i}"] = st
-    return out
-
-
-def restore_rng(tensors: dict[str, torch.Tensor]) -> None:
-    """Inverse of `capture_rng`: the next draws of every generator repeat the captured ones."""
-    gauss = tensors["python.gauss_next"].tolist()
-    random.setstate(
-        (
-            int(tensors["python.version"][0]),
-            tuple(int(x) for x in tensors["python.state"].tolist()),
-            gauss[1] if gauss[0] else None,
-        )
-    )
-    pos, has_gauss = (int(x) for x in tensors["numpy.pos_has_gauss"].tolist())
-    np.random.set_state(
-        (
-            "MT19937",
-            tensors["numpy.keys"].numpy().astype(np.uint32),
-            pos,
-            has_gauss,
-            float(tensors["numpy.cached_gaussian"][0]),
-        )
-    )
-    torch.set_rng_state(tensors["torch.cpu"].to(torch.uint8).contiguous())
-    cuda = sorted((int(k.split(".")[1]), v) for k, v in tensors.items() if k.startswith("cuda."))
-    if cuda and torch.cuda.is_available():
-        if len(cuda) != torch.cuda.device_count():
-            log.warning(
-                "checkpoint holds RNG state for %d CUDA devices, this process sees %d",
-                len(cuda),
-                torch.cuda.device_count(),
-            )
-        for i, st in cuda[: torch.cuda.device_count()]:
-            torch.cuda.set_rng_state(st.to(torch.uint8), device=i)
-
-
-def gather_rng(world_size: int) -> dict[str, torch.Tensor]:
-    """Every rank's `capture_rng()`, keyed `rank<r>.<name>`. Collective: all ranks must call it."""
-    local = capture_rng()
-    if world_size == 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return {f"rank0.{k}": v for k, v in local.items()}
-    # all_gather_object pickles over the process group only; nothing pickled reaches disk.
-    gathered: list[Any] = [None] * world_size
-    torch.distributed.all_gather_object(gathered, {k: v.numpy() for k, v in local.items()})
-    return {f"rank{r}.{k}": torch.from_numpy(v) for r, d in enumerate(gathered) for k, v in d.items()}
-
-
-def _rng_for_rank(
-    tensors: dict[str, torch.Tensor], rank: int, state: TrainState, world_size: int
-) -> dict[str, torch.Tensor] | None:
-    prefix = f"rank{rank}."
-    mine = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-    if mine and world_size == state.world_size:
-        return mine
-    return None
-
-
-def _reseed(seed: int, step: int, rank: int) -> None:
-    """Fresh, distinct streams per rank when the saved RNG cannot apply (world size changed)."""
-    words = np.random.SeedSequence([seed, step, rank]).generate_state(2)
-    random.seed(int(words[0]))
-    np.random.seed(int(words[0]))
-    torch.manual_seed(int(words[0]) << 32 | int(words[1]))
 
 
 # ---------------------------------------------------------------------------- optimizer
@@ -292,7 +228,6 @@ def write_training_state(
     optimizer: torch.optim.Optimizer,
     state: TrainState,
     rng: dict[str, torch.Tensor],
-    scheduler: Any = None,
     scaler: Any = None,
 ) -> None:
     """Write a complete checkpoint into `directory` (the temp dir of `CheckpointManager.save`)."""
@@ -313,7 +248,6 @@ def write_training_state(
     (directory / OPTIMIZER_META).write_text(json.dumps(meta, indent=1))
     save_file({k: v.contiguous() for k, v in rng.items()}, directory / RNG_FILE)
 
-    state.scheduler = _encode(scheduler.state_dict(), "scheduler") if scheduler is not None else None
     state.scaler = _encode(scaler.state_dict(), "grad scaler") if scaler is not None else None
     (directory / STATE_FILE).write_text(state.to_json())
 
@@ -325,12 +259,11 @@ def restore_training_state(
     optimizer: torch.optim.Optimizer,
     rank: int,
     world_size: int | None = None,
-    scheduler: Any = None,
     scaler: Any = None,
 ) -> TrainState:
     """Restore every piece of a checkpoint into the live objects and return its TrainState.
 
-    Call after the model, optimizer, scheduler and sampler exist and right before the first
+    Call after the model, optimizer and sampler exist and right before the first
     step: the RNG is restored last so nothing built afterwards shifts the random streams.
     """
     from peft.utils import set_peft_model_state_dict
@@ -342,27 +275,20 @@ def restore_training_state(
     peft_model = unwrap_peft(model)
     adapter = load_file(directory / ADAPTER_FILE)
     result = set_peft_model_state_dict(peft_model, adapter, adapter_name=peft_model.active_adapter)
-    if result.unexpected_keys:
-        raise ValueError(f"{directory / ADAPTER_FILE}: tensors this model does not have: {result.unexpected_keys[:5]}")
+    unexpected = list(getattr(result, "unexpected_keys", []))  # peft types the result loosely
+    if unexpected:
+        raise ValueError(f"{directory / ADAPTER_FILE}: tensors this model does not have: {unexpected[:5]}")
 
     optimizer_from_tensors(
         optimizer, load_file(directory / OPTIMIZER_FILE), json.loads((directory / OPTIMIZER_META).read_text())
     )
 
-    if (state.scheduler is None) != (scheduler is None):
-        raise ValueError(
-            f"{directory / STATE_FILE}: the checkpoint {'has' if state.scheduler is not None else 'has no'} "
-            "learning-rate scheduler state but this run "
-            f"{'has no scheduler' if scheduler is None else 'has one'}"
-        )
-    if scheduler is not None:
-        scheduler.load_state_dict(_decode(state.scheduler))
     if scaler is not None and state.scaler:
         scaler.load_state_dict(_decode(state.scaler))
     elif state.scaler and scaler is None:
         log.warning("%s holds grad-scaler state but this run uses no scaler; ignored", directory)
 
-    mine = _rng_for_rank(load_file(directory / RNG_FILE), rank, state, world)
+    mine = rank_rng(load_file(directory / RNG_FILE), rank, state.world_size, world)
     if mine is None:
         log.warning(
             "checkpoint was written by %d processes, this run has %d: random streams are reseeded "
@@ -370,7 +296,7 @@ def restore_training_state(
             state.world_size,
             world,
         )
-        _reseed(state.seed, state.step, rank)
+        reseed(state.seed, state.step, rank)
     else:
         restore_rng(mine)
     return state

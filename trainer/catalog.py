@@ -1,5 +1,8 @@
 """The GPU catalogue: memory, dense bf16 peak FLOP/s, typical prices, spot interruption rate.
 
+Used by the meter (MFU against the device's peak) and by the planner (fit, hours, cost), so it
+sits beside both and depends on neither.
+
 Shipped as `gpus.yaml` next to this module; a user YAML of the same shape changes any
 field of a known GPU (matched by name, case-insensitively) or adds new GPUs. Prices are
 the part most worth overriding: they are typical public figures, not quotes.
@@ -14,8 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from trainer.plan import PlanError
 
 BUILTIN_CATALOG = Path(__file__).with_name("gpus.yaml")
 _REQUIRED = ("memory_gib", "peak_bf16_flops", "on_demand_price")
@@ -45,8 +46,8 @@ class GPU:
         return 1.0 - self.spot_price / self.on_demand_price
 
 
-class CatalogError(PlanError):
-    """A bad GPU catalogue file or an unknown GPU name."""
+class CatalogError(ValueError):
+    """A bad GPU catalogue file or an unknown GPU name (a user error: exit code 2)."""
 
 
 def load_catalog(overrides_path: str | Path | None = None) -> list[GPU]:

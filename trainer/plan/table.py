@@ -1,0 +1,73 @@
+"""The readable `spotune estimate` report, rendered from the estimate document."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def format_estimate(result: dict[str, Any]) -> str:
+    """The readable report: workload, memory, throughput, then one line per GPU and pricing."""
+    m, d, r, t = result["model"], result["data"], result["run"], result["throughput"]
+    mem_g = result["memory_gib"]
+    exact = (
+        "exact, from the prepared manifest" if d["exact"] else f"estimate from {d['sampled_examples']} sampled examples"
+    )
+    lines = [
+        f"model   {m['name_or_path']} ({m['arch']}, {m['params'] / 1e6:,.1f}M params, {m['weight_format']}), "
+        f"LoRA {m['trainable_params'] / 1e6:,.2f}M trainable, {_si(m['flops_per_token'])} FLOP/token",
+        f"data    {d['rows_per_epoch']:,.0f} rows/epoch, {d['real_tokens_per_epoch']:,.0f} real tokens/epoch "
+        f"({d['trainable_tokens_per_epoch']:,.0f} trainable) [{exact}]",
+        f"run     {r['steps']:,} steps x {r['global_batch_rows']} rows x {r['seq_len']} = {r['real_tokens']:,.0f} real tokens "
+        f"on {r['gpus']} GPU(s), {r['train_flops']:.3g} FLOPs",
+        "memory  "
+        + ", ".join(f"{k} {v:.3g}" for k, v in mem_g.items() if k not in ("total", "pilot_measured_peak"))
+        + f" -> {mem_g['total']:.3g} GiB per GPU"
+        + (f" (pilot measured {mem_g['pilot_measured_peak']:.3g} GiB)" if mem_g.get("pilot_measured_peak") else ""),
+        f"checkpoint save {result['checkpoint']['save_seconds']:.2g} s, startup/restart {result['checkpoint']['restart_seconds']:.0f} s",
+        "",
+        f"{'GPU':<14}{'fit':<5}{'pricing':<10}{'$/GPU-h':>8}{'tok/s':>9}{'compute lo-exp-hi':>20}"
+        f"{'+start':>8}{'+ckpt':>7}{'+eval':>7}{'+interr':>8}{'= wall':>8}{'GPU-h':>8}{'cost lo-exp-hi':>22}{'ckpt every':>11}",
+    ]
+    for i, o in enumerate(result["options"]):
+        c, w = o["cost"], o["compute_hours"]
+        cost = "-".join(f"{c[k]:,.2f}" for k in ("low", "expected", "high")) if c["expected"] is not None else "n/a"
+        price = f"{o['price_per_gpu_hour']:.2f}" if o["price_per_gpu_hour"] is not None else "n/a"
+        rec = o.get("recommended_checkpoint_minutes")
+        star = " *" if result["recommendation"] and result["recommendation"]["index"] == i else ""
+        lines.append(
+            f"{o['gpu'][:13]:<14}{'yes' if o['fits'] else 'NO':<5}{o['pricing']:<10}{price:>8}{_si(o['tokens_per_s']):>9}"
+            f"{'-'.join(_hours(w[k]) for k in ('low', 'expected', 'high')):>20}"
+            f"{_hours(o['startup_hours']):>8}{_hours(o['checkpoint_hours']):>7}{_hours(o['eval_hours']):>7}"
+            f"{_hours(o['restart_hours']):>8}{_hours(o['wall_hours']['expected']):>8}"
+            f"{o['gpu_hours']['expected']:>8.2f}{cost:>22}{(f'{rec:.0f} min' if rec and o['pricing'] == 'spot' else ''):>11}{star}"
+        )
+    rec = result["recommendation"]
+    lines.append("")
+    if rec:
+        lines.append(
+            f"recommended: {rec['gpu']} {rec['pricing']}, ~{_hours(rec['wall_hours'])}, ~{rec['cost']:,.2f} ({rec['why']})"
+        )
+    elif result["constraints"]["deadline_hours"] is not None or result["constraints"]["budget"] is not None:
+        lines.append("recommended: none meets the deadline/budget; relax one, add GPUs (--gpus) or shorten the run")
+    lines.append(f"throughput: {t['source']}" + (f" on {t['device']}" if t.get("device") else ""))
+    lines += [f"  - {a}" for a in result["assumptions"]]
+    lines.append(
+        "wall = compute + startup + checkpoint saves + evaluation + (spot) expected interruptions x "
+        "(restart + half a checkpoint interval); GPU-h = wall x GPUs; cost = GPU-h x price"
+    )
+    return "\n".join(lines)
+
+
+def _si(x: float) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= size:
+            return f"{x / size:.1f}{unit}"
+    return f"{x:.0f}"
+
+
+def _hours(h: float) -> str:
+    if h == 0:
+        return "0"
+    if h < 1 / 60:
+        return f"{h * 3600:.0f}s"
+    return f"{h * 60:.0f}m" if h < 1 else f"{h:.1f}h"

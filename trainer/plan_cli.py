@@ -1,0 +1,167 @@
+"""The `estimate` and `pilot` commands: glue between the command line, the run and trainer/plan/.
+
+trainer/plan/ takes numbers and config sections; this module is where the world is read for
+it (the model's config.json, the data or its prepared manifest, pilot.json, the catalogue
+file) and where the pilot, which is a real training run, is started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from trainer import catalog as cat
+from trainer import exit_codes, flops, run, tiny
+from trainer.config import RunConfig
+from trainer.data.cache import data_cache_root
+from trainer.plan import PlanError, pilot
+from trainer.plan import workload as wl
+from trainer.plan.estimate import Constraints, Job, Measured, estimate
+from trainer.plan.table import format_estimate
+from trainer.plan.throughput import choose
+
+
+def estimate_for_run(
+    cfg: RunConfig,
+    *,
+    throughput: float | None = None,
+    pilot_json: Path | None = None,
+    gpus: int = 1,
+    deadline_hours: float | None = None,
+    budget: float | None = None,
+    catalog_path: Path | None = None,
+    gpu: str | None = None,
+    mfu: float | None = None,
+    manifest: dict[str, Any] | None = None,
+    sample_size: int = 2000,
+) -> dict[str, Any]:
+    """The estimate of the run `cfg` describes (schema `spotune.estimate/1`)."""
+    constraints = Constraints(gpus=gpus, gpu=gpu, deadline_hours=deadline_hours, budget=budget)
+    if gpus < 1:
+        raise PlanError(f"--gpus must be at least 1, got {gpus}")
+    try:
+        catalog = cat.load_catalog(catalog_path)
+    except cat.CatalogError as e:
+        raise PlanError(str(e)) from None
+    shape, hf_name = _shape(cfg, tiny.resolve_model(cfg.model.name_or_path))
+    job = Job(
+        name_or_path=cfg.model.name_or_path,
+        shape=shape,
+        hf_model_type=hf_name,
+        model=cfg.model,
+        adapter=cfg.adapter,
+        train=cfg.train,
+        checkpoint=cfg.checkpoint,
+        seq_len=cfg.data.seq_len,
+        price_per_hour=cfg.metrics.price_per_hour,
+    )
+    work = _workload(cfg, manifest, sample_size)
+    measured = json.loads(Path(pilot_json).read_text()) if pilot_json else None
+    rate = choose(cfg.adapter.method, measured, throughput, cfg.metrics.gpu, mfu)
+    return estimate(job, work, rate, catalog, constraints, Measured.from_pilot(measured) if measured else None)
+
+
+def estimate_command(cfg: RunConfig, args: Any) -> int:
+    """`spotune estimate`: print the table (or JSON); exit 0."""
+    pilot_json = args.pilot
+    if pilot_json is None:
+        default = pilot.pilot_dir(cfg) / "pilot.json"
+        pilot_json = default if default.is_file() else None
+    result = estimate_for_run(
+        cfg,
+        throughput=args.throughput,
+        pilot_json=pilot_json,
+        gpus=args.gpus,
+        deadline_hours=args.deadline_hours,
+        budget=args.budget,
+        catalog_path=args.catalog,
+        gpu=args.gpu,
+        mfu=args.mfu,
+    )
+    print(json.dumps(result, indent=2) if args.json else format_estimate(result))
+    return 0
+
+
+def run_pilot(
+    cfg: RunConfig, steps: int | None = None, minutes: float | None = None, *, fresh_process: bool = True
+) -> dict[str, Any]:
+    """Run the pilot, write `<output_dir>/pilot/pilot.json`, return its content.
+
+    `fresh_process`: this process was started for the pilot (the CLI), so its time so far
+    (interpreter, imports, config) is startup that `spotune train` pays too. Pass False from
+    a long-lived process (tests, notebooks): startup then counts from this call, and the
+    imports already done are not measured."""
+    earlier = 0.0 if fresh_process else pilot._seconds_since_process_start()
+    pcfg = pilot.pilot_config(cfg, steps, minutes)
+    out = pilot.pilot_dir(cfg)
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    if main_rank and out.exists():
+        # A pilot is always fresh: old metrics or ledger rows would mix in. Under torchrun the
+        # other ranks cannot run ahead of this: train() starts with the process-group rendezvous.
+        shutil.rmtree(out)
+    prepare_seconds = 0.0
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        # Preparing the data is a one-off that the real run will not repeat (it reuses the
+        # cache): time it here so it can be taken out of the measured startup. The imports
+        # come first, untimed: the real run pays for them too.
+        import datasets  # noqa: F401
+        import transformers  # noqa: F401
+        from transformers import AutoTokenizer  # noqa: F401
+
+        from trainer import data  # noqa: F401
+
+        started = time.monotonic()
+        prepared = run.prepare_data(pcfg, progress=cfg.metrics.progress)
+        prepare_seconds = 0.0 if prepared.reused else time.monotonic() - started
+    code = run.train(pcfg)
+    # With --minutes the pilot ends through the budget guard, which also saves: both are fine.
+    if code not in (exit_codes.EXIT_FINISHED, exit_codes.EXIT_BUDGET):
+        raise PlanError(f"the pilot run in {out} stopped with exit code {code}; see the messages above")
+    if not main_rank:
+        return {}  # rank 0 writes the logs, and summarises them
+    result = pilot.summarise(out, cfg.metrics.warmup_steps, pilot.device_name(), prepare_seconds, earlier)
+    (out / "pilot.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def pilot_command(cfg: RunConfig, steps: int | None = None, minutes: float | None = None) -> int:
+    """`spotune pilot`: measure, write pilot.json, print the measurement and the forecast."""
+    p = run_pilot(cfg, steps=steps, minutes=minutes)
+    if not p:
+        return 0  # not rank 0
+    print(pilot.format_pilot(p))
+    print(f"  written to {pilot.pilot_dir(cfg) / 'pilot.json'}\n")
+    print(format_estimate(estimate_for_run(cfg, pilot_json=pilot.pilot_dir(cfg) / "pilot.json", gpus=p["world_size"])))
+    return 0
+
+
+# ---------------------------------------------------------------------------- reading the world
+
+
+def _shape(cfg: RunConfig, path: str) -> tuple[flops.ModelShape, str]:
+    from transformers import AutoConfig
+
+    try:
+        hf = AutoConfig.from_pretrained(
+            path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+        )
+    except (OSError, ValueError) as e:
+        raise PlanError(
+            f"model.name_or_path: cannot read the model config of {path!r}: {str(e).splitlines()[0]}"
+        ) from None
+    return flops.model_shape(hf), str(getattr(hf, "model_type", ""))
+
+
+def _workload(cfg: RunConfig, manifest: dict[str, Any] | None, sample_size: int) -> wl.Workload:
+    if manifest is not None:
+        return wl.from_manifest(manifest)
+    data_path = tiny.resolve_data(cfg.data.path)
+    found = wl.find_manifest(cfg.data, data_path, data_cache_root(cfg.data.cache_dir, cfg.output_dir))
+    if found is not None:
+        return wl.from_manifest(*found)
+    tok = cfg.data.tokenizer or tiny.resolve_model(cfg.model.name_or_path)
+    return wl.from_sample(cfg.data, data_path, tok, sample_size=sample_size, seed=cfg.seed)

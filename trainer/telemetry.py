@@ -1,0 +1,118 @@
+"""Everything a run reports, fed from the loop's per-step record: meter, metrics sinks, console,
+ledger and the budget guard. The loop knows none of them; it hands a `StepRecord` to
+`Telemetry.on_step` and asks `Telemetry.over_budget`.
+
+Every rank holds a Telemetry (the meter's clock and the budget decision are per rank and then
+agreed on by the loop); only the main rank writes rows, trackers and the ledger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.loop import StepRecord
+from trainer.metrics import Console, JsonlSink, Meter
+from trainer.restart.ledger import Ledger
+
+
+@dataclass(frozen=True)
+class Budget:
+    """`train.max_gpu_hours` / `train.max_cost`: stop (after a checkpoint) once either is spent."""
+
+    max_gpu_hours: float | None = None
+    max_cost: float | None = None
+
+    def spent(self, device_seconds: float, cost: float | None) -> str | None:
+        """Why the budget is spent, or None."""
+        if self.max_gpu_hours is not None and device_seconds / 3600.0 >= self.max_gpu_hours:
+            return f"budget reached (train.max_gpu_hours={self.max_gpu_hours})"
+        if self.max_cost is not None and cost is not None and cost >= self.max_cost:
+            return f"budget reached (train.max_cost={self.max_cost})"
+        return None
+
+
+class Telemetry:
+    """The loop's `on_step` and `over_budget` hooks, and the time-outs for saves and evaluations."""
+
+    def __init__(
+        self,
+        meter: Meter,
+        console: Console,
+        ledger: Ledger,
+        sink: JsonlSink | None,
+        *,
+        log_every: int,
+        total_steps: int,
+        budget: Budget,
+        epoch_of: Callable[[int], float],
+        tracker_log: Callable[[dict[str, Any], int], None] | None = None,
+    ) -> None:
+        self.meter, self.console, self.ledger, self.sink = meter, console, ledger, sink
+        self.log_every, self.total_steps, self.budget = log_every, total_steps, budget
+        self.epoch_of = epoch_of
+        self.tracker_log = tracker_log
+        self.last: StepRecord | None = None
+        self.extra: dict[str, Any] = {}
+        """Fields merged into the next metrics row (e.g. a save's upload figures), then cleared."""
+
+    def on_step(self, record: StepRecord) -> None:
+        """Account one finished optimizer step; write a metrics row every `log_every` steps."""
+        self.last = record
+        self.ledger.add_productive(record.seconds)
+        # Logits are computed only where a label is (trainer/loss.py), so the head's FLOPs
+        # count the trainable tokens, not every real one.
+        self.meter.step(
+            record.counters.step - 1,
+            record.seconds,
+            record.stall_seconds,
+            record.real_tokens,
+            record.doc_len_sq,
+            head_tokens=record.trainable_tokens,
+        )
+        step = record.counters.step
+        if step % self.log_every == 0 or step == self.total_steps or not record.applied:
+            row = self.meter.row(  # adds rates, MFU, memory, cost
+                step=step,
+                epoch=self.epoch_of(step),
+                loss=record.loss,
+                lr=record.lr,
+                grad_norm=record.grad_norm,
+                skipped_steps=record.counters.skipped_steps,
+                trainable_tokens=record.counters.tokens,
+                real_tokens=record.counters.real_tokens,
+            )
+            self.write(row)
+            self.console.update(0, row)
+        self.console.update(1)
+
+    def write(self, row: dict[str, Any]) -> None:
+        """One metrics row to every sink (main rank) and the ledger's heartbeat (every rank)."""
+        if self.extra:
+            row = {**row, **self.extra}
+            self.extra = {}
+        self.ledger.heartbeat(row.get("step"))
+        if self.sink is not None:
+            self.sink.write(row)
+            if self.tracker_log is not None:
+                self.tracker_log({k: v for k, v in row.items() if isinstance(v, (int, float))}, row["step"])
+
+    def evaluated(self, step: int, loss: float | None, seconds: float) -> None:
+        """An evaluation's row; its time is not training time."""
+        self.write({"step": step, "eval_loss": loss})
+        self.meter.pause(seconds)
+
+    def saved(self, step: int, seconds: float) -> None:
+        """A checkpoint's time: not training time, counted in the ledger as checkpoint time."""
+        self.meter.pause(seconds)
+        self.ledger.add_checkpoint(seconds)
+        self.ledger.checkpointed()
+        self.ledger.heartbeat(step)
+
+    def over_budget(self) -> str | None:
+        return self.budget.spent(self.meter.device_seconds(), self.meter.cost())
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.last.loss if self.last is not None else None
