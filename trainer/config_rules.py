@@ -1,0 +1,185 @@
+"""How raw YAML becomes a RunConfig: building the dataclasses with type checks, the rules that
+span fields, and the walk that documents every key. The schema itself is trainer/config.py.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import json
+import sys
+import types
+import typing
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal, Union
+
+if TYPE_CHECKING:
+    from trainer.config import RunConfig
+
+
+def plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
+    if not isinstance(raw, Mapping):
+        problems.append(f"{prefix.rstrip('.') or 'recipe'}: expected a mapping of keys, got {raw!r}")
+        return cls()
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            problems.append(f"{name}: unknown key{_suggest(str(key), prefix, fields)}")
+            continue
+        hint = hints[key]
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            kwargs[key] = build(hint, value if value is not None else {}, f"{name}.", problems)
+            continue
+        ok, coerced, expected = _check(hint, value)
+        if ok:
+            kwargs[key] = coerced
+        else:
+            problems.append(f"{name}: expected {expected}, got {value!r}")
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # only reachable if a problem was already recorded
+        problems.append(f"{prefix or 'recipe'}: {e}")
+        return cls()
+
+
+def _suggest(key: str, prefix: str, fields: Mapping[str, Any]) -> str:
+    close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.5)
+    if close:
+        return f"; did you mean {prefix}{close[0]}?"
+    return f"; valid keys here: {', '.join(prefix + f for f in fields)}"
+
+
+def _check(hint: Any, value: Any) -> tuple[bool, Any, str]:
+    """(ok, coerced value, description of the expected type)."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        expected = []
+        for arg in args:
+            ok, coerced, desc = _check(arg, value)
+            if ok:
+                return True, coerced, desc
+            expected.append(desc)
+        return False, value, " or ".join(expected)
+    if hint is type(None):
+        return value is None, None, "null"
+    if origin is Literal:
+        return value in args, value, "one of " + ", ".join(repr(a) for a in args)
+    if origin is tuple:
+        items = [value] if isinstance(value, (str, int, float)) else value
+        if not isinstance(items, (list, tuple)):
+            return False, value, f"a list of {_check(args[0], None)[2]}"
+        out = []
+        for item in items:
+            ok, coerced, desc = _check(args[0], item)
+            if not ok:
+                return False, value, f"a list of {desc}"
+            out.append(coerced)
+        return True, tuple(out), f"a list of {_check(args[0], None)[2]}"
+    if hint is bool:
+        return isinstance(value, bool), value, "true or false"
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value, "an integer"
+    if hint is float:
+        if isinstance(value, str):  # PyYAML reads `2e-4` (no dot) as a string: accept it
+            try:
+                return True, float(value), "a number"
+            except ValueError:
+                return False, value, "a number"
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else value, "a number"
+    if hint is str:
+        return isinstance(value, str), value, "a string"
+    return isinstance(value, hint), value, getattr(hint, "__name__", str(hint))
+
+
+def cross_checks(cfg: RunConfig) -> list[str]:
+    p: list[str] = []
+    positive = {
+        "data.seq_len": cfg.data.seq_len,
+        "train.micro_batch_size": cfg.train.micro_batch_size,
+        "train.grad_accum": cfg.train.grad_accum,
+        "adapter.r": cfg.adapter.r,
+        "data.num_proc": cfg.data.num_proc,
+        "metrics.log_every": cfg.metrics.log_every,
+        "train.max_bad_steps": cfg.train.max_bad_steps,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            p.append(f"{key}: must be at least 1, got {value}")
+    optional: dict[str, int | None] = {
+        "train.max_steps": cfg.train.max_steps,
+        "checkpoint.every_steps": cfg.checkpoint.every_steps,
+        "train.eval_every": cfg.train.eval_every,
+    }
+    for key, maybe in optional.items():
+        if maybe is not None and maybe < 1:
+            p.append(f"{key}: must be at least 1 or null, got {maybe}")
+    if cfg.train.max_steps is None and cfg.train.epochs <= 0:
+        p.append(f"train.epochs: must be above 0 when train.max_steps is unset, got {cfg.train.epochs}")
+    if cfg.train.lr <= 0:
+        p.append(f"train.lr: must be above 0, got {cfg.train.lr}")
+    if cfg.train.warmup_steps < 0:
+        p.append(f"train.warmup_steps: must be 0 or more, got {cfg.train.warmup_steps}")
+    if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:
+        p.append(f"train.min_lr_ratio: must be within [0, 1], got {cfg.train.min_lr_ratio}")
+    if not 0.0 <= cfg.adapter.dropout < 1.0:
+        p.append(f"adapter.dropout: must be within [0, 1), got {cfg.adapter.dropout}")
+    if not 0.0 <= cfg.data.eval_fraction < 1.0:
+        p.append(f"data.eval_fraction: must be within [0, 1), got {cfg.data.eval_fraction}")
+    if cfg.checkpoint.keep_last < 2:
+        p.append(
+            f"checkpoint.keep_last: must be at least 2 so a committed checkpoint always survives, got {cfg.checkpoint.keep_last}"
+        )
+    if cfg.checkpoint.every_minutes is not None and cfg.checkpoint.every_minutes <= 0:
+        p.append(f"checkpoint.every_minutes: must be above 0 or null, got {cfg.checkpoint.every_minutes}")
+    if cfg.train.max_cost is not None and cfg.metrics.price_per_hour is None:
+        p.append(
+            "train.max_cost: needs metrics.price_per_hour to turn device-hours into cost; set metrics.price_per_hour"
+        )
+    if cfg.train.mixed_precision == "fp16" and cfg.model.dtype == "bfloat16":
+        p.append(
+            "train.mixed_precision: fp16 over a bfloat16 base mixes dtypes; use train.mixed_precision=bf16 or model.dtype=float16"
+        )
+    return p
+
+
+def field_docs(root: type) -> list[tuple[str, str, str]]:
+    """(dotted key, default, docstring) for every key under the dataclass `root`, read from the
+    attribute docstrings of its module (the README reference and `spotune config`)."""
+    docs: dict[tuple[str, str], str] = {}
+    tree = ast.parse(inspect.getsource(sys.modules[root.__module__]))
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            body = node.body
+            for i, stmt in enumerate(body):
+                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                    nxt = body[i + 1] if i + 1 < len(body) else None
+                    if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                        docs[(node.name, stmt.target.id)] = str(nxt.value.value)
+    rows: list[tuple[str, str, str]] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(hints[f.name], f"{prefix}{f.name}.")
+                continue
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            rows.append((prefix + f.name, json.dumps(plain(default)), docs.get((cls.__name__, f.name), "")))
+
+    walk(root, "")
+    return rows
