@@ -29,7 +29,7 @@ def cfg(tmp_path: Path, tiny_llama: Path, tiny_data: Path) -> config.RunConfig:
 
 
 def test_pilot_config_changes_only_what_it_must(cfg: config.RunConfig) -> None:
-    p = pilot.pilot_config(cfg, steps=7)
+    p = plan_cli.pilot_config(cfg, steps=7)
     assert p.output_dir == str(Path(cfg.output_dir) / "pilot")
     assert p.data.cache_dir == str(Path(cfg.output_dir) / "data")  # the run's own cache: prepared once
     assert (p.train.max_steps, p.checkpoint.resume, p.checkpoint.every_steps, p.metrics.log_every) == (
@@ -46,14 +46,14 @@ def test_pilot_config_changes_only_what_it_must(cfg: config.RunConfig) -> None:
         cfg.train.micro_batch_size,
         cfg.train.lr,
     )
-    timed = pilot.pilot_config(cfg, minutes=3)
-    used = pilot._seconds_since_process_start()  # the budget guard's clock already ran this long
+    timed = plan_cli.pilot_config(cfg, minutes=3)
+    used = plan_cli._seconds_since_process_start()  # the budget guard's clock already ran this long
     assert timed.train.max_gpu_hours == pytest.approx(0.05 + used / 3600, abs=2 / 3600)
     assert timed.train.max_steps == 40
     with pytest.raises(PlanError, match="metrics.warmup_steps=2"):
-        pilot.pilot_config(cfg, steps=4)
+        plan_cli.pilot_config(cfg, steps=4)
     with pytest.raises(PlanError, match="not both"):
-        pilot.pilot_config(cfg, steps=10, minutes=1)
+        plan_cli.pilot_config(cfg, steps=10, minutes=1)
 
 
 def test_summary_of_a_known_log(tmp_path: Path) -> None:

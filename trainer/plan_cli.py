@@ -21,6 +21,7 @@ from trainer.data.cache import data_cache_root
 from trainer.plan import PlanError, pilot
 from trainer.plan import workload as wl
 from trainer.plan.estimate import Constraints, Job, Measured, estimate
+from trainer.plan.pilot import DEFAULT_STEPS
 from trainer.plan.table import format_estimate
 from trainer.plan.throughput import choose
 
@@ -69,7 +70,7 @@ def estimate_command(cfg: RunConfig, args: Any) -> int:
     """`spotune estimate`: print the table (or JSON); exit 0."""
     pilot_json = args.pilot
     if pilot_json is None:
-        default = pilot.pilot_dir(cfg) / "pilot.json"
+        default = pilot_dir(cfg) / "pilot.json"
         pilot_json = default if default.is_file() else None
     result = estimate_for_run(
         cfg,
@@ -86,6 +87,56 @@ def estimate_command(cfg: RunConfig, args: Any) -> int:
     return 0
 
 
+def pilot_dir(cfg: RunConfig) -> Path:
+    return Path(cfg.output_dir) / "pilot"
+
+
+def pilot_config(cfg: RunConfig, steps: int | None = None, minutes: float | None = None) -> RunConfig:
+    """The run's config, changed only in what a pilot must change."""
+    if steps is not None and minutes is not None:
+        raise PlanError("give --steps or --minutes, not both")
+    if minutes is not None and minutes <= 0:
+        raise PlanError(f"--minutes must be above 0, got {minutes}")
+    warm = cfg.metrics.warmup_steps
+    n = steps if steps is not None else DEFAULT_STEPS
+    if minutes is None and n < warm + 3:
+        raise PlanError(
+            f"--steps {n} leaves fewer than 3 steps after metrics.warmup_steps={warm}; give at least {warm + 3}"
+        )
+    budget_hours = None
+    if minutes is not None:
+        # Stop by time through the budget guard. It counts device-hours from process start,
+        # so what this process has used already is added: the pilot gets `minutes` from now
+        # (its own startup included). The step cap is just "more than will fit".
+        n = 10**9 if cfg.train.max_steps is None else cfg.train.max_steps
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        budget_hours = (_seconds_since_process_start() + 60.0 * minutes) * world / 3600.0
+    return cfg.replace(
+        **{
+            "output_dir": str(pilot_dir(cfg)),
+            "data.cache_dir": str(data_cache_root(cfg.data.cache_dir, cfg.output_dir)),  # share the run's prepared data
+            "train.max_steps": n,
+            "train.max_gpu_hours": budget_hours,
+            "train.max_cost": None,
+            "train.eval_every": None,  # evaluation time is forecast from token counts instead
+            "checkpoint.resume": "never",
+            "checkpoint.every_steps": None,
+            "checkpoint.every_minutes": None,  # one save, at the end: the one we time
+            "metrics.log_every": 1,  # one row per step: the step-time distribution
+        }
+    )
+
+
+def _seconds_since_process_start() -> float:
+    """The ledger's clock starts at process start (psutil); 0 where that cannot be read."""
+    try:
+        import psutil
+
+        return max(0.0, time.time() - float(psutil.Process().create_time()))
+    except Exception:  # psutil missing: the ledger then starts its own clock at open
+        return 0.0
+
+
 def run_pilot(
     cfg: RunConfig, steps: int | None = None, minutes: float | None = None, *, fresh_process: bool = True
 ) -> dict[str, Any]:
@@ -95,9 +146,9 @@ def run_pilot(
     (interpreter, imports, config) is startup that `spotune train` pays too. Pass False from
     a long-lived process (tests, notebooks): startup then counts from this call, and the
     imports already done are not measured."""
-    earlier = 0.0 if fresh_process else pilot._seconds_since_process_start()
-    pcfg = pilot.pilot_config(cfg, steps, minutes)
-    out = pilot.pilot_dir(cfg)
+    earlier = 0.0 if fresh_process else _seconds_since_process_start()
+    pcfg = pilot_config(cfg, steps, minutes)
+    out = pilot_dir(cfg)
     main_rank = int(os.environ.get("RANK", "0")) == 0
     if main_rank and out.exists():
         # A pilot is always fresh: old metrics or ledger rows would mix in. Under torchrun the
@@ -134,8 +185,8 @@ def pilot_command(cfg: RunConfig, steps: int | None = None, minutes: float | Non
     if not p:
         return 0  # not rank 0
     print(pilot.format_pilot(p))
-    print(f"  written to {pilot.pilot_dir(cfg) / 'pilot.json'}\n")
-    print(format_estimate(estimate_for_run(cfg, pilot_json=pilot.pilot_dir(cfg) / "pilot.json", gpus=p["world_size"])))
+    print(f"  written to {pilot_dir(cfg) / 'pilot.json'}\n")
+    print(format_estimate(estimate_for_run(cfg, pilot_json=pilot_dir(cfg) / "pilot.json", gpus=p["world_size"])))
     return 0
 
 

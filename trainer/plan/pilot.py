@@ -19,71 +19,17 @@ All of that goes to `<output_dir>/pilot/pilot.json`, which `spotune estimate` pi
 from __future__ import annotations
 
 import json
-import os
 import platform
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from trainer.config import RunConfig
-from trainer.data.cache import data_cache_root
 from trainer.plan import PlanError
 
 DEFAULT_STEPS = 20
 PILOT_SCHEMA = "spotune.pilot/1"
-
-
-def pilot_dir(cfg: RunConfig) -> Path:
-    return Path(cfg.output_dir) / "pilot"
-
-
-def pilot_config(cfg: RunConfig, steps: int | None = None, minutes: float | None = None) -> RunConfig:
-    """The run's config, changed only in what a pilot must change."""
-    if steps is not None and minutes is not None:
-        raise PlanError("give --steps or --minutes, not both")
-    if minutes is not None and minutes <= 0:
-        raise PlanError(f"--minutes must be above 0, got {minutes}")
-    warm = cfg.metrics.warmup_steps
-    n = steps if steps is not None else DEFAULT_STEPS
-    if minutes is None and n < warm + 3:
-        raise PlanError(
-            f"--steps {n} leaves fewer than 3 steps after metrics.warmup_steps={warm}; give at least {warm + 3}"
-        )
-    budget_hours = None
-    if minutes is not None:
-        # Stop by time through the budget guard. It counts device-hours from process start,
-        # so what this process has used already is added: the pilot gets `minutes` from now
-        # (its own startup included). The step cap is just "more than will fit".
-        n = 10**9 if cfg.train.max_steps is None else cfg.train.max_steps
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        budget_hours = (_seconds_since_process_start() + 60.0 * minutes) * world / 3600.0
-    return cfg.replace(
-        **{
-            "output_dir": str(pilot_dir(cfg)),
-            "data.cache_dir": str(data_cache_root(cfg.data.cache_dir, cfg.output_dir)),  # share the run's prepared data
-            "train.max_steps": n,
-            "train.max_gpu_hours": budget_hours,
-            "train.max_cost": None,
-            "train.eval_every": None,  # evaluation time is forecast from token counts instead
-            "checkpoint.resume": "never",
-            "checkpoint.every_steps": None,
-            "checkpoint.every_minutes": None,  # one save, at the end: the one we time
-            "metrics.log_every": 1,  # one row per step: the step-time distribution
-        }
-    )
-
-
-def _seconds_since_process_start() -> float:
-    """The ledger's clock starts at process start (psutil); 0 where that cannot be read."""
-    try:
-        import psutil
-
-        return max(0.0, time.time() - float(psutil.Process().create_time()))
-    except Exception:  # psutil missing: the ledger then starts its own clock at open
-        return 0.0
 
 
 def summarise(
