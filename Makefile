@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo lint test bench clean
+.PHONY: setup demo lint test test-fast bench clean
 
 setup:
 	bash scripts/setup.sh
@@ -20,6 +20,9 @@ lint: setup
 
 test: lint
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
+
+test-fast: setup
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
 
 bench: setup
 	$(PY) benchmarks/packing.py

@@ -61,13 +61,32 @@ def test_positioning_is_o1_in_the_step() -> None:
 def test_micro_batches_partition_the_step_across_ranks() -> None:
     s = StepSampler(200, 2 * 3 * 2, seed=0)  # micro 2, accum 3, world 2
     step_rows = s.rows_for_step(5)
-    got = [s.micro_batches(5, r, 2, 2, 3) for r in range(2)]
+    got = [s.micro_batches(5, r, 2, 2) for r in range(2)]
     assert all(len(m) == 3 and all(len(b) == 2 for b in m) for m in got)
     flat = sorted(x for m in got for b in m for x in b)
     assert flat == sorted(step_rows)
     assert got[0][0] == step_rows[0:2] and got[1][0] == step_rows[2:4] and got[0][1] == step_rows[4:6]
-    with pytest.raises(ValueError, match="rows_per_step"):
-        s.micro_batches(5, 0, 2, 2, 2)
+    with pytest.raises(ValueError, match="outside world size"):
+        s.micro_batches(5, 2, 2, 2)
+
+
+def test_uneven_split_covers_the_step_once_on_any_world_size() -> None:
+    """A global batch of 8 on 3 ranks: shares 3/3/2, the last micro-step short on rank 2."""
+    s = StepSampler(100, 8, seed=1)
+    rows = s.rows_for_step(4)
+    for world, micro in [(1, 1), (1, 3), (2, 2), (3, 1), (3, 2), (5, 1), (8, 1)]:
+        parts = [s.micro_batches(4, r, world, micro) for r in range(world)]
+        assert len({len(p) for p in parts}) == 1, "every rank runs the same number of micro-steps"
+        flat = [x for m in range(len(parts[0])) for p in parts for x in p[m]]
+        assert flat == rows, (world, micro)  # the step's rows, in training order, whatever the split
+    shares = [sum(len(b) for b in s.micro_batches(4, r, 3, 1)) for r in range(3)]
+    assert shares == [3, 3, 2]
+
+
+def test_digest_names_the_rows_of_a_step() -> None:
+    s, other = StepSampler(100, 8, seed=1), StepSampler(100, 8, seed=2)
+    assert s.digest(3) == StepSampler(100, 8, seed=1).digest(3)
+    assert s.digest(3) != s.digest(4) and s.digest(3) != other.digest(3)  # control: other rows, other digest
 
 
 def test_too_few_rows_names_the_keys() -> None:

@@ -101,10 +101,13 @@ class TrainConfig:
     """Optimizer steps to run; when unset, `epochs` decides."""
     epochs: float = 1.0
     """Passes over the packed rows when `max_steps` is unset."""
+    global_batch_size: int | None = None
+    """Packed rows per optimizer step over all devices: what defines the run (structural). Unset:
+    `micro_batch_size x grad_accum x devices` of the first start, kept when a resume has another device count."""
     micro_batch_size: int = 1
-    """Rows per forward pass per device."""
-    grad_accum: int = 1
-    """Micro-batches per optimizer step per device."""
+    """Rows per forward pass per device: a memory choice, free to change between restarts."""
+    grad_accum: int | None = None
+    """Micro-batches per optimizer step per device; derived from `global_batch_size` when unset (1 when both are)."""
     lr: float = 2e-4
     """Peak learning rate."""
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
@@ -275,7 +278,7 @@ def to_yaml(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
-def structural_fields(cfg: RunConfig, world_size: int = 1) -> dict[str, Any]:
+def structural_fields(cfg: RunConfig, world_size: int = 1, global_rows: int | None = None) -> dict[str, Any]:
     """The settings a resumed run must share with the run that wrote the checkpoint."""
     a, d, t = cfg.adapter, cfg.data, cfg.train
     return {
@@ -291,9 +294,52 @@ def structural_fields(cfg: RunConfig, world_size: int = 1) -> dict[str, Any]:
         "data.format": d.format,
         "data.seq_len": d.seq_len,
         "data.packing": d.packing,
-        "global_batch_rows": t.micro_batch_size * t.grad_accum * world_size,
+        # The global batch defines the run; world size, micro-batch and accumulation do not.
+        "global_batch_rows": global_rows if global_rows is not None else batch_split(t, world_size).global_rows,
         "train.optimizer": t.optimizer,  # its saved state only loads into the same optimizer
     }
+
+
+@dataclass(frozen=True)
+class BatchSplit:
+    """How an optimizer step's global batch is spread over `world` devices."""
+
+    global_rows: int
+    world: int
+    micro_batch_size: int
+
+    @property
+    def micro_steps(self) -> int:
+        """Micro-batches every rank runs per step (ranks with fewer rows run a filler micro-batch)."""
+        return -(-self.global_rows // (self.micro_batch_size * self.world))
+
+
+def batch_split(train: TrainConfig, world: int, saved_global_rows: int | None = None) -> BatchSplit:
+    """The one rule for the global batch: `train.global_batch_size`, else the resumed run's own,
+    else `micro_batch_size x grad_accum x world`. Raises ConfigError when the pieces disagree."""
+    micro = train.micro_batch_size
+    if train.global_batch_size is not None:
+        rows = train.global_batch_size
+        if train.grad_accum is not None and micro * train.grad_accum * world != rows:
+            raise ConfigError(
+                [
+                    f"train.global_batch_size={rows} but train.micro_batch_size={micro} x train.grad_accum="
+                    f"{train.grad_accum} x {world} device(s) = {micro * train.grad_accum * world}: remove "
+                    "train.grad_accum (it is derived from the global batch), or make them agree"
+                ]
+            )
+    elif saved_global_rows is not None:
+        rows = saved_global_rows  # a resume on another device count keeps the run's global batch
+    else:
+        rows = micro * (train.grad_accum or 1) * world
+    if world > rows:
+        raise ConfigError(
+            [
+                f"{world} devices but a global batch of {rows} rows: every device needs at least one row; "
+                f"run on at most {rows} devices or raise train.global_batch_size"
+            ]
+        )
+    return BatchSplit(rows, world, micro)
 
 
 def fingerprint(cfg: RunConfig, world_size: int = 1) -> str:

@@ -111,7 +111,6 @@ def cross_checks(cfg: RunConfig) -> list[str]:
     positive = {
         "data.seq_len": cfg.data.seq_len,
         "train.micro_batch_size": cfg.train.micro_batch_size,
-        "train.grad_accum": cfg.train.grad_accum,
         "adapter.r": cfg.adapter.r,
         "data.num_proc": cfg.data.num_proc,
         "metrics.log_every": cfg.metrics.log_every,
@@ -124,6 +123,8 @@ def cross_checks(cfg: RunConfig) -> list[str]:
         "train.max_steps": cfg.train.max_steps,
         "checkpoint.every_steps": cfg.checkpoint.every_steps,
         "train.eval_every": cfg.train.eval_every,
+        "train.grad_accum": cfg.train.grad_accum,
+        "train.global_batch_size": cfg.train.global_batch_size,
     }
     for key, maybe in optional.items():
         if maybe is not None and maybe < 1:

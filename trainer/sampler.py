@@ -14,6 +14,7 @@ Because every epoch has its own order, a different tail is dropped each epoch.
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import numpy as np
@@ -29,8 +30,9 @@ def steps_per_epoch(num_rows: int, rows_per_step: int) -> int:
         raise ConfigError(
             [
                 f"the prepared dataset has {num_rows} packed rows but one optimizer step needs "
-                f"{rows_per_step} (train.micro_batch_size x train.grad_accum x devices); lower "
-                "train.micro_batch_size or train.grad_accum, lower data.seq_len, or add data"
+                f"{rows_per_step} (train.global_batch_size, or train.micro_batch_size x train.grad_accum x devices); "
+                "lower train.global_batch_size (or train.micro_batch_size or train.grad_accum), lower data.seq_len, "
+                "or add data"
             ]
         )
     return num_rows // rows_per_step
@@ -94,25 +96,27 @@ class StepSampler:
         epoch, cursor = self.position(step)
         return self.order(epoch)[cursor : cursor + self.rows_per_step].tolist()
 
-    def micro_batches(
-        self, step: int, rank: int, world_size: int, micro_batch_size: int, grad_accum: int
-    ) -> list[list[int]]:
-        """This rank's rows for `step`: `grad_accum` lists of `micro_batch_size` row indices.
+    def micro_batches(self, step: int, rank: int, world_size: int, micro_batch_size: int) -> list[list[int]]:
+        """This rank's rows for `step`: ceil(G / (W*B)) lists of at most `micro_batch_size` row indices.
 
-        Accumulation micro-step m covers global rows [m*W*B, (m+1)*W*B) of the step and rank r
-        takes the r-th slice of B of them, so every rank sees a fresh slice every micro-step.
+        Micro-step m covers global rows [m*W*B, (m+1)*W*B) of the step and rank r takes the r-th
+        slice of B of them, so every rank sees a fresh slice every micro-step. When the global
+        batch G does not divide by W*B, the last micro-step's slices are short or empty: ranks
+        take uneven shares, and every rank still runs the same number of micro-steps (an empty
+        slice becomes a filler micro-batch that carries no loss; see trainer/batches.py). The
+        step's rows are the same whatever W and B: only who computes which changes.
         """
-        if micro_batch_size * grad_accum * world_size != self.rows_per_step:
-            raise ValueError(
-                f"micro_batch_size {micro_batch_size} x grad_accum {grad_accum} x world_size "
-                f"{world_size} != rows_per_step {self.rows_per_step} given to the sampler"
-            )
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         rows = self.rows_for_step(step)
         per_micro = micro_batch_size * world_size
         out = []
-        for m in range(grad_accum):
+        for m in range(-(-len(rows) // per_micro)):
             start = m * per_micro + rank * micro_batch_size
-            out.append(rows[start : start + micro_batch_size])
+            out.append(rows[start : min(start + micro_batch_size, len(rows))])
         return out
+
+    def digest(self, step: int) -> str:
+        """sha256 hex of the step's global row indices in training order (int64 little-endian):
+        equal digests mean two runs trained step `step` on the same rows, whatever their world size."""
+        return hashlib.sha256(np.asarray(self.rows_for_step(step), dtype="<i8").tobytes()).hexdigest()

@@ -47,11 +47,12 @@ class Telemetry:
         total_steps: int,
         budget: Budget,
         epoch_of: Callable[[int], float],
+        digest_of: Callable[[int], str],
         tracker_log: Callable[[dict[str, Any], int], None] | None = None,
     ) -> None:
         self.meter, self.console, self.ledger, self.sink = meter, console, ledger, sink
         self.log_every, self.total_steps, self.budget = log_every, total_steps, budget
-        self.epoch_of = epoch_of
+        self.epoch_of, self.digest_of = epoch_of, digest_of
         self.tracker_log = tracker_log
         self.last: StepRecord | None = None
         self.extra: dict[str, Any] = {}
@@ -82,6 +83,8 @@ class Telemetry:
                 skipped_steps=record.counters.skipped_steps,
                 trainable_tokens=record.counters.tokens,
                 real_tokens=record.counters.real_tokens,
+                # Which rows this step trained on: comparable across runs of any world size.
+                sample_digest=self.digest_of(step - 1),
             )
             self.write(row)
             self.console.update(0, row)

@@ -29,7 +29,7 @@ from typing import Any
 
 from trainer import catalog as cat
 from trainer import flops
-from trainer.config import AdapterConfig, CheckpointConfig, ModelConfig, TrainConfig
+from trainer.config import AdapterConfig, CheckpointConfig, ModelConfig, TrainConfig, batch_split
 from trainer.plan import PlanError
 from trainer.plan import forecast as fc
 from trainer.plan import memory as mem
@@ -212,7 +212,7 @@ def estimate(
 
 
 def _totals(job: Job, work: wl.Workload, gpus: int) -> Totals:
-    global_rows = job.train.micro_batch_size * job.train.grad_accum * gpus
+    global_rows = batch_split(job.train, gpus).global_rows
     steps = run_steps(int(work.rows), global_rows, job.train.max_steps, job.train.epochs)
     rows_done = steps * global_rows
     tokens = rows_done * work.real_tokens_per_row
