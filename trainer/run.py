@@ -288,6 +288,10 @@ def train(cfg: C.RunConfig) -> int:
         accelerator.end_training()
     if is_main:
         console.message(f"spotune: {reason} at step {progress.step}/{steps}; " + json.dumps(summary))
+    if is_main:  # after the ledger row, so the report counts this attempt; never changes the exit code
+        from trainer.report import report_after_train
+
+        report_after_train(out, console.message)
     return exit_codes.FOR_STOP[reason]
 
 
