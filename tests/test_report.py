@@ -31,8 +31,10 @@ from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_FINISHED, EXIT_PREEMPTED
 from trainer.plan.estimate import run_estimate
 from trainer.plan.pilot import summarise
 from trainer.report import REPORT_FILE, report_after_train, write_report
-from trainer.report.load import shown
-from trainer.report.plots import FIGURES
+from trainer.report.load import load_run, shown
+from trainer.report.page import default_out
+from trainer.report.plots import FIGURES, uploads
+from trainer.report.totals import attempt_of
 from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -169,9 +171,7 @@ def _png_size(data: bytes) -> tuple[int, int]:
         return im.size
 
 
-def test_train_writes_a_report_whose_figures_are_the_ledgers(
-    real_run: dict[str, Any], capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_train_writes_a_report_whose_figures_are_the_ledgers(real_run: dict[str, Any]) -> None:
     out = real_run["out"]
     assert real_run["codes"] == (EXIT_PREEMPTED, EXIT_FINISHED)
     rows = _ledger(out)
@@ -246,6 +246,15 @@ def test_fsspec_url_reads_the_same_run(real_run: dict[str, Any], tmp_path: Path)
     assert page == tmp_path / "remote" / REPORT_FILE and "Finished at step 8 of 8." in summary
     assert _parse(page).values == local
     assert all((tmp_path / "remote" / name).read_bytes().startswith(PNG) for name in FIGURES)
+
+
+def test_report_goes_beside_a_local_run_and_into_the_current_directory_for_a_remote_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert default_out(f"file://{tmp_path}/runs/a") == tmp_path / "runs" / "a"
+    assert default_out("runs/a") == Path("runs/a")
+    assert default_out("memory://bucket/runs/a/") == tmp_path / "report-a"  # fsspec's in-memory store
 
 
 def test_shown_url_drops_credentials_and_signatures() -> None:
@@ -329,3 +338,24 @@ def test_chromium_renders_the_page_offline(real_run: dict[str, Any], tmp_path: P
     blank.write_text("<!DOCTYPE html><html><body></body></html>")
     control = _screenshot(chromium, blank.as_uri(), tmp_path / "blank.png", tmp_path / "p2")
     assert control.std() < 1  # the check above can fail: an empty page is uniform
+
+
+def test_uploads_are_read_from_the_metrics_rows_when_present(real_run: dict[str, Any], tmp_path: Path) -> None:
+    """checkpoint.remote adds `remote_step` / `upload_seconds` to metrics rows: one upload each
+    time remote_step advances, in the attempt that wrote the row."""
+    run = tmp_path / "run"
+    shutil.copytree(real_run["out"], run, ignore=shutil.ignore_patterns("checkpoints", "final", "*.png", "*.html"))
+    assert uploads(load_run(str(run))) == []  # control: a run without a remote has none
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in lines if "loss" in r]
+    for i, r in enumerate(train):
+        r.update(remote_step=3 * (i // 3), upload_seconds=0.5 + i // 3)  # advances at rows 0, 3, 6, ...
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    loaded = load_run(str(run))
+    expected = [
+        (r["time"], getattr(attempt_of(loaded.attempts, r["time"]), "attempt", None), r["upload_seconds"])
+        for i, r in enumerate(train)
+        if i % 3 == 0
+    ]
+    assert uploads(loaded) == expected and len(expected) == -(-len(train) // 3)
+    assert {a for _, a, _ in expected} == {1, 2, 3}

@@ -79,7 +79,7 @@ def cards(t: Totals, price_known: bool) -> list[Card]:
         ),
         Card(
             "final_loss",
-            "Final loss",
+            "Final loss" if t.status == FINISHED else "Latest loss",
             _num(t.final_loss, ".4f"),
             t.final_loss,
             f"eval {_num(t.final_eval_loss, '.4f')}" if t.final_eval_loss is not None else "",
@@ -93,7 +93,8 @@ def cards(t: Totals, price_known: bool) -> list[Card]:
 
 def details(t: Totals) -> str:
     """What follows the headline: loss, speed, hours, money, and what the restarts cost."""
-    loss = f"Final loss {t.final_loss:.4f}" if t.final_loss is not None else "No loss logged yet"
+    which = "Final" if t.status == FINISHED else "Latest"
+    loss = f"{which} loss {t.final_loss:.4f}" if t.final_loss is not None else "No loss logged yet"
     rate = f", {t.tokens_per_s:,.0f} tokens/s" if t.tokens_per_s is not None else ""
     cost = f", {_money(t.cost)}" if t.cost is not None else ""
     text = f"{loss}{rate}; {t.device_hours:,.4g} GPU-hours{cost}; goodput {t.goodput:.1%}."
@@ -210,6 +211,8 @@ def _attempt_row(a: Any) -> dict[str, str]:
 
 def default_out(run_dir: str) -> Path:
     """The run directory itself when it is local (a path or file://); else ./report-<name>."""
+    if "://" not in run_dir:
+        return Path(run_dir)  # as the user wrote it (fsspec would make it absolute)
     fs, path = fsspec.core.url_to_fs(run_dir)
     if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
         return Path(path)

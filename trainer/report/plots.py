@@ -102,6 +102,7 @@ def timeline(run: RunData) -> bytes:
     ax_p, ax_s, ax_c = fig.subplots(3, 1, sharex=True, height_ratios=[1.4, 1.2, 1.0])
     attempts = run.attempts
     redone = redone_by_attempt(run)
+    sent = uploads(run)
     if not attempts:
         _empty(ax_p, "no ledger.jsonl rows yet")
     for lane, a in enumerate(attempts):
@@ -128,13 +129,17 @@ def timeline(run: RunData) -> bytes:
         if a.lost_seconds:
             bits.append(f"lost {_duration(a.lost_seconds)}")
         bits.append(f"saving {_duration(a.checkpoint_seconds)}")
+        upload_s = [s for _, attempt, s in sent if attempt == a.attempt]
+        if upload_s:
+            bits.append(f"{len(upload_s)} uploads {_duration(sum(upload_s))}")
         if a.cost is not None:
             bits.append(f"${a.cost:,.2f}")
         ax_p.annotate(
             " · ".join(bits), (_dt(a.start), lane - 0.4), fontsize=8, va="bottom", ha="left", annotation_clip=False
         )
-    for t, lane in _uploads(run):
-        ax_p.plot([_dt(t)], [lane], marker="^", color=COLORS["checkpoint"], markersize=7)
+    lanes = {a.attempt: i for i, a in enumerate(attempts)}
+    for t, attempt, _ in sent:
+        ax_p.plot([_dt(t)], [lanes[attempt]], marker="^", color=COLORS["checkpoint"], markersize=7)
     ax_p.set_yticks(range(len(attempts)), [f"#{a.attempt}" for a in attempts])
     ax_p.set_ylim(len(attempts) - 0.5, -0.85)  # first attempt on top; room for each lane's label
     ax_p.set_title("Processes: grey start-up, blue training; ▼ preempted, ✕ killed/error, ● finished, ▲ upload")
@@ -192,17 +197,18 @@ def _saves(run: RunData) -> list[tuple[datetime, float]]:
     return out
 
 
-def _uploads(run: RunData) -> list[tuple[float, int]]:
-    """(time, lane) where `remote_step` advanced: a checkpoint reached the remote store."""
+def uploads(run: RunData) -> list[tuple[float, int, float]]:
+    """(time, attempt, seconds) each time `remote_step` advanced in the metrics rows: a
+    checkpoint reached the remote store, in the `upload_seconds` that row reports."""
     out = []
     last = None
-    lanes = {a.attempt: i for i, a in enumerate(run.attempts)}
     for r in run.train_rows:
         step = r.get("remote_step")
         if step is not None and step != last and finite(r.get("time")):
             a = attempt_of(run.attempts, r["time"])
             if a is not None:
-                out.append((float(r["time"]), lanes[a.attempt]))
+                seconds = float(r["upload_seconds"]) if finite(r.get("upload_seconds")) else 0.0
+                out.append((float(r["time"]), a.attempt, seconds))
         last = step
     return out
 
