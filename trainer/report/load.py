@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
 PILOT_FILE = "pilot/pilot.json"  # where `spotune pilot` writes (trainer/plan/pilot.py: pilot_dir)
+REPORT_FILE = "report.html"
 ESTIMATE_FILE = "estimate.json"  # `spotune estimate --json > RUN_DIR/estimate.json`, if the user kept one
 RUNNING = "running"
 """Exit reason of the attempt described by the heartbeat: it has not written its ledger row."""

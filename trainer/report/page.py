@@ -20,12 +20,11 @@ import jinja2
 
 from trainer.atomic import write_bytes, write_text
 from trainer.report import plots
-from trainer.report.load import RunData, finite, load_run, shown
+from trainer.report.load import REPORT_FILE, RunData, finite, load_run
 from trainer.report.totals import FINISHED, Totals, headline, totals
 
 log = logging.getLogger(__name__)
 
-REPORT_FILE = "report.html"
 _ENV = jinja2.Environment(
     loader=jinja2.PackageLoader("trainer.report", "."),
     autoescape=True,
@@ -230,6 +229,3 @@ def write_report(run_dir: str | Path, out: Path | None = None) -> tuple[Path, st
     page = out / REPORT_FILE
     write_text(page, render(run, images))
     return page, summary_text(totals(run))
-
-
-__all__ = ["REPORT_FILE", "default_out", "render", "shown", "summary_text", "write_report"]
