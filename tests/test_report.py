@@ -35,7 +35,7 @@ from trainer.report.load import load_run, shown
 from trainer.report.page import default_out
 from trainer.report.plots import FIGURES, uploads
 from trainer.report.totals import attempt_of
-from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE
+from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, Ledger
 
 REPO = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -237,6 +237,24 @@ def test_cli_report_of_a_run_in_progress_with_a_torn_line(
     assert float(page.values["gpu_hours"]) == (killed[0]["device_seconds"] + live) / 3600
     assert page.values["status"] == "running" and int(page.values["restarts"]) == 1
     assert f"metrics.jsonl line {torn_at} is not complete JSON" in " ".join(page.text)
+
+
+def test_a_run_still_starting_and_a_run_without_a_ledger(real_run: dict[str, Any], tmp_path: Path) -> None:
+    """Ledger.open writes the heartbeat before the first step: the page says so. Metrics
+    without any ledger (an older run) still give a page, which says what it cannot know."""
+    starting = tmp_path / "starting"
+    Ledger.open(starting, world_size=1, price_per_hour=1.0)
+    page, summary = write_report(starting)
+    assert summary.startswith("In progress at start-up, before step 1") and "No loss logged yet" in summary
+    heartbeat = json.loads((starting / HEARTBEAT_FILE).read_text())
+    expected = (heartbeat["heartbeat_time"] - heartbeat["start_time"]) / 3600
+    assert float(_parse(page).values["gpu_hours"]) == expected
+    old = tmp_path / "old"
+    old.mkdir()
+    shutil.copy(real_run["out"] / "metrics.jsonl", old)
+    page, summary = write_report(old)
+    assert summary.startswith("No ledger.jsonl: whether it finished, and its hours and cost, are unknown")
+    assert _parse(page).values["status"] == "unknown"
 
 
 def test_fsspec_url_reads_the_same_run(real_run: dict[str, Any], tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import fsspec
 import jinja2
 
-from trainer.atomic import write_bytes, write_text
+from trainer.atomic import remove_temp_siblings, write_bytes, write_text
 from trainer.report import plots
 from trainer.report.load import REPORT_FILE, RunData, finite, load_run
 from trainer.report.totals import FINISHED, Totals, headline, totals
@@ -225,7 +225,9 @@ def write_report(run_dir: str | Path, out: Path | None = None) -> tuple[Path, st
     out.mkdir(parents=True, exist_ok=True)
     images = {name: draw(run) for name, (draw, _) in plots.FIGURES.items()}
     for name, png in images.items():
+        remove_temp_siblings(out / name)  # a report killed mid-write (SIGKILL after train) left one
         write_bytes(out / name, png)
     page = out / REPORT_FILE
+    remove_temp_siblings(page)
     write_text(page, render(run, images))
     return page, summary_text(totals(run))

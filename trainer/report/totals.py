@@ -134,12 +134,15 @@ def totals(run: RunData) -> Totals:
 
 def headline(t: Totals) -> str:
     """One sentence: where the run stands."""
-    steps = f"step {t.step}" + (f" of {t.total_steps}" if t.total_steps else "") if t.step is not None else "no step"
+    of = f" of {t.total_steps}" if t.total_steps else ""
+    steps = f"step {t.step}{of}" if t.step is not None else f"start-up, before step 1{of}"
     if t.status == FINISHED:
         return f"Finished at {steps}."
     if t.status == "running":
         age = f"; last heartbeat {_ago(t.heartbeat_age_s)} ago" if t.heartbeat_age_s is not None else ""
         return f"In progress at {steps}{age} (no heartbeat for long means the machine is gone: rerun to resume)."
+    if t.status == UNKNOWN:
+        return f"No ledger.jsonl: whether it finished, and its hours and cost, are unknown; metrics reach {steps}."
     if t.status == "budget":
         return f"Stopped by the budget at {steps}: raise train.max_gpu_hours / train.max_cost and rerun to continue."
     return f"Not finished: the last attempt ended '{t.status}' at {steps}. Rerun the same train command to resume."
