@@ -9,7 +9,6 @@ notes) is escaped. Each headline figure carries its exact value in `data-value`,
 from __future__ import annotations
 
 import base64
-import logging
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -20,10 +19,8 @@ import jinja2
 
 from trainer.atomic import remove_temp_siblings, write_bytes, write_text
 from trainer.report import plots
-from trainer.report.load import REPORT_FILE, RunData, finite, load_run
+from trainer.report.load import REPORT_FILE, RUNNING, Attempt, RunData, finite, load_run
 from trainer.report.totals import FINISHED, Totals, headline, totals
-
-log = logging.getLogger(__name__)
 
 _ENV = jinja2.Environment(
     loader=jinja2.PackageLoader("trainer.report", "."),
@@ -51,6 +48,18 @@ def _num(x: float | None, fmt: str, none: str = "n/a") -> str:
     return format(x, fmt) if finite(x) else none
 
 
+def _steps_text(t: Totals) -> str:
+    if t.step is None:
+        return "before step 1"
+    return f"step {t.step}" + (f" / {t.total_steps}" if t.total_steps else "")
+
+
+def _restart_cost_text(t: Totals) -> str:
+    if not t.restarts:
+        return "none"
+    return _money(t.restart_cost) if t.restart_cost is not None else f"{t.restart_hours:,.3g} GPU-h"
+
+
 def cards(t: Totals, price_known: bool) -> list[Card]:
     """The headline figures, most wanted first: status, money, time, restarts, then the model."""
     why_no_cost = "" if price_known else "set metrics.price_per_hour"
@@ -58,9 +67,7 @@ def cards(t: Totals, price_known: bool) -> list[Card]:
     restart_sub = f"{stops}; {t.redone_steps} steps redone" if t.restarts else "no interruption"
     share = f" ({t.restart_cost / t.cost:.0%} of cost)" if t.restart_cost is not None and t.cost else ""
     return [
-        Card(
-            "status", "Status", t.status, t.status, f"step {t.step}" + (f" / {t.total_steps}" if t.total_steps else "")
-        ),
+        Card("status", "Status", t.status, t.status, _steps_text(t)),
         Card("cost", "Cost so far", _money(t.cost), t.cost, why_no_cost),
         Card("gpu_hours", "GPU-hours", f"{t.device_hours:,.4g}", t.device_hours, f"{t.attempts} attempt(s)"),
         Card("goodput", "Goodput", f"{t.goodput:.1%}", t.goodput, "productive / paid time"),
@@ -68,11 +75,7 @@ def cards(t: Totals, price_known: bool) -> list[Card]:
         Card(
             "restart_cost",
             "Restarts cost",
-            "none"
-            if not t.restarts
-            else _money(t.restart_cost)
-            if t.restart_cost is not None
-            else f"{t.restart_hours:,.3g} GPU-h",
+            _restart_cost_text(t),
             t.restart_cost if t.restart_cost is not None else t.restart_hours,
             f"{t.restart_hours:,.3g} GPU-h start-up + redone work{share}",
         ),
@@ -171,7 +174,7 @@ def _estimate_option(estimate: dict[str, Any], run: RunData) -> dict[str, Any]:
 
 def render(run: RunData, images: dict[str, bytes]) -> str:
     t = totals(run)
-    tone = {FINISHED: "ok", "running": "live"}.get(t.status, "warn" if t.status in ("preempted", "budget") else "bad")
+    tone = {FINISHED: "ok", RUNNING: "live"}.get(t.status, "warn" if t.status in ("preempted", "budget") else "bad")
     figures = [
         {"file": name, "caption": caption, "uri": "data:image/png;base64," + base64.b64encode(images[name]).decode()}
         for name, (_, caption) in plots.FIGURES.items()
@@ -190,7 +193,7 @@ def render(run: RunData, images: dict[str, bytes]) -> str:
     )
 
 
-def _attempt_row(a: Any) -> dict[str, str]:
+def _attempt_row(a: Attempt) -> dict[str, str]:
     fmt = "%Y-%m-%d %H:%M:%S"
     return {
         "attempt": str(a.attempt),
