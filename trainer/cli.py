@@ -57,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--merge", action="store_true", help="merge the adapter into the base weights")
     p.add_argument("--out", type=Path, help="output directory (default <run_dir>/export or merged)")
 
+    p = sub.add_parser("report", help="report.html and PNGs of a run (local directory or fsspec URL)")
+    p.add_argument("run_dir", help="the run's output_dir, or its checkpoint.remote URL (s3://, gs://, file://)")
+    p.add_argument("--out", type=Path, help="where to write (default: the run directory when local)")
+
     p = sub.add_parser("config", help="print the resolved config, or every key with --reference")
     _add_recipe(p)
     p.add_argument("--reference", action="store_true", help="list every key with its default and meaning")
@@ -75,11 +79,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from trainer.catalog import CatalogError
     from trainer.data import DataError
     from trainer.plan import PlanError
+    from trainer.report import ReportError
     from trainer.restart.checkpoint import CheckpointError
 
     try:
         return _dispatch(args)
-    except (C.ConfigError, DataError, CheckpointError, PlanError, CatalogError) as e:
+    except (C.ConfigError, DataError, CheckpointError, PlanError, CatalogError, ReportError) as e:
         # Each carries complete sentences naming the key, file or line to fix; a traceback
         # would only bury them. CheckpointError covers "none verifies" and ResumeMismatch.
         print(f"spotune: {e}", file=sys.stderr)
@@ -92,6 +97,12 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         out = export(args.run_dir, args.out, merge=args.merge)
         print(f"spotune: wrote {out}")
+        return 0
+    if args.command == "report":
+        from trainer.report import write_report
+
+        page, summary = write_report(args.run_dir, args.out)
+        print(f"spotune: {summary}\nspotune: run report: {page}")
         return 0
 
     recipe, overrides = _split(args.recipe, args.overrides)

@@ -281,6 +281,10 @@ def train(cfg: C.RunConfig) -> int:
         accelerator.end_training()
     if is_main:
         console.message(f"spotune: {reason} at step {counters.step}/{steps}; " + json.dumps(summary))
+        # After the ledger row, so the report counts this attempt; a failure never changes the exit code.
+        from trainer.report import report_after_train
+
+        report_after_train(out, console.message)
     return exit_codes.FOR_STOP[reason]
 
 

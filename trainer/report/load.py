@@ -1,0 +1,219 @@
+"""Read a run directory (a local path or an fsspec URL) into typed records, without writing to it.
+
+The report only reads: `config.yaml`, `metrics.jsonl`, `ledger.jsonl`, `ledger.current.json`
+(the heartbeat of an attempt that has not closed: running, or killed and not yet recovered),
+and, when present, `pilot/pilot.json` and `estimate.json`. Everything goes through
+`fsspec.open`, so `s3://bucket/run`, `gs://...` or `file:///...` read the same files that
+`checkpoint.remote` mirrors. A run being written is fine: a torn last line is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import fsspec
+import yaml
+
+from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, _row_from_progress
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.yaml"
+PILOT_FILE = "pilot/pilot.json"  # where `spotune pilot` writes (trainer/plan/pilot.py: pilot_dir)
+REPORT_FILE = "report.html"
+ESTIMATE_FILE = "estimate.json"  # `spotune estimate --json > RUN_DIR/estimate.json`, if the user kept one
+RUNNING = "running"
+"""Exit reason of the attempt described by the heartbeat: it has not written its ledger row."""
+
+
+class ReportError(Exception):
+    """A run directory the report cannot read; the message names the path and what to do."""
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One process of the run: a `ledger.jsonl` row, or the heartbeat of the one still open."""
+
+    attempt: int
+    start: float  # Unix seconds (the ledger keeps whole seconds)
+    end: float
+    world_size: int
+    exit_reason: str
+    device_seconds: float
+    startup_seconds: float
+    productive_seconds: float
+    checkpoint_seconds: float
+    lost_seconds: float
+    cost: float | None
+    last_step: int | None
+
+    @property
+    def running(self) -> bool:
+        return self.exit_reason == RUNNING
+
+    @property
+    def price_per_device_second(self) -> float | None:
+        if self.cost is None or self.device_seconds <= 0:
+            return None
+        return self.cost / self.device_seconds
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any], exit_reason: str | None = None) -> Attempt:
+        return cls(
+            attempt=int(row["attempt"]),
+            start=_unix(row["start"]),
+            end=_unix(row["end"]),
+            world_size=int(row.get("world_size", 1)),
+            exit_reason=exit_reason or str(row.get("exit_reason", "unknown")),
+            device_seconds=float(row["device_seconds"]),
+            startup_seconds=float(row.get("startup_seconds", 0.0)),
+            productive_seconds=float(row.get("productive_seconds", 0.0)),
+            checkpoint_seconds=float(row.get("checkpoint_seconds", 0.0)),
+            lost_seconds=float(row.get("lost_seconds", 0.0)),
+            cost=float(row["cost"]) if row.get("cost") is not None else None,
+            last_step=int(row["last_step"]) if row.get("last_step") is not None else None,
+        )
+
+
+@dataclass
+class RunData:
+    """Everything the report shows, as read."""
+
+    source: str
+    """The run directory as shown to people (credentials and query strings removed)."""
+    config: dict[str, Any]
+    train_rows: list[dict[str, Any]]
+    """metrics rows of optimizer steps (they have `loss`), in file order; redone steps repeat."""
+    eval_rows: list[dict[str, Any]]
+    attempts: list[Attempt]
+    pilot: dict[str, Any] | None = None
+    estimate: dict[str, Any] | None = None
+    heartbeat_time: float | None = None
+    notes: list[str] = field(default_factory=list)
+    """Lines skipped and why (a torn last line while the run writes)."""
+
+    @property
+    def price_per_hour(self) -> float | None:
+        price = (self.config.get("metrics") or {}).get("price_per_hour")
+        return float(price) if price is not None else None
+
+    @property
+    def total_steps(self) -> int | None:
+        steps = (self.config.get("train") or {}).get("max_steps")
+        return int(steps) if steps is not None else None
+
+
+def shown(url: str) -> str:
+    """`url` without user:password or a query string (a signed URL's signature lives there)."""
+    parts = urlsplit(url)
+    if not parts.scheme or len(parts.scheme) == 1:  # a local path (or a Windows drive letter)
+        return url
+    host = parts.hostname or ""
+    if parts.port:
+        host += f":{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def load_run(run_dir: str) -> RunData:
+    """Read `run_dir`; ReportError when it holds neither metrics.jsonl nor a ledger."""
+    base = run_dir.rstrip("/")
+    where = shown(base)
+    texts = {name: _read(f"{base}/{name}") for name in (METRICS_FILE, LEDGER_FILE, HEARTBEAT_FILE)}
+    if all(t is None for t in texts.values()):
+        fs, path = fsspec.core.url_to_fs(base)
+        what = "exists but holds" if fs.isdir(path) else "does not exist, so it has"
+        raise ReportError(
+            f"{where} {what} no {METRICS_FILE}, {LEDGER_FILE} or {HEARTBEAT_FILE}: give the output_dir of a run "
+            "(the recipe's `output_dir`, e.g. runs/tiny-cpu), or its checkpoint.remote URL"
+        )
+    notes: list[str] = []
+    metrics = _jsonl(texts[METRICS_FILE], f"{where}/{METRICS_FILE}", notes)
+    attempts = [Attempt.from_row(r) for r in _jsonl(texts[LEDGER_FILE], f"{where}/{LEDGER_FILE}", notes)]
+    heartbeat_time = None
+    if texts[HEARTBEAT_FILE]:
+        try:
+            progress = json.loads(texts[HEARTBEAT_FILE] or "")
+            heartbeat_time = float(progress["heartbeat_time"])
+            # keep_all: the open attempt's step time counts as productive so far (Ledger.totals does the same)
+            live = Attempt.from_row(_row_from_progress(progress, heartbeat_time, keep_all=True), RUNNING)
+            if live.attempt not in {a.attempt for a in attempts}:  # else closed between our two reads
+                attempts.append(live)
+        except (ValueError, KeyError, TypeError) as e:
+            notes.append(f"{where}/{HEARTBEAT_FILE} is unreadable ({e}); the open attempt is not shown")
+    config_text = _read(f"{base}/{CONFIG_FILE}")
+    config = yaml.safe_load(config_text) if config_text else {}
+    return RunData(
+        source=where,
+        config=config if isinstance(config, dict) else {},
+        train_rows=[_floats(r) for r in metrics if "loss" in r and "step" in r],
+        eval_rows=[_floats(r) for r in metrics if "eval_loss" in r and "step" in r],
+        attempts=sorted(attempts, key=lambda a: a.attempt),
+        pilot=_json(f"{base}/{PILOT_FILE}", notes),
+        estimate=_json(f"{base}/{ESTIMATE_FILE}", notes),
+        heartbeat_time=heartbeat_time,
+        notes=notes,
+    )
+
+
+# ---------------------------------------------------------------------------- readers
+
+
+def _read(url: str) -> str | None:
+    try:
+        with fsspec.open(url, "rt", encoding="utf-8") as f:
+            return str(f.read())
+    except FileNotFoundError:
+        return None
+
+
+def _jsonl(text: str | None, where: str, notes: list[str]) -> list[dict[str, Any]]:
+    """Rows of a JSON-lines file; a torn line (a write in flight, or a kill) is skipped with a note."""
+    rows: list[dict[str, Any]] = []
+    for n, line in enumerate((text or "").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            notes.append(f"{where} line {n} is not complete JSON (a write in flight or a kill); skipped")
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def _json(url: str, notes: list[str]) -> dict[str, Any] | None:
+    text = _read(url)
+    if text is None:
+        return None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        notes.append(f"{shown(url)} is not valid JSON ({e}); not shown")
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _floats(row: dict[str, Any]) -> dict[str, Any]:
+    """metrics.jsonl writes a non-finite float as a string ("nan", "inf"): read it back as a float."""
+    out = dict(row)
+    for k, v in row.items():
+        if isinstance(v, str) and v.lower() in ("nan", "inf", "-inf", "infinity", "-infinity"):
+            out[k] = float(v)
+    return out
+
+
+def _unix(iso: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(iso).timestamp()
+
+
+def finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

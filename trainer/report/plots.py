@@ -1,0 +1,318 @@
+"""The report's PNGs, drawn with matplotlib's object API (`Figure`, Agg canvas).
+
+No pyplot: pyplot keeps global figures and a global backend, and the report also runs at
+the end of `train` inside the user's process. Every function takes the records of
+load.py and returns the PNG bytes, so the page can embed them and write them beside it.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from datetime import datetime, timezone
+from typing import Any
+
+import matplotlib.dates as mdates
+from matplotlib.figure import Figure
+
+from trainer.report.load import RunData, finite
+from trainer.report.totals import attempt_of, redone_by_attempt
+
+DPI = 100
+COLORS = {
+    "startup": "#b8b8b8",
+    "productive": "#3b7dd8",
+    "checkpoint": "#8e5bd6",
+    "lost": "#e0453a",
+    "other": "#f2c14e",
+    "train": "#3b7dd8",
+    "eval": "#e07b39",
+    "cost": "#2a9d5c",
+}
+LEGEND = {
+    "startup": "start-up",
+    "productive": "productive (kept)",
+    "checkpoint": "saving",
+    "lost": "lost (redone later)",
+    "other": "other (eval, final/, exit)",
+}
+END_MARK = {  # exit reason -> marker and colour at the end of the attempt's bar
+    "finished": ("o", "#2a9d5c"),
+    "preempted": ("v", "#e09b1a"),
+    "budget": ("s", "#e09b1a"),
+    "killed": ("X", "#d0312d"),
+    "error": ("X", "#7f1d1d"),
+    "aborted": ("X", "#7f1d1d"),
+    "bad_steps": ("X", "#7f1d1d"),
+    "running": (">", "#3b7dd8"),
+}
+
+
+def _png(fig: Figure) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI)
+    return buf.getvalue()
+
+
+def _dt(t: float) -> datetime:
+    return datetime.fromtimestamp(t, tz=timezone.utc)
+
+
+def _series(rows: list[dict[str, Any]], x: str, y: str) -> tuple[list[float], list[float]]:
+    pts = [(float(r[x]), float(r[y])) for r in rows if finite(r.get(x)) and finite(r.get(y))]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _per_attempt(run: RunData, rows: list[dict[str, Any]], x: str, y: str) -> tuple[list[float], list[float]]:
+    """Like `_series`, with a gap (NaN) where one attempt ends and the next begins: a line
+    never joins a killed attempt's last step to the resumed attempt's first."""
+    xs: list[float] = []
+    ys: list[float] = []
+    previous = None
+    for r in rows:
+        if not (finite(r.get(x)) and finite(r.get(y))):
+            continue
+        owner = attempt_of(run.attempts, r.get("time"))
+        if xs and owner is not previous:
+            xs.append(math.nan)
+            ys.append(math.nan)
+        previous = owner
+        xs.append(float(r[x]))
+        ys.append(float(r[y]))
+    return xs, ys
+
+
+def _empty(ax: Any, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="#666", wrap=True)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.1f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"
+
+
+def timeline(run: RunData) -> bytes:
+    """Processes (one lane per attempt), steps reached and cost so far, on one wall-clock axis."""
+    fig = Figure(figsize=(11, 6.6), layout="constrained")
+    ax_p, ax_s, ax_c = fig.subplots(3, 1, sharex=True, height_ratios=[1.4, 1.2, 1.0])
+    attempts = run.attempts
+    redone = redone_by_attempt(run)
+    sent = uploads(run)
+    if not attempts:  # text only: clearing the ticks of a shared date axis would clear them all
+        ax_p.text(0.5, 0.5, "no ledger.jsonl rows yet", ha="center", va="center", transform=ax_p.transAxes)
+    for lane, a in enumerate(attempts):
+        startup = a.startup_seconds / a.world_size
+        span = max(a.end - a.start, 1e-3)
+        day = 86400.0  # broken_barh on a date axis takes days
+        ax_p.broken_barh(
+            [(mdates.date2num(_dt(a.start)), min(startup, span) / day)],
+            (lane - 0.35, 0.7),
+            color=COLORS["startup"],
+        )
+        ax_p.broken_barh(
+            [(mdates.date2num(_dt(a.start + startup)), max(span - startup, 0.0) / day)],
+            (lane - 0.35, 0.7),
+            color=COLORS["productive"],
+            hatch="//" if a.running else None,
+            alpha=0.85,
+        )
+        marker, color = END_MARK.get(a.exit_reason, ("X", "#7f1d1d"))
+        ax_p.plot([_dt(a.end)], [lane], marker=marker, color=color, markersize=11, markeredgecolor="white")
+        bits = [f"#{a.attempt} {a.exit_reason}"]
+        if redone.get(a.attempt):
+            bits.append(f"redid {len(redone[a.attempt])} steps")
+        if a.lost_seconds:
+            bits.append(f"lost {_duration(a.lost_seconds)}")
+        bits.append(f"saving {_duration(a.checkpoint_seconds)}")
+        upload_s = [s for _, attempt, s in sent if attempt == a.attempt]
+        if upload_s:
+            bits.append(f"{len(upload_s)} uploads {_duration(sum(upload_s))}")
+        if a.cost is not None:
+            bits.append(f"${a.cost:,.2f}")
+        ax_p.annotate(
+            " · ".join(bits), (_dt(a.start), lane - 0.4), fontsize=8, va="bottom", ha="left", annotation_clip=False
+        )
+    lanes = {a.attempt: i for i, a in enumerate(attempts)}
+    for t, attempt, _ in sent:
+        ax_p.plot([_dt(t)], [lanes[attempt]], marker="^", color=COLORS["checkpoint"], markersize=7)
+    ax_p.set_yticks(range(len(attempts)), [f"#{a.attempt}" for a in attempts])
+    ax_p.set_ylim(len(attempts) - 0.5, -0.85)  # first attempt on top; room for each lane's label
+    ax_p.set_title("Processes: grey start-up, blue training; ▼ preempted, ✕ killed/error, ● finished, ▲ upload")
+
+    seen: set[int] = set()
+    ok: list[tuple[datetime, float]] = []
+    again: list[tuple[datetime, float]] = []
+    for r in run.train_rows:
+        if not finite(r.get("time")):
+            continue
+        (again if int(r["step"]) in seen else ok).append((_dt(r["time"]), r["step"]))
+        seen.add(int(r["step"]))
+    if ok:
+        ax_s.plot(*zip(*ok, strict=True), ".", color=COLORS["train"], markersize=4, label="step")
+    if again:
+        ax_s.plot(*zip(*again, strict=True), ".", color=COLORS["lost"], markersize=6, label="step trained again")
+    saves = _saves(run)
+    if saves:
+        ax_s.plot(*zip(*saves, strict=True), "|", color=COLORS["checkpoint"], markersize=12, label="checkpoint/eval")
+    ax_s.set_ylabel("step")
+    if ok:
+        ax_s.legend(loc="upper left", fontsize=8)
+
+    xs, ys = _series(run.train_rows, "time", "cost")
+    label, key = ("cost so far ($)", "cost") if xs else ("GPU-hours so far", "device_hours")
+    xs, ys = _series(run.train_rows, "time", key)
+    if xs:
+        ax_c.plot([_dt(x) for x in xs], ys, ".-", color=COLORS["cost"], markersize=3, label="at each log step")
+    ends, running = [], 0.0
+    for a in attempts:
+        running += (a.cost or 0.0) if key == "cost" else a.device_seconds / 3600.0
+        ends.append((_dt(a.end), running))
+    if ends:
+        ax_c.plot(*zip(*ends, strict=True), "D", color="black", markersize=5, label="ledger, end of attempt")
+        ax_c.legend(loc="upper left", fontsize=8)
+    ax_c.set_ylabel(label)
+    ax_c.xaxis.set_major_formatter(mdates.ConciseDateFormatter(ax_c.xaxis.get_major_locator()))
+    ax_c.set_xlabel("wall clock (UTC)")
+    for ax in (ax_p, ax_s, ax_c):
+        ax.grid(alpha=0.3)
+    return _png(fig)
+
+
+def _saves(run: RunData) -> list[tuple[datetime, float]]:
+    """Rows after which the attempt had paused (checkpoint or evaluation): `paused_s` grew."""
+    out = []
+    prev: dict[int, float] = {}
+    for r in run.train_rows:
+        a = attempt_of(run.attempts, r.get("time"))
+        if a is None or not finite(r.get("paused_s")):
+            continue
+        if r["paused_s"] > prev.get(a.attempt, 0.0):
+            out.append((_dt(r["time"]), r["step"]))
+        prev[a.attempt] = r["paused_s"]
+    return out
+
+
+def uploads(run: RunData) -> list[tuple[float, int, float]]:
+    """(time, attempt, seconds) each time `remote_step` advanced in the metrics rows: a
+    checkpoint reached the remote store, in the `upload_seconds` that row reports."""
+    out = []
+    last = None
+    for r in run.train_rows:
+        step = r.get("remote_step")
+        if step is not None and step != last and finite(r.get("time")):
+            a = attempt_of(run.attempts, r["time"])
+            if a is not None:
+                seconds = float(r["upload_seconds"]) if finite(r.get("upload_seconds")) else 0.0
+                out.append((float(r["time"]), a.attempt, seconds))
+        last = step
+    return out
+
+
+def hours(run: RunData) -> bytes:
+    """Where each attempt's paid device time went, as stacked bars."""
+    fig = Figure(figsize=(11, 0.6 * len(run.attempts) + 1.6), layout="constrained")
+    ax = fig.subplots()
+    if not run.attempts:
+        _empty(ax, "no ledger.jsonl rows yet")
+        return _png(fig)
+    scale, unit = _unit(max(a.device_seconds for a in run.attempts))
+    labels = []
+    for i, a in enumerate(run.attempts):
+        parts = [
+            ("startup", a.startup_seconds),
+            ("productive", a.productive_seconds),
+            ("checkpoint", a.checkpoint_seconds),
+            ("lost", a.lost_seconds),
+        ]
+        parts.append(("other", max(0.0, a.device_seconds - sum(s for _, s in parts))))
+        left = 0.0
+        for name, seconds in parts:
+            label = LEGEND.get(name, name) if i == 0 else None
+            ax.barh(i, seconds / scale, left=left, color=COLORS[name], label=label)
+            left += seconds / scale
+        labels.append(f"#{a.attempt} {a.exit_reason}")
+    ax.set_yticks(range(len(labels)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"device-{unit}")
+    ax.legend(ncols=5, loc="lower center", bbox_to_anchor=(0.5, 1.0), fontsize=8, frameon=False)
+    ax.grid(axis="x", alpha=0.3)
+    return _png(fig)
+
+
+def _unit(seconds: float) -> tuple[float, str]:
+    if seconds < 120:
+        return 1.0, "seconds"
+    if seconds < 7200:
+        return 60.0, "minutes"
+    return 3600.0, "hours"
+
+
+def loss(run: RunData) -> bytes:
+    """Loss (and eval loss) against step and against GPU-hours."""
+    fig = Figure(figsize=(11, 3.6), layout="constrained")
+    ax_step, ax_hours = fig.subplots(1, 2, sharey=True)
+    hours_at = {int(r["step"]): r["device_hours"] for r in run.train_rows if finite(r.get("device_hours"))}
+    rows = run.train_rows
+    ax_step.plot(*_per_attempt(run, rows, "step", "loss"), ".-", color=COLORS["train"], lw=1.2, label="train loss")
+    ax_hours.plot(*_per_attempt(run, rows, "device_hours", "loss"), ".-", color=COLORS["train"], lw=1.2)
+    ex, ey = _series(run.eval_rows, "step", "eval_loss")
+    if ex:
+        ax_step.plot(ex, ey, "o-", color=COLORS["eval"], label="eval loss")
+        pts = [(hours_at[int(s)], y) for s, y in zip(ex, ey, strict=True) if int(s) in hours_at]
+        if pts:
+            ax_hours.plot(*zip(*pts, strict=True), "o-", color=COLORS["eval"])
+    ax_step.set_xlabel("step")
+    ax_hours.set_xlabel("GPU-hours (device-hours, every attempt)")
+    ax_hours.set_title("one segment per attempt: redone steps appear again, at the hours paid twice", fontsize=9)
+    ax_step.set_title("loss by step", fontsize=9)
+    ax_step.set_ylabel("loss")
+    ax_step.legend(fontsize=8)
+    for ax in (ax_step, ax_hours):
+        ax.grid(alpha=0.3)
+    return _png(fig)
+
+
+def throughput(run: RunData) -> bytes:
+    """Tokens/s, MFU, data-stall share and peak memory against step."""
+    fig = Figure(figsize=(11, 5.6), layout="constrained")
+    (ax_tok, ax_mfu), (ax_stall, ax_mem) = fig.subplots(2, 2, sharex=True)
+    rows = run.train_rows
+    ax_tok.plot(*_series(rows, "step", "tokens_per_s"), ".", color="#9bbce8", markersize=4, label="since last row")
+    sustained = _per_attempt(run, rows, "step", "sustained_tokens_per_s")
+    ax_tok.plot(*sustained, "-", color=COLORS["train"], label="sustained (per attempt)")
+    ax_tok.set_title("real tokens/s", fontsize=10)
+    ax_tok.legend(fontsize=8)
+    x, y = _series(rows, "step", "mfu")
+    if x:
+        ax_mfu.plot(x, [v * 100 for v in y], ".", color="#9bbce8", markersize=4)
+        sx, sy = _per_attempt(run, rows, "step", "sustained_mfu")
+        ax_mfu.plot(sx, [v * 100 for v in sy], "-", color=COLORS["train"])
+        ax_mfu.set_title("MFU (%)", fontsize=10)
+    else:
+        ax_mfu.set_title("MFU", fontsize=10)
+        _empty(ax_mfu, "no MFU: the device's peak FLOP/s is unknown\n(CPU, or set metrics.gpu / metrics.peak_flops)")
+    x, y = _per_attempt(run, rows, "step", "data_stall_share")
+    ax_stall.plot(x, [v * 100 for v in y], ".-", color=COLORS["other"], markersize=4)
+    ax_stall.set_title("data stall (% of step time)", fontsize=10)
+    ax_stall.set_ylim(bottom=0)
+    ax_mem.plot(*_per_attempt(run, rows, "step", "peak_memory_gib"), ".-", color=COLORS["checkpoint"], markersize=4)
+    ax_mem.set_title("peak memory (GiB; CPU: peak RSS)", fontsize=10)
+    for ax in (ax_stall, ax_mem):
+        ax.set_xlabel("step")
+    for ax in (ax_tok, ax_mfu, ax_stall, ax_mem):
+        ax.grid(alpha=0.3)
+    return _png(fig)
+
+
+FIGURES = {
+    "timeline.png": (timeline, "Timeline: processes, steps and cost on one clock"),
+    "hours.png": (hours, "Where the paid device time went, per attempt"),
+    "loss.png": (loss, "Loss against step and against GPU-hours"),
+    "throughput.png": (throughput, "Throughput, MFU, data stall and memory"),
+}
+"""File name -> (drawing function, caption), in page order."""

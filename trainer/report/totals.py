@@ -1,0 +1,153 @@
+"""The figures a person wants first, derived once from the records of load.py.
+
+Money and hours come from the ledger only (every attempt's row, plus the open attempt's
+heartbeat), so the report's totals are the ledger's: device-hours = sum of device_seconds,
+cost = sum of the rows' cost, goodput = productive / device seconds. What the restarts cost
+is the start-up of every attempt after the first plus the step time they redid
+(`lost_seconds`), priced at each attempt's own rate.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.report.load import Attempt, RunData, finite
+
+FINISHED = "finished"
+UNKNOWN = "unknown"  # metrics but neither a ledger row nor a heartbeat (a run from before the ledger)
+
+
+@dataclass(frozen=True)
+class Totals:
+    status: str
+    """finished | running | the last attempt's exit reason (preempted, killed, budget, error, ...)."""
+    step: int | None
+    total_steps: int | None
+    final_loss: float | None
+    final_eval_loss: float | None
+    tokens_per_s: float | None
+    """Sustained real tokens/s of the latest attempt (the meter restarts its window per attempt)."""
+    mfu: float | None
+    peak_memory_gib: float | None
+    data_stall_share: float | None
+    attempts: int
+    restarts: int
+    stops: dict[str, int]
+    """Exit reasons of the attempts that did not end the run (preempted: 2, killed: 1, ...)."""
+    device_hours: float
+    productive_hours: float
+    checkpoint_hours: float
+    cost: float | None
+    goodput: float
+    restart_hours: float
+    restart_cost: float | None
+    redone_steps: int
+    heartbeat_age_s: float | None
+
+
+def redone_by_attempt(run: RunData) -> dict[int, list[int]]:
+    """Logged steps each attempt trained again (a step already seen earlier in metrics.jsonl).
+
+    With `metrics.log_every` > 1 only logged steps are visible; the ledger's lost seconds
+    are exact either way."""
+    seen: set[int] = set()
+    out: dict[int, list[int]] = {}
+    for row in run.train_rows:
+        step = int(row["step"])
+        if step in seen:
+            owner = attempt_of(run.attempts, row.get("time"))
+            out.setdefault(owner.attempt if owner else 0, []).append(step)
+        seen.add(step)
+    return out
+
+
+def attempt_of(attempts: list[Attempt], t: Any) -> Attempt | None:
+    """The attempt that wrote a metrics row at Unix time `t`: the first one not ended by then.
+
+    Attempts run one after another, so their ends are in order. The ledger keeps whole
+    seconds (rounded down) and a killed attempt ends at its last heartbeat, written just
+    before its last row: hence the slack."""
+    if not finite(t):
+        return None
+    for a in attempts:
+        if t <= a.end + END_SLACK_S:
+            return a
+    return attempts[-1] if attempts else None
+
+
+END_SLACK_S = 2.0
+
+
+def _last(rows: list[dict[str, Any]], key: str) -> float | None:
+    for row in reversed(rows):
+        if finite(row.get(key)):
+            return float(row[key])
+    return None
+
+
+def _stall(rows: list[dict[str, Any]]) -> float | None:
+    """Share of step time spent waiting for data, weighted by each row's step time."""
+    pairs = [(r["data_stall_share"], r["step_time_s"]) for r in rows if finite(r.get("data_stall_share"))]
+    pairs = [(s, t) for s, t in pairs if finite(t)]
+    weight = sum(t for _, t in pairs)
+    return sum(s * t for s, t in pairs) / weight if weight > 0 else None
+
+
+def totals(run: RunData) -> Totals:
+    a = run.attempts
+    device = sum(x.device_seconds for x in a)
+    productive = sum(x.productive_seconds for x in a)
+    restart_s = [x.lost_seconds + (x.startup_seconds if i > 0 else 0.0) for i, x in enumerate(a)]
+    prices = [x.price_per_device_second for x in a]
+    priced = bool(a) and all(p is not None for p in prices)
+    last = a[-1] if a else None
+    stops = Counter(x.exit_reason for x in a[:-1])
+    memory = [float(r["peak_memory_gib"]) for r in run.train_rows if finite(r.get("peak_memory_gib"))]
+    last_row = run.train_rows[-1] if run.train_rows else None
+    return Totals(
+        status=last.exit_reason if last else UNKNOWN,
+        step=int(last_row["step"]) if last_row else (last.last_step if last else None),
+        total_steps=run.total_steps,
+        final_loss=_last(run.train_rows, "loss"),
+        final_eval_loss=_last(run.eval_rows, "eval_loss"),
+        tokens_per_s=_last(run.train_rows, "sustained_tokens_per_s") or _last(run.train_rows, "tokens_per_s"),
+        mfu=_last(run.train_rows, "sustained_mfu") or _last(run.train_rows, "mfu"),
+        peak_memory_gib=max(memory) if memory else None,
+        data_stall_share=_stall(run.train_rows),
+        attempts=len(a),
+        restarts=max(0, len(a) - 1),
+        stops=dict(stops),
+        device_hours=device / 3600.0,
+        productive_hours=productive / 3600.0,
+        checkpoint_hours=sum(x.checkpoint_seconds for x in a) / 3600.0,
+        cost=sum(x.cost or 0.0 for x in a) if priced else None,
+        goodput=productive / device if device > 0 else 0.0,
+        restart_hours=sum(restart_s) / 3600.0,
+        restart_cost=sum(s * (p or 0.0) for s, p in zip(restart_s, prices, strict=True)) if priced else None,
+        redone_steps=sum(len(v) for v in redone_by_attempt(run).values()),
+        heartbeat_age_s=time.time() - run.heartbeat_time if run.heartbeat_time is not None else None,
+    )
+
+
+def headline(t: Totals) -> str:
+    """One sentence: where the run stands."""
+    of = f" of {t.total_steps}" if t.total_steps else ""
+    steps = f"step {t.step}{of}" if t.step is not None else f"start-up, before step 1{of}"
+    if t.status == FINISHED:
+        return f"Finished at {steps}."
+    if t.status == "running":
+        age = f"; last heartbeat {_ago(t.heartbeat_age_s)} ago" if t.heartbeat_age_s is not None else ""
+        return f"In progress at {steps}{age} (no heartbeat for long means the machine is gone: rerun to resume)."
+    if t.status == UNKNOWN:
+        return f"No ledger.jsonl: whether it finished, and its hours and cost, are unknown; metrics reach {steps}."
+    if t.status == "budget":
+        return f"Stopped by the budget at {steps}: raise train.max_gpu_hours / train.max_cost and rerun to continue."
+    return f"Not finished: the last attempt ended '{t.status}' at {steps}. Rerun the same train command to resume."
+
+
+def _ago(seconds: float | None) -> str:
+    s = max(0.0, seconds or 0.0)
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
