@@ -19,7 +19,7 @@ from urllib.parse import urlsplit, urlunsplit
 import fsspec
 import yaml
 
-from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, _row_from_progress
+from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, row_from_progress
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def load_run(run_dir: str) -> RunData:
             progress = json.loads(texts[HEARTBEAT_FILE] or "")
             heartbeat_time = float(progress["heartbeat_time"])
             # keep_all: the open attempt's step time counts as productive so far (Ledger.totals does the same)
-            live = Attempt.from_row(_row_from_progress(progress, heartbeat_time, keep_all=True), RUNNING)
+            live = Attempt.from_row(row_from_progress(progress, heartbeat_time, keep_all=True), RUNNING)
             if live.attempt not in {a.attempt for a in attempts}:  # else closed between our two reads
                 attempts.append(live)
         except (ValueError, KeyError, TypeError) as e:

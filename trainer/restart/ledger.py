@@ -188,10 +188,10 @@ class Ledger:
         }
 
     def _row(self, now: float, keep_all: bool) -> dict[str, Any]:
-        return _row_from_progress(self._progress(now), now, keep_all)
+        return row_from_progress(self._progress(now), now, keep_all)
 
 
-def _row_from_progress(p: dict[str, Any], end: float, keep_all: bool) -> dict[str, Any]:
+def row_from_progress(p: dict[str, Any], end: float, keep_all: bool) -> dict[str, Any]:
     """An attempt's ledger row; `keep_all` counts uncommitted step time as productive (a live snapshot)."""
     w = p["world_size"]
     start = p["start_time"]
@@ -224,7 +224,7 @@ def recover_killed(run_dir: Path | str) -> dict[str, Any] | None:
         return None
     try:
         progress = json.loads(path.read_text())
-        row = _row_from_progress(progress, progress["heartbeat_time"], keep_all=False)
+        row = row_from_progress(progress, progress["heartbeat_time"], keep_all=False)
     except (ValueError, KeyError, TypeError) as e:
         log.warning("%s is unreadable (%s); the killed attempt it described is not counted", path, e)
         path.unlink(missing_ok=True)
