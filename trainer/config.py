@@ -151,6 +151,12 @@ class CheckpointConfig:
     """Resume even if the dataset or a structural setting changed."""
     notice_seconds: float = 30.0
     """Preemption notice window; warn when a save takes longer."""
+    preemption_notice: Literal["auto", "aws", "gcp", "azure", "off"] = "auto"
+    """Poll the cloud's spot notice (AWS/GCP/Azure metadata) and save-and-exit like SIGTERM; `auto` detects it, silent where there is none."""
+    notice_endpoint: str | None = None
+    """Base URL of the metadata service for `preemption_notice` (default http://169.254.169.254)."""
+    notice_poll_seconds: float = 5.0
+    """Seconds between preemption-notice polls (AWS recommends 5)."""
 
 
 @dataclass(frozen=True)
@@ -386,6 +392,11 @@ def _cross_checks(cfg: RunConfig) -> list[str]:
         )
     if cfg.checkpoint.every_minutes is not None and cfg.checkpoint.every_minutes <= 0:
         p.append(f"checkpoint.every_minutes: must be above 0 or null, got {cfg.checkpoint.every_minutes}")
+    ck = cfg.checkpoint
+    if ck.notice_endpoint is not None and not ck.notice_endpoint.startswith(("http://", "https://")):
+        p.append(f"checkpoint.notice_endpoint: must be an http:// or https:// URL, got {ck.notice_endpoint!r}")
+    if ck.notice_poll_seconds <= 0:
+        p.append(f"checkpoint.notice_poll_seconds: must be above 0, got {ck.notice_poll_seconds}")
     if cfg.train.max_cost is not None and cfg.metrics.price_per_hour is None:
         p.append(
             "train.max_cost: needs metrics.price_per_hour to turn device-hours into cost; set metrics.price_per_hour"
