@@ -25,7 +25,9 @@ from trainer import exit_codes as E
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "scripts" / "launch"
-SKYPILOT, SLURM, K8S, DOCKER_RUN = (LAUNCH / n for n in ("skypilot.yaml", "slurm.sbatch", "k8s-job.yaml", "docker-run.sh"))
+SKYPILOT, SLURM, K8S, DOCKER_RUN = (
+    LAUNCH / n for n in ("skypilot.yaml", "slurm.sbatch", "k8s-job.yaml", "docker-run.sh")
+)
 ENTRYPOINT = REPO / "docker" / "entrypoint.sh"
 
 

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -62,7 +63,7 @@ class Metadata:
             if path == "/metadata/instance/compute/name?api-version=2021-02-01&format=text":
                 return 200, VM, {}
             if path == "/metadata/scheduledevents?api-version=2020-07-01":
-                events = [  # an event for another VM in the same availability set is never ours
+                events: list[dict[str, Any]] = [  # an event for another VM in the same availability set is never ours
                     {"EventId": "A1", "EventType": "Preempt", "Resources": ["other-vm"], "EventStatus": "Scheduled"}
                 ]
                 if self.preempted:
@@ -192,7 +193,10 @@ def test_azure_event_for_another_vm_is_not_ours(serve) -> None:
     server = serve("azure")
     source = N.Azure(server.url)
     assert source.poll() is None
-    assert source.vm_name == VM and ("GET", "/metadata/instance/compute/name?api-version=2021-02-01&format=text") in server.meta.requests
+    assert (
+        source.vm_name == VM
+        and ("GET", "/metadata/instance/compute/name?api-version=2021-02-01&format=text") in server.meta.requests
+    )
     source.vm_name = "other-vm"  # control: were we that VM, its event would be our notice
     got = source.poll()
     assert got is not None and got.what == "Preempt event A1"

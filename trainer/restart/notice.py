@@ -269,14 +269,18 @@ class NoticeWatcher:
             self.detected.set()
         if self.source is None:
             return
-        self._say(f"watching for {self.source.name.upper()} preemption notices at {self.base} every {self.poll_seconds:g}s")
+        self._say(
+            f"watching for {self.source.name.upper()} preemption notices at {self.base} every {self.poll_seconds:g}s"
+        )
         failing = False
         while not self._stop.is_set():
             try:
                 notice = self.source.poll()
             except (OSError, NoticeError, ValueError) as e:
                 if not failing:  # one warning per outage, not one per poll
-                    self._say(f"cannot read the {self.source.name} preemption notice at {self.base} ({e}); training goes on, polling continues")
+                    self._say(
+                        f"cannot read the {self.source.name} preemption notice at {self.base} ({e}); training goes on, polling continues"
+                    )
                 failing = True
             else:
                 if failing:
