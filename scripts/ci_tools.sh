@@ -4,10 +4,10 @@
 # on; the matching tests then skip with that reason, and `make test` still passes.
 #   - kubernetes-validate into the project venv (also in the `test` extra)
 #   - SkyPilot into its own venv ($SKY_VENV, default .venv-sky): its many pins clash with ours
-#   - slurmctld, slurmd, slurm-client and munge from Debian, when running as root with apt-get
+#   - shellcheck, slurmctld, slurmd, slurm-client and munge from Debian, when running as root with apt-get
 # Called by .ci/run before `make test`. Skip it all with SPOTUNE_CI_TOOLS=0.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 VENV=${VENV:-.venv}
 SKY_VENV=${SKY_VENV:-.venv-sky}
 SKY_SPEC=${SKY_SPEC:-skypilot==0.14.1}
@@ -31,6 +31,13 @@ elif command -v python3 >/dev/null; then
   { python3 -m venv "$SKY_VENV" \
       && timeout "$LIMIT" "$SKY_VENV/bin/python" -m pip install -q --disable-pip-version-check "$SKY_SPEC"; } \
     || { say "could not install SkyPilot: the SkyPilot template test will skip"; rm -rf "$SKY_VENV"; }
+fi
+
+if command -v shellcheck >/dev/null; then
+  say "shellcheck present"
+elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  DEBIAN_FRONTEND=noninteractive timeout "$LIMIT" apt-get install -y -qq shellcheck >/dev/null 2>&1 \
+    || say "could not install shellcheck: the shell-script lint test will skip"
 fi
 
 slurm_tools="munged mungekey slurmctld slurmd sbatch scontrol scancel sinfo"

@@ -365,3 +365,16 @@ def test_slurm_does_not_requeue_a_configuration_error(slurm: dict[str, str], tmp
     assert info["JobState"] == "FAILED" and info["ExitCode"] == f"{E.EXIT_BAD_INPUT}:0" and info["Restarts"] == "0"
     assert "not requeueing" in (tmp_path / "job.out").read_text()
     assert (tmp_path / "runs").read_text().strip() == "1"
+
+
+def test_shell_scripts_pass_shellcheck(tmp_path: Path) -> None:
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck not installed: apt-get install shellcheck (scripts/ci_tools.sh does, as root)")
+    scripts = [SLURM, DOCKER_RUN, ENTRYPOINT, REPO / "scripts" / "ci_tools.sh"]
+    done = subprocess.run(["shellcheck", *map(str, scripts)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout
+    # control: the trainer's arguments unquoted (split and globbed) are flagged
+    bad = tmp_path / "bad.sh"
+    bad.write_text(DOCKER_RUN.read_text().replace('"$IMAGE" "$@"', '"$IMAGE" $@'))
+    done = subprocess.run(["shellcheck", str(bad)], capture_output=True, text=True)
+    assert done.returncode != 0 and "SC2068" in done.stdout
