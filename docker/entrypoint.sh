@@ -16,7 +16,9 @@ EXIT_PREEMPTED=143   # SIGTERM/SIGUSR1 or a cloud notice: checkpoint saved, rest
 # `docker stop` sends SIGTERM: spotune saves and exits $EXIT_PREEMPTED, and Docker does not
 # restart a container you stopped; give it time to save: `docker stop -t 120`.
 # Single process: spotune replaces this shell (exec), so it receives the signals itself.
-# Several GPUs: torchrun starts one rank per GPU and forwards SIGTERM to them.
+# Several GPUs: torchrun starts one rank per GPU and forwards SIGTERM to them, but reports
+# any rank's non-zero exit as 1, so 143 arrives as 1 (Docker restarts either way; a
+# Kubernetes pod lost to its node is still replaced through DisruptionTarget).
 set -uo pipefail
 if [ "${1:-}" = "spotune" ]; then shift; fi
 case "${1:-}" in
