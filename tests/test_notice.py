@@ -86,7 +86,7 @@ class Metadata:
 class Server:
     """ThreadingHTTPServer on 127.0.0.1 in a thread, answering from a `Metadata`."""
 
-    def __init__(self, meta: Metadata) -> None:
+    def __init__(self, meta: Metadata, port: int = 0) -> None:
         self.meta = meta
 
         class Handler(BaseHTTPRequestHandler):
@@ -105,7 +105,7 @@ class Server:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
@@ -119,8 +119,8 @@ class Server:
 def serve() -> Iterator:
     started: list[Server] = []
 
-    def make(provider: str) -> Server:
-        started.append(Server(Metadata(provider)))
+    def make(provider: str, port: int = 0) -> Server:
+        started.append(Server(Metadata(provider), port))
         return started[-1]
 
     yield make
@@ -128,13 +128,17 @@ def serve() -> Iterator:
         s.close()
 
 
-def _free_url() -> str:
-    """A URL where nothing listens (a port just released)."""
+def _free_port() -> int:
+    """A port where nothing listens (just released)."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
+        return int(s.getsockname()[1])
+
+
+def _free_url() -> str:
+    return f"http://127.0.0.1:{_free_port()}"
 
 
 def _watch(mode: str, url: str) -> tuple[N.NoticeWatcher, Preemption]:
@@ -212,15 +216,15 @@ def test_aws_expired_token_is_renewed(serve) -> None:
 
 @pytest.mark.parametrize("provider", ["aws", "gcp", "azure"])
 def test_server_down_no_crash_no_stop(provider: str, serve, capsys) -> None:
-    url = _free_url()
-    watcher, stop = _watch(provider, url)
+    port = _free_port()
+    watcher, stop = _watch(provider, f"http://127.0.0.1:{port}")
     time.sleep(10 * POLL)
     assert watcher._thread is not None and watcher._thread.is_alive(), "the watcher died"
     assert not stop.requested
-    # it comes back: polling resumed, and a notice still stops the run
-    server = serve(provider)
-    watcher.base = server.url
-    watcher.source = N.PROVIDERS[provider](server.url)  # the same class, now pointed at a live server
+    # the service comes back on the same address: polling went on, and a notice still stops the run
+    server = serve(provider, port)
+    _polls(server.meta, 2)
+    assert not stop.requested
     server.meta.preempted = True
     deadline = time.monotonic() + 5
     while not stop.requested and time.monotonic() < deadline:
@@ -229,6 +233,7 @@ def test_server_down_no_crash_no_stop(provider: str, serve, capsys) -> None:
     assert stop.requested
     err = capsys.readouterr().err
     assert err.count(f"cannot read the {provider} preemption notice") == 1, err  # one warning per outage
+    assert f"{provider} notice endpoint http://127.0.0.1:{port} answers again" in err
 
 
 def test_wrong_answers_are_errors_not_notices(serve) -> None:
