@@ -39,11 +39,15 @@ class Metadata:
     def __init__(self, provider: str) -> None:
         self.provider = provider
         self.preempted = False
+        self.garbage = False
+        """Answer every request with 200 and a JSON list: no provider's document."""
         self.requests: list[tuple[str, str]] = []
 
     def answer(self, method: str, path: str, headers: Message) -> tuple[int, str, dict[str, str]]:
         """`headers` look-ups are case-insensitive, as in HTTP (urllib sends `Metadata-flavor`)."""
         self.requests.append((method, path))
+        if self.garbage:
+            return 200, "[1, 2]", {"Metadata-Flavor": "Google"}
         if self.provider == "aws":
             if method == "PUT" and path == "/latest/api/token":
                 if "X-aws-ec2-metadata-token-ttl-seconds" not in headers:
@@ -236,6 +240,17 @@ def test_server_down_no_crash_no_stop(provider: str, serve, capsys) -> None:
     assert f"{provider} notice endpoint http://127.0.0.1:{port} answers again" in err
 
 
+@pytest.mark.parametrize("provider", ["aws", "gcp", "azure"])
+def test_malformed_document_warns_and_never_stops(provider: str, serve, capsys) -> None:
+    server = serve(provider)
+    server.meta.garbage = True
+    watcher, stop = _watch(provider, server.url)
+    _polls(server.meta, 4)
+    assert watcher._thread is not None and watcher._thread.is_alive() and not stop.requested
+    watcher.stop()
+    assert f"cannot read the {provider} preemption notice" in capsys.readouterr().err
+
+
 def test_wrong_answers_are_errors_not_notices(serve) -> None:
     server = serve("aws")  # serves nothing for GCP or Azure paths
     with pytest.raises(N.NoticeError, match="without Metadata-Flavor: Google"):
@@ -289,7 +304,12 @@ def test_config_keys_validated() -> None:
         )
     msg = str(e.value)
     assert "checkpoint.preemption_notice: expected one of 'auto', 'aws', 'gcp', 'azure', 'off', got 'ibm'" in msg
-    assert "checkpoint.notice_endpoint: must be an http:// or https:// URL, got '169.254.169.254'" in msg
+    assert "checkpoint.notice_endpoint: must be a plain http(s)://host[:port][/path] URL" in msg
+    assert "got '169.254.169.254'" in msg
+    for bad in ("http://user:s3cret@127.0.0.1:80", "http://127.0.0.1/?sig=s3cret"):
+        with pytest.raises(C.ConfigError, match="checkpoint.notice_endpoint") as e:
+            C.load(None, [f"checkpoint.notice_endpoint={bad}"])
+        assert "s3cret" not in str(e.value)  # the message does not echo a secret back
     assert "checkpoint.notice_poll_seconds: must be above 0, got 0.0" in msg
 
 

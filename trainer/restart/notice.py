@@ -217,7 +217,7 @@ def detect(base: str) -> Source | None:
         try:
             if source.probe():
                 return source
-        except (OSError, NoticeError, ValueError) as e:
+        except Exception as e:  # whatever answers there, it is not this provider
             log.debug("%s probe at %s: %s", cls.name, base, e)
     return None
 
@@ -276,7 +276,7 @@ class NoticeWatcher:
         while not self._stop.is_set():
             try:
                 notice = self.source.poll()
-            except (OSError, NoticeError, ValueError) as e:
+            except Exception as e:  # any bad answer (even a malformed document) must never stop training
                 if not failing:  # one warning per outage, not one per poll
                     self._say(
                         f"cannot read the {self.source.name} preemption notice at {self.base} ({e}); training goes on, polling continues"
