@@ -1,8 +1,24 @@
 #!/usr/bin/env bash
 # Container entrypoint: `spotune train "$@"`. The train command resumes by itself from the
-# newest checkpoint that verifies, so restarting the container is the whole recovery story.
-# Exit codes: 0 finished, 143 preempted after saving (the orchestrator should restart us),
-# 2 bad configuration or input (restarting will not help).
+# newest checkpoint that verifies, so restarting the container is the whole recovery story:
+#
+#   docker run --gpus all --restart on-failure:5 -v $PWD/runs:/work/runs spotune RECIPE [key=value ...]
+#
+# The container exits with the trainer's own code (trainer/exit_codes.py; a test keeps
+# these in step), so an orchestrator can decide:
+# shellcheck disable=SC2034  # documentation the test reads
+EXIT_FINISHED=0      # done: final/ holds the adapter; do not restart
+EXIT_BAD_INPUT=2     # bad configuration or data: fix it, restarting fails the same way
+EXIT_PREEMPTED=143   # SIGTERM/SIGUSR1 or a cloud notice: checkpoint saved, restart to resume
+# Kubernetes (podFailurePolicy), SLURM and SkyPilot can tell these apart (scripts/launch/);
+# Docker's `--restart on-failure` restarts on every non-zero code, hence the retry cap
+# `:5`, which bounds the loop a configuration error would cause (it fails in seconds).
+# `docker stop` sends SIGTERM: spotune saves and exits $EXIT_PREEMPTED, and Docker does not
+# restart a container you stopped; give it time to save: `docker stop -t 120`.
+# Single process: spotune replaces this shell (exec), so it receives the signals itself.
+# Several GPUs: torchrun starts one rank per GPU and forwards SIGTERM to them, but reports
+# any rank's non-zero exit as 1, so 143 arrives as 1 (Docker restarts either way; a
+# Kubernetes pod lost to its node is still replaced through DisruptionTarget).
 set -uo pipefail
 if [ "${1:-}" = "spotune" ]; then shift; fi
 case "${1:-}" in

@@ -28,8 +28,8 @@ from PIL import Image
 from trainer import cli, tiny
 from trainer import config as C
 from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_FINISHED, EXIT_PREEMPTED
-from trainer.plan_cli import estimate_for_run
 from trainer.plan.pilot import summarise
+from trainer.plan_cli import estimate_for_run
 from trainer.report import REPORT_FILE, report_after_train, write_report
 from trainer.report.load import load_run, shown
 from trainer.report.page import default_out

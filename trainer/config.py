@@ -154,6 +154,14 @@ class CheckpointConfig:
     """Resume even if the dataset or a structural setting changed."""
     notice_seconds: float = 30.0
     """Preemption notice window; warn when a save takes longer."""
+    preemption_notice: Literal["auto", "aws", "gcp", "azure", "off"] = "off"
+    """Poll the cloud's spot notice (AWS/GCP/Azure metadata) and save-and-exit like SIGTERM; `auto` detects the
+    provider. Off by default (no traffic to a metadata address off the cloud); the GPU recipes and launch templates
+    turn it on."""
+    notice_endpoint: str | None = None
+    """Base URL of the metadata service for `preemption_notice` (default http://169.254.169.254)."""
+    notice_poll_seconds: float = 5.0
+    """Seconds between preemption-notice polls (AWS recommends 5)."""
 
 
 @dataclass(frozen=True)

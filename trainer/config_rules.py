@@ -12,6 +12,7 @@ import json
 import sys
 import types
 import typing
+import urllib.parse
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal, Union
 
@@ -147,6 +148,17 @@ def cross_checks(cfg: RunConfig) -> list[str]:
         )
     if cfg.checkpoint.every_minutes is not None and cfg.checkpoint.every_minutes <= 0:
         p.append(f"checkpoint.every_minutes: must be above 0 or null, got {cfg.checkpoint.every_minutes}")
+    ck = cfg.checkpoint
+    if ck.notice_endpoint is not None:
+        url = urllib.parse.urlsplit(ck.notice_endpoint)
+        if url.scheme not in ("http", "https") or not url.hostname or url.username or url.query or url.fragment:
+            shown = f"{url.scheme}://{url.hostname}/..." if url.username or url.query else ck.notice_endpoint
+            p.append(  # the metadata service takes no credentials, and the endpoint is logged
+                "checkpoint.notice_endpoint: must be a plain http(s)://host[:port][/path] URL without "
+                f"user, password or query, got {shown!r}"
+            )
+    if ck.notice_poll_seconds <= 0:
+        p.append(f"checkpoint.notice_poll_seconds: must be above 0, got {ck.notice_poll_seconds}")
     if cfg.train.max_cost is not None and cfg.metrics.price_per_hour is None:
         p.append(
             "train.max_cost: needs metrics.price_per_hour to turn device-hours into cost; set metrics.price_per_hour"

@@ -25,7 +25,7 @@ from trainer.data.cache import data_cache_root
 from trainer.exit_codes import StopReason
 from trainer.loss import accepts_logits_to_keep
 from trainer.model import build, count_params
-from trainer.restart import preemption
+from trainer.restart import notice, preemption
 from trainer.restart.checkpoint import CheckpointManager, resolve_resume
 from trainer.restart.ledger import Ledger
 from trainer.restart.rng import gather_rng
@@ -127,6 +127,10 @@ def train(cfg: C.RunConfig) -> int:
     accelerator = make_accelerator(cfg)
     rank, world, is_main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
     stop = preemption.Preemption().install()
+    ck = cfg.checkpoint  # a cloud notice sets the same flag as SIGTERM; one poller per machine
+    watcher = notice.NoticeWatcher(ck.preemption_notice, stop.request, ck.notice_endpoint, ck.notice_poll_seconds)
+    if accelerator.is_local_main_process:
+        watcher.start()
     show = is_main and cfg.metrics.progress
 
     with accelerator.main_process_first():  # rank 0 prepares; the others then reuse its cache
@@ -274,6 +278,7 @@ def train(cfg: C.RunConfig) -> int:
         raise
     finally:
         console.close()
+        watcher.stop()
         stop.uninstall()
         if telemetry.sink is not None:
             telemetry.sink.close()

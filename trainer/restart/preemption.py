@@ -1,7 +1,8 @@
 """Graceful stop on preemption signals and the same stop step on every rank.
 
 SIGTERM (what spot/preemptible VMs, Kubernetes and Slurm send), SIGINT (Ctrl-C) and
-SIGUSR1 (Slurm's `--signal=USR1@90`) only set a flag. The loop finishes the optimizer
+SIGUSR1 (Slurm's `--signal=USR1@90`) only set a flag, and so does a cloud preemption notice
+(`trainer.restart.notice`): both go through `Preemption.request`, the one stop path. The loop finishes the optimizer
 step it is in, every rank agrees to stop at the same step (`agree`), a checkpoint is
 saved, and the process exits with `EXIT_PREEMPTED`. A second SIGINT aborts at once.
 
@@ -29,7 +30,24 @@ class Preemption:
     def __init__(self) -> None:
         self.requested = False
         self.signal_name: str | None = None
+        """The signal that stopped the run, if a signal did."""
+        self.reason: str | None = None
+        """What stopped the run: a signal or a cloud notice, as printed."""
         self._previous: dict[int, Any] = {}
+
+    def request(self, reason: str, hint: str = "") -> bool:
+        """Ask for the save-and-exit at the next step boundary; True when this request was the first.
+
+        Called by the signal handler (main thread) and by the notice watcher (its own thread).
+        No lock: the flag is one assignment, and a lock taken here could deadlock when a
+        signal handler interrupts the main thread inside it. The worst race is two messages.
+        """
+        if self.requested:
+            return False
+        self.requested = True
+        self.reason = reason
+        print(f"\n{reason}: finishing this step, saving a checkpoint, then exiting{hint}", file=sys.stderr, flush=True)
+        return True
 
     def install(self) -> Preemption:
         for sig in SIGNALS:
@@ -48,15 +66,9 @@ class Preemption:
             # (an unfinished save's temp dir is removed, the ledger row is written).
             print(f"\n{name} again: aborting without a checkpoint", file=sys.stderr, flush=True)
             raise SystemExit(EXIT_ABORTED)
-        if not self.requested:
-            self.requested = True
+        hint = " (press Ctrl-C again to abort without saving)" if signum == signal.SIGINT else ""
+        if self.request(f"{name} received", hint):
             self.signal_name = name
-            hint = " (press Ctrl-C again to abort without saving)" if signum == signal.SIGINT else ""
-            print(
-                f"\n{name} received: finishing this step, saving a checkpoint, then exiting{hint}",
-                file=sys.stderr,
-                flush=True,
-            )
 
 
 def agree(flag: bool, accelerator: Any = None) -> bool:
