@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-floor bench bench-gpu clean
 
 setup:
 	bash scripts/setup.sh
@@ -14,6 +14,16 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
+
+# The model/loss/attention tests on the lowest transformers/peft/accelerate pyproject allows.
+FLOOR_TESTS := tests/test_attention.py tests/test_loss.py tests/test_data_pack.py
+test-floor:
+	bash scripts/floor_env.sh
+	.venv-floor/bin/python -m pytest -q -p no:cacheprovider $(FLOOR_TESTS)
+
+# On a CUDA machine: spotune against HF Trainer + PEFT on the Llama-3.1-8B shape (README, Benchmarks).
+bench-gpu: setup
+	$(PY) benchmarks/gpu.py --json runs/bench-gpu.json
 
 bench: setup
 	$(PY) benchmarks/packing.py

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import torch
 
-from trainer.batches import StepBatch, count_trainable, eval_micro_batches
+from trainer.batches import StepBatch, count_trainable, eval_micro_batches, to_device
 from trainer.exit_codes import StopReason
 from trainer.loss import token_loss_sum
 from trainer.restart.preemption import agree_all
@@ -146,7 +146,7 @@ def train_loop(
         loss_sum = torch.zeros((), device=device)
         last = len(batch.micro) - 1
         for micro_step, micro in enumerate(batch.micro):
-            micro = {k: v.to(device, non_blocking=True) for k, v in micro.items()}
+            micro = to_device(micro, device)
             # Own accumulation: skip DDP's all-reduce on all but the last micro-batch.
             sync = contextlib.nullcontext() if micro_step == last else accelerator.no_sync(model)
             with sync:
@@ -182,8 +182,8 @@ def train_loop(
         step_seconds = time.monotonic() - t_start
         hooks.step_done(step_seconds)
         if meter is not None:
-            # Logits are computed only where a label is (token_loss_sum), so the head's FLOPs
-            # count the trainable tokens, not every real one.
+            # The head runs only where a label is (token_loss_sum), so its FLOPs count the
+            # trainable tokens, not every real one.
             meter.step(step, step_seconds, stall, real, doc_sq, head_tokens=trainable)
 
         if progress.step % plan.log_every == 0 or progress.step == plan.total_steps or not finite:
@@ -290,7 +290,7 @@ def make_evaluator(
             for micro in eval_micro_batches(
                 rows, accelerator.process_index, accelerator.num_processes, micro_batch_size
             ):
-                micro = {k: v.to(accelerator.device) for k, v in micro.items()}
+                micro = to_device(micro, accelerator.device)
                 total[0] += token_loss_sum(model, micro).double()
                 total[1] += count_trainable(micro["labels"])
         total = accelerator.reduce(total, reduction="sum")

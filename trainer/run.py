@@ -20,7 +20,6 @@ from trainer import config as C
 from trainer import exit_codes, flops, loop, metrics, tiny
 from trainer.atomic import fsync_tree, publish_dir, remove_temp_siblings, temp_sibling
 from trainer.batches import StepDataset, step_loader
-from trainer.loss import accepts_logits_to_keep
 from trainer.model import build, count_params
 from trainer.restart import preemption
 from trainer.restart.checkpoint import CheckpointManager, resolve_resume
@@ -140,7 +139,13 @@ def train(cfg: C.RunConfig) -> int:
     # Resolved before the model loads, so a bad metrics.gpu fails in a second, not a minute.
     peak_flops = metrics.resolve_peak_flops(cfg.metrics.peak_flops, cfg.metrics.gpu, accelerator.device)
     set_seed(cfg.seed)  # same LoRA init on every rank (DDP also broadcasts rank 0's weights)
-    model = build(cfg.model, cfg.adapter, name_or_path=model_path(cfg), device=accelerator.device)
+    model = build(
+        cfg.model,
+        cfg.adapter,
+        name_or_path=model_path(cfg),
+        device=accelerator.device,
+        autocast=cfg.train.mixed_precision != "no",
+    )
     counts = count_params(model)
     rows = load_from_disk(str(prepared.train_path))
     t = cfg.train
@@ -178,9 +183,7 @@ def train(cfg: C.RunConfig) -> int:
     meter = metrics.Meter(
         world_size=world,
         warmup_steps=cfg.metrics.warmup_steps,
-        flops_fn=_flops_fn(
-            accelerator.unwrap_model(model).config, counts.trainable, selects_logits=accepts_logits_to_keep(model)
-        ),
+        flops_fn=_flops_fn(accelerator.unwrap_model(model).config, counts.trainable),
         peak_flops=peak_flops,
         price_per_hour=cfg.metrics.price_per_hour,
         total_steps=steps,
@@ -264,7 +267,6 @@ def train(cfg: C.RunConfig) -> int:
                 t.micro_batch_size,
                 t.grad_accum,
                 steps,
-                select_logits=accepts_logits_to_keep(model),
             )
             batches = step_loader(dataset, progress.step, accelerator.device, cfg.seed)
             ledger.mark_first_step()
@@ -335,7 +337,7 @@ def _evaluator(cfg: C.RunConfig, prepared: Any, model: torch.nn.Module, accelera
     return loop.make_evaluator(load_from_disk(str(prepared.eval_path)), model, accelerator, cfg.train.micro_batch_size)
 
 
-def _flops_fn(hf_config: Any, trainable: int, selects_logits: bool) -> metrics.FlopsFn | None:
+def _flops_fn(hf_config: Any, trainable: int) -> metrics.FlopsFn | None:
     try:
         shape = flops.model_shape(hf_config)
     except ValueError:
@@ -343,9 +345,8 @@ def _flops_fn(hf_config: Any, trainable: int, selects_logits: bool) -> metrics.F
     frozen = shape.matmul_params()
 
     def fn(tokens: float, doc_sq: float, head_tokens: float) -> float:
-        return flops.train_flops(
-            shape, tokens, doc_sq, frozen, trainable, head_tokens=head_tokens if selects_logits else None
-        )
+        # trainer.loss applies the head to labelled positions only: head_tokens = trainable tokens.
+        return flops.train_flops(shape, tokens, doc_sq, frozen, trainable, head_tokens=head_tokens)
 
     return fn
 
