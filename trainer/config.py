@@ -36,8 +36,7 @@ class ModelConfig:
     attn_implementation: Literal[
         "auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention", "spotune_varlen"
     ] = "auto"
-    """`auto`: on CUDA flash_attention_3/2 when installed, else spotune_varlen (torch's varlen kernel), else
-    flex_attention; sdpa on CPU. Every choice keeps packed documents apart (trainer/attention.py)."""
+    """`auto`: on CUDA flash_attention_3/2 if installed, else spotune_varlen (torch's varlen kernel), else flex_attention; sdpa on CPU."""
     compile: bool = False
     """torch.compile each decoder layer (first steps are slower while it compiles)."""
     gradient_checkpointing: bool = False
