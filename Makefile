@@ -20,6 +20,7 @@ FLOOR_TESTS := tests/test_attention.py tests/test_loss.py tests/test_data_pack.p
 test-floor:
 	bash scripts/floor_env.sh
 	.venv-floor/bin/python -m pytest -q -p no:cacheprovider $(FLOOR_TESTS)
+	.venv-floor/bin/python -m pytest -q -p no:cacheprovider tests/test_train.py -k "accumulation or head_only"
 
 # On a CUDA machine: spotune against HF Trainer + PEFT on the Llama-3.1-8B shape (README, Benchmarks).
 bench-gpu: setup
