@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo lint test test-fast bench clean
+.PHONY: setup demo lint test test-fast test-floor bench bench-gpu clean
 
 setup:
 	bash scripts/setup.sh
@@ -23,6 +23,17 @@ test: lint
 
 test-fast: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
+
+# The model/loss/attention tests on the lowest transformers/peft/accelerate pyproject allows.
+FLOOR_TESTS := tests/test_attention.py tests/test_loss.py tests/test_data_pack.py
+test-floor:
+	bash scripts/floor_env.sh
+	.venv-floor/bin/python -m pytest -q -p no:cacheprovider $(FLOOR_TESTS)
+	.venv-floor/bin/python -m pytest -q -p no:cacheprovider tests/test_train.py -k "accumulation or head_only"
+
+# On a CUDA machine: spotune against HF Trainer + PEFT on the Llama-3.1-8B shape (README, Benchmarks).
+bench-gpu: setup
+	$(PY) benchmarks/gpu.py --json runs/bench-gpu.json
 
 bench: setup
 	$(PY) benchmarks/packing.py

@@ -104,8 +104,8 @@ def bare_loop(cfg: C.RunConfig, steps: int) -> dict[int, tuple[float, float]]:
     prepared = run.prepare_data(cfg, progress=False)
     rows = datasets.load_from_disk(str(prepared.train_path))
     t = cfg.train
-    sampler = StepSampler(len(rows), t.micro_batch_size * t.grad_accum, seed=cfg.seed, shuffle=cfg.data.shuffle)
-    data = step_data.StepDataset(rows, sampler, 0, 1, t.micro_batch_size, t.grad_accum, steps)
+    sampler = StepSampler(len(rows), C.batch_split(t, 1).global_rows, seed=cfg.seed, shuffle=cfg.data.shuffle)
+    data = step_data.StepDataset(rows, sampler, 0, 1, t.micro_batch_size, steps)
     batches = [data[s] for s in range(steps)]  # collated before the clock starts
     torch.manual_seed(cfg.seed)
     model = build(cfg.model, cfg.adapter)

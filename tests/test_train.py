@@ -22,7 +22,6 @@ from trainer import config as C
 from trainer import loop, run
 from trainer import loss as micro_loss
 from trainer.config import AdapterConfig, ModelConfig
-from trainer.data.template import IGNORE_INDEX
 from trainer.export import export
 from trainer.model import build
 from trainer.restart.state import Counters
@@ -212,21 +211,27 @@ def test_budget_guard_stops_with_a_checkpoint(tmp_path: Path, tiny_llama: Path, 
 # ---------------------------------------------------------------------------- loop maths
 
 
-def test_logits_only_where_labels_are_give_the_same_loss(tiny_llama: Path) -> None:
+def test_head_only_where_labels_are_gives_the_plain_loss(tiny_llama: Path) -> None:
     rows = _rows(lengths=[64, 20, 50], trainable=[60, 0, 30])  # the middle row has no label at all
     cols = rows.with_format("numpy")[:]
-    full = {k: torch.from_numpy(step_data.stack_column(cols[k])) for k in step_data.COLUMNS}
-    keep, keep_labels = step_data.logit_positions(full["labels"])
-    assert keep.shape == (3, 60) and (keep_labels[1] == IGNORE_INDEX).all()
+    micro = step_data.micro_batch(*(torch.from_numpy(step_data.stack_column(cols[k])) for k in step_data.COLUMNS))
+    assert micro["label_index"].shape == (90,) and int(micro["label_index"].max()) == 2 * 64 + 48
     model = _model(tiny_llama)
-    assert micro_loss.accepts_logits_to_keep(model)
-    expected = micro_loss.token_loss_sum(model, full)
-    got = micro_loss.token_loss_sum(model, {**full, "keep": keep, "keep_labels": keep_labels})
-    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
-    shuffled = {**full, "keep": keep, "keep_labels": keep_labels.roll(1, dims=1)}
-    assert abs(micro_loss.token_loss_sum(model, shuffled) - expected) > 1e-3, (
-        "control: misaligned labels change the loss"
-    )
+    with torch.no_grad():  # reference: every logit, shifted, from the model's own head
+        logits = model(input_ids=micro["input_ids"], position_ids=micro["position_ids"], use_cache=False).logits
+        expected = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.size(-1)), micro["labels"][:, 1:].reshape(-1), reduction="sum"
+        )
+        got = micro_loss.token_loss_sum(model, micro)
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+        shuffled = {**micro, "label_targets": micro["label_targets"].roll(1)}
+        assert abs(micro_loss.token_loss_sum(model, shuffled) - expected) > 1e-3, (
+            "control: misaligned labels change the loss"
+        )
+
+
+def _same(a: object, b: object) -> bool:
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else a == b
 
 
 def _rows(lengths: list[int], trainable: list[int], seq_len: int = 64, seed: int = 0) -> datasets.Dataset:
@@ -266,7 +271,7 @@ def _one_step(tiny_llama: Path, rows: datasets.Dataset, mbs: int, ga: int) -> di
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
     model, opt = accelerator.prepare(model, opt)
     sampler = StepSampler(len(rows), mbs * ga, seed=0, shuffle=False)
-    batches = step_data.StepDataset(rows, sampler, 0, 1, mbs, ga, total_steps=1)
+    batches = step_data.StepDataset(rows, sampler, 0, 1, mbs, total_steps=1)
     plan = loop.LoopPlan(total_steps=1, lr=loop.LrSchedule(peak=1.0, total_steps=1, kind="constant"), max_grad_norm=0.0)
     reason = loop.train_loop(accelerator, model, opt, [batches[0]], plan, Counters(), loop.Hooks(save=lambda p: 0.0))
     assert reason == "finished"
@@ -283,7 +288,8 @@ def test_accumulation_is_token_weighted(tiny_llama: Path) -> None:
     # Independent reference: d(total loss / total trainable tokens) over the four rows at once.
     model = _model(tiny_llama)
     cols = rows.with_format("numpy")[:]
-    micro = {k: torch.from_numpy(step_data.stack_column(cols[k])) for k in step_data.COLUMNS}
+    full = [torch.from_numpy(step_data.stack_column(cols[k])) for k in step_data.COLUMNS]
+    micro = step_data.micro_batch(*full)
     (micro_loss.token_loss_sum(model, micro) / step_data.count_trainable(micro["labels"])).backward()
     reference = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     for name in batched:
@@ -292,7 +298,7 @@ def test_accumulation_is_token_weighted(tiny_llama: Path) -> None:
     # Control: the naive mean of per-micro-batch means weights a 3-token row like a 60-token one.
     model = _model(tiny_llama)
     for i in range(4):
-        one = {k: v[i : i + 1] for k, v in micro.items()}
+        one = step_data.micro_batch(*(column[i : i + 1] for column in full))
         (micro_loss.token_loss_sum(model, one) / step_data.count_trainable(one["labels"]) / 4).backward()
     naive = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     worst = max(((naive[n] - reference[n]).abs().max() / reference[n].abs().max()).item() for n in reference)
@@ -312,8 +318,9 @@ def test_non_finite_step_is_skipped_and_weights_untouched(tiny_llama: Path) -> N
         return output * float("nan") if current["step"] in poison else output
 
     current = {"step": 0}
-    head = accelerator.unwrap_model(model).get_output_embeddings()
-    head.register_forward_hook(nan_hook)
+    # The embeddings, not the output head: trainer.loss applies the head weight itself.
+    embed = accelerator.unwrap_model(model).get_input_embeddings()
+    embed.register_forward_hook(nan_hook)
     snapshots: dict[int, dict[str, torch.Tensor]] = {0: _lora_state(model)}
     adam_steps: dict[int, float] = {}
 
@@ -322,7 +329,7 @@ def test_non_finite_step_is_skipped_and_weights_untouched(tiny_llama: Path) -> N
         adam_steps[row["step"]] = float(next(iter(opt.state.values()))["step"])
         current["step"] = row["step"]
 
-    dataset = step_data.StepDataset(rows, sampler, 0, 1, 1, 1, total_steps=6)
+    dataset = step_data.StepDataset(rows, sampler, 0, 1, 1, total_steps=6)
     plan = loop.LoopPlan(total_steps=6, lr=loop.LrSchedule(peak=1e-2, total_steps=6, kind="constant"), max_bad_steps=2)
     progress = Counters()
     messages: list[str] = []
@@ -356,13 +363,13 @@ def test_document_lengths_for_the_flop_count() -> None:
 
 def test_prefetching_worker_yields_the_same_batches_from_any_step() -> None:
     rows = _rows(lengths=[64, 40, 50, 30, 64, 20, 33, 41], trainable=[30, 20, 25, 10, 30, 10, 5, 7])
-    dataset = step_data.StepDataset(rows, StepSampler(len(rows), 2, seed=3), 0, 1, 2, 1, total_steps=8)
+    dataset = step_data.StepDataset(rows, StepSampler(len(rows), 2, seed=3), 0, 1, 2, total_steps=8)
     inline = list(step_data.step_loader(dataset, 0, torch.device("cpu"), seed=0, workers=0))
     prefetched = list(step_data.step_loader(dataset, 5, torch.device("cpu"), seed=0, workers=1))  # a resume at step 5
     assert [b.step for b in inline] == list(range(8)) and [b.step for b in prefetched] == [5, 6, 7]
     for a, b in zip(inline[5:], prefetched, strict=False):
         assert torch.equal(a.counts, b.counts)
-        assert all(torch.equal(a.micro[0][k], b.micro[0][k]) for k in a.micro[0])
+        assert all(_same(a.micro[0][k], b.micro[0][k]) for k in a.micro[0])
     assert not torch.equal(inline[0].micro[0]["input_ids"], inline[1].micro[0]["input_ids"]), "control"
 
 

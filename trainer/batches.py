@@ -2,8 +2,12 @@
 
 Built in a DataLoader worker (on CUDA) from the packed rows of `spotune prepare`: per
 micro-batch input_ids, labels and position_ids (position_ids restart at every packed
-document, which is how attention learns the document bounds), and per step the counts
-the loss normalisation and the meter need.
+document), the document bounds of the micro-batch flattened to one row (`cu_seq_lens`,
+`max_length`: what varlen attention kernels need), and the flat index of the positions
+whose hidden state predicts a label, with those labels (`label_index`, `label_targets`:
+what the head and loss need). Everything is computed here, on the host, so the device
+never waits on a data-dependent shape. Per step, the counts the loss normalisation and
+the meter need.
 """
 
 from __future__ import annotations
@@ -29,9 +33,8 @@ class StepBatch(NamedTuple):
     """
 
     step: int
-    micro: list[dict[str, torch.Tensor]]
-    """Per micro-batch: input_ids, labels, position_ids (int64, [micro_batch_size, seq_len]), and
-    with logit selection keep, keep_labels (see `logit_positions`)."""
+    micro: list[dict[str, Any]]
+    """Per micro-batch, see `micro_batch`."""
     counts: torch.Tensor
     """int64 [trainable tokens (shifted labels), real tokens, sum of squared document lengths] of this rank."""
 
@@ -47,32 +50,32 @@ class StepDataset(torch.utils.data.Dataset):
         rank: int,
         world_size: int,
         micro_batch_size: int,
-        grad_accum: int,
         total_steps: int,
-        select_logits: bool = True,
     ) -> None:
         self.rows = rows.with_format("numpy", columns=[*COLUMNS, "num_real"])
         self.sampler = sampler
         self.rank, self.world_size = rank, world_size
-        self.micro_batch_size, self.grad_accum = micro_batch_size, grad_accum
+        self.micro_batch_size = micro_batch_size
         self.total_steps = total_steps
-        self.select_logits = select_logits
-        """Compute logits only where labels are (needs a model whose forward takes a tensor `logits_to_keep`)."""
 
     def __len__(self) -> int:
         return self.total_steps
 
     def __getitem__(self, step: int) -> StepBatch:
         micro, trainable, real, doc_sq = [], 0, 0, 0
-        for indices in self.sampler.micro_batches(
-            step, self.rank, self.world_size, self.micro_batch_size, self.grad_accum
-        ):
+        for indices in self.sampler.micro_batches(step, self.rank, self.world_size, self.micro_batch_size):
+            if not indices:
+                # This rank's share of an uneven global batch ran out: every rank still runs the
+                # same micro-steps (DDP's gradient sync is collective), so it runs a filler row
+                # that carries no label and counts no token.
+                filler = self.rows[self.sampler.rows_for_step(step)[:1]]
+                ids, labels, positions = (torch.from_numpy(stack_column(filler[k])) for k in COLUMNS)
+                micro.append(micro_batch(ids, torch.full_like(labels, IGNORE_INDEX), positions))
+                continue
             cols = self.rows[indices]
-            batch = {k: torch.from_numpy(stack_column(cols[k])) for k in COLUMNS}
-            if self.select_logits:
-                batch["keep"], batch["keep_labels"] = logit_positions(batch["labels"])
+            batch = micro_batch(*(torch.from_numpy(stack_column(cols[k])) for k in COLUMNS))
             trainable += count_trainable(batch["labels"])
-            for positions, n_real in zip(cols["position_ids"], cols["num_real"], strict=False):
+            for positions, n_real in zip(cols["position_ids"], cols["num_real"], strict=True):
                 lengths = document_lengths(positions[: int(n_real)])
                 real += int(n_real)
                 doc_sq += int((lengths.astype(np.int64) ** 2).sum())
@@ -100,23 +103,40 @@ def identity_collate(item: StepBatch) -> StepBatch:
     return item
 
 
-def logit_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, the positions whose logits predict a label, and those labels: ([B, K], [B, K]).
+def micro_batch(input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
+    """One micro-batch of B packed rows of S tokens, with its document bounds and label index.
 
-    Logit p predicts label p+1. Rows with fewer than K such positions are filled with
-    position 0 and label -100. Built on the host (in the data worker) so that selecting
-    positions on the device needs no host sync.
+    - input_ids, labels, position_ids: int64 [B, S] as packed (labels aligned with input_ids).
+    - cu_seq_lens: int32 [D+1], start offsets of the D documents of the micro-batch flattened
+      to one row of B*S tokens (a document starts where position_ids is 0; each row starts one,
+      and a row's trailing padding is one pseudo-document), and max_length (a host int) the
+      longest one. The loss runs the model on that one row, so every attention kernel sees the
+      same bounds: varlen kernels from these, mask-based ones from position_ids.
+    - label_index: int64 [T], flat positions b*S+p whose hidden state predicts a label
+      (logit p predicts label p+1), and label_targets: int64 [T], those labels.
     """
+    flat_pos = position_ids.reshape(-1)
+    starts = (flat_pos == 0).nonzero().squeeze(1)
+    if len(starts) == 0 or int(starts[0]) != 0:  # defensive: a row always starts a document
+        starts = torch.cat([torch.zeros(1, dtype=starts.dtype), starts])
+    cu = torch.cat([starts, torch.tensor([flat_pos.numel()])]).to(torch.int32)
+    seq_len = labels.size(1)
     shifted = labels[:, 1:]
-    wanted = shifted != IGNORE_INDEX
-    k = max(1, int(wanted.sum(dim=1).max()))
-    keep = torch.zeros((labels.size(0), k), dtype=torch.int64)
-    keep_labels = torch.full((labels.size(0), k), IGNORE_INDEX, dtype=torch.int64)
-    for row in range(labels.size(0)):
-        pos = wanted[row].nonzero().squeeze(1)
-        keep[row, : len(pos)] = pos
-        keep_labels[row, : len(pos)] = shifted[row, pos]
-    return keep, keep_labels
+    rows, cols = (shifted != IGNORE_INDEX).nonzero(as_tuple=True)
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "position_ids": position_ids,
+        "cu_seq_lens": cu,
+        "max_length": int((cu[1:] - cu[:-1]).max()),
+        "label_index": rows * seq_len + cols,
+        "label_targets": shifted[rows, cols],
+    }
+
+
+def to_device(micro: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Tensors to `device` (asynchronously from pinned memory); host ints (max_length) stay host ints."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in micro.items()}
 
 
 def count_trainable(labels: torch.Tensor) -> int:
@@ -139,7 +159,7 @@ def step_loader(
         dataset,
         batch_size=None,
         sampler=range(start, dataset.total_steps),
-        collate_fn=identity_collate,
+        collate_fn=identity_collate,  # type: ignore[arg-type]  # batch_size=None: called per item, not per list
         num_workers=workers,
         prefetch_factor=4 if workers else None,
         pin_memory=device.type == "cuda",
@@ -155,7 +175,7 @@ def _ignore_stop_signals(worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def eval_micro_batches(rows: Any, rank: int, world: int, micro_batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
+def eval_micro_batches(rows: Any, rank: int, world: int, micro_batch_size: int) -> Iterator[dict[str, Any]]:
     """This rank's share of the held-out rows (every world-th row), as micro-batches.
 
     Every rank yields the same number of micro-batches: a rank past its share gets a filler
@@ -166,7 +186,7 @@ def eval_micro_batches(rows: Any, rank: int, world: int, micro_batch_size: int) 
     for start in range(0, per_rank, micro_batch_size):
         idx = [rank + world * i for i in range(start, min(start + micro_batch_size, per_rank))]
         cols = rows[[min(i, len(rows) - 1) for i in idx]]
-        micro = {k: torch.from_numpy(stack_column(cols[k])) for k in COLUMNS}
+        ids, labels, positions = (torch.from_numpy(stack_column(cols[k])) for k in COLUMNS)
         beyond = torch.tensor([i >= len(rows) for i in idx])
-        micro["labels"][beyond] = IGNORE_INDEX  # a filler row: forward for lockstep, no loss
-        yield micro
+        labels[beyond] = IGNORE_INDEX  # a filler row: forward for lockstep, no loss
+        yield micro_batch(ids, labels, positions)

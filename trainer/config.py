@@ -33,8 +33,12 @@ class ModelConfig:
     """Hub revision (branch, tag or commit) when `name_or_path` is a model id."""
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     """Dtype of the frozen base weights (and the compute dtype of 4-bit layers)."""
-    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
-    """`auto`: flash_attention_2 when installed and on CUDA, else sdpa."""
+    attn_implementation: Literal[
+        "auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention", "spotune_varlen"
+    ] = "auto"
+    """`auto`: on CUDA flash_attention_3/2 if installed, else spotune_varlen (torch's varlen kernel), else flex_attention; sdpa on CPU."""
+    compile: bool = False
+    """torch.compile each decoder layer (first steps are slower while it compiles)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (non-reentrant) to save memory."""
     trust_remote_code: bool = False

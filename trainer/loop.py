@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import torch
 
-from trainer.batches import StepBatch, count_trainable, eval_micro_batches
+from trainer.batches import StepBatch, count_trainable, eval_micro_batches, to_device
 from trainer.exit_codes import StopReason
 from trainer.loss import token_loss_sum
 from trainer.restart.preemption import agree_all
@@ -152,7 +152,7 @@ def train_loop(
         loss_sum = torch.zeros((), device=device)
         last = len(batch.micro) - 1
         for micro_step, micro in enumerate(batch.micro):
-            micro = {k: v.to(device, non_blocking=True) for k, v in micro.items()}
+            micro = to_device(micro, device)
             # Own accumulation: skip DDP's all-reduce on all but the last micro-batch.
             sync = contextlib.nullcontext() if micro_step == last else accelerator.no_sync(model)
             with sync:
@@ -272,7 +272,7 @@ def make_evaluator(
             for micro in eval_micro_batches(
                 rows, accelerator.process_index, accelerator.num_processes, micro_batch_size
             ):
-                micro = {k: v.to(accelerator.device) for k, v in micro.items()}
+                micro = to_device(micro, accelerator.device)
                 total[0] += token_loss_sum(model, micro).double()
                 total[1] += count_trainable(micro["labels"])
         total = accelerator.reduce(total, reduction="sum")

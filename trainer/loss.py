@@ -1,54 +1,194 @@
-"""Loss of a micro-batch: decoder forward, head at labelled positions, summed cross-entropy.
+"""Loss of a micro-batch: decoder body -> hidden states of labelled positions -> fused head + CE.
 
 Convention (what must stay true):
-- labels are aligned with input_ids; logits[:, :-1] predict labels[:, 1:]; IGNORE_INDEX
-  (-100) is ignored.
+- labels are aligned with input_ids; the hidden state at p predicts labels[p+1]; IGNORE_INDEX
+  (-100) is never predicted. trainer.batches.micro_batch builds, on the host, the flat index
+  of those positions over the whole micro-batch (`label_index`) and their labels.
 - the result is a *sum* over the micro-batch's trainable tokens; the loop divides by the
   step's trainable tokens over every micro-batch and rank.
+- the model gets the document bounds in the form its attention implementation reads
+  (trainer/attention.py), so none attends across documents whatever the micro-batch size.
+
+The head and the loss are ours, not the model's: only labelled positions reach the vocabulary
+projection, and the chunked fused linear cross-entropy below never holds [tokens x vocab]
+logits at once. That replaces `logits_to_keep` as a 2-D tensor, which only recent
+transformers releases handle (5.17's Llama indexed hidden[:, keep] into [B, B, K, H]).
 """
 
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from trainer.data.template import IGNORE_INDEX
+from trainer.attention import model_inputs
+
+CHUNK_ELEMENTS = 1 << 25
+"""Logits computed at once by the pure-torch fused loss: 32M fp32 values (128 MB, plus as much
+for their gradient): 261 tokens of Llama 3's 128k vocabulary, enough to keep the matmul large."""
+
+# Config attributes that change the logits after the head matmul; the fused head does not apply
+# them, so such models are refused instead of trained on a different function.
+_HEAD_QUIRKS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
-    """Whether the causal LM's forward takes `logits_to_keep` (transformers' own models do;
-    some remote-code models do not, and then every position gets logits)."""
-    while hasattr(model, "module"):
-        model = model.module
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "logits_to_keep" in inspect.signature(base.forward).parameters
+def token_loss_sum(model: torch.nn.Module, micro: dict[str, Any]) -> torch.Tensor:
+    """Summed next-token cross-entropy (fp32) over the micro-batch's trainable tokens.
 
-
-def token_loss_sum(model: torch.nn.Module, micro: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Summed next-token cross-entropy over the micro-batch's trainable tokens.
-
-    No attention_mask and use_cache=False: with position_ids alone transformers builds the
-    block-diagonal causal mask of the packed documents.
-
-    With `keep`/`keep_labels` (see `logit_positions`) the vocabulary projection runs only
-    at positions that carry a label, a large saving in SFT where prompts are masked; the
-    sum is the same, since masked positions contribute nothing to loss or gradient.
+    The call goes through the top-level module (DDP, accelerate's autocast wrapper, PeftModel)
+    so that DDP's reducer and mixed precision see the forward (calling the decoder body directly
+    would skip both: no gradient all-reduce, no autocast). Hooks on the decoder body hand it the
+    document bounds and take its final hidden states; `logits_to_keep=1` leaves the model's own
+    head one position of work.
     """
-    if "keep" in micro:
-        logits = model(
-            input_ids=micro["input_ids"],
-            position_ids=micro["position_ids"],
-            use_cache=False,
-            logits_to_keep=micro["keep"],
-        ).logits
-        labels = micro["keep_labels"]
-    else:
-        logits = model(input_ids=micro["input_ids"], position_ids=micro["position_ids"], use_cache=False).logits
-        logits = logits[:, :-1]
-        labels = micro["labels"][:, 1:]
-    logits = logits.float()  # the loss in fp32 whatever the compute dtype
-    return F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    lm = causal_lm(model)
+    head = lm.get_output_embeddings()
+    check_head(lm, head)
+    inputs, bounds = model_inputs(micro, lm.config._attn_implementation)
+    captured: list[torch.Tensor] = []
+
+    def add_bounds(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        # Given to the decoder body itself: some causal-LM wrappers (GPT-2 in transformers 5.0)
+        # do not pass extra kwargs on to it, and the bounds must never be dropped silently.
+        return args, {**kwargs, **bounds}
+
+    def keep_hidden(module: torch.nn.Module, args: Any, output: Any) -> None:
+        captured.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
+
+    extra: dict[str, Any] = {"logits_to_keep": 1} if _takes_logits_to_keep(lm) else {}
+    decoder = lm.get_decoder()
+    hooks = [
+        decoder.register_forward_pre_hook(add_bounds, with_kwargs=True),
+        decoder.register_forward_hook(keep_hidden),
+    ]
+    try:
+        model(**inputs, use_cache=False, **extra)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    # [B, S, H] or [1, B*S, H]: the same flat order, which label_index indexes.
+    hidden = captured[-1].reshape(micro["input_ids"].numel(), -1).index_select(0, micro["label_index"])
+    return linear_cross_entropy(hidden, head.weight, micro["label_targets"], getattr(head, "bias", None))
+
+
+def causal_lm(model: torch.nn.Module) -> Any:
+    """The transformers causal LM inside DDP/compile wrappers and a PeftModel."""
+    inner: Any = model
+    while hasattr(inner, "module"):
+        inner = inner.module
+    inner = getattr(inner, "_orig_mod", inner)
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+
+def check_head(lm: Any, head: Any) -> None:
+    """Refuse heads the fused loss would compute differently from the model."""
+    if not isinstance(head, torch.nn.Linear) or type(head) is not torch.nn.Linear:
+        raise ValueError(
+            f"the output head ({type(head).__name__}) is not a plain torch.nn.Linear: spotune's fused head "
+            "and loss would skip what it adds. Remove lm_head from adapter.target_modules (LoRA on the head), "
+            "or keep the head unquantised"
+        )
+    for name in _HEAD_QUIRKS:
+        if getattr(lm.config, name, None) not in (None, 0, 1, 1.0):
+            raise ValueError(
+                f"model config sets {name}={getattr(lm.config, name)!r}, which changes the logits after the "
+                f"head; spotune's fused head and loss do not apply it, so {lm.config.model_type!r} is not supported"
+            )
+
+
+def _takes_logits_to_keep(lm: Any) -> bool:
+    return "logits_to_keep" in inspect.signature(lm.forward).parameters
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """sum_t CE(hidden[t] @ weight.T + bias, targets[t]) in fp32, without [T x V] logits at once.
+
+    Liger Kernel's Triton kernel on CUDA when installed (the `gpu` extra), else the chunked
+    pure-torch version. Matmuls run in the weight's dtype, the softmax in fp32, as the plain
+    `F.cross_entropy(lm_head(h).float(), y)` does.
+    """
+    hidden = hidden.to(weight.dtype)
+    if hidden.is_cuda and _liger() is not None and hidden.size(0) > 0:
+        loss_fn = _liger()(ignore_index=-100, reduction="sum")
+        return loss_fn(weight, hidden, targets, bias).float()
+    chunk = max(1, CHUNK_ELEMENTS // weight.size(0))
+    return ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, chunk, torch.is_grad_enabled())
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Fused head + summed cross-entropy, chunked over tokens (pure torch, any device).
+
+    Forward computes each chunk's logits, its loss and, when a gradient is needed, the
+    gradients of hidden (and of the head weight/bias only when they require grad: a frozen head
+    needs none), then drops the logits. Backward only scales them by the incoming gradient, so
+    logits are computed once and never stored: memory is O(chunk x V) instead of O(T x V).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        chunk: int,
+        grad_enabled: bool,
+    ) -> torch.Tensor:
+        # needs_input_grad alone would still ask for a trainable head's gradient under no_grad (eval).
+        need_h, need_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
+        need_b = grad_enabled and bias is not None and ctx.needs_input_grad[2]
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b and bias is not None else None
+        for start in range(0, hidden.size(0), chunk):
+            h, y = hidden[start : start + chunk], targets[start : start + chunk]
+            logits = F.linear(h, weight, bias).float()
+            loss += F.cross_entropy(logits, y, reduction="sum")
+            if not (need_h or need_w or need_b):
+                continue
+            # d(sum CE)/d(logits) = softmax - onehot, in fp32, cast to the matmul dtype like
+            # autograd does for the plain computation.
+            grad = torch.softmax(logits, dim=-1)
+            grad[torch.arange(len(y), device=y.device), y] -= 1.0
+            del logits
+            if grad_h is not None:
+                grad_h[start : start + chunk] = grad.to(weight.dtype) @ weight
+            if grad_w is not None:
+                grad_w += grad.t() @ h.float()
+            if grad_b is not None:
+                grad_b += grad.sum(0)
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> Any:
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        w_dtype, b_dtype = ctx.dtypes
+        scale = grad_loss.float()
+        out_h = None if grad_h is None else (grad_h.float() * scale).to(grad_h.dtype)
+        out_w = None if grad_w is None else (grad_w * scale).to(w_dtype)
+        out_b = None if grad_b is None else (grad_b * scale).to(b_dtype)
+        return out_h, out_w, out_b, None, None, None
+
+
+def _liger() -> Any:
+    """Liger Kernel's fused linear cross-entropy module class, or None when not installed."""
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return None
+    return LigerFusedLinearCrossEntropyLoss
+
+
+def plain_linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The unfused reference: every logit at once (tests and the benchmark compare against it)."""
+    logits = F.linear(hidden.to(weight.dtype), weight, bias).float()
+    return F.cross_entropy(logits, targets, reduction="sum")

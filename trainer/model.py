@@ -1,9 +1,12 @@
 """The base model, optional bitsandbytes quantisation, LoRA adapters via peft, and
 activation (gradient) checkpointing.
 
-`build(model_cfg, adapter_cfg, device=...)` returns a `peft.PeftModel` whose only trainable
-parameters are the LoRA matrices. The adapter weights are kept in fp32 (peft's
-`autocast_adapter_dtype`) whatever the base dtype, so AdamW state and updates are fp32.
+`build(model_cfg, adapter_cfg, device=..., autocast=...)` returns a `peft.PeftModel` whose
+only trainable parameters are the LoRA matrices. The adapter weights are kept in fp32 (peft's
+`autocast_adapter_dtype`) whatever the base dtype, so AdamW state and updates are fp32. Under
+mixed precision (`autocast=True`) they are *computed* in the compute dtype: peft's per-layer
+cast of the activation to the adapter's fp32 dtype is switched off, so no LoRA layer makes
+(and keeps for backward) an fp32 copy of its input; autocast runs the LoRA matmuls in bf16.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
 
+from trainer import attention
 from trainer.config import AdapterConfig, ConfigError, ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -32,19 +36,32 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def resolve_attn_implementation(choice: str, device: torch.device) -> str:
-    """`auto` -> flash_attention_2 when the package is installed and we run on CUDA, else sdpa.
+    """The attention kernel: `auto` picks, per device, one that needs no dense [S x S] mask.
 
-    All three kernels honour packed `position_ids` (block-diagonal causal mask) when the
-    forward gets no attention_mask, so the choice changes speed, never the maths.
+    On CUDA: flash_attention_3 (Hopper, flash-attn 3 installed), flash_attention_2 (installed),
+    else spotune_varlen (torch's own varlen flash kernel, where the installed torch has it), else
+    flex_attention (transformers builds a document block mask from position_ids). sdpa with a
+    packed mask falls off torch's fast kernels, so on CUDA it is only used when asked for;
+    benchmarks/gpu.py measures the choices. On CPU: sdpa. Every choice keeps packed documents
+    apart (trainer/attention.py), so the choice changes speed, never the maths.
     """
+    if choice == attention.VARLEN:
+        attention.register()
     if choice != "auto":
         return choice
-    if device.type == "cuda":
-        from transformers.utils import is_flash_attn_2_available
+    if device.type != "cuda":
+        return "sdpa"
+    from transformers.utils import import_utils
 
-        if is_flash_attn_2_available():
-            return "flash_attention_2"
-    return "sdpa"
+    fa3 = getattr(import_utils, "is_flash_attn_3_available", lambda: False)
+    if fa3() and torch.cuda.get_device_capability(device)[0] == 9:
+        return "flash_attention_3"
+    if import_utils.is_flash_attn_2_available():
+        return "flash_attention_2"
+    if attention.varlen_available(device):
+        attention.register()
+        return attention.VARLEN
+    return "flex_attention"
 
 
 def quant_compute_dtype(model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -106,8 +123,12 @@ def build(
     *,
     name_or_path: str | None = None,
     device: torch.device | str = "cpu",
+    autocast: bool = False,
 ):
     """Base model + LoRA adapter (a `peft.PeftModel`), ready for the training loop.
+
+    `autocast`: the loop runs under mixed precision (accelerate's autocast), so the LoRA layers
+    may take the bf16/fp16 activation as it is (see the module docstring).
 
     For `qlora` we deliberately do not call peft's `prepare_model_for_kbit_training`: it
     casts every parameter that is not 4-bit (embeddings, lm_head, norms) to fp32, which for
@@ -125,7 +146,7 @@ def build(
     targets = list(adapter_cfg.target_modules)
     lora = LoraConfig(
         r=adapter_cfg.r,
-        lora_alpha=adapter_cfg.alpha,
+        lora_alpha=adapter_cfg.alpha,  # type: ignore[arg-type]  # annotated int; peft scales by alpha / r as a float
         lora_dropout=adapter_cfg.dropout,
         target_modules="all-linear" if targets == ["all-linear"] else targets,
         bias="none",
@@ -144,7 +165,45 @@ def build(
                 "use 'all-linear' or names of its linear modules such as q_proj, v_proj"
             ]
         ) from e
+    if autocast:
+        compute_adapters_in_autocast_dtype(model)
+    if model_cfg.compile:
+        compile_layers(model)
     return model  # accelerate.prepare places a non-quantised model on its device
+
+
+def compute_adapters_in_autocast_dtype(model: torch.nn.Module) -> int:
+    """Stop peft casting each LoRA layer's input to the adapter's fp32 dtype (a copy of every
+    adapted activation, kept for backward); under autocast the matmuls still run in bf16/fp16
+    and the fp32 adapter weights stay the optimizer's master copy. Returns the layers changed.
+
+    `cast_input_dtype_enabled` is the switch behind peft's own `helpers.disable_input_dtype_casting`.
+    """
+    changed = 0
+    for module in model.modules():
+        if hasattr(module, "cast_input_dtype_enabled"):
+            setattr(module, "cast_input_dtype_enabled", False)  # noqa: B010 (typed as Tensor | Module)
+            changed += 1
+    return changed
+
+
+def compile_layers(model: torch.nn.Module) -> int:
+    """torch.compile every decoder layer in place (`model.compile`); returns how many.
+
+    Per layer rather than the whole model: one compiled graph serves every layer, compile time
+    stays short, and the loss's hook and host-side bounds stay outside the graph.
+    """
+    from trainer.loss import causal_lm
+
+    decoder = causal_lm(model).get_decoder()
+    layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
+    if layers is None:
+        raise ConfigError(
+            [f"model.compile: no decoder layer list found in {type(decoder).__name__}; set model.compile=false"]
+        )
+    for layer in layers:
+        layer.compile(dynamic=True)  # the packed row's document count changes every step
+    return len(layers)
 
 
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:

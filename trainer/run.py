@@ -23,7 +23,6 @@ from trainer.atomic import fsync_tree, publish_dir, remove_temp_siblings, temp_s
 from trainer.batches import StepDataset, step_loader
 from trainer.data.cache import data_cache_root
 from trainer.exit_codes import StopReason
-from trainer.loss import accepts_logits_to_keep
 from trainer.model import build, count_params
 from trainer.restart import notice, preemption
 from trainer.restart.checkpoint import CheckpointManager, resolve_resume
@@ -145,18 +144,32 @@ def train(cfg: C.RunConfig) -> int:
     # Resolved before the model loads, so a bad metrics.gpu fails in a second, not a minute.
     peak_flops = metrics.resolve_peak_flops(cfg.metrics.peak_flops, cfg.metrics.gpu, accelerator.device)
     set_seed(cfg.seed)  # same LoRA init on every rank (DDP also broadcasts rank 0's weights)
-    model = build(cfg.model, cfg.adapter, name_or_path=model_path(cfg), device=accelerator.device)
+    model = build(
+        cfg.model,
+        cfg.adapter,
+        name_or_path=model_path(cfg),
+        device=accelerator.device,
+        autocast=cfg.train.mixed_precision != "no",
+    )
     counts = count_params(model)
     rows = load_from_disk(str(prepared.train_path))
     t = cfg.train
-    sampler = StepSampler(len(rows), t.micro_batch_size * t.grad_accum * world, seed=cfg.seed, shuffle=cfg.data.shuffle)
-    steps = run_steps(len(rows), sampler.rows_per_step, t.max_steps, t.epochs)
+    resume_dir, notes = resolve_resume(out / "checkpoints", cfg.checkpoint.resume, clean=is_main)
+    saved = TrainState.from_json((resume_dir / "trainer_state.json").read_text()) if resume_dir is not None else None
+    # The run is defined by its global batch: a resume on another device count keeps it and only
+    # the per-device split changes (trainer/sampler.py: the same rows every step).
+    split = C.batch_split(t, world, saved.structural.get("global_batch_rows") if saved is not None else None)
+    structural = C.structural_fields(cfg, world, split.global_rows)
+    if saved is not None:
+        notes += check_compatible(saved, structural, prepared.fingerprint, cfg.checkpoint.allow_config_change)
+        if saved.world_size != world:
+            notes.append(_world_size_note(saved.world_size, world, split, cfg.adapter.dropout))
+    sampler = StepSampler(len(rows), split.global_rows, seed=cfg.seed, shuffle=cfg.data.shuffle)
+    steps = run_steps(len(rows), split.global_rows, t.max_steps, t.epochs)
     optimizer = build_optimizer(t, [p for p in model.parameters() if p.requires_grad], accelerator.device)
     model, optimizer = accelerator.prepare(model, optimizer)
     set_seed(cfg.seed + rank)  # distinct dropout streams per rank from here on
 
-    structural = C.structural_fields(cfg, world)
-    resume_dir, notes = resolve_resume(out / "checkpoints", cfg.checkpoint.resume, clean=is_main)
     state = TrainState(
         structural=structural,
         data_fingerprint=prepared.fingerprint,
@@ -164,14 +177,11 @@ def train(cfg: C.RunConfig) -> int:
         world_size=world,
         seed=cfg.seed,
     )
-    if resume_dir is not None:
-        saved = TrainState.from_json((resume_dir / "trainer_state.json").read_text())
-        notes += check_compatible(saved, structural, prepared.fingerprint, cfg.checkpoint.allow_config_change)
     ledger = Ledger.open(
         out,
         world,
         price_per_hour=cfg.metrics.price_per_hour,
-        carried_totals=saved.ledger if resume_dir is not None else None,
+        carried_totals=saved.ledger if saved is not None else None,
         enabled=is_main,
     )
     manager = CheckpointManager(out / "checkpoints", keep_last=cfg.checkpoint.keep_last)
@@ -182,9 +192,7 @@ def train(cfg: C.RunConfig) -> int:
     meter = metrics.Meter(
         world_size=world,
         warmup_steps=cfg.metrics.warmup_steps,
-        flops_fn=_flops_fn(
-            accelerator.unwrap_model(model).config, counts.trainable, selects_logits=accepts_logits_to_keep(model)
-        ),
+        flops_fn=_flops_fn(accelerator.unwrap_model(model).config, counts.trainable),
         peak_flops=peak_flops,
         price_per_hour=cfg.metrics.price_per_hour,
         total_steps=steps,
@@ -201,6 +209,7 @@ def train(cfg: C.RunConfig) -> int:
         total_steps=steps,
         budget=Budget(max_gpu_hours=t.max_gpu_hours, max_cost=t.max_cost),
         epoch_of=lambda step: round(step / sampler.steps_per_epoch, 4),
+        digest_of=sampler.digest,
         tracker_log=(lambda row, step: accelerator.log(row, step=step)) if cfg.metrics.trackers else None,
     )
 
@@ -253,16 +262,7 @@ def train(cfg: C.RunConfig) -> int:
     reason: StopReason = "finished"
     try:
         if counters.step < steps:
-            dataset = StepDataset(
-                rows,
-                sampler,
-                rank,
-                world,
-                t.micro_batch_size,
-                t.grad_accum,
-                steps,
-                select_logits=accepts_logits_to_keep(model),
-            )
+            dataset = StepDataset(rows, sampler, rank, world, t.micro_batch_size, steps)
             batches = step_loader(dataset, counters.step, accelerator.device, cfg.seed)
             ledger.mark_first_step()
             reason = loop.train_loop(accelerator, model, optimizer, batches, plan, counters, hooks)
@@ -294,6 +294,20 @@ def train(cfg: C.RunConfig) -> int:
 
 
 # ---------------------------------------------------------------------------- pieces
+
+
+def _world_size_note(saved_world: int, world: int, split: C.BatchSplit, dropout: float) -> str:
+    same = (
+        "with adapter.dropout=0 the result equals a same-size run within floating-point summation order"
+        if dropout == 0
+        else f"dropout masks (adapter.dropout={dropout:g}) are drawn per rank, so the continuation is "
+        "statistically equivalent but not bitwise identical to an uninterrupted run"
+    )
+    return (
+        f"resuming a run checkpointed on {saved_world} process(es) with world size {world}: the global batch "
+        f"stays {split.global_rows} rows ({split.micro_steps} micro-step(s) of {split.micro_batch_size} row(s) "
+        f"per rank), every step trains on the same rows (sample_digest); {same}"
+    )
 
 
 def _restore(resume_dir: Path, model: torch.nn.Module, optimizer: Any, accelerator: Any) -> Counters:
@@ -330,7 +344,7 @@ def _evaluator(
     return run_and_report
 
 
-def _flops_fn(hf_config: Any, trainable: int, selects_logits: bool) -> metrics.FlopsFn | None:
+def _flops_fn(hf_config: Any, trainable: int) -> metrics.FlopsFn | None:
     try:
         shape = flops.model_shape(hf_config)
     except ValueError:
@@ -338,9 +352,8 @@ def _flops_fn(hf_config: Any, trainable: int, selects_logits: bool) -> metrics.F
     frozen = shape.matmul_params()
 
     def fn(tokens: float, doc_sq: float, head_tokens: float) -> float:
-        return flops.train_flops(
-            shape, tokens, doc_sq, frozen, trainable, head_tokens=head_tokens if selects_logits else None
-        )
+        # trainer.loss applies the head to labelled positions only: head_tokens = trainable tokens.
+        return flops.train_flops(shape, tokens, doc_sq, frozen, trainable, head_tokens=head_tokens)
 
     return fn
 

@@ -1,0 +1,358 @@
+"""spotune's GPU fast path against HF Trainer + PEFT on the Llama-3.1-8B shape (issue 12).
+
+One command on a CUDA machine (about 10 minutes on one H100, no downloads):
+    .venv/bin/python benchmarks/gpu.py --json runs/bench-gpu.json
+
+What it runs, in one process, on the same packed rows:
+- the Llama-3.1-8B architecture (benchmarks/configs/llama-3.1-8b.json) with random bf16
+  weights, saved once to a temp directory so both sides load the same checkpoint;
+- LoRA r16 on every linear layer, bf16 autocast, seq 4096; rows best-fit-decreasing packed
+  from a real length distribution (benchmarks/configs/lengths-gpteacher-roleplay.json: token
+  lengths of ../shared/data/gpteacher-roleplay.json, prompt masked);
+- spotune: trainer.model.build + trainer.loss.token_loss_sum (our head and fused loss,
+  document bounds to the attention kernel `auto` picks) + fused AdamW;
+- HF Trainer + PEFT: the same rows flattened by transformers' DataCollatorWithFlattening
+  (padding-free, position_ids), sdpa, the model's own head and loss;
+- then QLoRA (bitsandbytes NF4, bf16 compute, gradient checkpointing) peak memory for both.
+
+For each: real tokens/s, MFU by spotune's LoRA-aware count (trainer/flops.py: useful work,
+head at labelled positions) and by 6*N*tokens, peak memory, step time.
+`--tiny` runs the same code on CPU with a tiny Llama and a few steps (CI keeps it working;
+its figures mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from trainer import flops, metrics  # noqa: E402
+from trainer.batches import micro_batch, to_device  # noqa: E402
+from trainer.config import AdapterConfig, ModelConfig  # noqa: E402
+from trainer.data.pack import pack_lengths  # noqa: E402
+from trainer.data.template import IGNORE_INDEX  # noqa: E402
+from trainer.loss import token_loss_sum  # noqa: E402
+from trainer.model import build, count_params  # noqa: E402
+
+CONFIGS = REPO / "benchmarks" / "configs"
+Row = list[tuple[list[int], list[int]]]  # a packed row: its documents as (input_ids, labels)
+
+
+def make_model(root: Path, tiny: bool) -> Path:
+    """Random weights of the 8B shape (or a tiny Llama), saved once for both sides."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig.from_pretrained(CONFIGS / "llama-3.1-8b.json")
+    if tiny:
+        config.update(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4))
+        config.update(dict(num_key_value_heads=2, head_dim=16, vocab_size=512, bos_token_id=1, eos_token_id=2))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if tiny else torch.bfloat16)
+    model.save_pretrained(root / "model")
+    del model
+    free()
+    return root / "model"
+
+
+def packed_rows(seq_len: int, n_rows: int, vocab: int, seed: int = 0) -> list[Row]:
+    """Rows packed from the shipped length sample; random token ids, prompts masked."""
+    sample = json.loads((CONFIGS / "lengths-gpteacher-roleplay.json").read_text())
+    lengths = [min(n, seq_len) for n in sample["lengths"]]
+    bins, _ = pack_lengths(lengths, seq_len)
+    rng = random.Random(seed)
+    rows = []
+    for b in bins[:n_rows]:
+        docs = []
+        for i in b:
+            ids = [rng.randrange(3, vocab) for _ in range(lengths[i])]
+            prompt = min(sample["prompt_lengths"][i], lengths[i] - 1)
+            docs.append((ids, [IGNORE_INDEX] * prompt + ids[prompt:]))
+        rows.append(docs)
+    return rows
+
+
+def to_micro(rows: list[Row], seq_len: int) -> dict[str, Any]:
+    """spotune's micro-batch of these rows (trailing padding as in `spotune prepare`)."""
+    ids, labels, pos = (torch.zeros(len(rows), seq_len, dtype=torch.int64) for _ in range(3))
+    labels.fill_(IGNORE_INDEX)
+    for r, docs in enumerate(rows):
+        at = 0
+        for d_ids, d_labels in docs:
+            n = len(d_ids)
+            ids[r, at : at + n], labels[r, at : at + n] = torch.tensor(d_ids), torch.tensor(d_labels)
+            labels[r, at] = IGNORE_INDEX  # a document's first token is never predicted
+            pos[r, at : at + n] = torch.arange(n)
+            at += n
+        pos[r, at:] = torch.arange(seq_len - at)
+    return micro_batch(ids, labels, pos)
+
+
+def row_counts(rows: list[Row]) -> tuple[int, int, int]:
+    """(real tokens, sum of squared document lengths, labelled tokens) of some rows."""
+    docs = [d for row in rows for d in row]
+    labelled = sum(sum(1 for y in lab[1:] if y != IGNORE_INDEX) for _, lab in docs)
+    return sum(len(i) for i, _ in docs), sum(len(i) ** 2 for i, _ in docs), labelled
+
+
+def free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_spotune(path: Path, steps: list[list[Row]], args: argparse.Namespace, qlora: bool = False) -> dict[str, Any]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model_cfg = ModelConfig(
+        name_or_path=str(path),
+        dtype="float32" if args.tiny else "bfloat16",
+        gradient_checkpointing=qlora or args.gradient_checkpointing,
+        compile=args.compile,
+    )
+    adapter = AdapterConfig(method="qlora" if qlora else "lora", r=16, alpha=32, dropout=0.0)
+    autocast = device.type == "cuda"
+    model = build(model_cfg, adapter, device=device, autocast=autocast)
+    if not qlora:  # a 4-bit model is placed while it loads and cannot be moved
+        model = model.to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
+    model.train()
+    times = []
+    for rows in steps:
+        micros = [to_device(to_micro(rows[i : i + args.mbs], args.seq), device) for i in range(0, len(rows), args.mbs)]
+        n = sum(len(m["label_index"]) for m in micros)
+        sync()
+        start = time.perf_counter()
+        for micro in micros:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = token_loss_sum(model, micro)
+            (loss / n).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        times.append(time.perf_counter() - start)
+    result = {"attn_implementation": model.get_base_model().config._attn_implementation, "step_seconds": times}
+    result["trainable_params"] = count_params(model).trainable
+    del model, opt
+    return result
+
+
+def run_hf(path: Path, steps: list[list[Row]], args: argparse.Namespace, qlora: bool = False) -> dict[str, Any]:
+    """HF Trainer + PEFT as its docs show it: padding-free DataCollatorWithFlattening, sdpa."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import (
+        AutoModelForCausalLM,
+        BitsAndBytesConfig,
+        DataCollatorWithFlattening,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+
+    cuda = torch.cuda.is_available()
+    kwargs: dict[str, Any] = dict(dtype=torch.float32 if args.tiny else torch.bfloat16, attn_implementation="sdpa")
+    if qlora:
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
+        kwargs["device_map"] = {"": 0}
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    gc_on = qlora or args.gradient_checkpointing
+    if qlora:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    model = get_peft_model(model, lora)
+    flatten = DataCollatorWithFlattening()
+    items = [{"docs": row} for rows in steps for row in rows]
+
+    def collate(batch: list[dict[str, Any]]) -> dict[str, Any]:
+        return flatten([{"input_ids": i, "labels": y} for item in batch for i, y in item["docs"]])
+
+    times: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *a: Any, **k: Any) -> None:
+            sync()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            sync()
+            times.append(time.perf_counter() - self.start)
+
+    rows_per_step = len(steps[0])
+    targs = TrainingArguments(
+        output_dir=str(args.work / "hf"),
+        per_device_train_batch_size=args.mbs,
+        gradient_accumulation_steps=rows_per_step // args.mbs,
+        max_steps=len(steps),
+        learning_rate=1e-5,
+        bf16=cuda,
+        use_cpu=not cuda,
+        gradient_checkpointing=gc_on,
+        gradient_checkpointing_kwargs={"use_reentrant": False} if gc_on else None,
+        logging_steps=10_000,
+        save_strategy="no",
+        report_to=[],
+        remove_unused_columns=False,
+        dataloader_drop_last=True,
+        optim="adamw_torch_fused" if cuda else "adamw_torch",
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=targs, train_dataset=items, data_collator=collate, callbacks=[Clock()])
+    trainer.train()
+    del trainer, model
+    return {"attn_implementation": "sdpa", "step_seconds": times}
+
+
+def summarise(raw: dict[str, Any], steps: list[list[Row]], args: argparse.Namespace, peak: float | None) -> dict:
+    from transformers import LlamaConfig
+
+    shape = flops.model_shape(LlamaConfig.from_pretrained(args.work / "model"))
+    kept = list(zip(raw["step_seconds"], steps, strict=False))[args.warmup :]
+    seconds = sum(t for t, _ in kept)
+    real, doc_sq, labelled = (sum(c) for c in zip(*(row_counts(rows) for _, rows in kept), strict=True))
+    lora = flops.lora_params(shape, 16)
+    useful = flops.train_flops(shape, real, doc_sq, shape.matmul_params(), lora, head_tokens=labelled)
+    six_n = 6.0 * shape.total_params() * real
+    mem = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    return {
+        "attn_implementation": raw["attn_implementation"],
+        "tokens_per_s": real / seconds,
+        "step_seconds": seconds / len(kept),
+        "mfu_lora": useful / seconds / peak if peak else None,
+        "mfu_6n": six_n / seconds / peak if peak else None,
+        "peak_memory_gib": mem,
+    }
+
+
+def measure(fn: Any, path: Path, steps: list[list[Row]], args: argparse.Namespace, peak: float | None) -> dict:
+    free()
+    out = summarise(fn(path, steps, args), steps, args, peak)
+    free()
+    return out
+
+
+def qlora_peak(fn: Any, path: Path, steps: list[list[Row]], args: argparse.Namespace) -> float | None:
+    if not torch.cuda.is_available():
+        return None  # bitsandbytes 4-bit training needs CUDA
+    free()
+    fn(path, steps[: args.warmup + 2], args, qlora=True)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    free()
+    return peak
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="tiny Llama on CPU, a few steps (CI)")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per side (default 12, tiny 3)")
+    ap.add_argument("--warmup", type=int, default=None, help="steps left out of the figures (default 3, tiny 1)")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per packed row (default 4096, tiny 256)")
+    ap.add_argument("--mbs", type=int, default=1, help="rows per micro-batch")
+    ap.add_argument("--grad-accum", type=int, default=4, help="micro-batches per optimizer step")
+    ap.add_argument("--gradient-checkpointing", action="store_true", help="for the LoRA runs too (QLoRA always)")
+    ap.add_argument("--compile", action="store_true", help="spotune: torch.compile each decoder layer")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-qlora", action="store_true")
+    args = ap.parse_args(argv)
+    args.steps = args.steps or (3 if args.tiny else 12)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
+    args.seq = args.seq or (256 if args.tiny else 4096)
+    if not args.tiny and not torch.cuda.is_available():
+        ap.error("no CUDA device: run on a GPU machine, or pass --tiny for the CPU smoke run")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    peak = metrics.resolve_peak_flops(None, None, device)
+    rows_per_step = args.mbs * args.grad_accum
+    with tempfile.TemporaryDirectory() as tmp:
+        args.work = Path(tmp)
+        path = make_model(args.work, args.tiny)
+        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+        rows = packed_rows(args.seq, args.steps * rows_per_step, vocab)
+        steps = [rows[i : i + rows_per_step] for i in range(0, len(rows), rows_per_step)]
+        result: dict[str, Any] = {
+            "date": time.strftime("%Y-%m-%d"),
+            "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+            "versions": _versions(),
+            "setup": {k: getattr(args, k) for k in ("tiny", "steps", "warmup", "seq", "mbs", "grad_accum")},
+            "spotune": measure(run_spotune, path, steps, args, peak),
+            "hf_peft": None if args.skip_hf else measure(run_hf, path, steps, args, peak),
+        }
+        skip_q = args.skip_qlora or device.type != "cuda"
+        result["qlora_peak_memory_gib"] = {
+            "spotune": None if skip_q else qlora_peak(run_spotune, path, steps, args),
+            "hf_peft": None if skip_q or args.skip_hf else qlora_peak(run_hf, path, steps, args),
+        }
+    print(table(result))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _versions() -> dict[str, str]:
+    import accelerate
+    import peft
+    import transformers
+
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "accelerate": accelerate.__version__,
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    def fmt(v: Any, spec: str) -> str:
+        width = "".join(c for c in spec.split(".")[0] if c.isdigit())
+        return (
+            ("-".rjust(int(width or 1))) if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+        )
+
+    lines = [
+        f"{result['device']}  {result['versions']}  {result['setup']}",
+        f"{'':10} {'attention':>16} {'tokens/s':>10} {'step s':>8} {'MFU lora':>9} {'MFU 6N':>7} {'peak GiB':>9}",
+    ]
+    for name in ("spotune", "hf_peft"):
+        r = result[name]
+        if r is None:
+            continue
+        lines.append(
+            f"{name:10} {r['attn_implementation']:>16} {fmt(r['tokens_per_s'], '10.0f')} {fmt(r['step_seconds'], '8.3f')} "
+            f"{fmt(r['mfu_lora'], '9.1%')} {fmt(r['mfu_6n'], '7.1%')} {fmt(r['peak_memory_gib'], '9.1f')}"
+        )
+    q = result["qlora_peak_memory_gib"]
+    lines.append(f"QLoRA peak memory GiB: spotune {fmt(q['spotune'], '.1f')}, HF+PEFT {fmt(q['hf_peft'], '.1f')}")
+    if result["hf_peft"]:
+        lines.append(
+            f"tokens/s ratio spotune / HF+PEFT: {result['spotune']['tokens_per_s'] / result['hf_peft']['tokens_per_s']:.2f}"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
