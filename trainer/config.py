@@ -151,6 +151,10 @@ class CheckpointConfig:
     """Resume even if the dataset or a structural setting changed."""
     notice_seconds: float = 30.0
     """Preemption notice window; warn when a save takes longer."""
+    remote: str | None = None
+    """fsspec URL (`s3://bucket/prefix`, `gs://`, `az://`, `file://`) that every checkpoint is uploaded to in the background; resume also looks there. Credentials come from the cloud's standard chain."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Extra fsspec options for `checkpoint.remote` (e.g. `{client_kwargs: {region_name: eu-west-1}}`); never credentials."""
 
 
 @dataclass(frozen=True)
@@ -330,6 +334,9 @@ def _check(hint: Any, value: Any) -> tuple[bool, Any, str]:
                 return False, value, f"a list of {desc}"
             out.append(coerced)
         return True, tuple(out), f"a list of {_check(args[0], None)[2]}"
+    if origin is dict:
+        ok = isinstance(value, Mapping) and all(isinstance(k, str) for k in value)
+        return ok, dict(value) if ok else value, "a mapping"
     if hint is bool:
         return isinstance(value, bool), value, "true or false"
     if hint is int:
@@ -386,6 +393,9 @@ def _cross_checks(cfg: RunConfig) -> list[str]:
         )
     if cfg.checkpoint.every_minutes is not None and cfg.checkpoint.every_minutes <= 0:
         p.append(f"checkpoint.every_minutes: must be above 0 or null, got {cfg.checkpoint.every_minutes}")
+    from trainer.restart.storage import remote_problems  # the URL rules live with the store
+
+    p += remote_problems(cfg.checkpoint.remote, cfg.checkpoint.storage_options)
     if cfg.train.max_cost is not None and cfg.metrics.price_per_hour is None:
         p.append(
             "train.max_cost: needs metrics.price_per_hour to turn device-hours into cost; set metrics.price_per_hour"

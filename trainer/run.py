@@ -23,8 +23,9 @@ from trainer.batches import StepDataset, step_loader
 from trainer.loss import accepts_logits_to_keep
 from trainer.model import build, count_params
 from trainer.restart import preemption
-from trainer.restart.checkpoint import CheckpointManager, resolve_resume
+from trainer.restart.checkpoint import CheckpointManager
 from trainer.restart.ledger import Ledger
+from trainer.restart.remote import RemoteRun
 from trainer.restart.state import (
     TrainState,
     check_compatible,
@@ -127,6 +128,16 @@ def train(cfg: C.RunConfig) -> int:
     rank, world, is_main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
     stop = preemption.Preemption().install()
     show = is_main and cfg.metrics.progress
+    ck = cfg.checkpoint
+    remote = RemoteRun(
+        ck.remote,
+        ck.storage_options,
+        out,
+        keep_last=ck.keep_last,
+        is_main=is_main,
+        is_local_main=accelerator.is_local_main_process,
+    )
+    remote.connect()  # first: a fresh machine fetches the run's config, ledger and metrics before writing any
 
     with accelerator.main_process_first():  # rank 0 prepares; the others then reuse its cache
         prepared = prepare_data(cfg, progress=show)
@@ -151,7 +162,7 @@ def train(cfg: C.RunConfig) -> int:
     set_seed(cfg.seed + rank)  # distinct dropout streams per rank from here on
 
     structural = C.structural_fields(cfg, world)
-    resume_dir, notes = resolve_resume(out / "checkpoints", cfg.checkpoint.resume, clean=is_main)
+    resume_dir, notes = remote.resolve(cfg.checkpoint.resume)  # local or remote, chosen on rank 0
     state = TrainState(
         config_fingerprint=C.fingerprint(cfg, world),
         structural=structural,
@@ -174,6 +185,8 @@ def train(cfg: C.RunConfig) -> int:
     console = metrics.Console(steps, 0, enabled=cfg.metrics.progress, is_main=is_main)
     for note in notes:
         console.message(f"spotune: {note}")
+    remote.message = console.message
+    remote.start_uploads()
 
     meter = metrics.Meter(
         world_size=world,
@@ -204,6 +217,8 @@ def train(cfg: C.RunConfig) -> int:
                     tmp, model=model, optimizer=optimizer, state=state, rng=rng, scaler=accelerator.scaler
                 ),
             )
+            if not result.skipped:
+                remote.submit(progress.step, result.path)  # returns at once; uploads in the background
             warning = preemption.save_fits_notice(result.seconds, cfg.checkpoint.notice_seconds)
             if warning:
                 console.message(f"spotune: {warning}")
@@ -217,7 +232,7 @@ def train(cfg: C.RunConfig) -> int:
     def log(row: dict[str, Any]) -> None:
         ledger.heartbeat(row.get("step"))
         if is_main:
-            sink.write(row)
+            sink.write({**row, **remote.metrics()})
             if cfg.metrics.trackers:
                 accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"])
 
@@ -276,10 +291,12 @@ def train(cfg: C.RunConfig) -> int:
         # Closed while the signal handlers are still installed: a late SIGTERM (torchrun
         # forwards one after a sibling exits) must not kill us before this row is written.
         ledger.close(reason)
+        remote.finish(preempted=reason == "preempted", notice_seconds=cfg.checkpoint.notice_seconds)
     except BaseException as e:  # the ledger row says how this attempt ended, whatever happened
         ledger.close("aborted" if isinstance(e, (KeyboardInterrupt, SystemExit)) else "error")
         raise
     finally:
+        remote.stop()
         console.close()
         stop.uninstall()
         if sink is not None:
