@@ -150,7 +150,7 @@ class CheckpointConfig:
     allow_config_change: bool = False
     """Resume even if the dataset or a structural setting changed."""
     notice_seconds: float = 30.0
-    """Preemption notice window; warn when a save takes longer."""
+    """Preemption notice window: warn when a save takes longer; with checkpoint.remote, the time allowed to flush the last upload before exit."""
     remote: str | None = None
     """fsspec URL (`s3://bucket/prefix`, `gs://`, `az://`, `file://`) that every checkpoint is uploaded to in the background; resume also looks there. Credentials come from the cloud's standard chain."""
     storage_options: dict[str, Any] = field(default_factory=dict)

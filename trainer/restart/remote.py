@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from trainer.restart.checkpoint import CheckpointError, CheckpointManager, resolve_resume
-from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, read_rows
+from trainer.restart.ledger import HEARTBEAT_FILE, read_rows
 from trainer.restart.storage import Store, StoreError, _short
 from trainer.restart.uploader import RUN_FILES, Uploader
 
@@ -187,13 +187,12 @@ class RemoteRun:
 def fetch_run_files(store: Store, run_dir: Path) -> list[str]:
     """Download the run files this machine lacks (a fresh VM); returns their names.
 
-    The heartbeat of an attempt that already has its ledger row is left behind: the
-    uploader sends the ledger before the heartbeat, so a kill between the two would
-    otherwise count that attempt twice.
+    A heartbeat whose attempt already has its ledger row is dropped: the uploader sends the
+    ledger before the heartbeat, so a kill between the two would otherwise count it twice.
     """
     fetched = [name for name in RUN_FILES if not (run_dir / name).exists() and store.get(name, run_dir / name)]
     beat = run_dir / HEARTBEAT_FILE
-    if HEARTBEAT_FILE in fetched and LEDGER_FILE in fetched:
+    if HEARTBEAT_FILE in fetched:
         try:
             progress = json.loads(beat.read_text())
             key = (progress["attempt"], progress["pid"])
@@ -202,9 +201,6 @@ def fetch_run_files(store: Store, run_dir: Path) -> list[str]:
         if key is None or any((r.get("attempt"), r.get("pid")) == key for r in read_rows(run_dir)):
             beat.unlink()
             fetched.remove(HEARTBEAT_FILE)
-    elif HEARTBEAT_FILE in fetched:  # this disk kept its ledger: the remote heartbeat is not newer news
-        beat.unlink()
-        fetched.remove(HEARTBEAT_FILE)
     return fetched
 
 

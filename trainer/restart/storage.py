@@ -246,6 +246,7 @@ class Store:
 
     def get(self, rel: str, local: Path) -> bool:
         """Download one run file if the remote has it; False when it does not."""
+        local.parent.mkdir(parents=True, exist_ok=True)  # a FileNotFoundError below must mean the remote
         tmp = temp_sibling(local)
         try:
             self.fs.get_file(self.path(rel), str(tmp))
