@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from trainer import config as C
 from trainer import run, tiny
-from trainer.restart.checkpoint import CheckpointError
+from trainer.restart.checkpoint import CheckpointError, CheckpointManager
 from trainer.restart.ledger import read_rows
 from trainer.restart.storage import Store, StoreError
 
@@ -134,7 +134,7 @@ def test_unreachable_store_at_start_fails_without_a_local_checkpoint_and_warns_w
     assert "Continuing from the local checkpoint step-000002" in text
     assert f"uploading step 3 to {s3_remote}/checkpoints/step-000003 failed" in text
     assert "training goes on" in text and "local checkpoints are kept" in text
-    assert [p.name for p in sorted((out / "checkpoints").glob("step-*"))] == ["step-000003", "step-000004"]
+    assert [p.name for p in CheckpointManager(out / "checkpoints").committed()] == ["step-000003", "step-000004"]
     assert (out / "final" / "adapter_model.safetensors").is_file()
     behind = [r["remote_steps_behind"] for r in _rows(out) if "remote_steps_behind" in r]
     assert behind and behind[-1] >= 3  # nothing reached the store: 4 steps behind a remote at step 0

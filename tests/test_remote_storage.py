@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from moto_fixture import SECRET, free_port
+from moto_fixture import SECRET, free_port, s3_env
 
 from trainer import config as C
 from trainer.restart.checkpoint import MANIFEST, CheckpointManager
@@ -193,3 +193,44 @@ def test_redact_and_config_validation() -> None:
         C.from_dict({"checkpoint": {"remote": "s3://b/p", "storage_options": {"key": "AKIA", "secret": "x"}}})
     with pytest.raises(C.ConfigError, match="checkpoint.storage_options: expected a mapping"):
         C.from_dict({"checkpoint": {"storage_options": ["a"]}})
+
+
+def test_store_unreachable_mid_run_retries_warns_and_catches_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its own moto server, stopped while the uploader works and started again on the same port."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    for key, value in s3_env(f"http://127.0.0.1:{port}").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    run_dir = tmp_path / "run"
+    manager = CheckpointManager(run_dir / "checkpoints", keep_last=2)
+    store = Store("s3://mid-run-bucket/run")
+    store.fs.mkdir("mid-run-bucket")
+    messages: list[str] = []
+    uploader = Uploader(store, run_dir, keep_last=2, message=messages.append, max_backoff=1.0).start(None)
+    try:
+        uploader.submit(1, _commit(manager, 1))
+        assert uploader.flush(timeout=30) and uploader.metrics()["remote_steps_behind"] == 0
+        server.stop()
+        for step in (2, 3):
+            uploader.submit(step, _commit(manager, step))
+        assert not uploader.flush(timeout=3)  # the store is gone: flushing gives up, training would go on
+        assert uploader.metrics()["remote_steps_behind"] == 2
+        warning = next(m for m in messages if "failed" in m)
+        assert "s3://mid-run-bucket/run/checkpoints/step-00000" in warning and "retrying in" in warning
+        assert "newest remote step: 1" in warning and "local checkpoints are kept" in warning
+        assert [p.name for p in manager.committed()] == ["step-000002", "step-000003"]  # only keep_last pruned
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()  # moto keeps its buckets in this process: the same store comes back
+        assert uploader.flush(timeout=30)
+        assert uploader.metrics()["remote_steps_behind"] == 0 and store.committed() == [1, 3]
+        assert any("reachable again" in m for m in messages)
+        assert all(SECRET not in m for m in messages)
+    finally:
+        uploader.stop()
+        server.stop()

@@ -112,9 +112,16 @@ class Uploader:
         return True
 
     def stop(self) -> None:
+        """Stop the thread; staging links of uploads that will not happen are removed (an
+        upload stuck in a network call leaves its own, which the next start cleans)."""
         with self._cond:
             self._stopping = True
+            job, self._pending = self._pending, None
             self._cond.notify_all()
+        if job is not None:
+            shutil.rmtree(job.staged, ignore_errors=True)
+        if self._thread.is_alive():
+            self._thread.join(timeout=2.0)
 
     # ------------------------------------------------------------------ the thread
 
