@@ -11,7 +11,12 @@ so "K steps, then K more on a new machine" must equal "2K steps straight".
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import signal
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +27,10 @@ from safetensors.torch import load_file
 
 from trainer import config as C
 from trainer import run, tiny
+from trainer.exit_codes import EXIT_PREEMPTED
 from trainer.restart.checkpoint import CheckpointError, CheckpointManager
 from trainer.restart.ledger import read_rows
-from trainer.restart.storage import Store, StoreError
+from trainer.restart.storage import UPLOAD_PAUSE_ENV, Store, StoreError
 
 K = 3
 
@@ -139,3 +145,32 @@ def test_unreachable_store_at_start_fails_without_a_local_checkpoint_and_warns_w
     behind = [r["remote_steps_behind"] for r in _rows(out) if "remote_steps_behind" in r]
     assert behind and behind[-1] >= 3  # nothing reached the store: 4 steps behind a remote at step 0
     _assert_no_secret(out, text)
+
+
+def test_sigterm_flushes_the_upload_or_exits_143_anyway_naming_the_safe_step(
+    tmp_path: Path, tiny_llama: Path, data: Path, s3_remote: str, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """A preemption notice: the stop step is saved, then its upload gets checkpoint.notice_seconds.
+    Here every upload stalls for 4 s (the test hook) and the notice is 1 s, so it cannot finish."""
+    out = tmp_path / "run"
+    monkeypatch.setenv(UPLOAD_PAUSE_ENV, "4")
+    cfg = _cfg(out, tiny_llama, data, 50, **{"checkpoint.remote": s3_remote, "checkpoint.notice_seconds": 1.0})
+
+    def notice() -> None:  # like the spot VM's SIGTERM, once a step is done
+        while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=notice, daemon=True).start()
+    started = time.monotonic()
+    assert run.train(cfg) == EXIT_PREEMPTED
+    stopped = CheckpointManager(out / "checkpoints").committed()[-1].name
+    text = "".join(capsys.readouterr())
+    local = int(stopped.split("-")[1])
+    found = re.search(
+        r"the upload did not finish within 1s; the newest checkpoint safe remotely is step (None|\d+)", text
+    )
+    assert found and f"the local one is step {local}" in text, text[-2000:]
+    # Which step is safe depends on how far earlier uploads got on a loaded machine; never the stop step.
+    assert found.group(1) == "None" or int(found.group(1)) < local
+    assert time.monotonic() - started < 60  # it did not wait for the stalled upload

@@ -100,14 +100,13 @@ class RemoteRun:
         return chosen, notes
 
     def _choose(self, root: Path, resume_setting: str) -> tuple[Path | None, list[str]]:
+        error: CheckpointError | None = None
         try:
             local, notes = resolve_resume(root, resume_setting)
         except CheckpointError as e:
             if not (self.reachable and resume_setting == "auto"):
                 raise
             local, notes, error = None, [], e  # a good remote checkpoint may still save the run
-        else:
-            error = None
         if not self.reachable or self.store is None:
             return local, notes
         store = self.store
