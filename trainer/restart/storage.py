@@ -214,6 +214,7 @@ class Store:
         manifest = json.loads((local / MANIFEST).read_text())
         files = [f for f in files_below(local) if f.name != MANIFEST or f.parent != local]
         pause = float(os.environ.get(UPLOAD_PAUSE_ENV, "0") or 0)
+        self.fs.invalidate_cache()
         if self.fs.exists(self.step_path(step, MANIFEST)):  # the same step again (a redone step after a
             self.fs.rm_file(self.step_path(step, MANIFEST))  # resume): uncommit it before any file changes
         if not _is_object_store(self.fs):
