@@ -126,8 +126,6 @@ def train(cfg: C.RunConfig) -> int:
     out = Path(cfg.output_dir)
     accelerator = make_accelerator(cfg)
     rank, world, is_main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
-    stop = preemption.Preemption().install()
-    show = is_main and cfg.metrics.progress
     ck = cfg.checkpoint
     remote = RemoteRun(
         ck.remote,
@@ -138,6 +136,8 @@ def train(cfg: C.RunConfig) -> int:
         is_local_main=accelerator.is_local_main_process,
     )
     remote.connect()  # first: a fresh machine fetches the run's config, ledger and metrics before writing any
+    stop = preemption.Preemption().install()
+    show = is_main and cfg.metrics.progress
 
     with accelerator.main_process_first():  # rank 0 prepares; the others then reuse its cache
         prepared = prepare_data(cfg, progress=show)
