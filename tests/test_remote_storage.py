@@ -234,3 +234,19 @@ def test_store_unreachable_mid_run_retries_warns_and_catches_up(
     finally:
         uploader.stop()
         server.stop()
+
+
+def test_a_local_directory_is_a_store_too(tmp_path: Path) -> None:
+    """`file://` (an NFS mount, a second disk) goes through the same seam."""
+    store = Store(f"file://{tmp_path / 'bucket'}/run")
+    store.check()  # creates the directory
+    manager = CheckpointManager(tmp_path / "a" / "checkpoints", keep_last=5)
+    for step in (1, 2, 3):
+        store.upload(_commit(manager, step), step)
+    (tmp_path / "bucket/run/checkpoints/step-000009").mkdir()  # a killed upload's leftovers
+    (tmp_path / "bucket/run/checkpoints/step-000009/rng.safetensors").write_bytes(b"x")
+    assert store.committed() == [1, 2, 3] and store.clean() == [9]
+    assert store.prune(keep_last=2) == [1] and store.committed() == [2, 3]
+    got = store.download(3, tmp_path / "b")
+    assert CheckpointManager(got.parent).verify(got) == [] and got.name == "step-000003"
+    assert (got / "adapter_model.safetensors").read_bytes() == bytes([3]) * 4096
