@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+# A real S3 API on localhost (moto's server) for the remote-checkpoint tests.
+from moto_fixture import moto_endpoint, s3_remote  # noqa: E402,F401  (fixtures)
+
 from trainer import tiny
 
 REPO = Path(__file__).resolve().parents[1]

@@ -65,20 +65,25 @@ def _command(world: int, args: list[str]) -> list[str]:
     ]  # fmt: skip
 
 
-def _run(world: int, args: list[str], log: Path, kill_after_step: int | None = None, out: Path | None = None) -> int:
-    """Run to the end, or SIGKILL the whole process group once checkpoint `kill_after_step` exists."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+def _newest_step(out: Path) -> int:
+    return max((int(p.parent.name[5:]) for p in (out / "checkpoints").glob("step-*/MANIFEST.json")), default=0)
+
+
+def _run(world: int, args: list[str], log: Path, kill_after: int | None = None, out: Path | None = None) -> int:
+    """Run to the end, or SIGKILL the whole process group once this attempt has committed `kill_after`
+    checkpoints beyond the newest one the run had when it started."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    start = _newest_step(out) if out is not None else 0
     with log.open("w") as f:
         proc = subprocess.Popen(
             _command(world, args), env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
         )
         deadline = time.monotonic() + 600
         while proc.poll() is None and time.monotonic() < deadline:
-            if kill_after_step is not None and out is not None:
-                if (out / "checkpoints" / f"step-{kill_after_step:06d}" / "MANIFEST.json").is_file():
-                    os.killpg(proc.pid, signal.SIGKILL)  # the machine is gone: no handler runs
-                    proc.wait()
-                    return -signal.SIGKILL
+            if kill_after is not None and out is not None and _newest_step(out) >= start + kill_after:
+                os.killpg(proc.pid, signal.SIGKILL)  # the machine is gone: no handler runs
+                proc.wait()
+                return -signal.SIGKILL
             time.sleep(0.05)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -116,8 +121,8 @@ def test_two_one_two_ranks_equal_one_uninterrupted_process(tmp_path: Path, tiny_
 
     out = tmp_path / "elastic"
     args = _args(tiny_llama, tiny_data, cache, out, 4)
-    assert _run(2, args, tmp_path / "a.log", kill_after_step=2, out=out) == -signal.SIGKILL
-    assert _run(1, args, tmp_path / "b.log", kill_after_step=4, out=out) == -signal.SIGKILL
+    assert _run(2, args, tmp_path / "a.log", kill_after=2, out=out) == -signal.SIGKILL
+    assert _run(1, args, tmp_path / "b.log", kill_after=2, out=out) == -signal.SIGKILL
     assert _run(2, args, tmp_path / "c.log") == 0, (tmp_path / "c.log").read_text()[-3000:]
     assert "world size" in (tmp_path / "b.log").read_text(), "a resume on another world size says so"
 

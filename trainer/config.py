@@ -157,7 +157,8 @@ class CheckpointConfig:
     allow_config_change: bool = False
     """Resume even if the dataset or a structural setting changed."""
     notice_seconds: float = 30.0
-    """Preemption notice window; warn when a save takes longer."""
+    """Preemption notice window: warn when a save takes longer; with checkpoint.remote, the time allowed to flush
+    the last upload before exit."""
     preemption_notice: Literal["auto", "aws", "gcp", "azure", "off"] = "off"
     """Poll the cloud's spot notice (AWS/GCP/Azure metadata) and save-and-exit like SIGTERM; `auto` detects the
     provider. Off by default (no traffic to a metadata address off the cloud); the GPU recipes and launch templates
@@ -166,6 +167,10 @@ class CheckpointConfig:
     """Base URL of the metadata service for `preemption_notice` (default http://169.254.169.254)."""
     notice_poll_seconds: float = 5.0
     """Seconds between preemption-notice polls (AWS recommends 5)."""
+    remote: str | None = None
+    """fsspec URL (`s3://bucket/prefix`, `gs://`, `az://`, `file://`) that every checkpoint is uploaded to in the background; resume also looks there. Credentials come from the cloud's standard chain."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Extra fsspec options for `checkpoint.remote` (e.g. `{client_kwargs: {region_name: eu-west-1}}`); never credentials."""
 
 
 @dataclass(frozen=True)
@@ -324,6 +329,20 @@ class BatchSplit:
     def micro_steps(self) -> int:
         """Micro-batches every rank runs per step (ranks with fewer rows run a filler micro-batch)."""
         return -(-self.global_rows // (self.micro_batch_size * self.world))
+
+    def resume_note(self, saved_world: int, dropout: float) -> str:
+        """What a resume on another world size keeps, and what it cannot keep identical."""
+        same = (
+            "with adapter.dropout=0 the result equals a same-size run within floating-point summation order"
+            if dropout == 0
+            else f"dropout masks (adapter.dropout={dropout:g}) are drawn per rank, so the continuation is "
+            "statistically equivalent but not bitwise identical to an uninterrupted run"
+        )
+        return (
+            f"resuming a run checkpointed on {saved_world} process(es) with world size {self.world}: the global "
+            f"batch stays {self.global_rows} rows ({self.micro_steps} micro-step(s) of {self.micro_batch_size} "
+            f"row(s) per rank), every step trains on the same rows (sample_digest); {same}"
+        )
 
 
 def batch_split(train: TrainConfig, world: int, saved_global_rows: int | None = None) -> BatchSplit:

@@ -90,6 +90,9 @@ def _check(hint: Any, value: Any) -> tuple[bool, Any, str]:
                 return False, value, f"a list of {desc}"
             out.append(coerced)
         return True, tuple(out), f"a list of {_check(args[0], None)[2]}"
+    if origin is dict:
+        ok = isinstance(value, Mapping) and all(isinstance(k, str) for k in value)
+        return ok, dict(value) if ok else value, "a mapping"
     if hint is bool:
         return isinstance(value, bool), value, "true or false"
     if hint is int:
@@ -148,6 +151,9 @@ def cross_checks(cfg: RunConfig) -> list[str]:
         )
     if cfg.checkpoint.every_minutes is not None and cfg.checkpoint.every_minutes <= 0:
         p.append(f"checkpoint.every_minutes: must be above 0 or null, got {cfg.checkpoint.every_minutes}")
+    from trainer.restart.storage import remote_problems  # the URL rules live with the store
+
+    p += remote_problems(cfg.checkpoint.remote, cfg.checkpoint.storage_options)
     ck = cfg.checkpoint
     if ck.notice_endpoint is not None:
         url = urllib.parse.urlsplit(ck.notice_endpoint)
@@ -182,7 +188,7 @@ def field_docs(root: type) -> list[tuple[str, str, str]]:
                 if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
                     nxt = body[i + 1] if i + 1 < len(body) else None
                     if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-                        docs[(node.name, stmt.target.id)] = str(nxt.value.value)
+                        docs[(node.name, stmt.target.id)] = " ".join(str(nxt.value.value).split())
     rows: list[tuple[str, str, str]] = []
 
     def walk(cls: type, prefix: str) -> None:

@@ -269,3 +269,14 @@ class Console:
 
 def _fmt(x: Any) -> str:
     return f"{x:.4f}" if isinstance(x, float) else str(x)
+
+
+def flat_config(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config as the flat `a.b: scalar` mapping experiment trackers take."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flat_config(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out

@@ -25,8 +25,9 @@ from trainer.data.cache import data_cache_root
 from trainer.exit_codes import StopReason
 from trainer.model import build, count_params
 from trainer.restart import notice, preemption
-from trainer.restart.checkpoint import CheckpointManager, resolve_resume
+from trainer.restart.checkpoint import CheckpointManager
 from trainer.restart.ledger import Ledger
+from trainer.restart.remote import RemoteRun
 from trainer.restart.rng import gather_rng
 from trainer.restart.state import (
     Counters,
@@ -125,6 +126,16 @@ def train(cfg: C.RunConfig) -> int:
     out = Path(cfg.output_dir)
     accelerator = make_accelerator(cfg)
     rank, world, is_main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
+    ck = cfg.checkpoint
+    remote = RemoteRun(
+        ck.remote,
+        ck.storage_options,
+        out,
+        keep_last=ck.keep_last,
+        is_main=is_main,
+        is_local_main=accelerator.is_local_main_process,
+    )
+    remote.connect()  # first: a fresh machine fetches the run's config, ledger and metrics before writing any
     stop = preemption.Preemption().install()
     ck = cfg.checkpoint  # a cloud notice sets the same flag as SIGTERM; one poller per machine
     watcher = notice.NoticeWatcher(ck.preemption_notice, stop.request, ck.notice_endpoint, ck.notice_poll_seconds)
@@ -154,7 +165,7 @@ def train(cfg: C.RunConfig) -> int:
     counts = count_params(model)
     rows = load_from_disk(str(prepared.train_path))
     t = cfg.train
-    resume_dir, notes = resolve_resume(out / "checkpoints", cfg.checkpoint.resume, clean=is_main)
+    resume_dir, notes = remote.resolve(cfg.checkpoint.resume)  # local or remote, chosen on rank 0
     saved = TrainState.from_json((resume_dir / "trainer_state.json").read_text()) if resume_dir is not None else None
     # The run is defined by its global batch: a resume on another device count keeps it and only
     # the per-device split changes (trainer/sampler.py: the same rows every step).
@@ -163,7 +174,7 @@ def train(cfg: C.RunConfig) -> int:
     if saved is not None:
         notes += check_compatible(saved, structural, prepared.fingerprint, cfg.checkpoint.allow_config_change)
         if saved.world_size != world:
-            notes.append(_world_size_note(saved.world_size, world, split, cfg.adapter.dropout))
+            notes.append(split.resume_note(saved.world_size, cfg.adapter.dropout))
     sampler = StepSampler(len(rows), split.global_rows, seed=cfg.seed, shuffle=cfg.data.shuffle)
     steps = run_steps(len(rows), split.global_rows, t.max_steps, t.epochs)
     optimizer = build_optimizer(t, [p for p in model.parameters() if p.requires_grad], accelerator.device)
@@ -188,6 +199,8 @@ def train(cfg: C.RunConfig) -> int:
     console = metrics.Console(steps, 0, enabled=cfg.metrics.progress, is_main=is_main)
     for note in notes:
         console.message(f"spotune: {note}")
+    remote.message = console.message
+    remote.start_uploads()
 
     meter = metrics.Meter(
         world_size=world,
@@ -199,7 +212,7 @@ def train(cfg: C.RunConfig) -> int:
         device_seconds_fn=lambda: float(ledger.totals()["device_seconds"]),  # one source of truth: the ledger
     )
     if cfg.metrics.trackers:
-        accelerator.init_trackers("spotune", config=_flat(cfg.to_dict()))
+        accelerator.init_trackers("spotune", config=metrics.flat_config(cfg.to_dict()))
     telemetry = Telemetry(
         meter,
         console,
@@ -211,6 +224,7 @@ def train(cfg: C.RunConfig) -> int:
         epoch_of=lambda step: round(step / sampler.steps_per_epoch, 4),
         digest_of=sampler.digest,
         tracker_log=(lambda row, step: accelerator.log(row, step=step)) if cfg.metrics.trackers else None,
+        row_extras=remote.metrics,
     )
 
     def save(counters: Counters) -> float:
@@ -225,6 +239,8 @@ def train(cfg: C.RunConfig) -> int:
                     tmp, model=model, optimizer=optimizer, state=snapshot, rng=rng, scaler=accelerator.scaler
                 ),
             )
+            if not result.skipped:
+                remote.submit(counters.step, result.path)  # returns at once; uploads in the background
             warning = preemption.save_fits_notice(result.seconds, cfg.checkpoint.notice_seconds)
             if warning:
                 console.message(f"spotune: {warning}")
@@ -273,10 +289,12 @@ def train(cfg: C.RunConfig) -> int:
         # Closed while the signal handlers are still installed: a late SIGTERM (torchrun
         # forwards one after a sibling exits) must not kill us before this row is written.
         ledger.close(reason)
+        remote.finish(preempted=reason == "preempted", notice_seconds=cfg.checkpoint.notice_seconds)
     except BaseException as e:  # the ledger row says how this attempt ended, whatever happened
         ledger.close("aborted" if isinstance(e, (KeyboardInterrupt, SystemExit)) else "error")
         raise
     finally:
+        remote.stop()
         console.close()
         watcher.stop()
         stop.uninstall()
@@ -294,20 +312,6 @@ def train(cfg: C.RunConfig) -> int:
 
 
 # ---------------------------------------------------------------------------- pieces
-
-
-def _world_size_note(saved_world: int, world: int, split: C.BatchSplit, dropout: float) -> str:
-    same = (
-        "with adapter.dropout=0 the result equals a same-size run within floating-point summation order"
-        if dropout == 0
-        else f"dropout masks (adapter.dropout={dropout:g}) are drawn per rank, so the continuation is "
-        "statistically equivalent but not bitwise identical to an uninterrupted run"
-    )
-    return (
-        f"resuming a run checkpointed on {saved_world} process(es) with world size {world}: the global batch "
-        f"stays {split.global_rows} rows ({split.micro_steps} micro-step(s) of {split.micro_batch_size} row(s) "
-        f"per rank), every step trains on the same rows (sample_digest); {same}"
-    )
 
 
 def _restore(resume_dir: Path, model: torch.nn.Module, optimizer: Any, accelerator: Any) -> Counters:
@@ -373,13 +377,3 @@ def write_final(directory: Path, model: torch.nn.Module, tokenizer: str) -> None
     AutoTokenizer.from_pretrained(tokenizer).save_pretrained(str(tmp))
     fsync_tree(tmp)
     publish_dir(tmp, directory)
-
-
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
-    return out

@@ -49,14 +49,15 @@ class Telemetry:
         epoch_of: Callable[[int], float],
         digest_of: Callable[[int], str],
         tracker_log: Callable[[dict[str, Any], int], None] | None = None,
+        row_extras: Callable[[], dict[str, Any]] = dict,
     ) -> None:
         self.meter, self.console, self.ledger, self.sink = meter, console, ledger, sink
         self.log_every, self.total_steps, self.budget = log_every, total_steps, budget
         self.epoch_of, self.digest_of = epoch_of, digest_of
         self.tracker_log = tracker_log
+        self.row_extras = row_extras
+        """Fields merged into every metrics row written (the uploads' figures: trainer/restart/remote.py)."""
         self.last: StepRecord | None = None
-        self.extra: dict[str, Any] = {}
-        """Fields merged into the next metrics row (e.g. a save's upload figures), then cleared."""
 
     def on_step(self, record: StepRecord) -> None:
         """Account one finished optimizer step; write a metrics row every `log_every` steps."""
@@ -92,11 +93,9 @@ class Telemetry:
 
     def write(self, row: dict[str, Any]) -> None:
         """One metrics row to every sink (main rank) and the ledger's heartbeat (every rank)."""
-        if self.extra:
-            row = {**row, **self.extra}
-            self.extra = {}
         self.ledger.heartbeat(row.get("step"))
         if self.sink is not None:
+            row = {**row, **self.row_extras()}
             self.sink.write(row)
             if self.tracker_log is not None:
                 self.tracker_log({k: v for k, v in row.items() if isinstance(v, (int, float))}, row["step"])

@@ -1,0 +1,142 @@
+"""The spot drill with an object store: SIGKILL the trainer at random moments (one of them
+in the middle of an upload), SIGTERM it once (the upload is flushed before it exits), and
+after every stop delete the local output_dir, as if the VM were gone; the same command on
+the "new VM" resumes from the bucket until it finishes. The final adapter is bit-identical
+to an uninterrupted run and the ledger, carried through the bucket, has a row for every
+process, the killed ones included (recovered from their last heartbeat in the store)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from moto_fixture import SECRET, s3_env
+from safetensors.torch import load_file
+from test_kill_anywhere import REPO, STEPS, _metric_rows, _recipe, _wait, procs  # noqa: F401 (procs: a fixture)
+
+from trainer import config as C
+from trainer import run, tiny
+from trainer.exit_codes import EXIT_PREEMPTED
+from trainer.restart.checkpoint import MANIFEST
+from trainer.restart.ledger import read_rows
+from trainer.restart.storage import UPLOAD_PAUSE_ENV, Store
+
+
+@pytest.mark.slow
+def test_kill_delete_output_dir_rerun_from_the_bucket(
+    tmp_path: Path,
+    tiny_llama: Path,
+    moto_endpoint: str,
+    s3_remote: str,
+    procs: list,  # noqa: F811
+) -> None:
+    seed = random.randrange(1 << 30)
+    rnd = random.Random(seed)
+    print(f"kill schedule seed {seed}")
+    data = tiny.write_dataset(tmp_path / "train.jsonl", n=16)
+    cache = tmp_path / "cache"
+    ref_out, out = tmp_path / "reference", tmp_path / "vm"
+    assert run.train(C.from_dict(_recipe(ref_out, tiny_llama, data, cache))) == 0
+
+    raw = _recipe(out, tiny_llama, data, cache)
+    raw["checkpoint"]["remote"] = s3_remote
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(raw))
+    store = Store(s3_remote)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+
+    def start(n: int, upload_pause: float = 0.0) -> subprocess.Popen:
+        env = {**os.environ, **s3_env(moto_endpoint), UPLOAD_PAUSE_ENV: str(upload_pause)}
+        log = open(logs / f"attempt{n}.log", "w")
+        cmd = [sys.executable, "-m", "trainer", "train", str(recipe)]
+        procs.append(
+            subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        )
+        return procs[-1]
+
+    def remote_steps() -> list[int]:
+        return store.committed()
+
+    def new_vm() -> None:
+        shutil.rmtree(out, ignore_errors=True)
+
+    # 1: SIGKILL at a random moment once a checkpoint is in the bucket.
+    p = start(1)
+    assert _wait(p, lambda: bool(remote_steps()), timeout=300), (logs / "attempt1.log").read_text()
+    time.sleep(rnd.uniform(0.0, 1.0))
+    p.kill(), p.wait()
+    new_vm()
+
+    # 2: SIGKILL in the middle of an upload (objects sent, manifest not yet).
+    p = start(2, upload_pause=3.0)
+    before = remote_steps()
+
+    def uploading() -> bool:
+        store.fs.invalidate_cache()
+        dirs = {int(d.rsplit("-", 1)[1]) for d in store.fs.ls(store.path("checkpoints"), detail=False)}
+        return bool(dirs - set(remote_steps()))
+
+    if _wait(p, uploading, timeout=300):
+        p.kill()
+        p.wait()
+        assert remote_steps()[-1] >= before[-1]  # the half-uploaded one is not a checkpoint
+        half = sorted(
+            {int(d.rsplit("-", 1)[1]) for d in store.fs.ls(store.path("checkpoints"), detail=False)}
+            - set(remote_steps())
+        )
+        assert half and not store.fs.exists(store.step_path(half[-1], MANIFEST))
+    new_vm()
+
+    # 3: SIGTERM (a preemption notice): the step is saved and its upload flushed before exit 143.
+    p = start(3)
+    logged = lambda: max((r["step"] for r in _metric_rows(out)), default=0)  # noqa: E731
+    first = None
+    if _wait(p, lambda: logged() > 0, timeout=300):
+        first = logged()
+        p.send_signal(signal.SIGTERM)
+    code = p.wait(timeout=120)
+    if code == EXIT_PREEMPTED:
+        assert remote_steps()[-1] == logged() >= first  # nothing was lost with the VM
+    new_vm()
+
+    # Then the same command on a new VM each time until it finishes.
+    for n in range(4, 9):
+        new_vm()
+        p = start(n)
+        if p.wait(timeout=300) == 0:
+            break
+    assert p.returncode == 0, (logs / f"attempt{n}.log").read_text()
+
+    a = load_file(ref_out / "final" / "adapter_model.safetensors")
+    b = load_file(out / "final" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), seed
+    # The half-finished upload was cleaned by a later attempt.
+    store.fs.invalidate_cache()
+    dirs = {int(d.rsplit("-", 1)[1]) for d in store.fs.ls(store.path("checkpoints"), detail=False)}
+    assert dirs == set(remote_steps()) and remote_steps()[-1] == STEPS
+    # Every process has its ledger row, though each machine's disk was thrown away.
+    rows = {r["pid"]: r for r in read_rows(out)}
+    assert len(rows) == len(procs), (sorted(rows), [q.pid for q in procs])
+    for q in procs:
+        row = rows[q.pid]
+        if q.returncode == -signal.SIGKILL:
+            assert row["exit_reason"] in ("killed", "finished"), row  # finished: killed while exiting
+        assert row["device_seconds"] > 0
+    # The totals the last checkpoint carries count every earlier machine's time.
+    final_state = json.loads((out / "checkpoints" / f"step-{STEPS:06d}" / "trainer_state.json").read_text())
+    earlier = [r for pid, r in rows.items() if pid != p.pid]
+    assert final_state["ledger"]["attempts"] == len(procs)
+    assert final_state["ledger"]["device_seconds"] >= sum(r["device_seconds"] for r in earlier)
+    for q in procs:
+        assert SECRET not in (logs / f"attempt{procs.index(q) + 1}.log").read_text()

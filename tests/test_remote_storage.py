@@ -1,0 +1,252 @@
+"""The storage seam and the uploader against a real S3 API (moto on localhost, via s3fs).
+
+Checkpoints here are committed by the real CheckpointManager from small files, so each
+test takes a fraction of a second; tests/test_remote_resume.py trains.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from moto_fixture import SECRET, free_port, s3_env
+
+from trainer import config as C
+from trainer.restart.checkpoint import MANIFEST, CheckpointManager
+from trainer.restart.remote import RemoteRun, fetch_run_files
+from trainer.restart.storage import UPLOAD_PAUSE_ENV, Store, StoreError, redact
+from trainer.restart.uploader import Uploader
+
+
+def _commit(manager: CheckpointManager, step: int) -> Path:
+    def write(tmp: Path) -> None:
+        (tmp / "adapter_model.safetensors").write_bytes(bytes([step % 256]) * 4096)
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
+        (tmp / "rng.safetensors").write_bytes(b"r" * 100 + bytes([step % 256]))
+
+    return manager.save(step, write).path
+
+
+def _wait_for_object(store: Store, step: int) -> None:
+    """Until the first file of checkpoint `step` is in the store (an upload is under way)."""
+    deadline = time.monotonic() + 30
+    while not store.fs.exists(store.step_path(step, "adapter_model.safetensors")):
+        assert time.monotonic() < deadline, "the upload never started"
+        time.sleep(0.05)
+        store.fs.invalidate_cache()
+
+
+def test_upload_puts_the_manifest_last_and_an_unfinished_upload_is_never_trusted(
+    tmp_path: Path, s3_remote: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager = CheckpointManager(tmp_path / "checkpoints", keep_last=3)
+    local = _commit(manager, 2)
+    store = Store(s3_remote)
+    monkeypatch.setenv(UPLOAD_PAUSE_ENV, "1.5")  # halfway through the files, before the manifest
+    upload = threading.Thread(target=store.upload, args=(local, 2))
+    upload.start()
+    _wait_for_object(store, 2)
+    # Mid-upload: objects exist, the manifest does not, so the checkpoint does not exist.
+    assert store.fs.exists(store.step_path(2, "adapter_model.safetensors"))
+    assert not store.fs.exists(store.step_path(2, MANIFEST)) and store.committed() == []
+    upload.join()
+    assert store.committed() == [2]
+
+    # What a kill mid-upload leaves (files, no manifest) is ignored and removed by `clean`.
+    store.fs.put_file(str(_commit(manager, 4) / "rng.safetensors"), store.step_path(4, "rng.safetensors"))
+    assert store.committed() == [2] and store.clean() == [4]
+    assert not store.fs.exists(store.step_path(4)) and store.committed() == [2]
+
+
+def test_download_verifies_size_and_sha256_and_names_the_bad_object(tmp_path: Path, s3_remote: str) -> None:
+    store = Store(s3_remote)
+    manager = CheckpointManager(tmp_path / "a" / "checkpoints")
+    for step in (1, 2):
+        store.upload(_commit(manager, step), step)
+    good = store.download(2, tmp_path / "b")
+    assert good.name == "step-000002" and CheckpointManager(good.parent).verify(good) == []
+
+    bad = store.step_path(2, "adapter_model.safetensors")
+    blob = bytearray(store.fs.cat_file(bad))
+    blob[-1] ^= 0xFF  # same size: only the sha256 can tell
+    store.fs.pipe_file(bad, bytes(blob))
+    with pytest.raises(StoreError, match=f"{s3_remote}/checkpoints/step-000002/adapter_model.safetensors: sha256"):
+        store.download(2, tmp_path / "c")
+    store.fs.pipe_file(bad, b"short")
+    with pytest.raises(StoreError, match="adapter_model.safetensors: 5 bytes, the manifest says 4096"):
+        store.download(2, tmp_path / "c")
+    assert not list((tmp_path / "c").glob("*"))  # nothing half-downloaded is left behind
+
+    # Resume on an empty disk skips the corrupt newest one, says which object, takes step 1.
+    fresh = RemoteRun(s3_remote, {}, tmp_path / "fresh", keep_last=2, is_main=True, is_local_main=True)
+    fresh.connect()
+    path, notes = fresh.resolve("auto")
+    assert path == tmp_path / "fresh" / "checkpoints" / "step-000001"
+    assert any(f"{s3_remote}/checkpoints/step-000002/adapter_model.safetensors: 5 bytes" in n for n in notes), notes
+    assert CheckpointManager(path.parent).verify(path) == []
+
+
+def test_prune_deletes_the_manifest_first(tmp_path: Path, s3_remote: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = Store(s3_remote)
+    manager = CheckpointManager(tmp_path / "checkpoints", keep_last=5)
+    for step in (1, 2, 3):
+        store.upload(_commit(manager, step), step)
+    assert store.prune(keep_last=2) == [1] and store.committed() == [2, 3]
+
+    # A kill (here: the connection dropping) after the manifest went and before the data did:
+    # the checkpoint no longer exists, and its leftovers are cleaned at the next start.
+    def dropped(*args: object, **kwargs: object) -> None:
+        raise ConnectionError("connection reset")
+
+    monkeypatch.setattr(store.fs, "rm", dropped)
+    with pytest.raises(ConnectionError):
+        store.prune(keep_last=1)
+    assert store.committed() == [3]
+    assert store.fs.exists(store.step_path(2, "adapter_model.safetensors"))
+    monkeypatch.undo()
+    assert store.clean() == [2] and not store.fs.exists(store.step_path(2))
+
+
+def test_uploader_coalesces_saves_and_reports_per_save_figures(
+    tmp_path: Path, s3_remote: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_dir = tmp_path / "run"
+    manager = CheckpointManager(run_dir / "checkpoints", keep_last=2)
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    messages: list[str] = []
+    uploader = Uploader(Store(s3_remote), run_dir, keep_last=2, message=messages.append).start(None)
+    monkeypatch.setenv(UPLOAD_PAUSE_ENV, "1.0")
+    uploader.submit(1, _commit(manager, 1))
+    _wait_for_object(Store(s3_remote), 1)  # step 1 is in flight
+    for step in (2, 3, 4):  # the local prune deletes steps 1 and 2 while they wait or upload
+        uploader.submit(step, _commit(manager, step))
+    assert uploader.flush(timeout=30)
+    figures = uploader.metrics()
+    assert figures["uploads_skipped"] == 2  # 2 and 3 were replaced in the one pending slot
+    assert figures["remote_step"] == 4 and figures["remote_steps_behind"] == 0
+    assert figures["upload_bytes"] == sum(f.stat().st_size for f in (run_dir / "checkpoints/step-000004").iterdir())
+    assert figures["upload_seconds"] > 0
+    store = Store(s3_remote)
+    assert store.committed() == [1, 4]  # step 1 uploaded from its staged links although pruned locally
+    assert store.fs.cat_file(store.path("metrics.jsonl")) == b'{"step": 1}\n'
+    assert not list((run_dir / "checkpoints").glob("*.tmp-*")) and messages == []
+    uploader.stop()
+
+
+def test_unreachable_store_names_the_url_and_the_fix(tmp_path: Path, moto_endpoint: str, monkeypatch) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    remote = RemoteRun("s3://some-bucket/run", {}, tmp_path / "run", keep_last=2, is_main=True, is_local_main=True)
+    with pytest.raises(StoreError) as err:
+        remote.connect()
+    text = str(err.value)
+    assert "checkpoint.remote=s3://some-bucket/run is unreachable" in text
+    assert "credentials" in text and "AWS_ENDPOINT_URL" in text and SECRET not in text
+    # A missing backend names the extra to install (gcsfs is not a test dependency).
+    try:
+        import gcsfs  # noqa: F401
+    except ImportError:
+        with pytest.raises(StoreError, match=r"pip install 'spotune\[gcs\]'"):
+            Store("gs://bucket/run")
+
+
+def test_fetch_run_files_does_not_count_a_closed_attempt_twice(tmp_path: Path, s3_remote: str) -> None:
+    """The uploader sends ledger.jsonl before the heartbeat; a kill between the two leaves a
+    remote heartbeat whose attempt already has its row."""
+    store = Store(s3_remote)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "ledger.jsonl").write_text(json.dumps({"attempt": 1, "pid": 7, "exit_reason": "killed"}) + "\n")
+    (src / "ledger.current.json").write_text(json.dumps({"attempt": 1, "pid": 7}))
+    for name in ("ledger.jsonl", "ledger.current.json"):
+        store.put(src / name, name)
+    assert fetch_run_files(store, tmp_path / "a") == ["ledger.jsonl"]
+    assert not (tmp_path / "a" / "ledger.current.json").exists()
+    # Control: a heartbeat of an attempt without a row is kept (it becomes its `killed` row).
+    (src / "ledger.current.json").write_text(json.dumps({"attempt": 2, "pid": 9}))
+    store.put(src / "ledger.current.json", "ledger.current.json")
+    (tmp_path / "b").mkdir()
+    assert fetch_run_files(store, tmp_path / "b") == ["ledger.jsonl", "ledger.current.json"]
+
+
+def test_redact_and_config_validation() -> None:
+    assert redact("s3://AKIA:topsecret@bucket/run?X-Amz-Signature=abc") == "s3://bucket/run"
+    assert redact("https://acct.blob.core.windows.net/c/p?sv=2022&sig=xyz") == "https://acct.blob.core.windows.net/c/p"
+    assert redact("/data/run") == "/data/run"
+    ok = C.from_dict({"checkpoint": {"remote": "s3://b/p", "storage_options": {"client_kwargs": {"region_name": "x"}}}})
+    assert ok.checkpoint.storage_options == {"client_kwargs": {"region_name": "x"}}
+    cases = {
+        "nope://bucket/run": "checkpoint.remote: unknown URL scheme 'nope'",
+        "s3://AKIA:pw@bucket/run": "checkpoint.remote: the URL carries credentials",
+        "s3://bucket/run?X-Amz-Signature=1": "checkpoint.remote: the URL carries credentials or a query string",
+    }
+    for url, message in cases.items():
+        with pytest.raises(C.ConfigError, match=message.replace("?", r"\?")) as err:
+            C.from_dict({"checkpoint": {"remote": url}})
+        assert "pw@" not in str(err.value) and "Signature=1" not in str(err.value)
+    with pytest.raises(C.ConfigError, match="checkpoint.storage_options.secret: credentials do not belong"):
+        C.from_dict({"checkpoint": {"remote": "s3://b/p", "storage_options": {"key": "AKIA", "secret": "x"}}})
+    with pytest.raises(C.ConfigError, match="checkpoint.storage_options: expected a mapping"):
+        C.from_dict({"checkpoint": {"storage_options": ["a"]}})
+
+
+def test_store_unreachable_mid_run_retries_warns_and_catches_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its own moto server, stopped while the uploader works and started again on the same port."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    for key, value in s3_env(f"http://127.0.0.1:{port}").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    run_dir = tmp_path / "run"
+    manager = CheckpointManager(run_dir / "checkpoints", keep_last=2)
+    store = Store("s3://mid-run-bucket/run")
+    store.fs.mkdir("mid-run-bucket")
+    messages: list[str] = []
+    uploader = Uploader(store, run_dir, keep_last=2, message=messages.append, max_backoff=1.0).start(None)
+    try:
+        uploader.submit(1, _commit(manager, 1))
+        assert uploader.flush(timeout=30) and uploader.metrics()["remote_steps_behind"] == 0
+        server.stop()
+        for step in (2, 3):
+            uploader.submit(step, _commit(manager, step))
+        assert not uploader.flush(timeout=3)  # the store is gone: flushing gives up, training would go on
+        assert uploader.metrics()["remote_steps_behind"] == 2
+        warning = next(m for m in messages if "failed" in m)
+        assert "s3://mid-run-bucket/run/checkpoints/step-00000" in warning and "retrying in" in warning
+        assert "newest remote step: 1" in warning and "local checkpoints are kept" in warning
+        assert [p.name for p in manager.committed()] == ["step-000002", "step-000003"]  # only keep_last pruned
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()  # moto keeps its buckets in this process: the same store comes back
+        assert uploader.flush(timeout=30)
+        assert uploader.metrics()["remote_steps_behind"] == 0 and store.committed() == [1, 3]
+        assert any("reachable again" in m for m in messages)
+        assert all(SECRET not in m for m in messages)
+    finally:
+        uploader.stop()
+        server.stop()
+
+
+def test_a_local_directory_is_a_store_too(tmp_path: Path) -> None:
+    """`file://` (an NFS mount, a second disk) goes through the same seam."""
+    store = Store(f"file://{tmp_path / 'bucket'}/run")
+    store.check()  # creates the directory
+    manager = CheckpointManager(tmp_path / "a" / "checkpoints", keep_last=5)
+    for step in (1, 2, 3):
+        store.upload(_commit(manager, step), step)
+    (tmp_path / "bucket/run/checkpoints/step-000009").mkdir()  # a killed upload's leftovers
+    (tmp_path / "bucket/run/checkpoints/step-000009/rng.safetensors").write_bytes(b"x")
+    assert store.committed() == [1, 2, 3] and store.clean() == [9]
+    assert store.prune(keep_last=2) == [1] and store.committed() == [2, 3]
+    got = store.download(3, tmp_path / "b")
+    assert CheckpointManager(got.parent).verify(got) == [] and got.name == "step-000003"
+    assert (got / "adapter_model.safetensors").read_bytes() == bytes([3]) * 4096

@@ -1,0 +1,313 @@
+"""The one seam between a run and where its checkpoints live remotely: a local directory or
+any fsspec store (`s3://`, `gs://`, `az://`, `file://`).
+
+The remote holds the same layout as `output_dir` (`checkpoints/step-XXXXXX/...` plus the run
+files: config.yaml, ledger.jsonl, the ledger heartbeat, metrics.jsonl). Object stores have no
+rename, so the commit rule is the manifest: `upload` puts every file of a committed local
+checkpoint first and `MANIFEST.json` last, so a remote checkpoint exists only once its
+manifest does; `prune` deletes the manifest first, so a kill mid-prune leaves an object set
+nobody trusts, and `clean` removes such leftovers later. Downloads are verified (size and
+sha256 from the manifest) before `publish_dir` renames them into place locally.
+
+Credentials come from each backend's standard chain (for S3: env vars, profiles, instance
+roles; `AWS_ENDPOINT_URL` / `AWS_ENDPOINT_URL_S3` for MinIO, R2 and friends, honoured by
+botocore itself). Nothing here logs a URL without `redact`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import posixpath
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from trainer.atomic import files_below, fsync_tree, publish_dir, temp_sibling
+from trainer.restart.checkpoint import MANIFEST, CheckpointError, _digest
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+RETIRED = "RETIRED-" + MANIFEST
+"""A set-aside remote checkpoint (resume=never or an older explicit one): kept, never resumed, never cleaned."""
+UPLOAD_PAUSE_ENV = "SPOTUNE_TEST_UPLOAD_PAUSE"
+"""Test hook: seconds to sleep halfway through uploading a checkpoint, before its manifest."""
+_STEP = re.compile(r"^step-(\d{6,})$")
+_EXTRA = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
+
+
+class StoreError(CheckpointError):
+    """The remote store cannot be reached, or it holds something that cannot be trusted."""
+
+
+def redact(url: str) -> str:
+    """`url` without user:password@ and without a query string (signed URLs, SAS tokens)."""
+    parts = urlsplit(url)
+    if not parts.scheme or parts.scheme == "file" and not parts.netloc:
+        return url.split("?", 1)[0]
+    host = parts.hostname or ""
+    if parts.port:
+        host += f":{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def known_protocol(url: str) -> str | None:
+    """None when fsspec knows the URL's scheme (a plain path is a local directory), else the problem."""
+    from fsspec.registry import known_implementations, registry
+
+    scheme = urlsplit(url).scheme
+    if not scheme or len(scheme) == 1:  # a relative path, or a Windows drive letter
+        return None
+    if scheme in known_implementations or scheme in registry:
+        return None
+    return f"unknown URL scheme {scheme!r}; use s3://, gs://, az://, file:// or a local directory"
+
+
+_SECRET_KEY = re.compile(r"(^|_)(key|secret|token|password|credentials?|connection_string|sas_token)$", re.I)
+
+
+def remote_problems(remote: str | None, storage_options: dict[str, Any]) -> list[str]:
+    """Config problems of `checkpoint.remote` / `checkpoint.storage_options`, one per line.
+
+    No credential may sit in the recipe: the resolved config is saved in config.yaml and in
+    every checkpoint, local and remote.
+    """
+    p: list[str] = []
+    if remote is not None:
+        problem = known_protocol(remote)
+        if problem:
+            p.append(f"checkpoint.remote: {problem}")
+        parts = urlsplit(remote)
+        if parts.username or parts.password or parts.query:
+            p.append(
+                "checkpoint.remote: the URL carries credentials or a query string (a signed URL?); give the plain "
+                "URL and let the cloud's credential chain (env vars, profile, instance role) sign requests"
+            )
+    for key in _flat_keys(storage_options):
+        if _SECRET_KEY.search(key.rsplit(".", 1)[-1]):
+            p.append(
+                f"checkpoint.storage_options.{key}: credentials do not belong in the recipe (it is saved with every "
+                "checkpoint); use the cloud's standard chain, e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
+            )
+    return p
+
+
+def _flat_keys(options: Any, prefix: str = "") -> list[str]:
+    if not isinstance(options, dict):
+        return []
+    keys: list[str] = []
+    for k, v in options.items():
+        keys += _flat_keys(v, f"{prefix}{k}.") if isinstance(v, dict) and v else [f"{prefix}{k}"]
+    return keys
+
+
+def install_hint(url: str) -> str:
+    extra = _EXTRA.get(urlsplit(url).scheme)
+    return f"pip install 'spotune[{extra}]'" if extra else "install the fsspec backend for this URL"
+
+
+class Store:
+    """Checkpoints and run files under one remote root."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        from fsspec.core import url_to_fs
+
+        self.url = url.rstrip("/")
+        self.shown = redact(self.url)
+        try:
+            # A fresh instance: fsspec caches filesystems per options, and a cached one would
+            # keep an endpoint or credentials the environment no longer holds.
+            self.fs, self.root = url_to_fs(self.url, skip_instance_cache=True, **dict(storage_options or {}))
+        except ImportError as e:
+            raise StoreError(
+                f"checkpoint.remote={self.shown}: the backend for this URL is not installed ({e}); {install_hint(url)}"
+            ) from e
+        self.root = self.root.rstrip("/")
+
+    # ------------------------------------------------------------------ paths
+
+    def path(self, *parts: str) -> str:
+        return posixpath.join(self.root, *parts)
+
+    def step_path(self, step: int, *rel: str) -> str:
+        return self.path(CHECKPOINTS, f"step-{step:06d}", *rel)
+
+    def show(self, step: int, rel: str = "") -> str:
+        """The redacted URL of a checkpoint (or one of its objects), for messages."""
+        return posixpath.join(self.shown, CHECKPOINTS, f"step-{step:06d}", rel) if rel else self.show_dir(step)
+
+    def show_dir(self, step: int) -> str:
+        return posixpath.join(self.shown, CHECKPOINTS, f"step-{step:06d}")
+
+    # ------------------------------------------------------------------ reachability
+
+    def check(self) -> None:
+        """Raise StoreError naming the URL and the likely cause when the store cannot be listed."""
+        try:
+            self.fs.invalidate_cache()
+            if _is_object_store(self.fs):  # the bucket must exist and be listable with these credentials
+                self.fs.ls(self.root.split("/", 1)[0], detail=False)
+            else:
+                self.fs.makedirs(self.root, exist_ok=True)
+        except Exception as e:
+            raise StoreError(
+                f"checkpoint.remote={self.shown} is unreachable: {type(e).__name__}: {_short(e)}. Check the "
+                f"credentials (the cloud's standard chain: env vars, profile, instance role), the endpoint "
+                f"(AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3 for S3-compatible stores) and that the bucket exists; "
+                f"checkpoint.storage_options passes anything else to fsspec"
+            ) from e
+
+    # ------------------------------------------------------------------ listing
+
+    def _step_dirs(self) -> dict[int, set[str]]:
+        """step -> names of the objects directly in its directory."""
+        self.fs.invalidate_cache()
+        base = self.path(CHECKPOINTS)
+        try:
+            entries = self.fs.find(base, detail=False)
+        except FileNotFoundError:
+            return {}
+        out: dict[int, set[str]] = {}
+        for entry in entries:
+            rel = posixpath.relpath(entry, base).split("/")
+            m = _STEP.match(rel[0])
+            if m and len(rel) > 1:
+                out.setdefault(int(m.group(1)), set()).add("/".join(rel[1:]))
+        return out
+
+    def committed(self) -> list[int]:
+        """Steps whose manifest exists remotely, oldest first (verification not implied)."""
+        return sorted(step for step, names in self._step_dirs().items() if MANIFEST in names)
+
+    def clean(self) -> list[int]:
+        """Delete remote step directories that have no manifest (uploads killed midway)."""
+        doomed = [s for s, names in self._step_dirs().items() if MANIFEST not in names and RETIRED not in names]
+        for step in doomed:
+            self.fs.rm(self.step_path(step), recursive=True)
+        return doomed
+
+    def retire(self, after_step: int) -> list[int]:
+        """Set aside remote checkpoints above `after_step` (their manifest renamed; data kept)."""
+        moved = [s for s in self.committed() if s > after_step]
+        for step in moved:
+            self.fs.mv(self.step_path(step, MANIFEST), self.step_path(step, RETIRED))
+        return moved
+
+    def prune(self, keep_last: int) -> list[int]:
+        """Delete remote checkpoints beyond the newest `keep_last`, each manifest first."""
+        committed = self.committed()
+        doomed = committed[: max(0, len(committed) - keep_last)]
+        for step in doomed:
+            self.fs.rm_file(self.step_path(step, MANIFEST))  # from here on it does not exist
+            self.fs.rm(self.step_path(step), recursive=True)
+        return doomed
+
+    # ------------------------------------------------------------------ transfer
+
+    def upload(self, local: Path, step: int) -> int:
+        """Upload a committed local checkpoint directory, manifest last; returns bytes sent."""
+        manifest = json.loads((local / MANIFEST).read_text())
+        files = [f for f in files_below(local) if f.name != MANIFEST or f.parent != local]
+        pause = float(os.environ.get(UPLOAD_PAUSE_ENV, "0") or 0)
+        self.fs.invalidate_cache()
+        if self.fs.exists(self.step_path(step, MANIFEST)):  # the same step again (a redone step after a
+            self.fs.rm_file(self.step_path(step, MANIFEST))  # resume): uncommit it before any file changes
+        if not _is_object_store(self.fs):
+            self.fs.makedirs(self.step_path(step), exist_ok=True)
+        sent = 0
+        for i, f in enumerate(files):
+            if pause and i == len(files) // 2:
+                time.sleep(pause)
+            rel = f.relative_to(local).as_posix()
+            if "/" in rel and not _is_object_store(self.fs):
+                self.fs.makedirs(posixpath.dirname(self.step_path(step, rel)), exist_ok=True)
+            self.fs.put_file(str(f), self.step_path(step, rel))
+            sent += f.stat().st_size
+        # What arrived is checked by size before the manifest makes it real (S3's ETag is no sha256;
+        # the full sha256 check happens when a machine downloads it).
+        self.fs.invalidate_cache()
+        for rel, want in manifest["files"].items():
+            size = self.fs.size(self.step_path(step, rel))
+            if size != want["size"]:
+                raise StoreError(f"{self.show(step, rel)}: {size} bytes arrived, {want['size']} were sent")
+        self.fs.put_file(str(local / MANIFEST), self.step_path(step, MANIFEST))
+        return sent + (local / MANIFEST).stat().st_size
+
+    def put(self, local: Path, rel: str) -> int:
+        """Upload one run file (config.yaml, ledger.jsonl, ...) to `<remote>/<rel>`; 0 if absent."""
+        if not local.is_file():
+            return 0
+        self.fs.put_file(str(local), self.path(rel))
+        return local.stat().st_size
+
+    def get(self, rel: str, local: Path) -> bool:
+        """Download one run file if the remote has it; False when it does not."""
+        local.parent.mkdir(parents=True, exist_ok=True)  # a FileNotFoundError below must mean the remote
+        tmp = temp_sibling(local)
+        try:
+            self.fs.get_file(self.path(rel), str(tmp))
+        except FileNotFoundError:
+            tmp.unlink(missing_ok=True)
+            return False
+        os.replace(tmp, local)
+        return True
+
+    def download(self, step: int, local_root: Path) -> Path:
+        """Download remote checkpoint `step`, verify every file, publish it under `local_root`.
+
+        Raises StoreError naming the object's URL when the checkpoint does not verify.
+        """
+        local_root.mkdir(parents=True, exist_ok=True)
+        final = local_root / f"step-{step:06d}"
+        tmp = temp_sibling(final, "download")
+        try:
+            tmp.mkdir()
+            self.fs.get_file(self.step_path(step, MANIFEST), str(tmp / MANIFEST))
+            files = _manifest_files(tmp / MANIFEST, self.show(step, MANIFEST))
+            self.fs.invalidate_cache()
+            for rel, want in sorted(files.items()):
+                url = self.show(step, rel)
+                try:
+                    size = self.fs.size(self.step_path(step, rel))
+                except FileNotFoundError:
+                    raise StoreError(f"{url}: missing") from None
+                if size != want.get("size"):  # checked before the bytes travel
+                    raise StoreError(f"{url}: {size} bytes, the manifest says {want.get('size')}")
+                dest = tmp / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                self.fs.get_file(self.step_path(step, rel), str(dest))
+                if _digest(dest, fsync=False) != (want["size"], want.get("sha256")):
+                    raise StoreError(f"{url}: sha256 differs from the manifest (corrupted)")
+            fsync_tree(tmp)
+            publish_dir(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return final
+
+
+def _manifest_files(path: Path, url: str) -> dict[str, Any]:
+    try:
+        files = json.loads(path.read_text())["files"]
+        if not isinstance(files, dict) or not files:
+            raise ValueError("lists no files")
+        return files
+    except (ValueError, KeyError, TypeError) as e:
+        raise StoreError(f"{url}: unreadable ({type(e).__name__}: {e})") from None
+
+
+def _is_object_store(fs: Any) -> bool:
+    """Object stores have no directories to create (and `makedirs` on a bucket would create the bucket)."""
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol not in ("file", "local")
+
+
+def _short(e: BaseException) -> str:
+    """An exception's message on one line, any URL in it redacted."""
+    text = " ".join(str(e).split())[:300]
+    return re.sub(r"[a-z][a-z0-9+.-]*://[^\s'\"]+", lambda m: redact(m.group(0)), text)

@@ -1,0 +1,212 @@
+"""Background upload of committed checkpoints: one thread, at most one upload in flight.
+
+The training loop only pays for `submit`, which hard-links the committed checkpoint's files
+into a staging directory (microseconds; local pruning can then delete the original while
+it uploads) and returns. A save that arrives while an upload runs takes the one pending
+slot; a pending save it replaces is never uploaded and is counted in `uploads_skipped`, so
+the queue is bounded by design. An unreachable store is retried with backoff while training
+goes on; nothing local is ever deleted because the remote failed.
+
+After each checkpoint the run files follow (ledger, its heartbeat, metrics, config), so a
+machine that starts on an empty `output_dir` continues the run's totals, and the heartbeat
+is pushed on its own every `heartbeat_seconds` so the time of a machine that vanishes
+between checkpoints is still counted.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.atomic import temp_sibling
+from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE
+from trainer.restart.storage import Store, _short
+
+RUN_FILES = ("config.yaml", "metrics.jsonl", LEDGER_FILE, HEARTBEAT_FILE)
+"""Uploaded after every checkpoint; the ledger before its heartbeat (see remote.fetch_run_files)."""
+
+
+@dataclass
+class _Job:
+    step: int
+    staged: Path
+
+
+class Uploader:
+    """Uploads checkpoints of `run_dir` to `store` in a daemon thread."""
+
+    def __init__(
+        self,
+        store: Store,
+        run_dir: Path,
+        keep_last: int,
+        message: Callable[[str], None],
+        *,
+        heartbeat_seconds: float = 60.0,
+        max_backoff: float = 60.0,
+    ) -> None:
+        self.store = store
+        self.run_dir = run_dir
+        self.keep_last = keep_last
+        self.message = message
+        self.heartbeat_seconds = heartbeat_seconds
+        self.max_backoff = max_backoff
+        self._cond = threading.Condition()
+        self._pending: _Job | None = None
+        self._busy = False
+        self._stopping = False
+        self.local_step: int | None = None
+        self.remote_step: int | None = None
+        self.failing = False
+        self.stats: dict[str, Any] = {"uploads_skipped": 0}
+        self._thread = threading.Thread(target=self._run, name="spotune-upload", daemon=True)
+
+    def start(self, remote_step: int | None) -> Uploader:
+        self.remote_step = remote_step
+        self._thread.start()
+        return self
+
+    # ------------------------------------------------------------------ the loop's side
+
+    def submit(self, step: int, checkpoint: Path) -> None:
+        """Queue committed checkpoint `step` for upload and return at once."""
+        staged = temp_sibling(checkpoint, "upload")
+        _link_tree(checkpoint, staged)
+        with self._cond:
+            self.local_step = step
+            if self._pending is not None:  # superseded before its upload began: never uploaded
+                self.stats["uploads_skipped"] += 1
+                shutil.rmtree(self._pending.staged, ignore_errors=True)
+            self._pending = _Job(step, staged)
+            self._cond.notify_all()
+
+    def metrics(self) -> dict[str, Any]:
+        """Figures for the metrics row: last upload's seconds and bytes, how far the remote lags."""
+        with self._cond:
+            out = dict(self.stats)
+            out["remote_step"] = self.remote_step
+            if self.local_step is not None:
+                out["remote_steps_behind"] = self.local_step - (self.remote_step or 0)
+            return out
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every submitted checkpoint and the run files are uploaded; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._busy or self._pending is not None:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    return False
+                self._cond.wait(min(left, 0.5))
+        try:
+            self._push_run_files()  # the ledger row this attempt just closed
+        except Exception as e:
+            self.message(f"spotune: uploading the run files to {self.store.shown} failed: {_short(e)}")
+            return False
+        return True
+
+    def stop(self) -> None:
+        """Stop the thread; staging links of uploads that will not happen are removed (an
+        upload stuck in a network call leaves its own, which the next start cleans)."""
+        with self._cond:
+            self._stopping = True
+            job, self._pending = self._pending, None
+            self._cond.notify_all()
+        if job is not None:
+            shutil.rmtree(job.staged, ignore_errors=True)
+        if self._thread.is_alive():
+            self._thread.join(timeout=2.0)
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        # First the ledger row of a killed attempt (recovered at open) and this attempt's heartbeat,
+        # so even an attempt killed before its first checkpoint is counted on the next machine.
+        self._quietly(self._push_run_files)
+        last_push = time.monotonic()
+        while True:
+            with self._cond:
+                while self._pending is None and not self._stopping:
+                    if not self._cond.wait(max(0.0, last_push + self.heartbeat_seconds - time.monotonic())):
+                        break
+                if self._stopping:
+                    return
+                job, self._pending = self._pending, None
+                self._busy = job is not None
+            if job is None:  # nothing to upload for a while: refresh the remote heartbeat only
+                self._quietly(lambda: self.store.put(self.run_dir / HEARTBEAT_FILE, HEARTBEAT_FILE))
+            else:
+                self._upload_with_retries(job)
+            last_push = time.monotonic()
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    def _upload_with_retries(self, job: _Job) -> None:
+        delay = 1.0
+        while True:
+            started = time.monotonic()
+            try:
+                self.store.clean()  # leftovers of an upload killed midway (we are the only writer)
+                sent = self.store.upload(job.staged, job.step)
+                with self._cond:
+                    self.remote_step = job.step
+                    self.stats.update(upload_seconds=round(time.monotonic() - started, 3), upload_bytes=sent)
+                if self.failing:
+                    self.message(
+                        f"spotune: the remote store {self.store.shown} is reachable again; step {job.step} uploaded"
+                    )
+                self.failing = False
+                self.store.prune(self.keep_last)
+                self._push_run_files()
+                break
+            except Exception as e:
+                self.failing = True
+                with self._cond:
+                    behind = (self.local_step or job.step) - (self.remote_step or 0)
+                    newer = self._pending
+                self.message(
+                    f"spotune: uploading step {job.step} to {self.store.show_dir(job.step)} failed "
+                    f"({type(e).__name__}: {_short(e)}); retrying in {delay:.0f}s, training goes on. The remote copy "
+                    f"is {behind} step(s) behind (newest remote step: {self.remote_step}); local checkpoints are kept."
+                )
+                if newer is not None:  # a newer checkpoint is waiting: upload that one instead
+                    with self._cond:
+                        self.stats["uploads_skipped"] += 1
+                    break
+                with self._cond:
+                    self._cond.wait_for(lambda: self._stopping or self._pending is not None, timeout=delay)
+                    if self._stopping:
+                        break
+                delay = min(delay * 2, self.max_backoff)
+        shutil.rmtree(job.staged, ignore_errors=True)
+
+    def _push_run_files(self) -> None:
+        for name in RUN_FILES:
+            self.store.put(self.run_dir / name, name)
+
+    def _quietly(self, fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except Exception:  # a heartbeat is best effort; the next checkpoint upload reports failures
+            pass
+
+
+def _link_tree(src: Path, dest: Path) -> None:
+    """Hard-link every file of `src` into `dest` (copy where links are not supported)."""
+    for f in sorted(src.rglob("*")):
+        target = dest / f.relative_to(src)
+        if f.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(f, target)
+        except OSError:
+            shutil.copy2(f, target)
