@@ -53,7 +53,7 @@ class SaveResult:
     """True when this step was already committed and verified, so nothing was written."""
 
 
-def _digest(path: Path, fsync: bool) -> tuple[int, str]:
+def file_digest(path: Path, fsync: bool) -> tuple[int, str]:
     """(size, sha256) of a file; with `fsync`, also force its data to disk (one pass over it)."""
     h = hashlib.sha256()
     size = 0
@@ -149,7 +149,7 @@ class CheckpointManager:
             if size != want.get("size"):
                 problems.append(f"{rel}: {size} bytes, the manifest says {want.get('size')} (truncated or overwritten)")
                 continue
-            if _digest(f, fsync=False)[1] != want.get("sha256"):
+            if file_digest(f, fsync=False)[1] != want.get("sha256"):
                 problems.append(f"{rel}: sha256 differs from the manifest (corrupted)")
         return problems
 
@@ -219,7 +219,7 @@ class CheckpointManager:
         for i, f in enumerate(files):
             if pause and i == len(files) // 2:
                 time.sleep(pause)
-            size, digest = _digest(f, fsync=True)
+            size, digest = file_digest(f, fsync=True)
             entries[f.relative_to(tmp).as_posix()] = {"size": size, "sha256": digest}
         manifest = {"format": 1, "step": step, "created": time.time(), "files": entries}
         with open(tmp / MANIFEST, "w") as out:

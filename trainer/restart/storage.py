@@ -28,7 +28,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from trainer.atomic import files_below, fsync_tree, publish_dir, temp_sibling
-from trainer.restart.checkpoint import MANIFEST, CheckpointError, _digest
+from trainer.restart.checkpoint import MANIFEST, CheckpointError, file_digest
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +281,7 @@ class Store:
                 dest = tmp / rel
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 self.fs.get_file(self.step_path(step, rel), str(dest))
-                if _digest(dest, fsync=False) != (want["size"], want.get("sha256")):
+                if file_digest(dest, fsync=False) != (want["size"], want.get("sha256")):
                     raise StoreError(f"{url}: sha256 differs from the manifest (corrupted)")
             fsync_tree(tmp)
             publish_dir(tmp, final)
