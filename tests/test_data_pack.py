@@ -71,7 +71,9 @@ def check_rows(rows: dict[str, np.ndarray], docs: list[tuple[list[int], list[int
         multi += len(starts) > 1
         for s, e in zip(starts, starts[1:] + [real], strict=False):
             assert (pos[r, s:e] == np.arange(e - s)).all(), "positions restart at 0 per document"
-            assert labels[r, s] == IGNORE_INDEX, "the first token of a document must not be predicted from the previous one"
+            assert labels[r, s] == IGNORE_INDEX, (
+                "the first token of a document must not be predicted from the previous one"
+            )
             found.append((tuple(ids[r, s:e].tolist()), tuple(labels[r, s:e].tolist())))
         assert rows["num_trainable"][r] == (labels[r] != IGNORE_INDEX).sum()
     # no document lost, duplicated or split
@@ -114,7 +116,11 @@ def test_one_per_row_invariants(case) -> None:  # type: ignore[no-untyped-def]
 
 def test_checker_is_not_vacuous() -> None:
     """The property check sees multi-document rows, and rejects a label that crosses a boundary."""
-    docs = [([1, 2, 3], [IGNORE_INDEX, 2, 3]), ([4, 5], [IGNORE_INDEX, 5]), ([6, 7, 8, 9], [IGNORE_INDEX, IGNORE_INDEX, 8, 9])]
+    docs = [
+        ([1, 2, 3], [IGNORE_INDEX, 2, 3]),
+        ([4, 5], [IGNORE_INDEX, 5]),
+        ([6, 7, 8, 9], [IGNORE_INDEX, IGNORE_INDEX, 8, 9]),
+    ]
     ids, labels, offsets = _flat(docs)
     rows = build_rows(ids, labels, offsets, best_fit_decreasing(np.diff(offsets), 10), 10, PAD)
     assert check_rows(rows, docs, 10) == 1  # all three share one row

@@ -123,9 +123,7 @@ def fill_exact_decreasing(lengths: Sequence[int] | np.ndarray, capacity: int) ->
     return bins
 
 
-def fill_subset_sum(
-    lengths: Sequence[int] | np.ndarray, capacity: int, reserve: int | None = None
-) -> list[list[int]]:
+def fill_subset_sum(lengths: Sequence[int] | np.ndarray, capacity: int, reserve: int | None = None) -> list[list[int]]:
     """Fill one row at a time: longest documents first, then the best subset for the last gap.
 
     Each row takes the longest documents that fit until its gap is at most `reserve`
