@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -287,11 +286,33 @@ def train(cfg: C.RunConfig) -> int:
     if cfg.metrics.trackers:
         accelerator.end_training()
     if is_main:
-        console.message(f"spotune: {reason} at step {progress.step}/{steps}; " + json.dumps(summary))
+        console.message(_final_summary(reason, progress, steps, summary, out))
     return exit_codes.FOR_STOP[reason]
 
 
 # ---------------------------------------------------------------------------- pieces
+
+
+def _final_summary(reason: str, progress: loop.Progress, steps: int, summary: dict[str, Any], out: Path) -> str:
+    """The run's last words for a person: status, loss, speed, money and where to look next."""
+
+    def num(value: float | None, fmt: str, missing: str = "n/a") -> str:
+        return missing if value is None else format(value, fmt)
+
+    loss = num(progress.last_loss, ".4f")
+    cost = summary["cost"]
+    lines = [
+        f"spotune: {reason} at step {progress.step}/{steps}",
+        f"  {'final' if reason == 'finished' else 'last'} loss {loss}; sustained {num(summary['sustained_tokens_per_s'], ',.0f')} tokens/s; "
+        f"{summary['device_hours']:.4f} GPU-hours (devices x wall time, all attempts); "
+        f"cost {'n/a (set metrics.price_per_hour)' if cost is None else f'{cost:.4f}'}",
+    ]
+    if (out / "final").is_dir():
+        lines.append(f"  adapter: {out / 'final'}")
+    if (out / "report.html").is_file():
+        lines.append(f"  report:  {out / 'report.html'}")
+    return "\n".join(lines)
+
 
 # loop.Progress field -> TrainState field: the one map used to save and to restore the counters.
 _COUNTERS = {
