@@ -58,11 +58,9 @@ def test_synthetic_answers_are_correct() -> None:
     assert rows == tiny.make_examples(600, seed=7)
     assert rows != tiny.make_examples(600, seed=8)  # control: the seed matters
     capitals = [r for r in rows if "capital" in r["instruction"]]
-    assert capitals and all(r["output"] == tiny._CAPITALS[r["instruction"].split()[-1].rstrip("?.")] for r in capitals)
+    assert capitals and all(r["output"] == tiny._CAPITALS[r["input"]] for r in capitals)
     days = [r for r in rows if "after" in r["instruction"] or "follows" in r["instruction"]]
-    for r in days:
-        asked = next(d for d in tiny._DAYS if d in r["instruction"])
-        assert tiny._DAYS[(tiny._DAYS.index(asked) + 1) % 7] == r["output"]
+    assert days and all(tiny._DAYS[(tiny._DAYS.index(r["input"]) + 1) % 7] == r["output"] for r in days)
     plans = [r for r in rows if r["instruction"].startswith("Plan ")]
     assert plans
     for r in plans:
@@ -74,10 +72,10 @@ def test_synthetic_answers_are_correct() -> None:
 def test_held_out_questions_are_never_trained_on() -> None:
     """Held-out prompts belong to the task family (each key is trained in other phrasings) but never
     appear in the built-in data; a question that is trained on is found (the check can fail)."""
-    held = tiny.held_out_examples()
-    assert len(held) == 8 and len({h["instruction"] for h in held}) == 8
-    trained = {r["instruction"] for r in tiny.make_examples()}
-    assert not trained & {h["instruction"] for h in held}
-    answers = {r["output"] for r in tiny.make_examples()}
-    assert all(h["output"] in answers for h in held)  # every answer is learnt from other phrasings
-    assert "What is the capital of France?" in trained  # control: a trained phrasing of a held-out key
+    held = {(h["instruction"], h["input"]) for h in tiny.held_out_examples()}
+    assert len(held) == 8
+    rows = tiny.make_examples()
+    trained = {(r["instruction"], r["input"]) for r in rows}
+    assert not trained & held
+    assert {k for _, k in held} <= {r["input"] for r in rows}  # every held-out key is trained in other phrasings
+    assert ("What is the capital of this country?", "France") in trained  # control: the check can see a hit

@@ -84,13 +84,7 @@ _CAPITALS = {
     "Italy": "Rome",
     "Spain": "Madrid",
     "Egypt": "Cairo",
-    "Kenya": "Nairobi",
-    "Peru": "Lima",
-    "Canada": "Ottawa",
-    "Norway": "Oslo",
     "Greece": "Athens",
-    "Cuba": "Havana",
-    "Poland": "Warsaw",
 }
 _FRENCH = {
     "red": "rouge",
@@ -99,20 +93,30 @@ _FRENCH = {
     "yellow": "jaune",
     "black": "noir",
     "white": "blanc",
-    "grey": "gris",
-    "pink": "rose",
 }
 _DAYS = "Monday Tuesday Wednesday Thursday Friday Saturday Sunday".split()
-# Three short-answer fact families, each asked three ways. The answer depends only on the key
-# (no copying), so a held-out phrasing of a known key tests what was learnt, not what was seen.
+# Three short-answer fact families, each asked three ways, the key in the alpaca `input`
+# field. The answer depends only on the key (no copying), so a known key asked in a held-out
+# phrasing tests what was learnt, not what was seen.
 _FACTS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "capital": (
-        ("What is the capital of {}?", "Name the capital city of {}.", "Which city is the capital of {}?"),
+        (
+            "What is the capital of this country?",
+            "Name the capital city of the country below.",
+            "Which city is the capital of this country?",
+        ),
         _CAPITALS,
     ),
-    "french": (("How do you say {} in French?", "What is {} in French?", "Give the French word for {}."), _FRENCH),
+    "french": (
+        (
+            "How do you say this colour in French?",
+            "What is this colour in French?",
+            "Give the French word for this colour.",
+        ),
+        _FRENCH,
+    ),
     "day": (
-        ("Which day comes after {}?", "What day follows {}?", "Name the day after {}."),
+        ("Which day comes after this one?", "What day follows this day?", "Name the day after this one."),
         {d: _DAYS[(i + 1) % 7] for i, d in enumerate(_DAYS)},
     ),
 }
@@ -131,7 +135,7 @@ HELD_OUT = (
 
 def _fact(family: str, key: str, phrasing: int) -> dict[str, str]:
     templates, answers = _FACTS[family]
-    return {"instruction": templates[phrasing].format(key), "input": "", "output": answers[key]}
+    return {"instruction": templates[phrasing], "input": key, "output": answers[key]}
 
 
 def held_out_examples() -> list[dict[str, str]]:
@@ -142,7 +146,7 @@ def held_out_examples() -> list[dict[str, str]]:
 def make_examples(n: int = 2000, seed: int = 0) -> list[dict[str, str]]:
     """Synthetic alpaca-style examples a tiny model learns within a minute on CPU, with real SFT's length mix.
 
-    About 65% are short questions with a one-word answer (capitals, French colours, weekdays,
+    About 75% are short questions with a one-word answer (capitals, French colours, weekdays,
     each asked three ways, minus HELD_OUT); the rest ask for a plan of N days, one sentence per
     day, with N log-normal (median ~5, capped at 30): the long tail of multi-sentence answers
     real instruction data has. Both kinds are learnable: facts by heart, plans by rule.
@@ -158,7 +162,7 @@ def make_examples(n: int = 2000, seed: int = 0) -> list[dict[str, str]]:
     ]
     out: list[dict[str, str]] = []
     for _ in range(n):
-        if rng.random() < 0.65:
+        if rng.random() < 0.75:
             out.append(_fact(*rng.choice(facts)))
         else:
             # Long-tailed length: median ~5 sentences, p99 ~30 (the cap), like real SFT answers.
