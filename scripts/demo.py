@@ -32,7 +32,7 @@ RUN_DIR = REPO / "runs" / "demo"
 # 512-token rows hold ~6 examples each, so packing can close its rows (at 256 a row of three
 # 68-token questions has no room for a fourth). Two rows a step, 200 steps: the recipe's tokens
 # (80 x 8 x 256) in more, smaller steps, which is what binding 19 facts to their keys needs
-# (measured: 80 steps of 4 x 512 rows leave the held-out score at 0/8, 200 of 2 x 512 reach 6/8).
+# (measured: 80 steps of 4 x 512 rows leave the held-out score at 0/8, 200 of 2 x 512 reach 7/8).
 DEMO_OVERRIDES = [
     "data.seq_len=512",
     "train.micro_batch_size=2",

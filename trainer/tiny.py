@@ -146,7 +146,7 @@ def held_out_examples() -> list[dict[str, str]]:
 def make_examples(n: int = 2000, seed: int = 0) -> list[dict[str, str]]:
     """Synthetic alpaca-style examples a tiny model learns within a minute on CPU, with real SFT's length mix.
 
-    About 75% are short questions with a one-word answer (capitals, French colours, weekdays,
+    About 65% are short questions with a one-word answer (capitals, French colours, weekdays,
     each asked three ways, minus HELD_OUT); the rest ask for a plan of N days, one sentence per
     day, with N log-normal (median ~5, capped at 30): the long tail of multi-sentence answers
     real instruction data has. Both kinds are learnable: facts by heart, plans by rule.
@@ -162,7 +162,7 @@ def make_examples(n: int = 2000, seed: int = 0) -> list[dict[str, str]]:
     ]
     out: list[dict[str, str]] = []
     for _ in range(n):
-        if rng.random() < 0.75:
+        if rng.random() < 0.65:
             out.append(_fact(*rng.choice(facts)))
         else:
             # Long-tailed length: median ~5 sentences, p99 ~30 (the cap), like real SFT answers.
