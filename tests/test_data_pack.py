@@ -17,6 +17,8 @@ from trainer.data.pack import (
     best_fit_decreasing,
     build_rows,
     fill_exact_decreasing,
+    fill_subset_sum,
+    lower_bound_rows,
     one_per_row,
     pack_lengths,
 )
@@ -80,7 +82,15 @@ def check_rows(rows: dict[str, np.ndarray], docs: list[tuple[list[int], list[int
 
 
 @pytest.mark.parametrize(
-    "packer", [best_fit_decreasing, fill_exact_decreasing, lambda lens, c: pack_lengths(lens, c)[0]]
+    "packer",
+    [
+        best_fit_decreasing,
+        fill_exact_decreasing,
+        fill_subset_sum,
+        lambda lens, c: fill_subset_sum(lens, c, reserve=c),  # subset-sum over whole rows
+        lambda lens, c: fill_subset_sum(lens, c, reserve=1),  # greedy almost to the end
+        lambda lens, c: pack_lengths(lens, c)[0],
+    ],
 )
 @settings(max_examples=60, deadline=None)
 @given(case=packing_case())
@@ -135,6 +145,24 @@ def test_packing_is_tight_and_fast() -> None:
     assert time.perf_counter() - t < 20  # typically ~1 s; generous for a shared CI core
     lower = -(-int(lens.sum()) // 2048)
     assert len(bins) <= lower * 1.01
+
+
+def test_subset_sum_reaches_the_bound_where_greedy_does_not() -> None:
+    """Long-tailed SFT-like lengths: subset-sum fill meets ceil(tokens / seq_len); the greedy packers,
+    the control, need one more row. The result is deterministic and pack_lengths picks it."""
+    lens = np.clip(np.random.default_rng(1).lognormal(5.3, 0.35, size=3000).astype(int), 60, 600)
+    bound = lower_bound_rows(lens, 2048)
+    assert len(fill_exact_decreasing(lens, 2048)) == len(best_fit_decreasing(lens, 2048)) - 1 == bound + 1
+    bins = fill_subset_sum(lens, 2048)
+    assert len(bins) == bound
+    assert sorted(i for b in bins for i in b) == list(range(lens.size))
+    assert fill_subset_sum(lens.copy(), 2048) == bins
+    assert pack_lengths(lens, 2048) == (bins, "fill_subset_sum")
+
+
+def test_pack_lengths_stops_at_the_bound() -> None:
+    """When best-fit-decreasing already meets the bound, its answer is kept (the cheapest packer wins ties)."""
+    assert pack_lengths([5, 5, 3, 3], 8) == ([[0, 3], [1, 2]], "best_fit_decreasing")
 
 
 # ----------------------------------------------------------------------------- model isolation

@@ -54,9 +54,28 @@ def test_builtin_names_resolve_to_real_files(monkeypatch: pytest.MonkeyPatch, tm
 
 
 def test_synthetic_answers_are_correct() -> None:
-    rows = tiny.make_examples(300, seed=7)
-    assert rows == tiny.make_examples(300, seed=7)
-    sums = [r for r in rows if r["instruction"] == "Add the two numbers."]
-    assert sums and all(int(r["output"]) == eval(r["input"]) for r in sums)  # noqa: S307 - our own data
-    rev = [r for r in rows if r["instruction"].startswith("Reverse")]
-    assert rev and all(r["output"].split() == r["input"].split()[::-1] for r in rev)
+    rows = tiny.make_examples(600, seed=7)
+    assert rows == tiny.make_examples(600, seed=7)
+    assert rows != tiny.make_examples(600, seed=8)  # control: the seed matters
+    capitals = [r for r in rows if "capital" in r["instruction"]]
+    assert capitals and all(r["output"] == tiny._CAPITALS[r["input"]] for r in capitals)
+    days = [r for r in rows if "after" in r["instruction"] or "follows" in r["instruction"]]
+    assert days and all(tiny._DAYS[(tiny._DAYS.index(r["input"]) + 1) % 7] == r["output"] for r in days)
+    plans = [r for r in rows if r["instruction"].startswith("Plan ")]
+    assert plans
+    for r in plans:
+        n, start = int(r["instruction"].split()[1]), r["instruction"].split()[-1].rstrip(".")
+        sentences = r["output"].removesuffix(".").split(". ")
+        assert len(sentences) == n and sentences[0] == f"Day 1 is {start}"
+
+
+def test_held_out_questions_are_never_trained_on() -> None:
+    """Held-out prompts belong to the task family (each key is trained in other phrasings) but never
+    appear in the built-in data; a question that is trained on is found (the check can fail)."""
+    held = {(h["instruction"], h["input"]) for h in tiny.held_out_examples()}
+    assert len(held) == 8
+    rows = tiny.make_examples()
+    trained = {(r["instruction"], r["input"]) for r in rows}
+    assert not trained & held
+    assert {k for _, k in held} <= {r["input"] for r in rows}  # every held-out key is trained in other phrasings
+    assert ("What is the capital of this country?", "France") in trained  # control: the check can see a hit

@@ -33,7 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_recipe(p)
 
     p = sub.add_parser("estimate", help="memory fit, GPU-hours and cost, on-demand against spot")
-    _add_recipe(p)
+    p.add_argument("recipe", nargs="?", help="YAML recipe, or a hub model id such as meta-llama/Llama-3.1-8B")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=100 data.seq_len=1024")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--throughput", type=float, help="sustained tokens/s per GPU, if known")
     p.add_argument(
@@ -106,6 +107,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
 
     recipe, overrides = _split(args.recipe, args.overrides)
+    if args.command == "estimate" and recipe is not None:
+        from trainer.plan.models import looks_like_model_id
+
+        if looks_like_model_id(recipe):  # `spotune estimate meta-llama/Llama-3.1-8B`: built-in defaults otherwise
+            recipe, overrides = None, [f"model.name_or_path={recipe}", *overrides]
     cfg = C.load(recipe, overrides)
 
     if args.command == "config":

@@ -74,6 +74,8 @@ def merge_adapter(adapter_dir: Path, out: Path, model_cfg: ModelConfig) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from trainer.model import peft_wrapping, quiet_hf_progress
+
     base_path = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if not base_path:
         raise ConfigError(
@@ -86,13 +88,14 @@ def merge_adapter(adapter_dir: Path, out: Path, model_cfg: ModelConfig) -> None:
     dtype = getattr(torch, model_cfg.dtype)
     # A QLoRA adapter is merged into the unquantised base: merging into 4-bit weights would
     # round the update away, and serving stacks want plain weights anyway.
-    base = AutoModelForCausalLM.from_pretrained(
-        base_path,
-        dtype=dtype,
-        revision=model_cfg.revision,
-        trust_remote_code=model_cfg.trust_remote_code,
-    )
-    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
-    merged.save_pretrained(str(out), safe_serialization=True)
+    with quiet_hf_progress(), peft_wrapping():  # spotune's own messages, not the libraries' bars
+        base = AutoModelForCausalLM.from_pretrained(
+            base_path,
+            dtype=dtype,
+            revision=model_cfg.revision,
+            trust_remote_code=model_cfg.trust_remote_code,
+        )
+        merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+        merged.save_pretrained(str(out), safe_serialization=True)
     tok_dir = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base_path
     AutoTokenizer.from_pretrained(str(tok_dir)).save_pretrained(str(out))

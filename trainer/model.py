@@ -11,7 +11,10 @@ cast of the activation to the adapter's fp32 dtype is switched off, so no LoRA l
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +24,44 @@ from trainer import attention
 from trainer.config import AdapterConfig, ConfigError, ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _DropCpuKernelNotice(logging.Filter):
+    """`import peft` imports bitsandbytes whenever it is installed (peft/helpers.py), on plain LoRA
+    runs too, and bitsandbytes then logs that an optional CPU 4-bit kernel (a hub download) is
+    missing. Only that line is dropped: 4-bit runs use the CUDA kernels, and every other
+    bitsandbytes message still reaches the user."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward")
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropCpuKernelNotice())
+
+
+@contextlib.contextmanager
+def quiet_hf_progress() -> Iterator[None]:
+    """Hide transformers' own "Loading weights" / "Writing model shards" bars, which spotune's
+    console replaces; the previous setting is restored on exit."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def peft_wrapping() -> Iterator[None]:
+    """peft 0.21 asks transformers 5 for the deprecated `is_gradient_checkpointing` (PeftModel.__init__,
+    peft/peft_model.py) where transformers 5 names it `is_activation_checkpointing`; that
+    FutureWarning is about peft's code, not the user's recipe. Our own code uses the current names."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 
 
 @dataclass(frozen=True)
@@ -106,7 +147,8 @@ def load_base(
         # afterwards, so place them on this rank's device while loading.
         kwargs["device_map"] = {"": device}
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        with quiet_hf_progress():
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as e:
         raise ConfigError(
             [
@@ -153,10 +195,7 @@ def build(
         task_type="CAUSAL_LM",
     )
     try:
-        with warnings.catch_warnings():
-            # peft 0.21 still asks transformers 5 for the old `is_gradient_checkpointing` name;
-            # the FutureWarning is about peft's code, not the user's recipe.
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        with peft_wrapping():
             model = get_peft_model(base, lora, autocast_adapter_dtype=True)
     except ValueError as e:
         raise ConfigError(

@@ -16,7 +16,7 @@ from typing import Any
 
 from trainer import catalog as cat
 from trainer import exit_codes, flops, run, tiny
-from trainer.config import RunConfig
+from trainer.config import BUILTIN_TINY_DATA, BUILTIN_TINY_MODEL, RunConfig
 from trainer.data.cache import data_cache_root
 from trainer.plan import PlanError, pilot
 from trainer.plan import workload as wl
@@ -194,17 +194,13 @@ def pilot_command(cfg: RunConfig, steps: int | None = None, minutes: float | Non
 
 
 def _shape(cfg: RunConfig, path: str) -> tuple[flops.ModelShape, str]:
-    from transformers import AutoConfig
+    """The model's shape from a local path, a shipped config.json (trainer/plan/models/), or the
+    hub's config.json alone (no weights)."""
+    from trainer.plan.models import load_config
 
-    try:
-        hf = AutoConfig.from_pretrained(
-            path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
-        )
-    except (OSError, ValueError) as e:
-        raise PlanError(
-            f"model.name_or_path: cannot read the model config of {path!r}: {str(e).splitlines()[0]}"
-        ) from None
-    return flops.model_shape(hf), str(getattr(hf, "model_type", ""))
+    hf = load_config(path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
+    text = hf.get_text_config()  # a vision-language model (Gemma 3 4B+) is planned for its language model
+    return flops.model_shape(text), str(getattr(hf, "model_type", ""))
 
 
 def _workload(cfg: RunConfig, manifest: dict[str, Any] | None, sample_size: int) -> wl.Workload:
@@ -215,4 +211,8 @@ def _workload(cfg: RunConfig, manifest: dict[str, Any] | None, sample_size: int)
     if found is not None:
         return wl.from_manifest(*found)
     tok = cfg.data.tokenizer or tiny.resolve_model(cfg.model.name_or_path)
+    if cfg.data.tokenizer is None and cfg.data.path == BUILTIN_TINY_DATA and not Path(tok).exists():
+        # `spotune estimate <hub id>` plans on the built-in demo data: count it with the demo
+        # tokenizer it was made with, so planning needs no tokenizer download either.
+        tok = tiny.resolve_model(BUILTIN_TINY_MODEL)
     return wl.from_sample(cfg.data, data_path, tok, sample_size=sample_size, seed=cfg.seed)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -303,11 +302,11 @@ def train(cfg: C.RunConfig) -> int:
     if cfg.metrics.trackers:
         accelerator.end_training()
     if is_main:
-        console.message(f"spotune: {reason} at step {counters.step}/{steps}; " + json.dumps(summary))
         # After the ledger row, so the report counts this attempt; a failure never changes the exit code.
         from trainer.report import report_after_train
 
         report_after_train(out, console.message)
+        console.message(telemetry.final_summary(reason, steps, summary, out))
     return exit_codes.FOR_STOP[reason]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from trainer.loop import StepRecord
@@ -118,3 +119,24 @@ class Telemetry:
     @property
     def final_loss(self) -> float | None:
         return self.last.loss if self.last is not None else None
+
+    def final_summary(self, reason: str, steps: int, summary: dict[str, Any], out: Path) -> str:
+        """The run's last words for a person: status, loss, speed, money and where to look next."""
+
+        def num(value: float | None, fmt: str, missing: str = "n/a") -> str:
+            return missing if value is None else format(value, fmt)
+
+        step = self.last.counters.step if self.last is not None else None
+        cost = summary["cost"]
+        lines = [
+            f"spotune: {reason}" + (f" at step {step}/{steps}" if step is not None else f" ({steps} steps)"),
+            f"  {'final' if reason == 'finished' else 'last'} loss {num(self.final_loss, '.4f')}; "
+            f"sustained {num(summary['sustained_tokens_per_s'], ',.0f')} tokens/s; "
+            f"{summary['device_hours']:.4f} GPU-hours (devices x wall time, all attempts); "
+            f"cost {'n/a (set metrics.price_per_hour)' if cost is None else f'{cost:.4f}'}",
+        ]
+        if (out / "final").is_dir():
+            lines.append(f"  adapter: {out / 'final'}")
+        if (out / "report.html").is_file():
+            lines.append(f"  report:  {out / 'report.html'}")
+        return "\n".join(lines)

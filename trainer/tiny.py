@@ -21,7 +21,7 @@ from trainer.atomic import fsync_tree, temp_sibling
 from trainer.config import BUILTIN_TINY_DATA, BUILTIN_TINY_MODEL
 
 Arch = Literal["llama", "qwen2", "mistral", "gpt2"]
-ASSET_VERSION = "v3"  # bump when the generated assets change, so stale caches are not reused
+ASSET_VERSION = "v4"  # bump when the generated assets change, so stale caches are not reused
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
 CHAT_TEMPLATE = (
@@ -84,23 +84,7 @@ _CAPITALS = {
     "Italy": "Rome",
     "Spain": "Madrid",
     "Egypt": "Cairo",
-    "Kenya": "Nairobi",
-    "Peru": "Lima",
-    "Chile": "Santiago",
-    "Canada": "Ottawa",
-    "Norway": "Oslo",
-    "Sweden": "Stockholm",
-    "Poland": "Warsaw",
     "Greece": "Athens",
-    "Turkey": "Ankara",
-    "India": "New Delhi",
-    "China": "Beijing",
-    "Brazil": "Brasilia",
-    "Mexico": "Mexico City",
-    "Ireland": "Dublin",
-    "Portugal": "Lisbon",
-    "Austria": "Vienna",
-    "Cuba": "Havana",
 }
 _FRENCH = {
     "red": "rouge",
@@ -109,61 +93,86 @@ _FRENCH = {
     "yellow": "jaune",
     "black": "noir",
     "white": "blanc",
-    "grey": "gris",
-    "pink": "rose",
-    "brown": "marron",
-    "orange": "orange",
 }
 _DAYS = "Monday Tuesday Wednesday Thursday Friday Saturday Sunday".split()
-_WORDS = (
-    "red blue green yellow black white apple pear plum cat dog fox owl river stone "
-    "cloud rain snow wind tree leaf seed moon star sun"
-).split()
+# Three short-answer fact families, each asked three ways, the key in the alpaca `input`
+# field. The answer depends only on the key (no copying), so a known key asked in a held-out
+# phrasing tests what was learnt, not what was seen.
+_FACTS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
+    "capital": (
+        (
+            "What is the capital of this country?",
+            "Name the capital city of the country below.",
+            "Which city is the capital of this country?",
+        ),
+        _CAPITALS,
+    ),
+    "french": (
+        (
+            "How do you say this colour in French?",
+            "What is this colour in French?",
+            "Give the French word for this colour.",
+        ),
+        _FRENCH,
+    ),
+    "day": (
+        ("Which day comes after this one?", "What day follows this day?", "Name the day after this one."),
+        {d: _DAYS[(i + 1) % 7] for i, d in enumerate(_DAYS)},
+    ),
+}
+# (family, key, phrasing) never trained on: every key is still trained in its other two phrasings.
+HELD_OUT = (
+    ("capital", "France", 2),
+    ("capital", "Japan", 0),
+    ("capital", "Egypt", 1),
+    ("french", "red", 2),
+    ("french", "green", 0),
+    ("french", "black", 1),
+    ("day", "Monday", 2),
+    ("day", "Friday", 0),
+)
+
+
+def _fact(family: str, key: str, phrasing: int) -> dict[str, str]:
+    templates, answers = _FACTS[family]
+    return {"instruction": templates[phrasing], "input": key, "output": answers[key]}
+
+
+def held_out_examples() -> list[dict[str, str]]:
+    """The demo's held-out prompts: same task family as the training rows, none of them in it."""
+    return [_fact(*h) for h in HELD_OUT]
 
 
 def make_examples(n: int = 2000, seed: int = 0) -> list[dict[str, str]]:
-    """Synthetic alpaca-style examples a tiny model learns within a minute on CPU.
+    """Synthetic alpaca-style examples a tiny model learns within a minute on CPU, with real SFT's length mix.
 
-    Mostly facts to memorise (capitals, French colours, weekdays, one-digit sums) plus short
-    word reversals, so the loss falls visibly and greedy answers become right; the lengths
-    still vary enough to exercise packing.
+    About 65% are short questions with a one-word answer (capitals, French colours, weekdays,
+    each asked three ways, minus HELD_OUT); the rest ask for a plan of N days, one sentence per
+    day, with N log-normal (median ~5, capped at 30): the long tail of multi-sentence answers
+    real instruction data has. Both kinds are learnable: facts by heart, plans by rule.
     """
     rng = random.Random(seed)
-    countries = sorted(_CAPITALS)
+    held = set(HELD_OUT)
+    facts = [
+        (family, key, i)
+        for family, (templates, answers) in _FACTS.items()
+        for key in answers
+        for i in range(len(templates))
+        if (family, key, i) not in held
+    ]
     out: list[dict[str, str]] = []
     for _ in range(n):
-        kind = rng.randrange(5)
-        if kind == 0:
-            c = rng.choice(countries)
-            out.append(
-                {
-                    "instruction": f"What is the capital of {c}?",
-                    "input": "",
-                    "output": f"The capital of {c} is {_CAPITALS[c]}.",
-                }
-            )
-        elif kind == 1:
-            colour = rng.choice(sorted(_FRENCH))
-            out.append({"instruction": "Translate the colour to French.", "input": colour, "output": _FRENCH[colour]})
-        elif kind == 2:
-            i = rng.randrange(7)
-            out.append(
-                {
-                    "instruction": f"Which day comes after {_DAYS[i]}?",
-                    "input": "",
-                    "output": f"{_DAYS[(i + 1) % 7]} comes after {_DAYS[i]}.",
-                }
-            )
-        elif kind == 3:
-            a, b = rng.randint(0, 9), rng.randint(0, 9)
-            out.append({"instruction": "Add the two numbers.", "input": f"{a} + {b}", "output": str(a + b)})
+        if rng.random() < 0.65:
+            out.append(_fact(*rng.choice(facts)))
         else:
-            words = rng.choices(_WORDS, k=rng.randint(2, 4))
+            # Long-tailed length: median ~5 sentences, p99 ~30 (the cap), like real SFT answers.
+            days = min(int(rng.lognormvariate(1.5, 0.9)) + 1, 30)
+            first = rng.randrange(7)
             out.append(
                 {
-                    "instruction": "Reverse the order of the words.",
-                    "input": " ".join(words),
-                    "output": " ".join(reversed(words)),
+                    "instruction": f"Plan {days} days starting on {_DAYS[first]}.",
+                    "input": "",
+                    "output": " ".join(f"Day {k + 1} is {_DAYS[(first + k) % 7]}." for k in range(days)),
                 }
             )
     return out
@@ -275,7 +284,10 @@ def build_model(
             initializer_range=init_std,
             **ids,
         )
+    from trainer.model import quiet_hf_progress
+
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(out)
+    with quiet_hf_progress():
+        model.save_pretrained(out)
     return out

@@ -1,4 +1,9 @@
-"""Packing tokenised documents into fixed `seq_len` rows (best-fit-decreasing, or exact-fill when tighter).
+"""Packing tokenised documents into fixed `seq_len` rows, as few as the lower bound allows.
+
+Three packers, cheapest first (`pack_lengths` stops at the first that reaches the lower bound
+ceil(total tokens / seq_len)): best-fit-decreasing, exact-fill (closes a row with one
+document or a pair), and subset-sum fill (closes each row's last gap with the best subset
+of the remaining documents).
 
 Invariants every row satisfies (tested as properties in tests/test_data_pack.py):
 - each document appears exactly once, whole and in order, inside one row;
@@ -118,13 +123,88 @@ def fill_exact_decreasing(lengths: Sequence[int] | np.ndarray, capacity: int) ->
     return bins
 
 
+def fill_subset_sum(lengths: Sequence[int] | np.ndarray, capacity: int, reserve: int | None = None) -> list[list[int]]:
+    """Fill one row at a time: longest documents first, then the best subset for the last gap.
+
+    Each row takes the longest documents that fit until its gap is at most `reserve`
+    (default twice the longest document); a subset-sum over the remaining documents that fit
+    then picks the fullest fill of that gap, exact whenever one exists. Greedy exact-fill
+    runs out of small documents near the end and leaves the last rows half empty; this
+    keeps them for where they close a gap (GPTeacher at 2048: 336 -> 334 rows, the bound).
+
+    The subset-sum is a bitset in one Python int (bit s set = some subset sums to s),
+    lengths taken longest first and stopped as soon as the gap is reachable; walking the
+    saved bitsets backwards takes a shorter document only when the sum needs it, so short
+    documents are saved for later rows. Cost: O(documents that fit the gap) big-int shifts
+    per row, about 0.1 ms per row on 3k documents and 1.5 ms per row on 100k.
+    """
+    lens = np.asarray(lengths, dtype=np.int64)
+    _check_lengths(lens, capacity)
+    if reserve is None:
+        reserve = 2 * int(lens.max()) if lens.size else 0
+    stacks: dict[int, list[int]] = {}
+    for i in np.argsort(-lens, kind="stable")[::-1].tolist():  # pop() yields the lowest index first
+        stacks.setdefault(int(lens[i]), []).append(i)
+    avail = sorted(stacks)  # distinct lengths with documents left
+
+    def take(length: int) -> int:
+        i = stacks[length].pop()
+        if not stacks[length]:
+            del stacks[length]
+            avail.pop(bisect.bisect_left(avail, length))
+        return i
+
+    bins: list[list[int]] = []
+    while avail:
+        gap, row = capacity, []
+        while avail and gap > reserve:
+            k = bisect.bisect_right(avail, gap)
+            if k == 0:  # nothing fits (only when reserve < the longest document)
+                break
+            length = avail[k - 1]
+            row.append(take(length))
+            gap -= length
+        items: list[int] = []  # one entry per usable document, longest first
+        for length in reversed(avail[: bisect.bisect_right(avail, gap)]):
+            items.extend([length] * min(len(stacks[length]), gap // length))
+        reach, mask, before = 1, (1 << (gap + 1)) - 1, []
+        for length in items:
+            before.append(reach)  # sums reachable without this item and the ones after it
+            reach |= (reach << length) & mask
+            if reach >> gap:
+                break  # the gap closes exactly
+        total = reach.bit_length() - 1  # the fullest reachable fill
+        for i in range(len(before) - 1, -1, -1):
+            if total == 0:
+                break
+            if not (before[i] >> total) & 1:  # this sum needs item i
+                row.append(take(items[i]))
+                total -= items[i]
+        bins.append(row)
+    return bins
+
+
+def lower_bound_rows(lengths: Sequence[int] | np.ndarray, capacity: int) -> int:
+    """No packing has fewer rows than ceil(total tokens / capacity)."""
+    return -(-int(np.asarray(lengths, dtype=np.int64).sum()) // capacity)
+
+
 def pack_lengths(lengths: Sequence[int] | np.ndarray, capacity: int) -> tuple[list[list[int]], str]:
-    """Best-fit-decreasing, or exact-fill when it needs fewer rows; returns (bins, algorithm name)."""
-    bfd = best_fit_decreasing(lengths, capacity)
-    exact = fill_exact_decreasing(lengths, capacity)
-    if len(exact) < len(bfd):
-        return exact, "fill_exact_decreasing"
-    return bfd, "best_fit_decreasing"
+    """The fewest rows of the three packers, cheapest first, stopping at the lower bound.
+
+    Returns (bins, algorithm name). Ties go to the cheaper packer, so the result depends only
+    on the lengths: deterministic.
+    """
+    bound = lower_bound_rows(lengths, capacity)
+    best: tuple[list[list[int]], str] | None = None
+    for packer in (best_fit_decreasing, fill_exact_decreasing, fill_subset_sum):
+        bins = packer(lengths, capacity)
+        if best is None or len(bins) < len(best[0]):
+            best = (bins, packer.__name__)
+        if len(best[0]) <= bound:
+            break
+    assert best is not None
+    return best
 
 
 def one_per_row(lengths: Sequence[int] | np.ndarray) -> list[list[int]]:

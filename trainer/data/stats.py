@@ -17,14 +17,37 @@ def suggest_seq_len(p99: int) -> int:
     return next(m for m in steps if m >= p99)
 
 
+def _nice(width: float) -> int:
+    """The smallest 1, 2 or 5 x 10^k at least `width` (bin widths a person reads at a glance)."""
+    k = 10 ** max(0, int(np.floor(np.log10(max(width, 1.0)))))
+    return next(m * k for m in (1, 2, 5, 10) if m * k >= width)
+
+
+def histogram_edges(lens: np.ndarray, bins: int = HIST_BINS) -> np.ndarray:
+    """Integer bin edges that fit the data: from the shortest example, round widths, at most `bins` bins.
+
+    Spanning [0, max] left most bins empty when every example carries a long prompt
+    template. A long tail beyond p99 gets one last, wider bin (its right edge is max + 1),
+    so a few outliers do not squeeze everyone else into two bars.
+    """
+    lo, hi = int(lens.min()), int(lens.max()) + 1
+    top = min(hi, int(np.ceil(np.percentile(lens, 99))) + 1)
+    body = bins - 1 if top < hi else bins
+    width = _nice((top - lo) / body)
+    start = lo - lo % width
+    edges = list(range(start, top, width)) + [start + width * -(-(top - start) // width)]
+    if edges[-1] < hi:
+        edges.append(hi)
+    return np.asarray(edges, dtype=np.int64)
+
+
 def length_stats(lengths: np.ndarray) -> dict[str, Any]:
     """Percentiles, histogram and the share over each candidate seq_len, for token lengths."""
     lens = np.asarray(lengths, dtype=np.int64)
     if lens.size == 0:
         return {"count": 0}
     hi = int(lens.max())
-    edges = np.linspace(0, hi + 1, HIST_BINS + 1).round().astype(np.int64)
-    edges = np.unique(edges)
+    edges = histogram_edges(lens)
     counts, _ = np.histogram(lens, bins=edges)
     p50, p90, p99 = (int(np.ceil(np.percentile(lens, q))) for q in (50, 90, 99))
     candidates = []

@@ -25,12 +25,11 @@ def write_report(run_dir: str | Path, out: Path | None = None) -> tuple[Path, st
 def report_after_train(run_dir: Path, message: Callable[[str], None]) -> Path | None:
     """Write the report at the end of `train`; a failure is a warning, never the run's exit code."""
     try:
-        page, summary = write_report(run_dir)
+        page, _ = write_report(run_dir)
     except Exception as e:  # the adapter and the ledger are already safe; the page is a convenience
         message(f"spotune: warning: no run report ({type(e).__name__}: {e}); try `spotune report {run_dir}`")
         return None
-    message(f"spotune: {summary}\nspotune: run report: {page}")
-    return page
+    return page  # train's closing summary names it
 
 
 __all__ = ["REPORT_FILE", "ReportError", "report_after_train", "write_report"]
