@@ -8,6 +8,7 @@ cannot match across world sizes). A 3-rank run of a global batch of 8 takes unev
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -81,14 +83,25 @@ def _run(world: int, args: list[str], log: Path, kill_after: int | None = None, 
         deadline = time.monotonic() + 600
         while proc.poll() is None and time.monotonic() < deadline:
             if kill_after is not None and out is not None and _newest_step(out) >= start + kill_after:
-                os.killpg(proc.pid, signal.SIGKILL)  # the machine is gone: no handler runs
-                proc.wait()
+                _kill_tree(proc)  # the machine is gone: no handler runs anywhere
                 return -signal.SIGKILL
             time.sleep(0.05)
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_tree(proc)
             raise AssertionError(f"timed out; see {log}")
         return proc.returncode
+
+
+def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the launcher and every descendant: torchrun starts its workers in sessions of their
+    own, so killing its process group alone would leave the ranks training."""
+    family = psutil.Process(proc.pid).children(recursive=True)
+    os.killpg(proc.pid, signal.SIGKILL)
+    for p in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    proc.wait()
+    psutil.wait_procs(family, timeout=30)
 
 
 def _digests(out: Path) -> dict[int, str]:
