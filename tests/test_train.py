@@ -283,7 +283,8 @@ def test_accumulation_is_token_weighted(tiny_llama: Path) -> None:
     batched = _one_step(tiny_llama, rows, mbs=4, ga=1)
     accumulated = _one_step(tiny_llama, rows, mbs=1, ga=4)
     for name in batched:
-        torch.testing.assert_close(accumulated[name], batched[name], rtol=1e-5, atol=1e-8)
+        # atol: one micro-batch of 4 rows and 4 of 1 sum in another order (fused CE chunks, matmul shapes).
+        torch.testing.assert_close(accumulated[name], batched[name], rtol=1e-5, atol=1e-7)
 
     # Independent reference: d(total loss / total trainable tokens) over the four rows at once.
     model = _model(tiny_llama)

@@ -96,7 +96,8 @@ class Telemetry:
         """One metrics row to every sink (main rank) and the ledger's heartbeat (every rank)."""
         self.ledger.heartbeat(row.get("step"))
         if self.sink is not None:
-            row = {**row, **self.row_extras()}
+            # `attempt`: which process wrote the row (the ledger's attempt number), for the report.
+            row = {**row, "attempt": self.ledger.attempt, **self.row_extras()}
             self.sink.write(row)
             if self.tracker_log is not None:
                 self.tracker_log({k: v for k, v in row.items() if isinstance(v, (int, float))}, row["step"])

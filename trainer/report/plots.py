@@ -72,7 +72,7 @@ def _per_attempt(run: RunData, rows: list[dict[str, Any]], x: str, y: str) -> tu
     for r in rows:
         if not (finite(r.get(x)) and finite(r.get(y))):
             continue
-        owner = attempt_of(run.attempts, r.get("time"))
+        owner = attempt_of(run.attempts, r)
         if xs and owner is not previous:
             xs.append(math.nan)
             ys.append(math.nan)
@@ -188,7 +188,7 @@ def _saves(run: RunData) -> list[tuple[datetime, float]]:
     out = []
     prev: dict[int, float] = {}
     for r in run.train_rows:
-        a = attempt_of(run.attempts, r.get("time"))
+        a = attempt_of(run.attempts, r)
         if a is None or not finite(r.get("paused_s")):
             continue
         if r["paused_s"] > prev.get(a.attempt, 0.0):
@@ -205,7 +205,7 @@ def uploads(run: RunData) -> list[tuple[float, int, float]]:
     for r in run.train_rows:
         step = r.get("remote_step")
         if step is not None and step != last and finite(r.get("time")):
-            a = attempt_of(run.attempts, r["time"])
+            a = attempt_of(run.attempts, r)
             if a is not None:
                 seconds = float(r["upload_seconds"]) if finite(r.get("upload_seconds")) else 0.0
                 out.append((float(r["time"]), a.attempt, seconds))

@@ -58,19 +58,24 @@ def redone_by_attempt(run: RunData) -> dict[int, list[int]]:
     for row in run.train_rows:
         step = int(row["step"])
         if step in seen:
-            owner = attempt_of(run.attempts, row.get("time"))
+            owner = attempt_of(run.attempts, row)
             out.setdefault(owner.attempt if owner else 0, []).append(step)
         seen.add(step)
     return out
 
 
-def attempt_of(attempts: list[Attempt], t: Any) -> Attempt | None:
-    """The attempt that wrote a metrics row at Unix time `t`: the first one not ended by then.
+def attempt_of(attempts: list[Attempt], row: dict[str, Any]) -> Attempt | None:
+    """The attempt that wrote a metrics row: the row's own `attempt` number (written since the
+    rows carry it), else by time, the first attempt not ended by then.
 
     Attempts run one after another, so their ends are in order. The ledger keeps whole
     seconds (rounded down) and a killed attempt ends at its last heartbeat, written just
     before its last row: hence the slack."""
-    if not finite(t):
+    number = row.get("attempt")
+    if isinstance(number, int):
+        return next((a for a in attempts if a.attempt == number), None)
+    t = row.get("time")
+    if not isinstance(t, (int, float)) or not finite(t):
         return None
     for a in attempts:
         if t <= a.end + END_SLACK_S:
