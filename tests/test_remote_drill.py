@@ -27,7 +27,7 @@ from test_kill_anywhere import REPO, STEPS, _metric_rows, _recipe, _wait, procs 
 from trainer import config as C
 from trainer import run, tiny
 from trainer.exit_codes import EXIT_PREEMPTED
-from trainer.restart.checkpoint import MANIFEST
+from trainer.restart.checkpoint import MANIFEST, PAUSE_ENV
 from trainer.restart.ledger import read_rows
 from trainer.restart.storage import UPLOAD_PAUSE_ENV, Store
 
@@ -56,8 +56,13 @@ def test_kill_delete_output_dir_rerun_from_the_bucket(
     logs = tmp_path / "logs"
     logs.mkdir()
 
-    def start(n: int, upload_pause: float = 0.0) -> subprocess.Popen:
-        env = {**os.environ, **s3_env(moto_endpoint), UPLOAD_PAUSE_ENV: str(upload_pause)}
+    def start(n: int, upload_pause: float = 0.0, save_pause: float = 0.0) -> subprocess.Popen:
+        env = {
+            **os.environ,
+            **s3_env(moto_endpoint),
+            UPLOAD_PAUSE_ENV: str(upload_pause),
+            PAUSE_ENV: str(save_pause),
+        }
         log = open(logs / f"attempt{n}.log", "w")
         cmd = [sys.executable, "-m", "trainer", "train", str(recipe)]
         procs.append(
@@ -72,9 +77,10 @@ def test_kill_delete_output_dir_rerun_from_the_bucket(
         shutil.rmtree(out, ignore_errors=True)
 
     # 1: SIGKILL at a random moment once a checkpoint is in the bucket.
-    p = start(1)
+    # Slow saves (0.3 s each) keep the 8 tiny steps from finishing before the kill on a fast machine.
+    p = start(1, save_pause=0.3)
     assert _wait(p, lambda: bool(remote_steps()), timeout=300), (logs / "attempt1.log").read_text()
-    time.sleep(rnd.uniform(0.0, 1.0))
+    time.sleep(rnd.uniform(0.0, 0.6))
     p.kill(), p.wait()
     new_vm()
 
@@ -102,9 +108,14 @@ def test_kill_delete_output_dir_rerun_from_the_bucket(
     p = start(3)
     logged = lambda: max((r["step"] for r in _metric_rows(out)), default=0)  # noqa: E731
     first = None
-    if _wait(p, lambda: logged() > 0, timeout=300):
-        first = logged()
-        p.send_signal(signal.SIGTERM)
+    # metrics.jsonl travels with the run, so wait for this attempt's own rows: after it says it is
+    # resuming (its signal handlers are installed by then), a row more than it had at that moment.
+    said = lambda: "resuming from" in (logs / "attempt3.log").read_text()  # noqa: E731
+    if _wait(p, said, timeout=300):
+        seen = len(_metric_rows(out))
+        if _wait(p, lambda: len(_metric_rows(out)) > seen, timeout=300):
+            first = logged()
+            p.send_signal(signal.SIGTERM)
     code = p.wait(timeout=120)
     if code == EXIT_PREEMPTED:
         assert remote_steps()[-1] == logged() >= first  # nothing was lost with the VM
