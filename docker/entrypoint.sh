@@ -17,8 +17,8 @@ EXIT_PREEMPTED=143   # SIGTERM/SIGUSR1 or a cloud notice: checkpoint saved, rest
 # restart a container you stopped; give it time to save: `docker stop -t 120`.
 # Single process: spotune replaces this shell (exec), so it receives the signals itself.
 # Several GPUs: torchrun starts one rank per GPU and forwards SIGTERM to them, but reports
-# any rank's non-zero exit as 1, so 143 arrives as 1 (Docker restarts either way; a
-# Kubernetes pod lost to its node is still replaced through DisruptionTarget).
+# any rank's non-zero exit as 1. So the main rank also writes its code to $SPOTUNE_EXIT_FILE
+# (trainer/exit_codes.py) and this script exits with that: 143 stays 143, 2 stays 2.
 set -uo pipefail
 if [ "${1:-}" = "spotune" ]; then shift; fi
 case "${1:-}" in
@@ -26,6 +26,19 @@ case "${1:-}" in
 esac
 nproc=$(python -c "import torch; print(max(torch.cuda.device_count(), 1))")
 if [ "$nproc" -gt 1 ]; then
-  exec torchrun --standalone --nproc_per_node "$nproc" -m trainer train "$@"
+  SPOTUNE_EXIT_FILE=$(mktemp)
+  export SPOTUNE_EXIT_FILE
+  torchrun --standalone --nproc_per_node "$nproc" -m trainer train "$@" &
+  launcher=$!
+  trap 'kill -TERM "$launcher" 2>/dev/null' TERM INT USR1
+  wait "$launcher"
+  rc=$?
+  while kill -0 "$launcher" 2>/dev/null; do  # a trapped signal ends `wait` early: wait for the save
+    wait "$launcher"
+    rc=$?
+  done
+  if [ -s "$SPOTUNE_EXIT_FILE" ]; then rc=$(cat "$SPOTUNE_EXIT_FILE"); fi
+  rm -f "$SPOTUNE_EXIT_FILE"
+  exit "$rc"
 fi
 exec spotune train "$@"

@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import textwrap
 import time
@@ -189,6 +190,40 @@ def test_entrypoint_passes_the_trainers_exit_code_through(tmp_path: Path, code: 
     done = subprocess.run(["bash", str(ENTRYPOINT), "recipes/tiny-cpu.yaml", "seed=3"], env=env)
     assert done.returncode == code
     assert (tmp_path / "argv").read_text().splitlines() == ["train", "recipes/tiny-cpu.yaml", "seed=3"]
+
+
+@pytest.mark.parametrize("code", [E.EXIT_BAD_INPUT, E.EXIT_PREEMPTED])
+def test_entrypoint_on_several_gpus_exits_with_the_main_ranks_code(tmp_path: Path, code: int) -> None:
+    """torchrun turns any rank's non-zero exit into 1; the main rank's SPOTUNE_EXIT_FILE keeps the code."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _stub(bin_dir, "python", "echo 2\n")  # two GPUs: torchrun
+    # A stand-in torchrun that runs the real CLI's exit-code path (as the main rank) and exits 1 like torchrun.
+    real_python = sys.executable
+    _stub(
+        bin_dir,
+        "torchrun",
+        f'RANK=0 PYTHONPATH={REPO} {real_python} -c "from trainer import cli; cli._record_exit_code({code})"\nexit 1\n',
+    )
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    done = subprocess.run(["bash", str(ENTRYPOINT), "recipes/tiny-cpu.yaml"], env=env)
+    assert done.returncode == code
+    # Control: without the main rank's file the entrypoint can only pass torchrun's 1 on.
+    _stub(bin_dir, "torchrun", "exit 1\n")
+    assert subprocess.run(["bash", str(ENTRYPOINT), "recipes/tiny-cpu.yaml"], env=env).returncode == 1
+
+
+def test_cli_writes_its_exit_code_for_a_launcher(tmp_path: Path) -> None:
+    exit_file = tmp_path / "code"
+    env = {**os.environ, E.EXIT_FILE_ENV: str(exit_file), "RANK": "0", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer", "train", "train.no_such_key=1"], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == E.EXIT_BAD_INPUT and exit_file.read_text() == f"{E.EXIT_BAD_INPUT}\n"
+    exit_file.unlink()
+    subprocess.run([sys.executable, "-m", "trainer", "train", "train.no_such_key=1"], env={**env, "RANK": "1"})
+    assert not exit_file.exists(), "only the main rank writes it"
+    assert "trainer.cli:main" in (REPO / "pyproject.toml").read_text()  # the console script records it too
 
 
 # ---------------------------------------------------------------------------- SLURM

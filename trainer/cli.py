@@ -8,12 +8,13 @@ Exit codes are defined and documented once, in trainer/exit_codes.py: 0 finished
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from trainer import config as C
-from trainer.exit_codes import EXIT_BAD_INPUT
+from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_FILE_ENV
 
 
 def _add_recipe(p: argparse.ArgumentParser) -> None:
@@ -76,6 +77,21 @@ def _split(recipe: str | None, overrides: Sequence[str]) -> tuple[str | None, li
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    code = _main(argv)
+    _record_exit_code(code)
+    return code
+
+
+def _record_exit_code(code: int) -> None:
+    """Under a launcher that sets SPOTUNE_EXIT_FILE, the main rank writes its code there too."""
+    path = os.environ.get(EXIT_FILE_ENV)
+    if path and os.environ.get("RANK", "0") == "0":
+        from trainer.atomic import write_text
+
+        write_text(Path(path), f"{code}\n")
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     from trainer.catalog import CatalogError
     from trainer.data import DataError

@@ -30,6 +30,10 @@ EXIT_BAD_STEPS = 4
 EXIT_ABORTED = 130
 EXIT_PREEMPTED = 143
 
+EXIT_FILE_ENV = "SPOTUNE_EXIT_FILE"
+"""Where the main rank also writes its exit code. A launcher reads it because torchrun reports any
+rank's non-zero exit as 1, which would turn a requeue (143) into an error (docker/entrypoint.sh)."""
+
 StopReason = Literal["finished", "preempted", "budget", "bad_steps"]
 """Why the training loop returned."""
 
