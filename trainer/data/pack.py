@@ -68,6 +68,30 @@ def best_fit_decreasing(lengths: Sequence[int] | np.ndarray, capacity: int) -> l
     return bins
 
 
+class _Pool:
+    """Documents not packed yet, by length (shared by the row-at-a-time packers).
+
+    `avail` is the sorted list of lengths with documents left, `counts[length]` how many,
+    and `take(length)` removes and returns the lowest index of that length (deterministic).
+    """
+
+    def __init__(self, lens: np.ndarray, capacity: int) -> None:
+        self.stacks: dict[int, list[int]] = {}
+        for i in np.argsort(-lens, kind="stable")[::-1].tolist():  # pop() yields the lowest index first
+            self.stacks.setdefault(int(lens[i]), []).append(i)
+        self.avail = sorted(self.stacks)
+        self.counts = np.zeros(capacity + 1, dtype=np.int64)
+        np.add.at(self.counts, lens, 1)
+
+    def take(self, length: int) -> int:
+        i = self.stacks[length].pop()
+        self.counts[length] -= 1
+        if not self.stacks[length]:
+            del self.stacks[length]
+            self.avail.pop(bisect.bisect_left(self.avail, length))
+        return i
+
+
 def fill_exact_decreasing(lengths: Sequence[int] | np.ndarray, capacity: int) -> list[list[int]]:
     """Fill one row at a time: longest documents that fit, closing the row exactly when possible.
 
@@ -79,21 +103,8 @@ def fill_exact_decreasing(lengths: Sequence[int] | np.ndarray, capacity: int) ->
     """
     lens = np.asarray(lengths, dtype=np.int64)
     _check_lengths(lens, capacity)
-    counts = np.zeros(capacity + 1, dtype=np.int64)
-    np.add.at(counts, lens, 1)
-    stacks: dict[int, list[int]] = {}
-    for i in np.argsort(-lens, kind="stable")[::-1].tolist():  # pop() yields the lowest index first
-        stacks.setdefault(int(lens[i]), []).append(i)
-    avail = sorted(stacks)  # distinct lengths with documents left
-
-    def take(length: int) -> int:
-        i = stacks[length].pop()
-        counts[length] -= 1
-        if not stacks[length]:
-            del stacks[length]
-            avail.pop(bisect.bisect_left(avail, length))
-        return i
-
+    pool = _Pool(lens, capacity)
+    counts, avail, take = pool.counts, pool.avail, pool.take
     bins: list[list[int]] = []
     while avail:
         gap, row = capacity, []
@@ -142,18 +153,8 @@ def fill_subset_sum(lengths: Sequence[int] | np.ndarray, capacity: int, reserve:
     _check_lengths(lens, capacity)
     if reserve is None:
         reserve = 2 * int(lens.max()) if lens.size else 0
-    stacks: dict[int, list[int]] = {}
-    for i in np.argsort(-lens, kind="stable")[::-1].tolist():  # pop() yields the lowest index first
-        stacks.setdefault(int(lens[i]), []).append(i)
-    avail = sorted(stacks)  # distinct lengths with documents left
-
-    def take(length: int) -> int:
-        i = stacks[length].pop()
-        if not stacks[length]:
-            del stacks[length]
-            avail.pop(bisect.bisect_left(avail, length))
-        return i
-
+    pool = _Pool(lens, capacity)
+    stacks, avail, take = pool.stacks, pool.avail, pool.take
     bins: list[list[int]] = []
     while avail:
         gap, row = capacity, []
