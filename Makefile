@@ -39,7 +39,7 @@ bench: setup
 	$(PY) benchmarks/packing.py
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/resume.py
-	$(PY) benchmarks/pilot_accuracy.py
+	$(PY) benchmarks/forecast.py
 
 clean:
 	rm -rf runs .pytest_cache

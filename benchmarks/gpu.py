@@ -13,7 +13,10 @@ What it runs, in one process, on the same packed rows:
   document bounds to the attention kernel `auto` picks) + fused AdamW;
 - HF Trainer + PEFT: the same rows flattened by transformers' DataCollatorWithFlattening
   (padding-free, position_ids), sdpa, the model's own head and loss;
-- then QLoRA (bitsandbytes NF4, bf16 compute, gradient checkpointing) peak memory for both.
+- then QLoRA (bitsandbytes NF4, bf16 compute, gradient checkpointing) peak memory for both;
+- `spotune estimate`'s per-device peak (trainer/plan/memory.py, without the CUDA context and
+  allocator slack that max_memory_allocated does not see) beside spotune's measured
+  torch.cuda.max_memory_allocated, for LoRA and QLoRA (goal: within 10%).
 
 For each: real tokens/s, MFU by spotune's LoRA-aware count (trainer/flops.py: useful work,
 head at labelled positions) and by 6*N*tokens, peak memory, step time.
@@ -46,6 +49,7 @@ from trainer.data.pack import pack_lengths  # noqa: E402
 from trainer.data.template import IGNORE_INDEX  # noqa: E402
 from trainer.loss import token_loss_sum  # noqa: E402
 from trainer.model import build, count_params  # noqa: E402
+from trainer.plan import memory  # noqa: E402
 
 CONFIGS = REPO / "benchmarks" / "configs"
 Row = list[tuple[list[int], list[int]]]  # a packed row: its documents as (input_ids, labels)
@@ -265,6 +269,32 @@ def qlora_peak(fn: Any, path: Path, steps: list[list[Row]], args: argparse.Names
     return peak
 
 
+def estimated_peak_gib(path: Path, args: argparse.Namespace, qlora: bool) -> float:
+    """What `spotune estimate` says one device needs for this benchmark's LoRA/QLoRA step,
+    less the CUDA context and allocator slack (not in torch.cuda.max_memory_allocated)."""
+    from transformers import AutoConfig
+
+    shape = flops.model_shape(AutoConfig.from_pretrained(path))
+    targets = AdapterConfig().target_modules
+    dtype = "float32" if args.tiny else "bfloat16"
+    est = memory.estimate_memory(
+        shape,
+        weight_format="nf4" if qlora else dtype,
+        compute_dtype=dtype,
+        lora_params=flops.lora_params(shape, 16, targets),
+        lora_r=16,
+        target_modules=targets,
+        lora_dropout=False,
+        optimizer="adamw",
+        micro_batch_size=args.mbs,
+        seq_len=args.seq,
+        gradient_checkpointing=qlora or args.gradient_checkpointing,
+        device_overhead=0,
+        fragmentation=0,
+    )
+    return est.total / memory.GIB
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny Llama on CPU, a few steps (CI)")
@@ -305,6 +335,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["qlora_peak_memory_gib"] = {
             "spotune": None if skip_q else qlora_peak(run_spotune, path, steps, args),
             "hf_peft": None if skip_q or args.skip_hf else qlora_peak(run_hf, path, steps, args),
+        }
+        result["memory_estimate_gib"] = {
+            "lora": {
+                "estimate": estimated_peak_gib(path, args, False),
+                "measured": result["spotune"]["peak_memory_gib"],
+            },
+            "qlora": {
+                "estimate": estimated_peak_gib(path, args, True),
+                "measured": result["qlora_peak_memory_gib"]["spotune"],
+            },
         }
     print(table(result))
     if args.json:
@@ -347,6 +387,12 @@ def table(result: dict[str, Any]) -> str:
         )
     q = result["qlora_peak_memory_gib"]
     lines.append(f"QLoRA peak memory GiB: spotune {fmt(q['spotune'], '.1f')}, HF+PEFT {fmt(q['hf_peft'], '.1f')}")
+    for name, m in result["memory_estimate_gib"].items():
+        ratio = m["estimate"] / m["measured"] if m["measured"] else None
+        lines.append(
+            f"{name} peak memory GiB: estimate {m['estimate']:.1f}, measured {fmt(m['measured'], '.1f')} "
+            f"(estimate/measured {fmt(ratio, '.2f')}; goal 0.90-1.10)"
+        )
     if result["hf_peft"]:
         lines.append(
             f"tokens/s ratio spotune / HF+PEFT: {result['spotune']['tokens_per_s'] / result['hf_peft']['tokens_per_s']:.2f}"

@@ -18,7 +18,18 @@ def test_gpu_benchmark_tiny_run_writes_its_json(tmp_path: Path) -> None:
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert set(result) == {"date", "device", "versions", "setup", "spotune", "hf_peft", "qlora_peak_memory_gib"}
+    assert set(result) == {
+        "date",
+        "device",
+        "versions",
+        "setup",
+        "spotune",
+        "hf_peft",
+        "qlora_peak_memory_gib",
+        "memory_estimate_gib",
+    }
+    assert result["memory_estimate_gib"]["lora"]["estimate"] > 0  # measured on CUDA only
+    assert "lora peak memory GiB: estimate" in done.stdout
     side_keys = {"attn_implementation", "tokens_per_s", "step_seconds", "mfu_lora", "mfu_6n", "peak_memory_gib"}
     for side in ("spotune", "hf_peft"):
         assert set(result[side]) == side_keys

@@ -114,3 +114,27 @@ def test_disabled_ledger_touches_no_files(tmp_path: Path, clock: Clock) -> None:
     led = L.Ledger.open(tmp_path / "rank1", world_size=2, enabled=False, process_start=0.0)
     led.heartbeat(1), led.checkpointed(), led.close("finished")
     assert not (tmp_path / "rank1").exists()
+
+
+def test_phases_and_an_attempt_winding_down(tmp_path: Path, clock: Clock) -> None:
+    """Fixed costs are itemised in the row; while final/ and the report are written the
+    heartbeat already says how training ended, and the row (written last) counts that time."""
+    from trainer.report.load import load_run
+
+    clock.now = 100.0
+    a = L.Ledger.open(tmp_path, world_size=1, process_start=90.0, phases={"imports": 4.0, "model": 3.0})
+    a.data_reused = True
+    clock.now = 101.0
+    a.mark_first_step()
+    a.add_productive(10.0)
+    clock.now = 111.0
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    assert load_run(str(tmp_path)).attempts[0].exit_reason == "running"  # control
+    a.winding_down("finished")
+    assert load_run(str(tmp_path)).attempts[0].exit_reason == "finished"  # what a report written now shows
+    with a.timed("report"):
+        clock.now = 113.5
+    row = a.close("finished")
+    assert row["phases"] == {"imports": 4.0, "model": 3.0, "report": pytest.approx(0.0, abs=1.0)}
+    assert row["data_reused"] is True and row["wall_seconds"] == 23.5  # from process start to after the report
+    assert L.seconds_since_process_start() >= 0.0

@@ -32,6 +32,8 @@ OPTION_KEYS = {
     "throughput_basis",
     "tokens_per_s",
     "recommended_checkpoint_minutes",
+    "fixed_spread_hours",
+    "saves",
 }
 TOP_KEYS = {
     "schema",
@@ -41,6 +43,7 @@ TOP_KEYS = {
     "memory_gib",
     "throughput",
     "checkpoint",
+    "timeline",
     "constraints",
     "options",
     "recommendation",
@@ -67,16 +70,45 @@ def _pilot(tmp_path: Path, device: str, tokens_per_s: float = 10_000.0) -> Path:
     path.write_text(
         json.dumps(
             {
-                "schema": "spotune.pilot/1",
+                "schema": "spotune.pilot/2",
                 "device": device,
                 "world_size": 1,
                 "sustained_tokens_per_s": tokens_per_s,
                 "sustained_mfu": 0.4,
-                "step_time_s": {"mean": 1.0, "p10": 0.9, "p50": 1.0, "p90": 1.2},
+                "step_time_s": {
+                    "mean": 1.0,
+                    "sd": 0.1,
+                    "n": 16,
+                    "between_sd": 0.02,
+                    "p10": 0.9,
+                    "p50": 1.0,
+                    "p90": 1.2,
+                },
                 "warmup_extra_seconds": 5.0,
-                "startup_seconds": 60.0,
-                "teardown_seconds": 5.0,
+                "fixed": {
+                    "imports": 20.0,
+                    "store": 0.0,
+                    "data_prepare": 30.0,
+                    "data_cache_hit": 1.0,
+                    "model": 40.0,
+                    "setup": 3.0,
+                    "warmup_extra": 5.0,
+                    "final": 2.0,
+                    "flush": 0.0,
+                    "report": 1.0,
+                    "exit": 1.0,
+                    "sd": 2.0,
+                },
+                "restart": {
+                    "startup_seconds": 70.0,
+                    "resolve_seconds": 1.0,
+                    "restore_seconds": 4.0,
+                    "warmup_extra_seconds": 5.0,
+                    "data_reused": True,
+                },
                 "save_seconds": 12.0,
+                "checkpoint_bytes": 1e8,
+                "eval_seconds": None,
             }
         )
     )
@@ -142,10 +174,27 @@ def test_pilot_on_a_catalogue_gpu_scales_to_the_others(cfg: config.RunConfig, tm
     assert h100["tokens_per_s"] == 10_000.0 and h100["throughput_basis"] == "measured"
     assert a100["tokens_per_s"] == pytest.approx(10_000.0 * 312 / 989)
     assert a100["throughput_basis"] == "scaled from H100-SXM"
-    # Range from the step-time spread: mean/p10 faster, mean/p90 slower.
-    c = h100["compute_hours"]
-    assert c["low"] == pytest.approx(c["expected"] / (1.0 / 0.9)) and c["high"] == pytest.approx(c["expected"] * 1.2)
-    assert h100["startup_hours"] == pytest.approx(70.0 / 3600)
+    # Where the pilot ran: +/- 2 sd of the measured variation for this many steps
+    # (the pilot's mean from 16 steps, the between-process spread, the run's own steps).
+    c, steps = h100["compute_hours"], r["run"]["steps"]
+    rel = 2 * math.sqrt(0.1**2 / 16 + 0.02**2 + 0.1**2 / steps)
+    assert c["high"] == pytest.approx(c["expected"] * (1 + rel)) and c["low"] == pytest.approx(
+        c["expected"] * (1 - rel)
+    )
+    # Carried to another GPU: the step-time p10/p90 (mean/p10 faster, mean/p90 slower).
+    a = a100["compute_hours"]
+    assert a["low"] == pytest.approx(a["expected"] * 0.9) and a["high"] == pytest.approx(a["expected"] * 1.2)
+    # Fixed costs, itemised: a fresh directory prepares the data; the model is a local path.
+    items = {i["name"]: i for i in r["timeline"]["attempt"]}
+    assert items["data: prepare (no cache in the target directory)"]["seconds"] == 30.0
+    assert items["base model download"] == {"name": "base model download", "seconds": 0.0, "source": "local path"}
+    assert all(i["source"] == "pilot" for i in r["timeline"]["attempt"] if i["name"] != "base model download")
+    assert h100["startup_hours"] == pytest.approx((20 + 40 + 30 + 3 + 5 + 2 + 0 + 1 + 1) / 3600)
+    # A restart: a replacement VM (assumed), start-up with resume less its cache hit, preparing on the empty disk.
+    assert r["timeline"]["restart_seconds"] == pytest.approx(180 + (70 - 1) + 30 + 5)
+    # The wall range adds the fixed costs' spread (2 sd) in quadrature.
+    w = h100["wall_hours"]
+    assert w["high"] - w["expected"] == pytest.approx(math.hypot(c["high"] - c["expected"], 4.0 / 3600))
     assert r["checkpoint"]["save_seconds"] == 12.0
     spot = by[("H100-SXM", "spot")]
     assert spot["interruptions"] > 0 and spot["recommended_checkpoint_minutes"] == pytest.approx(

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from trainer import config, plan_cli, run
+from trainer import config, pilot_cli, plan_cli, run
 from trainer.plan import PlanError, pilot
+from trainer.restart.ledger import seconds_since_process_start
 
 
 @pytest.fixture()
@@ -29,7 +33,7 @@ def cfg(tmp_path: Path, tiny_llama: Path, tiny_data: Path) -> config.RunConfig:
 
 
 def test_pilot_config_changes_only_what_it_must(cfg: config.RunConfig) -> None:
-    p = plan_cli.pilot_config(cfg, steps=7)
+    p = pilot_cli.pilot_config(cfg, steps=7)
     assert p.output_dir == str(Path(cfg.output_dir) / "pilot")
     assert p.data.cache_dir == str(Path(cfg.output_dir) / "data")  # the run's own cache: prepared once
     assert (p.train.max_steps, p.checkpoint.resume, p.checkpoint.every_steps, p.metrics.log_every) == (
@@ -38,7 +42,10 @@ def test_pilot_config_changes_only_what_it_must(cfg: config.RunConfig) -> None:
         None,
         1,
     )
-    assert p.train.eval_every is None and p.train.max_gpu_hours is None
+    assert p.train.eval_every == 7 and p.train.max_gpu_hours is None  # one evaluation, at the end, timed
+    assert p.checkpoint.remote is None
+    remote = pilot_cli.pilot_config(cfg.replace(**{"checkpoint.remote": "s3://bucket/run/"}), steps=7)
+    assert remote.checkpoint.remote == "s3://bucket/run/pilot"  # never where the real run resumes from
     assert (p.model, p.adapter, p.data.seq_len, p.train.micro_batch_size, p.train.lr) == (
         cfg.model,
         cfg.adapter,
@@ -46,68 +53,101 @@ def test_pilot_config_changes_only_what_it_must(cfg: config.RunConfig) -> None:
         cfg.train.micro_batch_size,
         cfg.train.lr,
     )
-    timed = plan_cli.pilot_config(cfg, minutes=3)
-    used = plan_cli._seconds_since_process_start()  # the budget guard's clock already ran this long
+    timed = pilot_cli.pilot_config(cfg, minutes=3)
+    used = seconds_since_process_start()  # the budget guard's clock already ran this long
     assert timed.train.max_gpu_hours == pytest.approx(0.05 + used / 3600, abs=2 / 3600)
+    assert pilot_cli.pilot_config(cfg, minutes=3, used_seconds=0.0).train.max_gpu_hours == pytest.approx(0.05)
     assert timed.train.max_steps == 40
     with pytest.raises(PlanError, match="metrics.warmup_steps=2"):
-        plan_cli.pilot_config(cfg, steps=4)
+        pilot_cli.pilot_config(cfg, steps=4)
     with pytest.raises(PlanError, match="not both"):
-        plan_cli.pilot_config(cfg, steps=10, minutes=1)
+        pilot_cli.pilot_config(cfg, steps=10, minutes=1)
 
 
-def test_summary_of_a_known_log(tmp_path: Path) -> None:
-    times = [3.0, 2.0, 1.0, 1.2, 0.8, 1.0, 1.4, 0.6]  # two warm-up steps, then six
+def _attempt_log(tmp_path: Path) -> None:
+    """Two processes: steps 1-4 (stopped by SIGTERM after a save), then 5-8 after a resume."""
+    times = [3.0, 1.0, 1.2, 0.8, 2.0, 1.4, 1.0, 0.6]  # each process: one warm-up step, then three
     rows, real = [], 0
     for i, t in enumerate(times, start=1):
-        real += 1000
+        real += 1000 if i != 7 else 2000  # step 7 trains twice the tokens
         rows.append(
             {
                 "step": i,
                 "step_time_s": t,
                 "real_tokens": real,
+                "loss": 1.0,
+                "attempt": 1 if i <= 4 else 2,
                 "data_stall_share": 0.1 * (i % 2),
-                "sustained_tokens_per_s": None,
                 "peak_memory_gib": 0.1 * i,
             }
         )
-    rows.insert(3, {"step": 3, "eval_loss": 1.0})  # rows without timings are ignored
+    rows.insert(3, {"step": 3, "eval_loss": 1.0, "eval_seconds": 0.7})  # rows without step times are no steps
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    wall = 20.0
-    ledger = {
-        "world_size": 1,
-        "startup_seconds": 5.0,
-        "checkpoint_seconds": 0.5,
-        "wall_seconds": wall,
-        "exit_reason": "finished",
-    }
-    (tmp_path / "ledger.jsonl").write_text(json.dumps(ledger) + "\n")
-    s = pilot.summarise(tmp_path, warmup_steps=2, device="cpu", prepare_seconds=1.0, earlier_seconds=0.5)
-    sustained = np.array(times[2:])
-    assert (s["steps"], s["warmup_steps"]) == (8, 2)
-    assert s["step_time_s"]["mean"] == pytest.approx(1.0)
+    first = {"imports": 4.0, "store": 0.0, "data": 6.0, "model": 2.0, "resolve": 0.0, "report": 0.5}
+    second = {"imports": 5.0, "store": 0.0, "data": 0.25, "model": 3.0, "resolve": 0.1, "restore": 0.4}
+    ledger = [
+        {"attempt": 1, "world_size": 1, "startup_seconds": 13.0, "checkpoint_seconds": 0.5, "wall_seconds": 20.0,
+         "exit_reason": "preempted", "phases": first, "data_reused": False},
+        {"attempt": 2, "world_size": 1, "startup_seconds": 9.0, "checkpoint_seconds": 0.3, "wall_seconds": 18.0,
+         "exit_reason": "finished", "phases": {**second, "final": 0.2, "flush": 0.0, "report": 0.6},
+         "data_reused": True},
+    ]  # fmt: skip
+    (tmp_path / "ledger.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ledger))
+    (tmp_path / "checkpoints" / "step-000008").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-000008" / "adapter.safetensors").write_bytes(b"x" * 1234)
+
+
+def test_summary_of_a_known_log(tmp_path: Path) -> None:
+    _attempt_log(tmp_path)
+    s = pilot.summarise(tmp_path, warmup_steps=1, device="cpu", outside_seconds={1: 21.0, 2: 18.5})
+    sustained = np.array([1.0, 1.2, 0.8, 1.4, 1.0, 0.6])
+    assert (s["steps"], s["warmup_steps"]) == (8, 2)  # one warm-up step per process
+    assert s["step_time_s"]["mean"] == pytest.approx(1.0) and s["step_time_s"]["n"] == 6
+    assert s["step_time_s"]["sd"] == pytest.approx(float(sustained.std(ddof=1)))
     assert s["step_time_s"]["p50"] == pytest.approx(float(np.percentile(sustained, 50)))
-    assert s["step_time_s"]["p10"] < s["step_time_s"]["p50"] < s["step_time_s"]["p90"]
-    assert s["sustained_tokens_per_s"] == pytest.approx(1000.0)  # 6000 tokens in 6.0 s
-    assert s["real_tokens_per_step"] == pytest.approx(1000.0)
-    assert s["warmup_extra_seconds"] == pytest.approx(3.0 + 2.0 - 2 * 1.0)
-    assert s["startup_seconds"] == pytest.approx(3.5) and s["save_seconds"] == 0.5
-    assert s["teardown_seconds"] == pytest.approx((wall - 1.5) - 3.5 - sum(times) - 0.5)
-    assert s["peak_memory_gib"] == pytest.approx(0.8) and s["data_stall_share"] == pytest.approx(0.05)
+    # Both processes' means are 1.0: no spread between them beyond their step-to-step noise.
+    assert s["step_time_s"]["between_sd"] == 0.0
+    # 7000 tokens over 6.0 s of sustained steps, the step with twice the tokens included.
+    assert s["sustained_tokens_per_s"] == pytest.approx(7000 / 6.0)
+    assert s["warmup_extra_seconds"] == pytest.approx(((3.0 - 1.0) + (2.0 - 1.0)) / 2)
+    a1, a2 = s["attempts"]
+    assert a1["setup_seconds"] == pytest.approx(13.0 - 12.0) and a2["setup_seconds"] == pytest.approx(9.0 - 8.75)
+    assert (a1["exit_seconds"], a2["exit_seconds"]) == (pytest.approx(1.0), pytest.approx(0.5))
+    f = s["fixed"]
+    assert (f["imports"], f["model"], f["data_prepare"], f["data_cache_hit"]) == (4.5, 2.5, 6.0, 0.25)
+    assert (f["final"], f["report"], f["exit"]) == (0.2, 0.6, pytest.approx(0.75))  # the end of the finished process
+    # The spread of what both processes pay alike: imports + model + set-up + exit.
+    assert f["sd"] == pytest.approx(float(np.std([4 + 2 + 1 + 1.0, 5 + 3 + 0.25 + 0.5], ddof=1)))
+    assert s["restart"] == {
+        "startup_seconds": 9.0,
+        "resolve_seconds": 0.1,
+        "restore_seconds": 0.4,
+        "warmup_extra_seconds": pytest.approx(1.0),
+        "data_reused": True,
+    }
+    assert s["save_seconds"] == pytest.approx(0.4) and s["checkpoint_bytes"] == 1234.0
+    assert s["eval_seconds"] == 0.7 and s["peak_memory_gib"] == pytest.approx(0.8)
+    # Control: a second process that ran slower shows up as spread between processes.
+    slow = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for r in slow:
+        if r.get("attempt") == 2:
+            r["step_time_s"] *= 1.5
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in slow))
+    assert pilot.summarise(tmp_path, warmup_steps=1, device="cpu")["step_time_s"]["between_sd"] > 0.2
     with pytest.raises(PlanError, match="give more --steps"):
-        pilot.summarise(tmp_path, warmup_steps=7, device="cpu")
+        pilot.summarise(tmp_path, warmup_steps=4, device="cpu")
 
 
 def test_timed_pilot_stops_by_the_clock(cfg: config.RunConfig) -> None:
     run.prepare_data(cfg, progress=False)  # shared with the pilot: its clock then goes to model load and steps
     started = time.monotonic()
-    result = plan_cli.run_pilot(cfg.replace(**{"train.max_steps": 10**6}), minutes=0.3, fresh_process=False)
+    result = pilot_cli.run_pilot(cfg.replace(**{"train.max_steps": 10**6}), minutes=0.3, fresh_process=False)
     assert result["exit_reason"] == "budget" and result["steps"] > 5
     assert 0.3 * 60 <= time.monotonic() - started < 0.3 * 60 + 15  # stops at the first step past the budget
 
 
 def test_tiny_pilot_end_to_end(cfg: config.RunConfig, capsys: pytest.CaptureFixture[str]) -> None:
-    result = plan_cli.run_pilot(cfg, steps=6, fresh_process=False)
+    result = pilot_cli.run_pilot(cfg, steps=6, fresh_process=False)
     out = Path(cfg.output_dir) / "pilot"
     assert json.loads((out / "pilot.json").read_text()) == result
     assert (result["steps"], result["warmup_steps"], result["exit_reason"]) == (6, 2, "finished")
@@ -136,3 +176,46 @@ def test_tiny_pilot_end_to_end(cfg: config.RunConfig, capsys: pytest.CaptureFixt
     assert row["tokens_per_s"] == pytest.approx(result["sustained_tokens_per_s"])
     # 40 steps, saves every 10, so 4 saves at the measured save time.
     assert row["checkpoint_hours"] == pytest.approx(4 * result["save_seconds"] / 3600)
+
+
+@pytest.mark.slow
+def test_cli_pilot_times_two_processes_and_a_restart(cfg: config.RunConfig, tmp_path: Path) -> None:
+    """`spotune pilot` runs the training as child processes, timed from outside: the first is
+    stopped by SIGTERM halfway and the second resumes, so exit and a restart are measured too."""
+    cfg = cfg.replace(**{"data.eval_fraction": 0.1})
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(config.to_yaml(cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer", "pilot", str(recipe), "--steps", "10"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    p = json.loads((Path(cfg.output_dir) / "pilot" / "pilot.json").read_text())
+    assert [a["exit_reason"] for a in p["attempts"]] == ["preempted", "finished"]
+    for a in p["attempts"]:
+        assert a["outside_seconds"] >= a["wall_seconds"] > a["startup_seconds"] > 0
+        assert a["exit_seconds"] == pytest.approx(a["outside_seconds"] - a["wall_seconds"])
+    assert p["attempts"][0]["data_reused"] is False and p["attempts"][1]["data_reused"] is True
+    assert p["restart"] is not None and p["restart"]["restore_seconds"] > 0
+    assert p["eval_seconds"] is not None and p["eval_seconds"] > 0  # the recipe evaluates: one timed evaluation
+    assert p["step_time_s"]["between_sd"] is not None and p["fixed"]["sd"] is not None
+    # The forecast for a new directory: every fixed cost measured, the data prepared there.
+    fresh = cfg.replace(output_dir=str(tmp_path / "elsewhere"))
+    doc = plan_cli.estimate_for_run(fresh, pilot_json=Path(cfg.output_dir) / "pilot" / "pilot.json")
+    items = {i["name"]: i for i in doc["timeline"]["attempt"]}
+    assert items["data: prepare (no cache in the target directory)"]["source"] == "pilot"
+    assert items["interpreter exit"]["source"] == "pilot" and items["interpreter exit"]["seconds"] > 0
+    assert doc["data"]["exact"]  # counted from the pilot's manifest, though `elsewhere` has no cache
+    # ... and for the run's own directory, which shares the pilot's cache: a hit.
+    own = {i["name"] for i in plan_cli.estimate_for_run(cfg, pilot_json=None)["timeline"]["attempt"]}
+    assert "data: cache hit" in {
+        i["name"]
+        for i in plan_cli.estimate_for_run(cfg, pilot_json=Path(cfg.output_dir) / "pilot" / "pilot.json")["timeline"][
+            "attempt"
+        ]
+    }
+    assert "start-up and teardown" in own  # control: without the pilot it is one assumed figure

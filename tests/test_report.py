@@ -171,7 +171,7 @@ def _png_size(data: bytes) -> tuple[int, int]:
         return im.size
 
 
-def test_train_writes_a_report_whose_figures_are_the_ledgers(real_run: dict[str, Any]) -> None:
+def test_train_writes_a_report_whose_figures_are_the_ledgers(real_run: dict[str, Any], tmp_path: Path) -> None:
     out = real_run["out"]
     assert real_run["codes"] == (EXIT_PREEMPTED, EXIT_FINISHED)
     rows = _ledger(out)
@@ -189,11 +189,20 @@ def test_train_writes_a_report_whose_figures_are_the_ledgers(real_run: dict[str,
         width, height = _png_size(embedded)
         assert width >= 800 and height >= 150
 
-    # The headline numbers are the ledger's totals, exactly (repr round-trips a float).
+    # The headline numbers are the ledger's totals: the page was written before the last row
+    # (so that the row counts the page's time too), from the heartbeat just before it.
     v = page.values
-    assert float(v["gpu_hours"]) == sum(r["device_seconds"] for r in rows) / 3600
-    assert float(v["cost"]) == sum(r["cost"] for r in rows)
-    assert float(v["goodput"]) == sum(r["productive_seconds"] for r in rows) / sum(r["device_seconds"] for r in rows)
+    page_time = rows[-1]["phases"]["report"] * rows[-1]["world_size"]
+    device_s = sum(r["device_seconds"] for r in rows)
+    assert float(v["gpu_hours"]) * 3600 == pytest.approx(device_s - page_time, abs=0.05)
+    assert float(v["cost"]) == pytest.approx(sum(r["cost"] for r in rows) * (device_s - page_time) / device_s, rel=1e-3)
+    productive = sum(r["productive_seconds"] for r in rows)
+    assert float(v["goodput"]) == pytest.approx(productive / (device_s - page_time), rel=1e-3)
+    # `spotune report` afterwards reads the closed rows: exactly the ledger (repr round-trips a float).
+    again = _parse(write_report(out, tmp_path)[0]).values
+    assert float(again["gpu_hours"]) == device_s / 3600
+    assert float(again["cost"]) == sum(r["cost"] for r in rows)
+    assert float(again["goodput"]) == productive / device_s
     assert int(v["restarts"]) == 2 and v["status"] == "finished"
     losses = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert float(v["final_loss"]) == [r for r in losses if "loss" in r][-1]["loss"]
@@ -259,7 +268,7 @@ def test_a_run_still_starting_and_a_run_without_a_ledger(real_run: dict[str, Any
 
 def test_fsspec_url_reads_the_same_run(real_run: dict[str, Any], tmp_path: Path) -> None:
     """A file:// URL goes through fsspec.open like s3:// or gs:// would; same figures."""
-    local = _parse(real_run["out"] / REPORT_FILE).values
+    local = _parse(write_report(real_run["out"], tmp_path / "local")[0]).values
     page, summary = write_report(f"file://{real_run['out']}", tmp_path / "remote")
     assert page == tmp_path / "remote" / REPORT_FILE and f"Finished at step {STEPS} of {STEPS}." in summary
     assert _parse(page).values == local

@@ -47,6 +47,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=float, help="recommend the fastest option costing at most this")
     p.add_argument("--catalog", type=Path, help="YAML that overrides or extends the GPU catalogue (prices especially)")
     p.add_argument("--mfu", type=float, help="assumed MFU when no throughput is measured")
+    p.add_argument(
+        "--download-mb-s",
+        type=float,
+        help="download speed of the machine the run will use, MB/s: base model and checkpoint "
+        "downloads on a fresh or replacement VM (default: an assumed 200)",
+    )
+    p.add_argument(
+        "--vm-start-seconds",
+        type=float,
+        help="seconds to get a replacement spot VM running (default: an assumed 180; "
+        "the run's ledger replaces it once it has interruptions)",
+    )
 
     p = sub.add_parser("pilot", help="measure sustained throughput on the real path, then forecast")
     _add_recipe(p)
@@ -154,7 +166,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return estimate_command(cfg, args)
     if args.command == "pilot":
-        from trainer.plan_cli import pilot_command
+        from trainer.pilot_cli import pilot_command
 
         return pilot_command(cfg, steps=args.steps, minutes=args.minutes)
     raise AssertionError(args.command)

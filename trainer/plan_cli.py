@@ -1,29 +1,30 @@
-"""The `estimate` and `pilot` commands: glue between the command line, the run and trainer/plan/.
+"""The `estimate` command: glue between the command line, the run and trainer/plan/.
 
 trainer/plan/ takes numbers and config sections; this module is where the world is read for
-it (the model's config.json, the data or its prepared manifest, pilot.json, the catalogue
-file) and where the pilot, which is a real training run, is started.
+it: the model's config.json, the data or its prepared manifest, pilot.json, the catalogue
+file, and what the run's output_dir and this machine already hold (a data cache, the model in
+the Hugging Face cache, the run's ledger of earlier attempts). trainer/pilot_cli.py starts
+the pilot, which is a real training run.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import time
 from pathlib import Path
 from typing import Any
 
 from trainer import catalog as cat
-from trainer import exit_codes, flops, run, tiny
+from trainer import flops, run, tiny
 from trainer.config import BUILTIN_TINY_DATA, BUILTIN_TINY_MODEL, RunConfig
 from trainer.data.cache import data_cache_root
 from trainer.plan import PlanError, pilot
+from trainer.plan import timeline as tl
 from trainer.plan import workload as wl
-from trainer.plan.estimate import Constraints, Job, Measured, estimate
-from trainer.plan.pilot import DEFAULT_STEPS
+from trainer.plan.estimate import estimate
+from trainer.plan.job import Constraints, Job, Measured
 from trainer.plan.table import format_estimate
 from trainer.plan.throughput import choose
+from trainer.restart.ledger import read_rows
 
 
 def estimate_for_run(
@@ -39,8 +40,11 @@ def estimate_for_run(
     mfu: float | None = None,
     manifest: dict[str, Any] | None = None,
     sample_size: int = 2000,
+    download_mb_s: float | None = None,
+    vm_start_seconds: float | None = None,
 ) -> dict[str, Any]:
-    """The estimate of the run `cfg` describes (schema `spotune.estimate/1`)."""
+    """The estimate of the run `cfg` describes (schema `spotune.estimate/1`), for its own
+    output_dir: what that directory and this machine already hold decides the fixed costs."""
     constraints = Constraints(gpus=gpus, gpu=gpu, deadline_hours=deadline_hours, budget=budget)
     if gpus < 1:
         raise PlanError(f"--gpus must be at least 1, got {gpus}")
@@ -48,7 +52,8 @@ def estimate_for_run(
         catalog = cat.load_catalog(catalog_path)
     except cat.CatalogError as e:
         raise PlanError(str(e)) from None
-    shape, hf_name = _shape(cfg, tiny.resolve_model(cfg.model.name_or_path))
+    model = tiny.resolve_model(cfg.model.name_or_path)
+    shape, hf_name, bytes_per_param = _shape(cfg, model)
     job = Job(
         name_or_path=cfg.model.name_or_path,
         shape=shape,
@@ -60,10 +65,13 @@ def estimate_for_run(
         seq_len=cfg.data.seq_len,
         price_per_hour=cfg.metrics.price_per_hour,
     )
+    measured = _read_pilot(Path(pilot_json)) if pilot_json else None
+    if manifest is None and measured is not None:
+        manifest = _pilot_manifest(cfg, measured)  # the data the pilot prepared, when it is this run's
     work = _workload(cfg, manifest, sample_size)
-    measured = json.loads(Path(pilot_json).read_text()) if pilot_json else None
     rate = choose(cfg.adapter.method, measured, throughput, cfg.metrics.gpu, mfu)
-    return estimate(job, work, rate, catalog, constraints, Measured.from_pilot(measured) if measured else None)
+    target = _target(cfg, model, shape.total_params() * bytes_per_param, work, download_mb_s, vm_start_seconds)
+    return estimate(job, work, rate, catalog, constraints, Measured(measured), target)
 
 
 def estimate_command(cfg: RunConfig, args: Any) -> int:
@@ -82,6 +90,8 @@ def estimate_command(cfg: RunConfig, args: Any) -> int:
         catalog_path=args.catalog,
         gpu=args.gpu,
         mfu=args.mfu,
+        download_mb_s=getattr(args, "download_mb_s", None),
+        vm_start_seconds=getattr(args, "vm_start_seconds", None),
     )
     print(json.dumps(result, indent=2) if args.json else format_estimate(result))
     return 0
@@ -91,116 +101,117 @@ def pilot_dir(cfg: RunConfig) -> Path:
     return Path(cfg.output_dir) / "pilot"
 
 
-def pilot_config(cfg: RunConfig, steps: int | None = None, minutes: float | None = None) -> RunConfig:
-    """The run's config, changed only in what a pilot must change."""
-    if steps is not None and minutes is not None:
-        raise PlanError("give --steps or --minutes, not both")
-    if minutes is not None and minutes <= 0:
-        raise PlanError(f"--minutes must be above 0, got {minutes}")
-    warm = cfg.metrics.warmup_steps
-    n = steps if steps is not None else DEFAULT_STEPS
-    if minutes is None and n < warm + 3:
-        raise PlanError(
-            f"--steps {n} leaves fewer than 3 steps after metrics.warmup_steps={warm}; give at least {warm + 3}"
-        )
-    budget_hours = None
-    if minutes is not None:
-        # Stop by time through the budget guard. It counts device-hours from process start,
-        # so what this process has used already is added: the pilot gets `minutes` from now
-        # (its own startup included). The step cap is just "more than will fit".
-        n = 10**9 if cfg.train.max_steps is None else cfg.train.max_steps
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        budget_hours = (_seconds_since_process_start() + 60.0 * minutes) * world / 3600.0
-    return cfg.replace(
-        **{
-            "output_dir": str(pilot_dir(cfg)),
-            "data.cache_dir": str(data_cache_root(cfg.data.cache_dir, cfg.output_dir)),  # share the run's prepared data
-            "train.max_steps": n,
-            "train.max_gpu_hours": budget_hours,
-            "train.max_cost": None,
-            "train.eval_every": None,  # evaluation time is forecast from token counts instead
-            "checkpoint.resume": "never",
-            "checkpoint.every_steps": None,
-            "checkpoint.every_minutes": None,  # one save, at the end: the one we time
-            "metrics.log_every": 1,  # one row per step: the step-time distribution
-        }
-    )
-
-
-def _seconds_since_process_start() -> float:
-    """The ledger's clock starts at process start (psutil); 0 where that cannot be read."""
-    try:
-        import psutil
-
-        return max(0.0, time.time() - float(psutil.Process().create_time()))
-    except Exception:  # psutil missing: the ledger then starts its own clock at open
-        return 0.0
-
-
-def run_pilot(
-    cfg: RunConfig, steps: int | None = None, minutes: float | None = None, *, fresh_process: bool = True
-) -> dict[str, Any]:
-    """Run the pilot, write `<output_dir>/pilot/pilot.json`, return its content.
-
-    `fresh_process`: this process was started for the pilot (the CLI), so its time so far
-    (interpreter, imports, config) is startup that `spotune train` pays too. Pass False from
-    a long-lived process (tests, notebooks): startup then counts from this call, and the
-    imports already done are not measured."""
-    earlier = 0.0 if fresh_process else _seconds_since_process_start()
-    pcfg = pilot_config(cfg, steps, minutes)
-    out = pilot_dir(cfg)
-    main_rank = int(os.environ.get("RANK", "0")) == 0
-    if main_rank and out.exists():
-        # A pilot is always fresh: old metrics or ledger rows would mix in. Under torchrun the
-        # other ranks cannot run ahead of this: train() starts with the process-group rendezvous.
-        shutil.rmtree(out)
-    prepare_seconds = 0.0
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        # Preparing the data is a one-off that the real run will not repeat (it reuses the
-        # cache): time it here so it can be taken out of the measured startup. The imports
-        # come first, untimed: the real run pays for them too.
-        import datasets  # noqa: F401
-        import transformers  # noqa: F401
-        from transformers import AutoTokenizer  # noqa: F401
-
-        from trainer import data  # noqa: F401
-
-        started = time.monotonic()
-        prepared = run.prepare_data(pcfg, progress=cfg.metrics.progress)
-        prepare_seconds = 0.0 if prepared.reused else time.monotonic() - started
-    code = run.train(pcfg)
-    # With --minutes the pilot ends through the budget guard, which also saves: both are fine.
-    if code not in (exit_codes.EXIT_FINISHED, exit_codes.EXIT_BUDGET):
-        raise PlanError(f"the pilot run in {out} stopped with exit code {code}; see the messages above")
-    if not main_rank:
-        return {}  # rank 0 writes the logs, and summarises them
-    result = pilot.summarise(out, cfg.metrics.warmup_steps, pilot.device_name(), prepare_seconds, earlier)
-    (out / "pilot.json").write_text(json.dumps(result, indent=2))
-    return result
-
-
-def pilot_command(cfg: RunConfig, steps: int | None = None, minutes: float | None = None) -> int:
-    """`spotune pilot`: measure, write pilot.json, print the measurement and the forecast."""
-    p = run_pilot(cfg, steps=steps, minutes=minutes)
-    if not p:
-        return 0  # not rank 0
-    print(pilot.format_pilot(p))
-    print(f"  written to {pilot_dir(cfg) / 'pilot.json'}\n")
-    print(format_estimate(estimate_for_run(cfg, pilot_json=pilot_dir(cfg) / "pilot.json", gpus=p["world_size"])))
-    return 0
-
-
 # ---------------------------------------------------------------------------- reading the world
 
 
-def _shape(cfg: RunConfig, path: str) -> tuple[flops.ModelShape, str]:
+def _shape(cfg: RunConfig, path: str) -> tuple[flops.ModelShape, str, int]:
     """The model's shape from a local path, a shipped config.json (trainer/plan/models/), or the
-    hub's config.json alone (no weights)."""
+    hub's config.json alone (no weights); with the bytes per parameter of its published weights."""
     from trainer.plan.models import load_config
 
     hf = load_config(path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code)
     text = hf.get_text_config()  # a vision-language model (Gemma 3 4B+) is planned for its language model
-    return flops.model_shape(text), str(getattr(hf, "model_type", ""))
+    dtype = str(getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "bfloat16")
+    return flops.model_shape(text), str(getattr(hf, "model_type", "")), 4 if "float32" in dtype else 2
+
+
+def _read_pilot(path: Path) -> dict[str, Any]:
+    try:
+        p = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise PlanError(f"--pilot {path}: cannot read it ({e}); run `spotune pilot` with the recipe") from None
+    if p.get("schema") != pilot.PILOT_SCHEMA:
+        raise PlanError(
+            f"--pilot {path}: written by another spotune version (schema {p.get('schema')!r}, this one reads "
+            f"{pilot.PILOT_SCHEMA!r}); run `spotune pilot` again"
+        )
+    return p
+
+
+def _target(
+    cfg: RunConfig,
+    model: str,
+    model_bytes: float,
+    work: wl.Workload,
+    download_mb_s: float | None,
+    vm_start_seconds: float | None,
+) -> tl.Target:
+    """What `cfg.output_dir` and this machine already hold, and what this run's ledger measured."""
+    for name, value in (("--download-mb-s", download_mb_s), ("--vm-start-seconds", vm_start_seconds)):
+        if value is not None and value <= 0:
+            raise PlanError(f"{name} must be above 0, got {value}")
+    rows = read_rows(cfg.output_dir)
+    restarts = [
+        float(r["startup_seconds"]) / int(r.get("world_size", 1)) for r in rows if "restore" in (r.get("phases") or {})
+    ]
+    gaps = [
+        max(0.0, _unix(b["start"]) - _unix(a["end"]))
+        for a, b in zip(rows, rows[1:], strict=False)
+        if a.get("exit_reason") in ("preempted", "killed")
+    ]
+    return tl.Target(
+        data_cached=_data_cached(cfg),
+        prepare_seconds=work.prepare_seconds,
+        model_local=Path(model).is_dir(),
+        model_cached=_in_hf_cache(model, cfg.model.revision),
+        model_bytes=model_bytes,
+        download_bytes_per_s=(download_mb_s or tl.DEFAULT_DOWNLOAD_MB_S) * 1e6,
+        download_given=download_mb_s is not None,
+        vm_start_seconds=vm_start_seconds or tl.DEFAULT_VM_START_S,
+        vm_start_given=vm_start_seconds is not None,
+        remote=cfg.checkpoint.remote is not None,
+        restarts=restarts,
+        gaps=[g for g in gaps if g > 0] if gaps else [],
+    )
+
+
+def fingerprint(cfg: RunConfig) -> str | None:
+    """The content fingerprint `train` would look its prepared data up by (None: no data file)."""
+    import dataclasses
+
+    from trainer.data.prepare import data_fingerprint
+
+    data = dataclasses.replace(cfg.data, path=tiny.resolve_data(cfg.data.path))
+    try:
+        return data_fingerprint(data, run.tokenizer_path(cfg), cfg.seed)
+    except Exception:  # the data is not there yet: nothing can be cached
+        return None
+
+
+def _data_cached(cfg: RunConfig) -> bool:
+    """The target's cache holds this data's content fingerprint (what `train` would reuse)."""
+    from trainer.data.cache import MANIFEST
+
+    fp = fingerprint(cfg)
+    return fp is not None and (data_cache_root(cfg.data.cache_dir, cfg.output_dir) / fp / MANIFEST).is_file()
+
+
+def _pilot_manifest(cfg: RunConfig, measured: dict[str, Any]) -> dict[str, Any] | None:
+    """The manifest of the data the pilot trained on, if this run's data has the same fingerprint:
+    exact token counts for a run in a directory that has not prepared its data yet."""
+    path = measured.get("data_manifest")
+    if not path or not Path(path).is_file():
+        return None
+    m = json.loads(Path(path).read_text())
+    return m if m.get("fingerprint") == fingerprint(cfg) else None
+
+
+def _in_hf_cache(model: str, revision: str | None) -> bool:
+    if Path(model).is_dir():
+        return False
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(model, revision=revision, local_files_only=True))
+    except Exception:  # not cached (or not a hub id)
+        return False
+    return any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))
+
+
+def _unix(iso: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(iso).timestamp()
 
 
 def _workload(cfg: RunConfig, manifest: dict[str, Any] | None, sample_size: int) -> wl.Workload:

@@ -25,7 +25,7 @@ from trainer.exit_codes import StopReason
 from trainer.model import build, count_params
 from trainer.restart import notice, preemption
 from trainer.restart.checkpoint import CheckpointManager
-from trainer.restart.ledger import Ledger
+from trainer.restart.ledger import Ledger, timed
 from trainer.restart.remote import RemoteRun
 from trainer.restart.rng import gather_rng
 from trainer.restart.state import (
@@ -120,7 +120,10 @@ def build_optimizer(
 
 def train(cfg: C.RunConfig) -> int:
     """Train (resuming when a checkpoint verifies) and return the process exit code."""
-    from datasets import load_from_disk
+    entered = time.time()
+    phases: dict[str, float] = {}  # fixed costs for the ledger, timed before it can open
+    with timed(phases, "imports"):  # the rest of the libraries train() needs (the ledger adds the time before)
+        from datasets import load_from_disk
 
     out = Path(cfg.output_dir)
     accelerator = make_accelerator(cfg)
@@ -134,7 +137,8 @@ def train(cfg: C.RunConfig) -> int:
         is_main=is_main,
         is_local_main=accelerator.is_local_main_process,
     )
-    remote.connect()  # first: a fresh machine fetches the run's config, ledger and metrics before writing any
+    with timed(phases, "store"):
+        remote.connect()  # first: a fresh machine fetches the run's config, ledger and metrics before writing any
     stop = preemption.Preemption().install()
     ck = cfg.checkpoint  # a cloud notice sets the same flag as SIGTERM; one poller per machine
     watcher = notice.NoticeWatcher(ck.preemption_notice, stop.request, ck.notice_endpoint, ck.notice_poll_seconds)
@@ -142,7 +146,7 @@ def train(cfg: C.RunConfig) -> int:
         watcher.start()
     show = is_main and cfg.metrics.progress
 
-    with accelerator.main_process_first():  # rank 0 prepares; the others then reuse its cache
+    with timed(phases, "data"), accelerator.main_process_first():  # rank 0 prepares; the others reuse its cache
         prepared = prepare_data(cfg, progress=show)
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -154,17 +158,19 @@ def train(cfg: C.RunConfig) -> int:
     # Resolved before the model loads, so a bad metrics.gpu fails in a second, not a minute.
     peak_flops = metrics.resolve_peak_flops(cfg.metrics.peak_flops, cfg.metrics.gpu, accelerator.device)
     set_seed(cfg.seed)  # same LoRA init on every rank (DDP also broadcasts rank 0's weights)
-    model = build(
-        cfg.model,
-        cfg.adapter,
-        name_or_path=model_path(cfg),
-        device=accelerator.device,
-        autocast=cfg.train.mixed_precision != "no",
-    )
+    with timed(phases, "model"):
+        model = build(
+            cfg.model,
+            cfg.adapter,
+            name_or_path=model_path(cfg),
+            device=accelerator.device,
+            autocast=cfg.train.mixed_precision != "no",
+        )
     counts = count_params(model)
     rows = load_from_disk(str(prepared.train_path))
     t = cfg.train
-    resume_dir, notes = remote.resolve(cfg.checkpoint.resume)  # local or remote, chosen on rank 0
+    with timed(phases, "resolve"):
+        resume_dir, notes = remote.resolve(cfg.checkpoint.resume)  # local or remote, chosen on rank 0
     saved = TrainState.from_json((resume_dir / "trainer_state.json").read_text()) if resume_dir is not None else None
     # The run is defined by its global batch: a resume on another device count keeps it and only
     # the per-device split changes (trainer/sampler.py: the same rows every step).
@@ -193,7 +199,10 @@ def train(cfg: C.RunConfig) -> int:
         price_per_hour=cfg.metrics.price_per_hour,
         carried_totals=saved.ledger if saved is not None else None,
         enabled=is_main,
+        phases=phases,
     )
+    ledger.data_reused = bool(prepared.reused)
+    ledger.phases["imports"] += entered - ledger.start  # interpreter, CLI and config before train()
     manager = CheckpointManager(out / "checkpoints", keep_last=cfg.checkpoint.keep_last)
     console = metrics.Console(steps, 0, enabled=cfg.metrics.progress, is_main=is_main)
     for note in notes:
@@ -250,7 +259,8 @@ def train(cfg: C.RunConfig) -> int:
 
     counters = Counters()
     if resume_dir is not None:  # last before the first step: it restores the RNG
-        counters = _restore(resume_dir, model, optimizer, accelerator)
+        with ledger.timed("restore"):
+            counters = _restore(resume_dir, model, optimizer, accelerator)
         console.message(f"spotune: resuming from {resume_dir} at step {counters.step} of {steps}")
     meter.start_step = counters.step
     console.update(counters.step)
@@ -281,14 +291,28 @@ def train(cfg: C.RunConfig) -> int:
             batches = step_loader(dataset, counters.step, accelerator.device, cfg.seed)
             ledger.mark_first_step()
             reason = loop.train_loop(accelerator, model, optimizer, batches, plan, counters, hooks)
+        ledger.winding_down(reason)
         if reason in ("finished", "budget") and is_main:
-            write_final(out / "final", model, tokenizer_path(cfg))
+            with ledger.timed("final"):
+                write_final(out / "final", model, tokenizer_path(cfg))
         accelerator.wait_for_everyone()
         summary = meter.summary()
+        with ledger.timed("flush"):
+            remote.finish(preempted=reason == "preempted", notice_seconds=cfg.checkpoint.notice_seconds)
+        if is_main:  # after the flush: a preempted machine spends its notice on the upload first
+            # Before the ledger row, so the ledger counts what the user pays for: the page shows
+            # this attempt from the heartbeat, ended and up to date but for the page's own time.
+            ledger.heartbeat()
+            with ledger.timed("report"):
+                from trainer.report import report_after_train
+
+                report_after_train(out, console.message)
+        if cfg.metrics.trackers:
+            accelerator.end_training()
         # Closed while the signal handlers are still installed: a late SIGTERM (torchrun
         # forwards one after a sibling exits) must not kill us before this row is written.
         ledger.close(reason)
-        remote.finish(preempted=reason == "preempted", notice_seconds=cfg.checkpoint.notice_seconds)
+        remote.close()
     except BaseException as e:  # the ledger row says how this attempt ended, whatever happened
         ledger.close("aborted" if isinstance(e, (KeyboardInterrupt, SystemExit)) else "error")
         raise
@@ -299,13 +323,7 @@ def train(cfg: C.RunConfig) -> int:
         stop.uninstall()
         if telemetry.sink is not None:
             telemetry.sink.close()
-    if cfg.metrics.trackers:
-        accelerator.end_training()
     if is_main:
-        # After the ledger row, so the report counts this attempt; a failure never changes the exit code.
-        from trainer.report import report_after_train
-
-        report_after_train(out, console.message)
         console.message(telemetry.final_summary(reason, steps, summary, out))
     return exit_codes.FOR_STOP[reason]
 

@@ -104,7 +104,7 @@ class Telemetry:
 
     def evaluated(self, step: int, loss: float | None, seconds: float) -> None:
         """An evaluation's row; its time is not training time."""
-        self.write({"step": step, "eval_loss": loss})
+        self.write({"step": step, "eval_loss": loss, "eval_seconds": seconds})
         self.meter.pause(seconds)
 
     def saved(self, step: int, seconds: float) -> None:

@@ -63,7 +63,7 @@ def prepare(
     data_path = check_source(cfg.path, key="data.path")
     eval_src = check_source(cfg.eval_path, key="data.eval_path") if cfg.eval_path else None
     settings = _settings(cfg, seed)
-    fp = cache.fingerprint([data_path, eval_src], tokenizer_path, settings)
+    fp = data_fingerprint(cfg, tokenizer_path, seed)
     cache.clean_stale(cache_root)
     manifest = cache.load_complete(cache_root, fp)
     reused = manifest is not None
@@ -78,6 +78,15 @@ def prepare(
         reused=reused,
         fingerprint=fp,
     )
+
+
+def data_fingerprint(cfg: DataConfig, tokenizer_path: str, seed: int = 0) -> str:
+    """The cache key of `cfg`'s prepared data: its content, tokenizer and output settings.
+
+    `spotune estimate` asks it too, to know whether a target directory holds the data already."""
+    data_path = check_source(cfg.path, key="data.path")
+    eval_src = check_source(cfg.eval_path, key="data.eval_path") if cfg.eval_path else None
+    return cache.fingerprint([data_path, eval_src], tokenizer_path, _settings(cfg, seed))
 
 
 def _settings(cfg: DataConfig, seed: int) -> dict[str, Any]:

@@ -13,12 +13,19 @@ JSON document.
   run{steps, gpus, global_batch_rows, seq_len, epochs, real_tokens, trainable_tokens, train_flops},
   memory_gib{weights, adapter, gradients, optimizer, activations, logits, backward_workspace,
              overhead, total, pilot_measured_peak}, throughput{source: pilot|given|mfu, ...},
-  checkpoint{save_seconds, every_minutes, every_steps, restart_seconds}, constraints{...},
+  checkpoint{save_seconds, every_minutes, every_steps, restart_seconds, saves_on_measured_device},
+  timeline{attempt[{name, seconds, source}], attempt_seconds, restart[...], restart_seconds,
+           fixed_sd_seconds, interval}, constraints{...},
   options[{gpu, gpus, pricing, price_per_gpu_hour, fits, tokens_per_s, throughput_basis,
            compute_hours/wall_hours/gpu_hours/cost{low, expected, high}, startup_hours,
            checkpoint_hours, eval_hours, interruptions, restart_hours, recommended_checkpoint_minutes, ...}],
   recommendation{index, gpu, pricing, wall_hours, cost, why} | null, assumptions[str].
 Throughput is in real (non-padding) tokens per second, the unit of the training metrics.
+
+The interval: on the device the pilot ran on, low/high are the expected wall time -/+ two
+standard deviations of what the pilot measured (step-time noise, the spread of the two
+processes' mean step times, the spread of their fixed costs); elsewhere the throughput's
+range (an assumed MFU's +/-30%, or the pilot's p10/p90 carried by peak FLOP/s).
 """
 
 from __future__ import annotations
@@ -29,89 +36,20 @@ from typing import Any
 
 from trainer import catalog as cat
 from trainer import flops
-from trainer.config import AdapterConfig, CheckpointConfig, ModelConfig, TrainConfig, batch_split
+from trainer.config import CheckpointConfig, batch_split
 from trainer.plan import PlanError
 from trainer.plan import forecast as fc
 from trainer.plan import memory as mem
+from trainer.plan import timeline as tl
 from trainer.plan import workload as wl
-from trainer.plan.throughput import GIVEN_SPREAD, MFU_SPREAD, Throughput, rate_on
+from trainer.plan.job import Constraints, Job, Measured, Totals
+from trainer.plan.throughput import GIVEN_SPREAD, MFU_SPREAD, Throughput, measured_sd, rate_on
 from trainer.sampler import run_steps
 
 SCHEMA = "spotune.estimate/1"
 MULTI_GPU_EFFICIENCY = 0.9  # data-parallel scaling from the measured device count to more GPUs
-DEFAULT_RESTART_S = 300.0  # process start, model load, resume, without a pilot to measure it
+INTERVAL_SIGMAS = 2.0  # the printed range: expected -/+ 2 standard deviations (about 95%)
 EVAL_COST_SHARE = 1.0 / 3.0  # an eval token is a forward pass only: ~1/3 of a training token
-
-
-@dataclass(frozen=True)
-class Job:
-    """What is trained, in the terms the estimate needs: the model's shape and the recipe's sections."""
-
-    name_or_path: str
-    shape: flops.ModelShape
-    hf_model_type: str
-    model: ModelConfig
-    adapter: AdapterConfig
-    train: TrainConfig
-    checkpoint: CheckpointConfig
-    seq_len: int
-    price_per_hour: float | None = None
-    """`metrics.price_per_hour`: the price of a device that is not in the catalogue."""
-
-    @property
-    def weight_format(self) -> mem.WeightFormat:
-        if self.adapter.method == "qlora":
-            return "nf4" if self.adapter.quant_bits == 4 else "int8"
-        return self.model.dtype
-
-    @property
-    def lora_params(self) -> int:
-        return flops.lora_params(self.shape, self.adapter.r, self.adapter.target_modules)
-
-
-@dataclass(frozen=True)
-class Measured:
-    """What a pilot measured besides throughput (None fields: not measured, defaults apply)."""
-
-    save_seconds: float | None = None
-    startup_seconds: float | None = None
-    """Fixed per-attempt time: startup, the slower warm-up steps and teardown (writing final/)."""
-    peak_memory_gib: float | None = None
-
-    @classmethod
-    def from_pilot(cls, pilot: dict[str, Any]) -> Measured:
-        startup = ("startup_seconds", "warmup_extra_seconds", "teardown_seconds")
-        return cls(
-            save_seconds=float(pilot["save_seconds"]) if pilot.get("save_seconds") is not None else None,
-            startup_seconds=sum(float(pilot.get(k) or 0.0) for k in startup),
-            peak_memory_gib=pilot.get("peak_memory_gib"),
-        )
-
-
-@dataclass(frozen=True)
-class Constraints:
-    """The command line's choices: GPU count, one GPU only, a deadline or a budget."""
-
-    gpus: int = 1
-    gpu: str | None = None
-    deadline_hours: float | None = None
-    budget: float | None = None
-
-
-@dataclass(frozen=True)
-class Totals:
-    """The whole run: steps, tokens and FLOPs (from the workload and the batch)."""
-
-    steps: int
-    global_rows: int
-    tokens: float
-    trainable: float
-    doc_sq: float
-    train_flops: float
-
-    @property
-    def flops_per_token(self) -> float:
-        return self.train_flops / self.tokens if self.tokens else 0.0
 
 
 def estimate(
@@ -119,10 +57,12 @@ def estimate(
     work: wl.Workload,
     rate: Throughput,
     catalog: list[cat.GPU],
-    constraints: Constraints = Constraints(),
+    constraints: Constraints | None = None,
     measured: Measured | None = None,
+    target: tl.Target | None = None,
 ) -> dict[str, Any]:
     """The whole estimate as plain data (schema `spotune.estimate/1`)."""
+    constraints = constraints or Constraints()
     if constraints.gpus < 1:
         raise PlanError(f"--gpus must be at least 1, got {constraints.gpus}")
     try:
@@ -130,6 +70,7 @@ def estimate(
     except cat.CatalogError as e:
         raise PlanError(str(e)) from None
     measured = measured or Measured()
+    target = target or tl.Target()
     totals = _totals(job, work, constraints.gpus)
     memory = mem.estimate_memory(
         job.shape,
@@ -145,9 +86,12 @@ def estimate(
         gradient_checkpointing=job.model.gradient_checkpointing,
         eager_attention=job.model.attn_implementation == "eager",
     )
-    save_s = measured.save_seconds if measured.save_seconds is not None else _default_save_seconds(job.lora_params)
-    startup_s = measured.startup_seconds if measured.startup_seconds is not None else DEFAULT_RESTART_S
-    options, rows = _options(job, work, totals, rate, gpus, catalog, constraints, memory.total, save_s, startup_s)
+    save_s = measured.get("save_seconds")
+    save_s = float(save_s) if save_s is not None else _default_save_seconds(job.lora_params)
+    attempt = tl.attempt_items(measured.pilot, target)
+    restart = tl.restart_items(measured.pilot, target, measured.get("checkpoint_bytes") or _adapter_bytes(job))
+    fixed = Fixed(tl.total(attempt), tl.total(restart), measured.fixed_sd, save_s)
+    options, rows = _options(job, work, totals, rate, gpus, catalog, constraints, memory.total, fixed, measured)
     fitting = [o for o, r in zip(options, rows, strict=True) if r["fits"] and not math.isnan(o.price_per_gpu_hour)]
     best = fc.cheapest(fitting, constraints.deadline_hours, constraints.budget)
     recommendation = None
@@ -191,20 +135,28 @@ def estimate(
             "trainable_tokens": totals.trainable,
             "train_flops": totals.train_flops,
         },
-        "memory_gib": memory.as_gib() | {"pilot_measured_peak": measured.peak_memory_gib},
+        "memory_gib": memory.as_gib() | {"pilot_measured_peak": measured.get("peak_memory_gib")},
         "throughput": rate.as_dict() | {"flops_per_token": totals.flops_per_token},
         "checkpoint": {
             "save_seconds": save_s,
             "every_minutes": job.checkpoint.every_minutes,
             "every_steps": job.checkpoint.every_steps,
-            "restart_seconds": startup_s,
+            "restart_seconds": fixed.restart_s,
+        },
+        "timeline": {
+            "attempt": tl.as_dicts(attempt),
+            "attempt_seconds": fixed.attempt_s,
+            "restart": tl.as_dicts(restart),
+            "restart_seconds": fixed.restart_s,
+            "fixed_sd_seconds": fixed.sd_s,
+            "interval": f"expected -/+ {INTERVAL_SIGMAS:g} standard deviations of the pilot's measured variation"
+            if rate.source == "pilot"
+            else "the throughput's assumed range",
         },
         "constraints": {"deadline_hours": constraints.deadline_hours, "budget": constraints.budget},
         "options": rows,
         "recommendation": recommendation,
-        "assumptions": _assumptions(
-            rate, work, constraints.gpus, rate.source == "pilot", {r["throughput_basis"] for r in rows}
-        ),
+        "assumptions": _assumptions(rate, work, constraints.gpus, {r["throughput_basis"] for r in rows}),
     }
 
 
@@ -235,8 +187,8 @@ def _options(
     catalog: list[cat.GPU],
     constraints: Constraints,
     memory_bytes: float,
-    save_s: float,
-    startup_s: float,
+    fixed: Fixed,
+    measured: Measured,
 ) -> tuple[list[fc.Option], list[dict[str, Any]]]:
     """One option per GPU and pricing (on-demand, spot where offered), with its table row."""
     options: list[fc.Option] = []
@@ -251,12 +203,24 @@ def _options(
         on = rate_on(rate, g, catalog, totals.flops_per_token)
         speed = on.tokens_per_s_per_gpu * n * (MULTI_GPU_EFFICIENCY if n > rate.measured_gpus else 1.0)
         t = totals.tokens
-        compute = fc.Range(fc.hours_for(t, speed * on.fast), fc.hours_for(t, speed), fc.hours_for(t, speed * on.slow))
-        interval = _interval_hours(job.checkpoint, compute.expected / totals.steps)
-        eval_h = _eval_hours(job.train.eval_every, work, totals.steps, speed)
+        expected = fc.hours_for(t, speed)
+        step = measured.get("step_time_s")
+        if on.basis == "measured" and step and step.get("sd") is not None and n == rate.measured_gpus:
+            # Where the pilot ran: the spread it measured, for this many steps.
+            half = INTERVAL_SIGMAS * measured_sd(step, totals.steps) * expected
+            compute = fc.Range(max(0.0, expected - half), expected, expected + half)
+        else:
+            compute = fc.Range(fc.hours_for(t, speed * on.fast), expected, fc.hours_for(t, speed * on.slow))
+        step_hours = compute.expected / totals.steps
+        interval = _interval_hours(job.checkpoint, step_hours)
+        eval_each = measured.get("eval_seconds") if on.basis == "measured" else None
+        eval_h = _eval_hours(job.train.eval_every, work, totals.steps, speed, eval_each)
+        saves = tl.save_count(
+            totals.steps, job.checkpoint.every_steps, job.checkpoint.every_minutes, step_hours * 3600.0
+        )
         fits = g is None or memory_bytes <= g.memory_gib * mem.GIB
         mtbi = g.mtbi_hours if g is not None else None
-        recommended = fc.young_daly_interval_hours(save_s, mtbi) if mtbi else None
+        recommended = fc.young_daly_interval_hours(fixed.save_s, mtbi) if mtbi else None
         prices: list[tuple[fc.Pricing, float | None]] = [
             ("on-demand", g.on_demand_price if g is not None else job.price_per_hour),
             ("spot", g.spot_price if g is not None else None),
@@ -273,11 +237,13 @@ def _options(
                 price_per_gpu_hour=price,
                 compute_hours=compute,
                 eval_hours=eval_h,
-                save_seconds=save_s,
+                save_seconds=fixed.save_s,
+                saves=saves,
                 checkpoint_interval_hours=interval,
-                startup_hours=startup_s / 3600.0,
+                startup_hours=fixed.attempt_s / 3600.0,
                 mtbi_hours=mtbi,
-                restart_hours=startup_s / 3600.0,
+                restart_hours=fixed.restart_s / 3600.0,
+                fixed_spread_hours=INTERVAL_SIGMAS * fixed.sd_s / 3600.0,
             )
             options.append(o)
             row = _clean(o.as_dict())
@@ -286,10 +252,21 @@ def _options(
                 memory_gib=g.memory_gib if g else None,
                 throughput_basis=on.basis,
                 tokens_per_s=speed,
+                saves=saves,
                 recommended_checkpoint_minutes=recommended * 60 if recommended else None,
             )
             rows.append(row)
     return options, rows
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """Seconds that do not scale with the run: one process's fixed costs, one restart's, their spread, a save."""
+
+    attempt_s: float
+    restart_s: float
+    sd_s: float
+    save_s: float
 
 
 # ---------------------------------------------------------------------------- pieces
@@ -307,10 +284,21 @@ def _interval_hours(c: CheckpointConfig, step_hours: float) -> float | None:
     return min(candidates) if candidates else None
 
 
-def _eval_hours(eval_every: int | None, work: wl.Workload, steps: int, speed: float) -> float:
+def _eval_hours(
+    eval_every: int | None, work: wl.Workload, steps: int, speed: float, measured_seconds: float | None
+) -> float:
+    """One evaluation every `eval_every` steps: as the pilot timed one, else by its token count."""
     if not eval_every or not work.eval_real_tokens:
         return 0.0
-    return (steps // eval_every) * fc.hours_for(work.eval_real_tokens * EVAL_COST_SHARE, speed)
+    each = (
+        measured_seconds / 3600.0 if measured_seconds else fc.hours_for(work.eval_real_tokens * EVAL_COST_SHARE, speed)
+    )
+    return (steps // eval_every) * each
+
+
+def _adapter_bytes(job: Job) -> float:
+    """A checkpoint without a pilot to weigh one: fp32 adapter + AdamW's two moments."""
+    return 12.0 * job.lora_params
 
 
 def _clean(d: dict[str, Any]) -> dict[str, Any]:
@@ -336,7 +324,7 @@ def _why(deadline: float | None, budget: float | None) -> str:
     return "cheapest option that fits in memory"
 
 
-def _assumptions(rate: Throughput, work: wl.Workload, gpus: int, piloted: bool, bases: set[str]) -> list[str]:
+def _assumptions(rate: Throughput, work: wl.Workload, gpus: int, bases: set[str]) -> list[str]:
     out = []
     if rate.source == "mfu":
         out.append(
@@ -346,7 +334,10 @@ def _assumptions(rate: Throughput, work: wl.Workload, gpus: int, piloted: bool, 
     elif rate.source == "given":
         out.append(f"throughput given: {rate.tokens_per_s_per_gpu:.0f} real tokens/s per GPU (+/-{GIVEN_SPREAD:.0%})")
     else:
-        out.append(f"throughput measured by a pilot on {rate.device}; range from its p10/p90 step times")
+        out.append(
+            f"throughput measured by a pilot on {rate.device}; the range there comes from its measured variation "
+            "(step times within and between its processes, fixed costs); carried to other GPUs with its p10/p90"
+        )
     if any(b.startswith("scaled") for b in bases):
         out.append("other GPUs scaled by peak bf16 FLOP/s (same MFU as measured)")
     if rate.source != "mfu" and any(b.startswith("assumed") for b in bases):
@@ -358,10 +349,9 @@ def _assumptions(rate: Throughput, work: wl.Workload, gpus: int, piloted: bool, 
         out.append(f"{MULTI_GPU_EFFICIENCY:.0%} data-parallel scaling efficiency beyond {rate.measured_gpus} GPU(s)")
     if not work.exact:
         out.append(f"token counts extrapolated from {work.sampled_examples} sampled examples (data not prepared yet)")
-    if not piloted:
-        out.append(
-            f"checkpoint save and startup/restart times are defaults ({DEFAULT_RESTART_S:.0f} s restart); "
-            "a pilot measures them"
-        )
-    out.append("spot: each interruption costs a restart plus half a checkpoint interval of redone work")
+    if rate.source != "pilot":
+        out.append("checkpoint save, start-up and teardown are assumed; `spotune pilot` measures them")
+    elif rate.device is not None:
+        out.append(f"fixed costs (timeline) measured on {rate.device}; on other GPUs they are taken as the same")
+    out.append("spot: each interruption costs a restart (timeline) plus half a checkpoint interval of redone work")
     return out

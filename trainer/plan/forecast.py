@@ -90,12 +90,17 @@ class Option:
     restart_hours: float
     """Expected total time lost to interruptions (restarts + redone work)."""
     checkpoint_interval_hours: float | None
+    fixed_spread_hours: float = 0.0
+    """Half-width of the fixed costs' own range; combined with the compute range in quadrature
+    (independent sources of variation)."""
 
     @property
     def wall_hours(self) -> Range:
-        return self.compute_hours.plus(
-            self.eval_hours + self.checkpoint_hours + self.startup_hours + self.restart_hours
-        )
+        c = self.compute_hours
+        middle = c.expected + self.eval_hours + self.checkpoint_hours + self.startup_hours + self.restart_hours
+        below = math.hypot(c.expected - c.low, self.fixed_spread_hours)
+        above = math.hypot(c.high - c.expected, self.fixed_spread_hours)
+        return Range(max(0.0, middle - below), middle, middle + above)
 
     @property
     def gpu_hours(self) -> Range:
@@ -126,9 +131,17 @@ def plan_option(
     startup_hours: float = 0.0,
     mtbi_hours: float | None = None,
     restart_hours: float = 0.0,
+    saves: int | None = None,
+    fixed_spread_hours: float = 0.0,
 ) -> Option:
-    """Assemble one option; on spot, interruptions are counted over the expected exposure."""
-    ckpt = checkpoint_hours(compute_hours.expected, checkpoint_interval_hours, save_seconds)
+    """Assemble one option; on spot, interruptions are counted over the expected exposure.
+
+    `saves`: the number of checkpoints when known exactly (trainer/plan/timeline.py: save_count);
+    else one per started checkpoint interval."""
+    if saves is not None:
+        ckpt = saves * save_seconds / 3600.0
+    else:
+        ckpt = checkpoint_hours(compute_hours.expected, checkpoint_interval_hours, save_seconds)
     exposure = compute_hours.expected + eval_hours + ckpt + startup_hours
     n = expected_interruptions(exposure, mtbi_hours) if pricing == "spot" else 0.0
     # Without periodic checkpoints a restart redoes everything done so far: half the run on average.
@@ -146,6 +159,7 @@ def plan_option(
         interruptions=n,
         restart_hours=lost,
         checkpoint_interval_hours=checkpoint_interval_hours,
+        fixed_spread_hours=fixed_spread_hours,
     )
 
 

@@ -23,7 +23,7 @@ def format_estimate(result: dict[str, Any]) -> str:
         + ", ".join(f"{k} {v:.3g}" for k, v in mem_g.items() if k not in ("total", "pilot_measured_peak"))
         + f" -> {mem_g['total']:.3g} GiB per GPU"
         + (f" (pilot measured {mem_g['pilot_measured_peak']:.3g} GiB)" if mem_g.get("pilot_measured_peak") else ""),
-        f"checkpoint save {result['checkpoint']['save_seconds']:.2g} s, startup/restart {result['checkpoint']['restart_seconds']:.0f} s",
+        *_timeline(result),
         "",
         f"{'GPU':<14}{'fit':<5}{'pricing':<10}{'$/GPU-h':>8}{'tok/s':>9}{'compute lo-exp-hi':>20}"
         f"{'+start':>8}{'+ckpt':>7}{'+eval':>7}{'+interr':>8}{'= wall':>8}{'GPU-h':>8}{'cost lo-exp-hi':>22}{'ckpt every':>11}",
@@ -56,6 +56,26 @@ def format_estimate(result: dict[str, Any]) -> str:
         "(restart + half a checkpoint interval); GPU-h = wall x GPUs; cost = GPU-h x price"
     )
     return "\n".join(lines)
+
+
+def _timeline(result: dict[str, Any]) -> list[str]:
+    """Each fixed cost of a process and of a restart, with where its figure comes from."""
+    tl, ck = result["timeline"], result["checkpoint"]
+    where = result["throughput"].get("device") if result["throughput"]["source"] == "pilot" else None
+    lines = [f"fixed costs per process{f' (measured on {where})' if where else ''}:"]
+    lines += [f"  {i['name']:<48}{_secs(i['seconds']):>9}  {i['source']}" for i in tl["attempt"]]
+    sd = f", sd {_secs(tl['fixed_sd_seconds'])} between the pilot's processes" if tl["fixed_sd_seconds"] else ""
+    lines.append(f"  {'= per process':<48}{_secs(tl['attempt_seconds']):>9}{sd}")
+    lines.append(f"  + steps, evaluations and {_secs(ck['save_seconds'])} per checkpoint save (table below)")
+    lines.append("each spot interruption costs:")
+    lines += [f"  {i['name']:<48}{_secs(i['seconds']):>9}  {i['source']}" for i in tl["restart"]]
+    lines.append(f"  {'= per restart, + half a checkpoint interval redone':<48}{_secs(tl['restart_seconds']):>9}")
+    lines.append(f"range: {tl['interval']}")
+    return lines
+
+
+def _secs(s: float) -> str:
+    return f"{s:.2f} s" if s < 10 else f"{s:,.0f} s"
 
 
 def _si(x: float) -> str:

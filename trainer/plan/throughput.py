@@ -6,6 +6,7 @@ GPU's peak bf16 FLOP/s x an assumed MFU. `rate_on` carries a rate to another GPU
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -103,3 +104,17 @@ def rate_on(t: Throughput, g: cat.GPU | None, catalog: list[cat.GPU], flops_per_
         raise PlanError("cannot derive a throughput: the run has no tokens")
     per_gpu = g.peak_bf16_flops * t.assumed_mfu / flops_per_token
     return Rate(per_gpu, 1 - MFU_SPREAD, 1 + MFU_SPREAD, f"assumed MFU {t.assumed_mfu:.2f}")
+
+
+def measured_sd(step: dict[str, Any], steps: int) -> float:
+    """Relative standard deviation of `steps` steps' total time, from a pilot's step times.
+
+    Three parts: the pilot's mean is itself an estimate (sd^2 / n), a new process runs at its
+    own speed (`between_sd`, measured between the pilot's processes), and the run's own steps
+    vary (sd^2 / steps)."""
+    mean = float(step["mean"])
+    if mean <= 0 or steps <= 0:
+        return 0.0
+    sd, n = float(step.get("sd") or 0.0), max(1, int(step.get("n") or 1))
+    between = float(step.get("between_sd") or 0.0)
+    return math.sqrt(sd**2 / n + between**2 + sd**2 / steps) / mean

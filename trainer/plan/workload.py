@@ -36,6 +36,8 @@ class Workload:
     eval_real_tokens: float = 0.0
     sampled_examples: int | None = None
     manifest_path: str | None = None
+    prepare_seconds: float | None = None
+    """How long preparing this data took when its manifest was written (None: not prepared)."""
 
     @property
     def exact(self) -> bool:
@@ -89,6 +91,7 @@ def from_manifest(manifest: dict[str, Any], path: Path | None = None) -> Workloa
         eval_rows=float(ev.get("rows", 0)),
         eval_real_tokens=float(ev.get("real_tokens", 0)),
         manifest_path=str(path) if path else None,
+        prepare_seconds=float(manifest["seconds"]) if manifest.get("seconds") is not None else None,
     )
 
 

@@ -141,7 +141,10 @@ def load_run(run_dir: str) -> RunData:
             progress = json.loads(texts[HEARTBEAT_FILE] or "")
             heartbeat_time = float(progress["heartbeat_time"])
             # keep_all: the open attempt's step time counts as productive so far (Ledger.totals does the same)
-            live = Attempt.from_row(row_from_progress(progress, heartbeat_time, keep_all=True), RUNNING)
+            # `ending`: training is over and the process is writing final/ or this report.
+            live = Attempt.from_row(
+                row_from_progress(progress, heartbeat_time, keep_all=True), progress.get("ending") or RUNNING
+            )
             if live.attempt not in {a.attempt for a in attempts}:  # else closed between our two reads
                 attempts.append(live)
         except (ValueError, KeyError, TypeError) as e:

@@ -7,6 +7,11 @@ device counts add up. Per attempt:
 - `productive_seconds`: optimizer-step time whose result was kept by a checkpoint.
 - `checkpoint_seconds`: time spent saving.
 - `lost_seconds`: optimizer-step time after the last checkpoint; the next attempt redoes it.
+- `phases`: wall seconds of the attempt's fixed costs, for the forecast to itemise
+  (`trainer/plan/timeline.py`): `imports` (process start to `train()`), `store` (remote
+  connect), `data` (prepare or cache hit; `data_reused` says which), `model` (load + adapter),
+  `resolve` (choose, and download, the checkpoint), `restore`, `final` (write final/),
+  `report`. The row is written after the report, so only interpreter exit is outside it.
 Run `goodput` = productive / device seconds.
 
 A SIGKILLed attempt cannot write its row, so the attempt keeps `ledger.current.json` up to
@@ -22,10 +27,12 @@ machine without its ledger; a ledger that holds attempts after the resumed check
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -80,6 +87,7 @@ class Ledger:
         enabled: bool,
         process_start: float,
         attempt: int,
+        phases: dict[str, float] | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.world_size = world_size
@@ -94,6 +102,10 @@ class Ledger:
         self.checkpoint = 0.0
         self.last_step: int | None = None
         self.closed: dict[str, Any] | None = None
+        self.phases: dict[str, float] = dict(phases or {})
+        self.data_reused: bool | None = None
+        self.ending: str | None = None
+        """The exit reason once the attempt is winding down (report, upload flush) but not closed."""
 
     @classmethod
     def open(
@@ -105,8 +117,11 @@ class Ledger:
         *,
         enabled: bool = True,
         process_start: float | None = None,
+        phases: dict[str, float] | None = None,
     ) -> Ledger:
-        """Start this attempt's ledger; `enabled=False` on non-main ranks (no files touched)."""
+        """Start this attempt's ledger; `enabled=False` on non-main ranks (no files touched).
+
+        `phases`: fixed costs timed before the ledger could open (see the module docstring)."""
         run_dir = Path(run_dir)
         rows: list[dict[str, Any]] = []
         if enabled:
@@ -121,7 +136,9 @@ class Ledger:
             for k in ADDITIVE
         }
         start = process_start if process_start is not None else _process_start()
-        ledger = cls(run_dir, world_size, price_per_hour, base, enabled, start, attempt=int(base["attempts"]) + 1)
+        ledger = cls(
+            run_dir, world_size, price_per_hour, base, enabled, start, attempt=int(base["attempts"]) + 1, phases=phases
+        )
         ledger.heartbeat()  # a kill before the first log step still leaves a row behind
         return ledger
 
@@ -131,6 +148,18 @@ class Ledger:
         """Call right before the first optimizer step of this attempt: start-up ends here."""
         if self.first_step_time is None:
             self.first_step_time = time.time()
+
+    @contextlib.contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Add the wall time of the block to `phase` (fixed costs: restore, final, report)."""
+        with timed(self.phases, phase):
+            yield
+
+    def winding_down(self, exit_reason: str) -> None:
+        """Training is over (`exit_reason`) but the process still works (final/, report, flush):
+        the heartbeat says so, so a report written now shows the attempt as ended, not running."""
+        self.ending = exit_reason
+        self.heartbeat()
 
     def add_productive(self, seconds: float) -> None:
         """Wall seconds of one optimizer step (forward, backward, optimizer)."""
@@ -185,6 +214,9 @@ class Ledger:
             "checkpoint_wall": self.checkpoint,
             "last_step": self.last_step,
             "price_per_hour": self.price_per_hour,
+            "phases": self.phases,
+            "data_reused": self.data_reused,
+            "ending": self.ending,
         }
 
     def _row(self, now: float, keep_all: bool) -> dict[str, Any]:
@@ -213,7 +245,26 @@ def row_from_progress(p: dict[str, Any], end: float, keep_all: bool) -> dict[str
     }
     if p.get("price_per_hour") is not None:
         row["cost"] = row["device_seconds"] / 3600 * p["price_per_hour"]
+    if p.get("phases"):
+        row["phases"] = {k: round(v, 4) for k, v in p["phases"].items()}
+    if p.get("data_reused") is not None:
+        row["data_reused"] = p["data_reused"]
     return row
+
+
+@contextlib.contextmanager
+def timed(phases: dict[str, float], phase: str) -> Iterator[None]:
+    """Add the wall time of the block to `phases[phase]`, also when it raises."""
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        phases[phase] = phases.get(phase, 0.0) + time.monotonic() - started
+
+
+def seconds_since_process_start() -> float:
+    """This process's age by the OS's record of its start (the ledger's clock)."""
+    return max(0.0, time.time() - _process_start())
 
 
 def recover_killed(run_dir: Path | str) -> dict[str, Any] | None:

@@ -49,6 +49,7 @@ class RemoteRun:
         self.store: Store | None = None
         self.reachable = False
         self.uploader: Uploader | None = None
+        self.flushed = False
 
     # ------------------------------------------------------------------ start
 
@@ -160,13 +161,14 @@ class RemoteRun:
         return self.uploader.metrics() if self.uploader is not None else {}
 
     def finish(self, preempted: bool, notice_seconds: float) -> None:
-        """Flush the last upload before exit: within the notice window after a preemption."""
+        """Flush the last checkpoint upload before exit: within the notice window after a
+        preemption. The run files follow in `close`, once the ledger row is written."""
         if self.uploader is None:
             return
         # A store that is failing right now gets the notice window only, so a dead endpoint cannot
         # hold a finished run for ten minutes; the local checkpoint stays either way.
         timeout = notice_seconds if preempted or self.uploader.failing else FINISH_TIMEOUT
-        done = self.uploader.flush(timeout)
+        done = self.flushed = self.uploader.flush(timeout, run_files=False)
         safe = self.uploader.remote_step
         where = self.store.show_dir(safe) if self.store is not None and safe is not None else None
         if done:
@@ -176,6 +178,13 @@ class RemoteRun:
                 f"spotune: the upload did not finish within {timeout:g}s; the newest checkpoint safe remotely is "
                 f"step {safe} ({where or 'none'}); the local one is step {self.uploader.local_step}"
             )
+
+    def close(self) -> None:
+        """Push the run files (with the ledger row this attempt just wrote) and stop uploading."""
+        if self.uploader is None:
+            return
+        if self.flushed:  # else the store is failing: the next attempt pushes them
+            self.uploader.flush(FINISH_TIMEOUT)
         self.uploader.stop()
 
     def stop(self) -> None:

@@ -95,8 +95,9 @@ class Uploader:
                 out["remote_steps_behind"] = self.local_step - (self.remote_step or 0)
             return out
 
-    def flush(self, timeout: float) -> bool:
-        """Wait until every submitted checkpoint and the run files are uploaded; False on timeout."""
+    def flush(self, timeout: float, run_files: bool = True) -> bool:
+        """Wait until every submitted checkpoint (and, with `run_files`, the run files) is
+        uploaded; False on timeout."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while self._busy or self._pending is not None:
@@ -104,6 +105,8 @@ class Uploader:
                 if left <= 0 or not self._thread.is_alive():
                     return False
                 self._cond.wait(min(left, 0.5))
+        if not run_files:
+            return True
         try:
             self._push_run_files()  # the ledger row this attempt just closed
         except Exception as e:

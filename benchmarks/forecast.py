@@ -1,0 +1,122 @@
+"""Does the forecast hold? One pilot, then N full runs timed from outside, each against the
+forecast for its own directory. Goal: median |error| <= 5%, >= 90% of actuals inside the range.
+
+    .venv/bin/python benchmarks/forecast.py [--repeats 10] [--steps 60] [--pilot-steps 20] [--workdir DIR]
+
+The case (issue 15): real instruction data the project never saw (../shared/data/
+gpteacher-roleplay.json), the tiny CPU recipe, 60 optimizer steps, micro-batch 2,
+accumulation 2, seq 512. Two kinds of full run, interleaved so machine drift hits both:
+
+- `fresh`: a new output_dir, as on a new VM: it prepares the data itself; the forecast is
+  `spotune estimate --pilot <pilot.json>` asked for that directory (no cache there);
+- `shared`: a new output_dir whose data.cache_dir is the pilot's: a cache hit.
+
+Each run is a `spotune train` process timed from outside, start to exit: what a user pays.
+The error is forecast/actual - 1 on the expected value; `inside` means low <= actual <= high.
+Every process gets one torch thread (both sides alike; a shared machine disturbs one thread less).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from trainer import config  # noqa: E402
+from trainer.plan_cli import estimate_for_run  # noqa: E402
+
+DATA = REPO.parent / "shared" / "data" / "gpteacher-roleplay.json"
+
+
+def spotune(*args: str) -> float:
+    """Run the CLI in a fresh process; its wall seconds, start to exit."""
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-m", "trainer", *args], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    return time.monotonic() - started
+
+
+def forecast(recipe: str, overrides: list[str], pilot_json: Path) -> tuple[float, float, float]:
+    """(low, expected, high) wall seconds on the pilot's device, for the directory in `overrides`."""
+    cfg = config.load(recipe, overrides)
+    pilot = json.loads(pilot_json.read_text())
+    doc = estimate_for_run(cfg, pilot_json=pilot_json, gpus=pilot["world_size"])
+    row = next(o for o in doc["options"] if o["gpu"] == pilot["device"])
+    w = row["wall_hours"]
+    return w["low"] * 3600, w["expected"] * 3600, w["high"] * 3600
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=10, help="full runs of each kind")
+    ap.add_argument("--steps", type=int, default=60, help="optimizer steps of the full run")
+    ap.add_argument("--pilot-steps", type=int, default=20)
+    ap.add_argument("--workdir", type=Path, help="where runs go (default: a temp dir)")
+    ap.add_argument("--recipe", default=str(REPO / "recipes" / "tiny-cpu.yaml"))
+    ap.add_argument("--data", type=Path, default=DATA, help="instruction data in the alpaca layout")
+    ap.add_argument("--json", type=Path, help="also write every trial here")
+    args = ap.parse_args()
+    if not args.data.is_file():
+        raise SystemExit(f"{args.data} is missing: give --data (alpaca-layout JSON), e.g. ../shared/data/...")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="spotune-forecast-"))
+    os.environ.setdefault("SPOTUNE_HOME", str(work / "home"))  # the tiny model is built once, then on disk
+    case = [
+        f"train.max_steps={args.steps}",
+        "train.micro_batch_size=2",
+        "train.grad_accum=2",
+        "data.seq_len=512",
+        f"data.path={args.data}",
+        "metrics.progress=false",
+    ]
+    pilot_dir = work / "pilot-run"
+    pilot_wall = spotune("pilot", args.recipe, *case, f"output_dir={pilot_dir}", "--steps", str(args.pilot_steps))
+    pilot_json = pilot_dir / "pilot" / "pilot.json"
+    p = json.loads(pilot_json.read_text())
+    print(
+        f"pilot: {p['steps']} steps in {len(p['attempts'])} processes, {pilot_wall:.1f} s; "
+        f"{p['sustained_tokens_per_s']:,.0f} tokens/s, step sd {p['step_time_s']['sd']:.3f} s "
+        f"(between processes {p['step_time_s']['between_sd'] or 0:.3f} s), fixed sd {p['fixed']['sd'] or 0:.2f} s"
+    )
+    trials = []
+    print(f"{'run':<10}{'forecast':>9}{'low':>8}{'high':>8}{'actual':>8}{'error':>8}  inside")
+    for i in range(args.repeats):
+        for kind in ("fresh", "shared"):
+            out = [f"output_dir={work / f'{kind}-{i}'}"]
+            if kind == "shared":
+                out.append(f"data.cache_dir={pilot_dir / 'data'}")
+            low, expected, high = forecast(args.recipe, case + out, pilot_json)
+            actual = spotune("train", args.recipe, *case, *out)
+            trial = {"kind": kind, "low": low, "expected": expected, "high": high, "actual": actual}
+            trial["error"] = expected / actual - 1
+            trial["inside"] = low <= actual <= high
+            trials.append(trial)
+            print(
+                f"{kind}-{i:<4}{expected:>9.1f}{low:>8.1f}{high:>8.1f}{actual:>8.1f}{trial['error']:>+8.1%}  "
+                f"{'yes' if trial['inside'] else 'NO'}",
+                flush=True,
+            )
+    print()
+    for kind in ("fresh", "shared", "all"):
+        mine = [t for t in trials if kind in ("all", t["kind"])]
+        med = statistics.median(abs(t["error"]) for t in mine)
+        signed = statistics.median(t["error"] for t in mine)
+        inside = sum(t["inside"] for t in mine)
+        print(
+            f"{kind:<7} median |error| {med:.1%} (goal <= 5%), median error {signed:+.1%}, "
+            f"inside the range {inside}/{len(mine)} = {inside / len(mine):.0%} (goal >= 90%)"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"pilot": p, "trials": trials}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

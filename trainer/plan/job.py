@@ -1,0 +1,78 @@
+"""What `spotune estimate` is asked about, as plain records: the job, what a pilot measured,
+the command line's constraints, and the run's totals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from trainer import flops
+from trainer.config import AdapterConfig, CheckpointConfig, ModelConfig, TrainConfig
+from trainer.plan import memory as mem
+
+
+@dataclass(frozen=True)
+class Job:
+    """What is trained, in the terms the estimate needs: the model's shape and the recipe's sections."""
+
+    name_or_path: str
+    shape: flops.ModelShape
+    hf_model_type: str
+    model: ModelConfig
+    adapter: AdapterConfig
+    train: TrainConfig
+    checkpoint: CheckpointConfig
+    seq_len: int
+    price_per_hour: float | None = None
+    """`metrics.price_per_hour`: the price of a device that is not in the catalogue."""
+
+    @property
+    def weight_format(self) -> mem.WeightFormat:
+        if self.adapter.method == "qlora":
+            return "nf4" if self.adapter.quant_bits == 4 else "int8"
+        return self.model.dtype
+
+    @property
+    def lora_params(self) -> int:
+        return flops.lora_params(self.shape, self.adapter.r, self.adapter.target_modules)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a pilot measured besides throughput (pilot.json, trainer/plan/pilot.py); None: no pilot."""
+
+    pilot: dict[str, Any] | None = None
+
+    def get(self, key: str) -> Any:
+        return (self.pilot or {}).get(key)
+
+    @property
+    def fixed_sd(self) -> float:
+        """Standard deviation of one process's fixed costs between the pilot's processes."""
+        return float((self.get("fixed") or {}).get("sd") or 0.0)
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """The command line's choices: GPU count, one GPU only, a deadline or a budget."""
+
+    gpus: int = 1
+    gpu: str | None = None
+    deadline_hours: float | None = None
+    budget: float | None = None
+
+
+@dataclass(frozen=True)
+class Totals:
+    """The whole run: steps, tokens and FLOPs (from the workload and the batch)."""
+
+    steps: int
+    global_rows: int
+    tokens: float
+    trainable: float
+    doc_sq: float
+    train_flops: float
+
+    @property
+    def flops_per_token(self) -> float:
+        return self.train_flops / self.tokens if self.tokens else 0.0

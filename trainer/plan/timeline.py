@@ -1,0 +1,198 @@
+"""Every second of an attempt that is not an optimizer step, itemised, each with its source.
+
+A `spotune train` process pays, in order: interpreter start and imports; the base model's
+download (only where it is not on disk yet); loading it and wrapping the adapter; preparing
+the data (or a cache hit, when the target directory already holds the data's fingerprint); the
+rest of the set-up; the slower first steps (warm-up, compile); then the steps, evaluations and
+checkpoint saves (estimate.py counts those: they scale with the run); then writing final/,
+flushing the last upload, the report, and interpreter exit.
+
+A spot interruption costs a new machine, the same start-up on an empty disk (download, load,
+prepare), the checkpoint's download and restore, the warm-up again, and the work redone since
+the last checkpoint (forecast.py adds that). Where the run's own ledger has measured restarts,
+they replace the itemised guess.
+
+Every item names its source: `pilot` (measured by `spotune pilot` on this device), `manifest`
+(recorded when the data was prepared), `ledger` (this run's earlier attempts), or `assumed`
+with the assumption and the flag that replaces it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+DEFAULT_DOWNLOAD_MB_S = 200.0
+"""A cloud VM pulling from the Hugging Face Hub or an object store in its region (measure
+yours: `--download-mb-s`)."""
+DEFAULT_VM_START_S = 180.0
+"""Requesting, booting and pulling the image of a replacement GPU VM (`--vm-start-seconds`)."""
+DEFAULT_STARTUP_S = 300.0
+"""Start-up and teardown of one process without a pilot to measure them."""
+
+
+@dataclass(frozen=True)
+class Item:
+    name: str
+    seconds: float
+    source: str
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the machine and directory the run will use already hold (read by trainer/plan_cli.py)."""
+
+    data_cached: bool = False
+    """The target's data cache holds this data's fingerprint: a cache hit, no preparation."""
+    prepare_seconds: float | None = None
+    """The preparation time a manifest of this data recorded (None: never prepared)."""
+    model_local: bool = True
+    """model.name_or_path is a local directory (on a new machine too: its image or volume)."""
+    model_cached: bool = False
+    """A hub id already in this machine's Hugging Face cache (a new machine downloads it)."""
+    model_bytes: float = 0.0
+    """What a download of the base model fetches."""
+    download_bytes_per_s: float = DEFAULT_DOWNLOAD_MB_S * 1e6
+    download_given: bool = False
+    vm_start_seconds: float = DEFAULT_VM_START_S
+    vm_start_given: bool = False
+    remote: bool = False
+    """checkpoint.remote is set: a new machine downloads the checkpoint from the store."""
+    restarts: Sequence[float] = field(default_factory=tuple)
+    """Start-up seconds of this run's attempts that resumed (its ledger), for measured restarts."""
+    gaps: Sequence[float] = field(default_factory=tuple)
+    """Seconds between an attempt's end and the next one's start (its ledger): machine replacement."""
+
+    def download_source(self) -> str:
+        mb_s = self.download_bytes_per_s / 1e6
+        return f"--download-mb-s {mb_s:g}" if self.download_given else f"assumed {mb_s:g} MB/s (--download-mb-s)"
+
+
+def attempt_items(pilot: dict[str, Any] | None, target: Target) -> list[Item]:
+    """The fixed costs of one fresh `spotune train` process on the pilot's device."""
+    items = [_fetch(target, "base model download")]
+    if pilot is None:
+        items.append(Item("start-up and teardown", DEFAULT_STARTUP_S, "assumed (no pilot; `spotune pilot` measures)"))
+        items.append(_data(None, target))
+        return [i for i in items if i.seconds or i.source.startswith("assumed")]
+    f = pilot["fixed"]
+    measured = _measured(f)
+    items = [measured("imports", "interpreter start and imports"), *items]
+    if target.remote or (f.get("store") or 0) > 0.01:
+        items.append(measured("store", "checkpoint store connect"))
+    items += [
+        measured("model", "model load and adapter"),
+        _data(f, target),
+        measured("setup", "other set-up (optimizer, sampler, loader)"),
+        measured("warmup_extra", "warm-up steps beyond the sustained rate"),
+        measured("final", "write final/ (adapter + tokenizer)"),
+        measured("flush", "last upload flush"),
+        measured("report", "report page"),
+        measured("exit", "interpreter exit"),
+    ]
+    return items
+
+
+def restart_items(pilot: dict[str, Any] | None, target: Target, checkpoint_bytes: float | None) -> list[Item]:
+    """What one spot interruption costs before training goes on (redone work not included)."""
+    if target.gaps:
+        vm = Item(
+            "replacement machine", statistics.median(target.gaps), f"ledger: {len(target.gaps)} gap(s) between attempts"
+        )
+    else:
+        how = (
+            f"--vm-start-seconds {target.vm_start_seconds:g}"
+            if target.vm_start_given
+            else "assumed (--vm-start-seconds)"
+        )
+        vm = Item("replacement machine", target.vm_start_seconds, how)
+    if target.restarts:
+        n = len(target.restarts)
+        return [
+            vm,
+            Item("start-up with resume", statistics.median(target.restarts), f"ledger: {n} measured restart(s)"),
+        ]
+    fresh_disk = Target(**{**asdict(target), "data_cached": False, "model_cached": False})
+    items = [vm, _fetch(fresh_disk, "base model download (empty disk)")]
+    restart = (pilot or {}).get("restart")
+    if pilot is None or restart is None:
+        start = sum(i.seconds for i in attempt_items(pilot, fresh_disk) if "download" not in i.name)
+        items.append(Item("start-up (as a fresh process)", start, "pilot" if pilot else "assumed (no pilot)"))
+    else:
+        data_hit = (pilot["fixed"].get("data_cache_hit") or 0.0) if restart.get("data_reused") else 0.0
+        items += [
+            Item("start-up with resume (imports, load, restore)", restart["startup_seconds"] - data_hit, "pilot"),
+            _data(pilot["fixed"], fresh_disk),
+            Item("warm-up steps beyond the sustained rate", restart["warmup_extra_seconds"], "pilot"),
+        ]
+    if target.remote and checkpoint_bytes:
+        items.append(
+            Item("checkpoint download", checkpoint_bytes / target.download_bytes_per_s, target.download_source())
+        )
+    return items
+
+
+def total(items: Sequence[Item]) -> float:
+    return sum(i.seconds for i in items)
+
+
+def as_dicts(items: Sequence[Item]) -> list[dict[str, Any]]:
+    return [asdict(i) for i in items]
+
+
+def save_count(steps: int, every_steps: int | None, every_minutes: float | None, step_seconds: float) -> int:
+    """Checkpoints the loop writes: at each `every_steps` step, when `every_minutes` passed since
+    the last save, and at the end (trainer/loop.py decides the same way)."""
+    saves, since = 0, 0.0
+    for step in range(1, steps + 1):
+        since += step_seconds
+        due = bool(every_steps and step % every_steps == 0)
+        due = due or (every_minutes is not None and since >= 60 * every_minutes) or step == steps
+        if due:
+            saves, since = saves + 1, 0.0
+    return saves
+
+
+# ---------------------------------------------------------------------------- pieces
+
+
+def _measured(fixed: dict[str, Any]) -> Any:
+    def item(key: str, name: str) -> Item:
+        value = fixed.get(key)
+        if value is None:
+            return Item(name, 0.0, "not measured (pilot run in-process)" if key == "exit" else "not measured")
+        return Item(name, float(value), "pilot")
+
+    return item
+
+
+def _fetch(target: Target, name: str) -> Item:
+    if target.model_local:
+        return Item(name, 0.0, "local path")
+    if target.model_cached:
+        return Item(name, 0.0, "in this machine's Hugging Face cache")
+    return Item(name, target.model_bytes / target.download_bytes_per_s, target.download_source())
+
+
+def _data(fixed: dict[str, Any] | None, target: Target) -> Item:
+    """A cache hit or a preparation, whichever the target directory will see."""
+    fixed = fixed or {}
+    hit, prepare = fixed.get("data_cache_hit"), fixed.get("data_prepare")
+    if target.data_cached:
+        if hit is not None:
+            return Item("data: cache hit", hit, "pilot")
+        if prepare is not None and target.prepare_seconds is not None:
+            # The pilot prepared; a hit is that phase without the preparation the manifest timed.
+            return Item("data: cache hit", max(0.0, prepare - target.prepare_seconds), "pilot less manifest")
+        return Item("data: cache hit", 0.0, "not measured")
+    if prepare is not None:
+        return Item("data: prepare (no cache in the target directory)", prepare, "pilot")
+    if target.prepare_seconds is not None:
+        return Item(
+            "data: prepare (no cache in the target directory)",
+            (hit or 0.0) + target.prepare_seconds,
+            "manifest (recorded when the cache was built)",
+        )
+    return Item("data: prepare", 0.0, "unknown (`spotune prepare` records it)")
