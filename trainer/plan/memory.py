@@ -30,6 +30,13 @@ spotune's loop computes logits only at positions that carry a label (`logits_to_
 for prompt-masked SFT data the real logits term is smaller: the estimate assumes every
 position of a row is trained (true for `text` data), which keeps it on the safe side.
 
+Under FSDP on N devices (`shards=N`) every parameter, gradient and optimizer state is held as
+1/N of the whole; what a device holds unsharded at the peak is the root module's parameters
+(embeddings, final norm, output head: gathered for the forward and kept for backward) and up
+to two decoder layers at a time (the one computing and the one prefetched). With the frozen
+base offloaded to CPU (`offload=True`) the shards live in host memory and only the gathered
+working set is on the device. Activations are per device either way.
+
 Measured against CPU fp32 peaks (tests/test_plan_memory.py: profiler allocation trace of
 a full optimizer step, 4-layer hidden-512 llama/qwen2) the total comes out 2-8% high without
 checkpointing and 16% high with it (the measured peak there lacks the logits gradient).
@@ -37,7 +44,7 @@ checkpointing and 16% high with it (the measured peak there lacks the logits gra
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -94,6 +101,25 @@ def weight_bytes(shape: ModelShape, fmt: WeightFormat, compute_dtype: str = "bfl
     return rest + linear * INT8_BYTES + row_scales
 
 
+def layer_weight_bytes(shape: ModelShape, fmt: WeightFormat, compute_dtype: str = "bfloat16") -> float:
+    """One decoder block's base weights: the unit FSDP gathers (sharded per block)."""
+    per = {"nf4": NF4_BYTES, "int8": INT8_BYTES}.get(fmt) or _DTYPE_BYTES[fmt]
+    return (
+        shape.block_matmul_params() * per
+        + 2 * shape.hidden * _DTYPE_BYTES[compute_dtype if fmt in ("nf4", "int8") else fmt]
+    )
+
+
+def smallest_shard_count(fits: Callable[[int], bool], most: int = 64) -> int | None:
+    """The fewest devices (1, 2, 4, 8, ... up to `most`) whose FSDP shards fit, or None."""
+    n = 1
+    while n <= most:
+        if fits(n):
+            return n
+        n *= 2
+    return None
+
+
 def optimizer_bytes_per_param(optimizer: str) -> float:
     """AdamW keeps fp32 m and v (8 bytes); the 8-bit variants 1 byte each plus a small per-block scale."""
     if optimizer == "adamw":
@@ -142,8 +168,13 @@ def estimate_memory(
     device_overhead: float = CUDA_OVERHEAD_BYTES,
     fragmentation: float = FRAGMENTATION,
     eager_attention: bool = False,
+    shards: int = 1,
+    offload: bool = False,
 ) -> MemoryEstimate:
-    """Peak bytes per GPU for one optimizer step (adapter kept in fp32, as peft does by default)."""
+    """Peak bytes per GPU for one optimizer step (adapter kept in fp32, as peft does by default);
+    `shards`/`offload`: FSDP over that many devices, the frozen base offloaded to CPU."""
+    if shards < 1:
+        raise ValueError(f"shards must be at least 1, got {shards}")
     a = _DTYPE_BYTES[compute_dtype]
     tokens = micro_batch_size * seq_len
     per_layer = (
@@ -171,11 +202,19 @@ def estimate_memory(
         activations = shape.layers * per_layer + embed_out + final_norm
         workspace = logits_grad
     scale = 1 + fragmentation
+    weights = weight_bytes(shape, weight_format, compute_dtype)
+    state = 1.0 / shards  # the adapter, its gradients and optimizer state are sharded too
+    if shards > 1 or offload:
+        layer = layer_weight_bytes(shape, weight_format, compute_dtype)
+        root = weights - shape.layers * layer
+        gathered = root + min(2, shape.layers) * layer
+        weights = gathered + (0.0 if offload else (weights - gathered) / shards)
+        state = 0.0 if offload else state  # CPU offload keeps parameters, gradients and the step on the host
     return MemoryEstimate(
-        weights=weight_bytes(shape, weight_format, compute_dtype),
-        adapter=4.0 * lora_params,
-        gradients=4.0 * lora_params,
-        optimizer=optimizer_bytes_per_param(optimizer) * lora_params,
+        weights=weights,
+        adapter=4.0 * lora_params * state,
+        gradients=4.0 * lora_params * state,
+        optimizer=optimizer_bytes_per_param(optimizer) * lora_params * state,
         activations=activations * scale,
         logits=logits * scale,
         backward_workspace=workspace * scale,
