@@ -142,6 +142,10 @@ class TrainConfig:
     """Stop with a checkpoint once the whole run (all attempts) used this many device-hours."""
     max_cost: float | None = None
     """Stop with a checkpoint once the whole run cost this much (needs `metrics.price_per_hour`)."""
+    distributed: Literal["ddp", "fsdp"] = "ddp"
+    """Several processes: `ddp` keeps a whole model on every device; `fsdp` shards it (FSDP2, per decoder layer) for a base that does not fit one GPU. An `accelerate launch` FSDP config also selects fsdp. A checkpoint resumes under either."""
+    fsdp_cpu_offload: bool = False
+    """Under `fsdp`: keep the shards (and the optimizer step) in CPU memory, copied to the GPU a layer at a time; less GPU memory, slower steps."""
 
 
 @dataclass(frozen=True)

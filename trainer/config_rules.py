@@ -173,6 +173,34 @@ def cross_checks(cfg: RunConfig) -> list[str]:
         p.append(
             "train.mixed_precision: fp16 over a bfloat16 base mixes dtypes; use train.mixed_precision=bf16 or model.dtype=float16"
         )
+    return p + _fsdp_checks(cfg)
+
+
+def _fsdp_checks(cfg: RunConfig) -> list[str]:
+    """What FSDP sharding cannot take (trainer/distributed.py shards)."""
+    t = cfg.train
+    if t.distributed != "fsdp":
+        if t.fsdp_cpu_offload:
+            return [
+                "train.fsdp_cpu_offload: only applies to sharded training; set train.distributed=fsdp, or remove it"
+            ]
+        return []
+    p: list[str] = []
+    if cfg.adapter.method == "qlora" and cfg.adapter.quant_bits == 8:
+        p.append(
+            "adapter.quant_bits: 8-bit (LLM.int8) weights cannot be sharded by FSDP; use adapter.quant_bits=4 "
+            "(stored in the compute dtype under fsdp) or train.distributed=ddp"
+        )
+    if t.optimizer != "adamw":
+        p.append(
+            f"train.optimizer: {t.optimizer} (bitsandbytes) does not step sharded (DTensor) parameters; use "
+            "train.optimizer=adamw (under fsdp its state is sharded over the devices too) or train.distributed=ddp"
+        )
+    if t.mixed_precision == "fp16":
+        p.append(
+            "train.mixed_precision: fp16 needs a gradient scaler that agrees across shards, which spotune does not "
+            "run under fsdp; use train.mixed_precision=bf16 or train.distributed=ddp"
+        )
     return p
 
 

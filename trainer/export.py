@@ -1,4 +1,4 @@
-"""`spotune export RUN_DIR [--merge] [--out DIR]`.
+"""`final/` at the end of `train` (`write_final`), and `spotune export RUN_DIR [--merge] [--out DIR]`.
 
 Without --merge: copy the adapter (adapter_model.safetensors, adapter_config.json and the
 tokenizer files) to DIR. With --merge: load the base model unquantised in the recipe's
@@ -15,7 +15,12 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
+
+from trainer import distributed
+from trainer.atomic import fsync_tree, publish_dir, remove_temp_siblings, temp_sibling
 from trainer.config import ConfigError, ModelConfig, load
+from trainer.restart.state import adapter_state, unwrap_peft
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 TOKENIZER_FILES = (
@@ -99,3 +104,24 @@ def merge_adapter(adapter_dir: Path, out: Path, model_cfg: ModelConfig) -> None:
         merged.save_pretrained(str(out), safe_serialization=True)
     tok_dir = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base_path
     AutoTokenizer.from_pretrained(str(tok_dir)).save_pretrained(str(out))
+
+
+def write_final(directory: Path, model: torch.nn.Module, tokenizer: str, is_main: bool = True) -> None:
+    """`final/`: the PEFT adapter (adapter_model.safetensors + adapter_config.json) and the tokenizer.
+
+    Every rank calls it (under FSDP the adapter is gathered from the shards); the main rank
+    writes. Written into a temp directory, fsynced and renamed into place like a checkpoint, so
+    a kill mid-write never leaves a torn adapter that `export` or a server would pick up.
+    """
+    from transformers import AutoTokenizer
+
+    whole = adapter_state(model) if is_main or distributed.is_sharded(model) else None
+    if not is_main:
+        return
+    peft_model = unwrap_peft(model)
+    remove_temp_siblings(directory)
+    tmp = temp_sibling(directory)
+    peft_model.save_pretrained(str(tmp), safe_serialization=True, state_dict=whole)
+    AutoTokenizer.from_pretrained(tokenizer).save_pretrained(str(tmp))
+    fsync_tree(tmp)
+    publish_dir(tmp, directory)

@@ -8,8 +8,8 @@ maybe evaluate, maybe checkpoint, maybe stop.
 Loss convention (what must stay true; the per-token side is in trainer/loss.py):
 - the step's loss is sum(per-token loss) / N, N = trainable tokens of the whole optimizer
   step over all micro-batches and ranks. Each micro-batch backpropagates
-  loss_sum_local / (N / world_size); DDP then averages gradients over world_size ranks,
-  so the applied gradient is exactly d(sum of every rank's loss_sum) / N.
+  loss_sum_local / (N / world_size); DDP (or FSDP's reduce-scatter) then averages gradients
+  over world_size ranks, so the applied gradient is exactly d(sum of every rank's loss_sum) / N.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import torch
 
+from trainer import distributed
 from trainer.batches import StepBatch, count_trainable, eval_micro_batches, to_device
 from trainer.exit_codes import StopReason
 from trainer.loss import token_loss_sum
@@ -153,15 +154,16 @@ def train_loop(
         last = len(batch.micro) - 1
         for micro_step, micro in enumerate(batch.micro):
             micro = to_device(micro, device)
-            # Own accumulation: skip DDP's all-reduce on all but the last micro-batch.
-            sync = contextlib.nullcontext() if micro_step == last else accelerator.no_sync(model)
+            # Own accumulation: skip the gradient all-reduce (DDP) or reduce-scatter (FSDP) on all
+            # but the last micro-batch.
+            sync = contextlib.nullcontext() if micro_step == last else distributed.no_sync(accelerator, model)
             with sync:
                 loss = token_loss_sum(model, micro)
                 accelerator.backward(loss / denom)
             loss_sum += loss.detach()
 
         global_loss = accelerator.reduce(loss_sum, reduction="sum") / counts[0].clamp(min=1)
-        grad_norm = accelerator.clip_grad_norm_(params, plan.max_grad_norm or math.inf)
+        grad_norm = distributed.clip_grad_norm_(accelerator, params, plan.max_grad_norm or math.inf)
         # The one host sync per step (one small transfer): a non-finite loss or gradient is
         # never applied, and the same read brings the step's token counts for the meter.
         loss_value, norm_value, trainable, real, doc_sq = torch.stack(

@@ -113,14 +113,35 @@ def quant_compute_dtype(model_cfg: ModelConfig, device: torch.device) -> torch.d
     return dtype
 
 
+def quantization_config(adapter_cfg: AdapterConfig, compute: torch.dtype, *, sharded: bool) -> BitsAndBytesConfig:
+    """bitsandbytes settings for `qlora`: NF4 with double quantisation, or LLM.int8.
+
+    `sharded` (FSDP): the packed 4-bit weights are stored in the compute dtype instead of uint8.
+    FSDP shards, all-gathers and reduces float tensors only (FSDP2 turns every parameter into a
+    DTensor; a uint8 one would not survive it), so the same packed bytes are viewed as bf16, as
+    Answer.AI's FSDP+QLoRA work does; bitsandbytes' kernels read them either way.
+    """
+    if adapter_cfg.quant_bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute,
+        bnb_4bit_quant_storage=compute if sharded else torch.uint8,
+    )
+
+
 def load_base(
     model_cfg: ModelConfig,
     adapter_cfg: AdapterConfig,
     *,
     name_or_path: str | None = None,
     device: torch.device | str = "cpu",
+    sharded: bool = False,
 ) -> PreTrainedModel:
-    """The frozen base model on `device`, quantised when `adapter.method` is `qlora`."""
+    """The frozen base model on `device`, quantised when `adapter.method` is `qlora`; `sharded`:
+    laid out for FSDP (see `quantization_config`)."""
     device = torch.device(device)
     path = name_or_path or model_cfg.name_or_path
     dtype = torch_dtype(model_cfg.dtype)
@@ -133,16 +154,7 @@ def load_base(
     if adapter_cfg.method == "qlora":
         compute = quant_compute_dtype(model_cfg, device)
         kwargs["dtype"] = compute  # non-quantised modules (embeddings, norms, head) in the compute dtype
-        if adapter_cfg.quant_bits == 4:
-            kwargs["quantization_config"] = BitsAndBytesConfig(
-                load_in_4bit=True,
-                bnb_4bit_quant_type="nf4",
-                bnb_4bit_use_double_quant=True,
-                bnb_4bit_compute_dtype=compute,
-                bnb_4bit_quant_storage=torch.uint8,
-            )
-        else:
-            kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+        kwargs["quantization_config"] = quantization_config(adapter_cfg, compute, sharded=sharded)
         # Quantised weights are packed as they are placed; they cannot be `.to()`-moved
         # afterwards, so place them on this rank's device while loading.
         kwargs["device_map"] = {"": device}
@@ -166,11 +178,13 @@ def build(
     name_or_path: str | None = None,
     device: torch.device | str = "cpu",
     autocast: bool = False,
+    sharded: bool = False,
 ):
     """Base model + LoRA adapter (a `peft.PeftModel`), ready for the training loop.
 
     `autocast`: the loop runs under mixed precision (accelerate's autocast), so the LoRA layers
-    may take the bf16/fp16 activation as it is (see the module docstring).
+    may take the bf16/fp16 activation as it is (see the module docstring). `sharded`: the model
+    will be sharded by FSDP (trainer/distributed.py), which changes how 4-bit weights are stored.
 
     For `qlora` we deliberately do not call peft's `prepare_model_for_kbit_training`: it
     casts every parameter that is not 4-bit (embeddings, lm_head, norms) to fp32, which for
@@ -181,7 +195,7 @@ def build(
     """
     from peft import LoraConfig, get_peft_model
 
-    base = load_base(model_cfg, adapter_cfg, name_or_path=name_or_path, device=device)
+    base = load_base(model_cfg, adapter_cfg, name_or_path=name_or_path, device=device, sharded=sharded)
     base.config.use_cache = False  # training never uses the KV cache; avoids warnings with checkpointing
     if model_cfg.gradient_checkpointing:
         enable_activation_checkpointing(base)
@@ -232,17 +246,21 @@ def compile_layers(model: torch.nn.Module) -> int:
     Per layer rather than the whole model: one compiled graph serves every layer, compile time
     stays short, and the loss's hook and host-side bounds stay outside the graph.
     """
+    layers = decoder_layers(model, "model.compile", "set model.compile=false")
+    for layer in layers:
+        layer.compile(dynamic=True)  # the packed row's document count changes every step
+    return len(layers)
+
+
+def decoder_layers(model: torch.nn.Module, key: str, fix: str) -> torch.nn.ModuleList:
+    """The decoder's list of layers (`layers`, or `h` for GPT-2); a ConfigError naming `key` and `fix` if none."""
     from trainer.loss import causal_lm
 
     decoder = causal_lm(model).get_decoder()
     layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
     if layers is None:
-        raise ConfigError(
-            [f"model.compile: no decoder layer list found in {type(decoder).__name__}; set model.compile=false"]
-        )
-    for layer in layers:
-        layer.compile(dynamic=True)  # the packed row's document count changes every step
-    return len(layers)
+        raise ConfigError([f"{key}: no decoder layer list found in {type(decoder).__name__}; {fix}"])
+    return layers
 
 
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:

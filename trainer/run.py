@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from trainer import config as C
-from trainer import exit_codes, flops, loop, metrics, tiny
-from trainer.atomic import fsync_tree, publish_dir, remove_temp_siblings, temp_sibling
+from trainer import distributed, exit_codes, flops, loop, metrics, tiny
 from trainer.batches import StepDataset, step_loader
 from trainer.data.cache import data_cache_root
 from trainer.exit_codes import StopReason
+from trainer.export import write_final
 from trainer.model import build, count_params
 from trainer.restart import notice, preemption
 from trainer.restart.checkpoint import CheckpointManager
@@ -33,7 +33,7 @@ from trainer.restart.state import (
     TrainState,
     check_compatible,
     restore_training_state,
-    unwrap_peft,
+    snapshot,
     write_training_state,
 )
 from trainer.sampler import StepSampler, run_steps
@@ -61,13 +61,15 @@ def prepare_data(cfg: C.RunConfig, progress: bool = True) -> Any:
 
 
 def make_accelerator(cfg: C.RunConfig) -> Any:
-    """Accelerate owns device placement, autocast (+ fp16 grad scaler) and DDP wrapping.
+    """Accelerate owns device placement, autocast (+ fp16 grad scaler) and DDP wrapping; FSDP
+    sharding is ours (trainer/distributed.py says why).
 
     Gradient accumulation stays ours (loop.py counts tokens over the whole step), so the
     accelerator runs with gradient_accumulation_steps=1. Under `torchrun` on a CPU-only
     machine, `cpu=True` still gives one gloo rank per process.
     """
     from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
 
     cuda = torch.cuda.is_available()
     if cfg.train.mixed_precision == "fp16" and not cuda:
@@ -81,26 +83,14 @@ def make_accelerator(cfg: C.RunConfig) -> Any:
                 "(or pip install 'spotune[trackers]'), or remove it from metrics.trackers"
             ]
         )
-    accelerator = Accelerator(
+    backend = distributed.process_group_backend(cfg.train.distributed, cfg.train.fsdp_cpu_offload, cuda)
+    return Accelerator(
         cpu=not cuda,
         mixed_precision=cfg.train.mixed_precision,
         log_with=trackers or None,
         project_dir=cfg.output_dir,
+        kwargs_handlers=[InitProcessGroupKwargs(backend=backend)] if backend else None,
     )
-    from accelerate.utils import DistributedType
-
-    if accelerator.distributed_type not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
-        # Checkpoints are written by rank 0 from full (unsharded) adapter and optimizer state,
-        # which holds for DDP only; an FSDP/DeepSpeed run would silently save one shard.
-        raise C.ConfigError(
-            [
-                f"accelerate is configured for {accelerator.distributed_type.value}; spotune supports one process or "
-                "DDP (torchrun / accelerate launch --multi_gpu). A LoRA adapter's state fits on every GPU; for a base "
-                "model that does not, use adapter.method=qlora"
-            ],
-            "accelerate config",
-        )
-    return accelerator
 
 
 def build_optimizer(
@@ -128,6 +118,9 @@ def train(cfg: C.RunConfig) -> int:
     out = Path(cfg.output_dir)
     accelerator = make_accelerator(cfg)
     rank, world, is_main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
+    t = cfg.train
+    # DDP, or FSDP from the recipe or an accelerate FSDP config; refuses DeepSpeed and the like.
+    sharding = distributed.choose(t.distributed, t.fsdp_cpu_offload, accelerator)
     ck = cfg.checkpoint
     remote = RemoteRun(
         ck.remote,
@@ -160,17 +153,20 @@ def train(cfg: C.RunConfig) -> int:
     set_seed(cfg.seed)  # same LoRA init on every rank (DDP also broadcasts rank 0's weights)
     with timed(phases, "model"):
         model = build(
-            cfg.model,
+            dataclasses.replace(cfg.model, gradient_checkpointing=True)
+            if sharding.activation_checkpointing
+            else cfg.model,
             cfg.adapter,
             name_or_path=model_path(cfg),
             device=accelerator.device,
             autocast=cfg.train.mixed_precision != "no",
+            sharded=sharding.fsdp,
         )
     counts = count_params(model)
     rows = load_from_disk(str(prepared.train_path))
-    t = cfg.train
     with timed(phases, "resolve"):
         resume_dir, notes = remote.resolve(cfg.checkpoint.resume)  # local or remote, chosen on rank 0
+    notes = [*sharding.notes, *notes]
     saved = TrainState.from_json((resume_dir / "trainer_state.json").read_text()) if resume_dir is not None else None
     # The run is defined by its global batch: a resume on another device count keeps it and only
     # the per-device split changes (trainer/sampler.py: the same rows every step).
@@ -182,8 +178,10 @@ def train(cfg: C.RunConfig) -> int:
             notes.append(split.resume_note(saved.world_size, cfg.adapter.dropout))
     sampler = StepSampler(len(rows), split.global_rows, seed=cfg.seed, shuffle=cfg.data.shuffle)
     steps = run_steps(len(rows), split.global_rows, t.max_steps, t.epochs)
-    optimizer = build_optimizer(t, [p for p in model.parameters() if p.requires_grad], accelerator.device)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    optimizer_device = torch.device("cpu") if sharding.cpu_offload else accelerator.device  # where it steps
+    model, optimizer = distributed.prepare(
+        accelerator, model, lambda params: build_optimizer(t, params, optimizer_device), sharding
+    )
     set_seed(cfg.seed + rank)  # distinct dropout streams per rank from here on
 
     state = TrainState(
@@ -238,13 +236,20 @@ def train(cfg: C.RunConfig) -> int:
     def save(counters: Counters) -> float:
         started = time.monotonic()
         rng = gather_rng(world)  # collective: every rank's generators
-        snapshot = dataclasses.replace(state, **vars(counters.counters()), ledger=ledger.totals(), scaler=None)
-        snapshot.epoch, snapshot.cursor = sampler.position(counters.step)
+        tensors = snapshot(model, optimizer, keep=is_main)  # collective under FSDP: whole adapter + optimizer
+        state_now = dataclasses.replace(state, **vars(counters.counters()), ledger=ledger.totals(), scaler=None)
+        state_now.epoch, state_now.cursor = sampler.position(counters.step)
         if is_main:
             result = manager.save(
                 counters.step,
                 lambda tmp: write_training_state(
-                    tmp, model=model, optimizer=optimizer, state=snapshot, rng=rng, scaler=accelerator.scaler
+                    tmp,
+                    model=model,
+                    optimizer=optimizer,
+                    state=state_now,
+                    rng=rng,
+                    scaler=accelerator.scaler,
+                    tensors=tensors,
                 ),
             )
             if not result.skipped:
@@ -292,9 +297,9 @@ def train(cfg: C.RunConfig) -> int:
             ledger.mark_first_step()
             reason = loop.train_loop(accelerator, model, optimizer, batches, plan, counters, hooks)
         ledger.winding_down(reason)
-        if reason in ("finished", "budget") and is_main:
+        if reason in ("finished", "budget"):
             with ledger.timed("final"):
-                write_final(out / "final", model, tokenizer_path(cfg))
+                write_final(out / "final", model, tokenizer_path(cfg), is_main)  # collective under FSDP
         accelerator.wait_for_everyone()
         summary = meter.summary()
         with ledger.timed("flush"):
@@ -377,20 +382,3 @@ def _flops_fn(hf_config: Any, trainable: int) -> metrics.FlopsFn | None:
         return flops.train_flops(shape, tokens, doc_sq, frozen, trainable, head_tokens=head_tokens)
 
     return fn
-
-
-def write_final(directory: Path, model: torch.nn.Module, tokenizer: str) -> None:
-    """`final/`: the PEFT adapter (adapter_model.safetensors + adapter_config.json) and the tokenizer.
-
-    Written into a temp directory, fsynced and renamed into place like a checkpoint, so a kill
-    mid-write never leaves a torn adapter that `export` or a server would pick up.
-    """
-    from transformers import AutoTokenizer
-
-    peft_model = unwrap_peft(model)
-    remove_temp_siblings(directory)
-    tmp = temp_sibling(directory)
-    peft_model.save_pretrained(str(tmp), safe_serialization=True)
-    AutoTokenizer.from_pretrained(tokenizer).save_pretrained(str(tmp))
-    fsync_tree(tmp)
-    publish_dir(tmp, directory)

@@ -2,7 +2,8 @@
 
 `TrainState` holds the counters (step, sampler position, tokens, bad-step counters,
 ledger totals), the fingerprints a resume is checked against and the library versions.
-`write_training_state` is the `write` callback of `CheckpointManager.save`;
+`snapshot` gathers the adapter and optimizer state as whole tensors (a collective under FSDP:
+every rank takes part); `write_training_state` is the `write` callback of `CheckpointManager.save`;
 `restore_training_state` is the single restore function: adapter weights, optimizer,
 grad scaler and this rank's RNG, every field, unconditionally (the learning rate needs no
 state: it is a pure function of the step).
@@ -11,6 +12,8 @@ Formats (tensors in safetensors, the rest JSON):
 - `adapter_model.safetensors` + `adapter_config.json`: the PEFT adapter, loadable by peft.
 - `optimizer.safetensors` (`state.<param_idx>.<name>`) + `optimizer.json` (non-tensor
   state values, param groups).
+  Tensors are always whole (gathered from FSDP shards, cut again on restore), so a checkpoint
+  resumes on any world size, sharded or not.
 - `rng.safetensors`: every rank's generators (see trainer/restart/rng.py).
 - `trainer_state.json`: `TrainState.to_json()`.
 """
@@ -31,6 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trainer.config import diff_structural
+from trainer.distributed import full_tensor, is_sharded, shard_like
 from trainer.restart.checkpoint import ResumeMismatch
 from trainer.restart.rng import rank_rng, reseed, restore_rng
 
@@ -153,7 +157,8 @@ def optimizer_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, to
     Nested dicts (bitsandbytes 8-bit keeps its quantisation state in
     `__bnb_optimizer_quant_state__`) flatten to `state.<idx>.<name>.<sub>`. A tensor that
     shares storage with one already stored (bitsandbytes' shared quantisation maps) is
-    copied, since safetensors refuses aliased tensors.
+    copied, since safetensors refuses aliased tensors. FSDP-sharded state is gathered whole:
+    then every rank must call this (the walk below takes the same order on every rank).
     """
     sd = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
@@ -161,7 +166,7 @@ def optimizer_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, to
 
     def flatten(value: Any, key: str) -> dict[str, Any]:
         if torch.is_tensor(value):
-            t = value.detach().to("cpu").contiguous()
+            t = full_tensor(value.detach()).to("cpu").contiguous()
             ptr = t.untyped_storage().data_ptr()
             if ptr in seen and t.numel():
                 t = t.clone()
@@ -172,9 +177,9 @@ def optimizer_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, to
             return {"dict": {str(k): flatten(v, f"{key}.{k}") for k, v in value.items()}}
         return {"value": _encode(value, f"optimizer {key}")}
 
-    state_meta = {
-        str(idx): flatten(entries, f"state.{idx}")["dict"] if entries else {} for idx, entries in sd["state"].items()
-    }
+    # Parameter-index order, the same on every rank: under FSDP each tensor is gathered by a collective.
+    order = sorted(sd["state"].items(), key=lambda item: (0, item[0]) if isinstance(item[0], int) else (1, 0))
+    state_meta = {str(idx): flatten(entries, f"state.{idx}")["dict"] if entries else {} for idx, entries in order}
     groups = [
         {name: flatten(v, f"group.{gi}.{name}") for name, v in group.items()}
         for gi, group in enumerate(sd["param_groups"])
@@ -186,7 +191,8 @@ def optimizer_to_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, to
 def optimizer_from_tensors(
     optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
 ) -> None:
-    """Load what `optimizer_to_tensors` produced; torch moves state to each parameter's device."""
+    """Load what `optimizer_to_tensors` produced; torch moves state to each parameter's device.
+    The state of an FSDP-sharded parameter is cut to this rank's shard first."""
 
     def value(entry: dict[str, Any]) -> Any:
         if "tensor" in entry:
@@ -195,10 +201,17 @@ def optimizer_from_tensors(
             return {k: value(e) for k, e in entry["dict"].items()}
         return _decode(entry["value"])
 
-    state = {
-        (int(idx) if idx.lstrip("-").isdigit() else idx): {name: value(e) for name, e in slot.items()}
-        for idx, slot in meta["state"].items()
-    }
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def like_param(idx: int | str, v: Any) -> Any:
+        if isinstance(idx, int) and 0 <= idx < len(params) and torch.is_tensor(v) and v.dim() > 0:
+            return shard_like(v, params[idx])
+        return v
+
+    state = {}
+    for idx, slot in meta["state"].items():
+        key = int(idx) if idx.lstrip("-").isdigit() else idx
+        state[key] = {name: like_param(key, value(e)) for name, e in slot.items()}
     groups = [{name: value(e) for name, e in g.items()} for g in meta["param_groups"]]
     try:
         optimizer.load_state_dict({"state": state, "param_groups": groups})
@@ -221,6 +234,45 @@ def unwrap_peft(model: torch.nn.Module) -> Any:
     return model
 
 
+@dataclass
+class Snapshot:
+    """A checkpoint's tensors, whole and on the CPU, ready for rank 0 to write."""
+
+    adapter: dict[str, torch.Tensor]
+    """Keyed like `peft_model.state_dict()`: the tensors peft's own selection picks for the adapter."""
+    optimizer: dict[str, torch.Tensor]
+    optimizer_meta: dict[str, Any]
+
+
+def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's tensors (those peft's `save_pretrained` writes), whole and on the CPU, keyed
+    like `state_dict()`. Collective under FSDP: every rank calls it.
+
+    peft picks its tensors out of a state dict without copying them, so the keys it picked are
+    found by identity and only those are gathered, never the frozen base.
+    """
+    from peft.utils import get_peft_model_state_dict
+
+    peft_model = unwrap_peft(model)
+    sd = peft_model.state_dict()  # under FSDP: this rank's shards, no communication
+    picked = get_peft_model_state_dict(peft_model, state_dict=sd, adapter_name=peft_model.active_adapter)
+    picked_ids = {id(v) for v in picked.values()}
+    keys = [k for k, v in sd.items() if id(v) in picked_ids]
+    if len(keys) != len(picked):
+        raise RuntimeError("peft copied the adapter tensors it selected; cannot tell which state_dict keys to save")
+    return {k: full_tensor(sd[k]).to("cpu").contiguous() for k in keys}
+
+
+def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, keep: bool = True) -> Snapshot | None:
+    """The adapter and optimizer state as whole CPU tensors. Under FSDP a collective: every rank
+    calls it and the ranks that do not `keep` get None; unsharded, those ranks skip the work."""
+    if not keep and not is_sharded(model):
+        return None
+    adapter = adapter_state(model)
+    tensors, meta = optimizer_to_tensors(optimizer)
+    return Snapshot(adapter, tensors, meta) if keep else None
+
+
 def write_training_state(
     directory: Path,
     *,
@@ -229,23 +281,25 @@ def write_training_state(
     state: TrainState,
     rng: dict[str, torch.Tensor],
     scaler: Any = None,
+    tensors: Snapshot | None = None,
 ) -> None:
-    """Write a complete checkpoint into `directory` (the temp dir of `CheckpointManager.save`)."""
+    """Write a complete checkpoint into `directory` (the temp dir of `CheckpointManager.save`).
+
+    `tensors`: the `snapshot` every rank took together (FSDP); taken here when not given.
+    """
     from peft.utils import get_peft_model_state_dict
 
     directory = Path(directory)
     peft_model = unwrap_peft(model)
     name = peft_model.active_adapter
-    adapter = {
-        k: v.detach().to("cpu").contiguous()
-        for k, v in get_peft_model_state_dict(peft_model, adapter_name=name).items()
-    }
+    whole = tensors or snapshot(model, optimizer)
+    assert whole is not None  # keep=True always returns one
+    adapter = get_peft_model_state_dict(peft_model, state_dict=whole.adapter, adapter_name=name)
     save_file(adapter, directory / ADAPTER_FILE, metadata={"format": "pt"})
     peft_model.peft_config[name].save_pretrained(str(directory))  # adapter_config.json
 
-    tensors, meta = optimizer_to_tensors(optimizer)
-    save_file(tensors, directory / OPTIMIZER_FILE)
-    (directory / OPTIMIZER_META).write_text(json.dumps(meta, indent=1))
+    save_file(whole.optimizer, directory / OPTIMIZER_FILE)
+    (directory / OPTIMIZER_META).write_text(json.dumps(whole.optimizer_meta, indent=1))
     save_file({k: v.contiguous() for k, v in rng.items()}, directory / RNG_FILE)
 
     state.scaler = _encode(scaler.state_dict(), "grad scaler") if scaler is not None else None
@@ -266,15 +320,18 @@ def restore_training_state(
     Call after the model, optimizer and sampler exist and right before the first
     step: the RNG is restored last so nothing built afterwards shifts the random streams.
     """
-    from peft.utils import set_peft_model_state_dict
+    from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
     directory = Path(directory)
     state = TrainState.from_json((directory / STATE_FILE).read_text())
     world = state.world_size if world_size is None else world_size
 
     peft_model = unwrap_peft(model)
+    name = peft_model.active_adapter
     adapter = load_file(directory / ADAPTER_FILE)
-    result = set_peft_model_state_dict(peft_model, adapter, adapter_name=peft_model.active_adapter)
+    live = get_peft_model_state_dict(peft_model, adapter_name=name)  # under FSDP: shards to cut the file like
+    adapter = {k: shard_like(v, live[k]) if k in live else v for k, v in adapter.items()}
+    result = set_peft_model_state_dict(peft_model, adapter, adapter_name=name)
     unexpected = list(getattr(result, "unexpected_keys", []))  # peft types the result loosely
     if unexpected:
         raise ValueError(f"{directory / ADAPTER_FILE}: tensors this model does not have: {unexpected[:5]}")
