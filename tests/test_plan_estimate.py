@@ -34,6 +34,7 @@ OPTION_KEYS = {
     "recommended_checkpoint_minutes",
     "fixed_spread_hours",
     "saves",
+    "fsdp_gpus",
 }
 TOP_KEYS = {
     "schema",
@@ -248,3 +249,29 @@ def test_bad_flags_name_the_fix(cfg: config.RunConfig) -> None:
         plan_cli.estimate_for_run(cfg, gpus=0)
     with pytest.raises(PlanError, match="not in the catalogue"):
         plan_cli.estimate_for_run(cfg, gpu="Voodoo5")
+
+
+def test_fsdp_memory_is_per_device_and_names_the_smallest_count(cfg: config.RunConfig) -> None:
+    big = cfg.replace(
+        **{
+            "model.name_or_path": "meta-llama/Llama-3.1-70B",
+            "data.tokenizer": cfg.model.name_or_path,  # counted with the tiny tokenizer: no download
+            "model.dtype": "bfloat16",
+            "adapter.method": "qlora",
+            "data.seq_len": 4096,
+            "train.micro_batch_size": 1,
+            "model.gradient_checkpointing": True,
+        }
+    )
+    ddp = plan_cli.estimate_for_run(big, throughput=100.0)
+    by = {o["gpu"]: o for o in ddp["options"] if o["pricing"] == "on-demand"}
+    assert by["H100-SXM"]["fits"] and by["H100-SXM"]["fsdp_gpus"] is None
+    assert (by["A100-40GB"]["fits"], by["A100-40GB"]["fsdp_gpus"]) == (False, 2)
+    assert (by["RTX-4090"]["fits"], by["RTX-4090"]["fsdp_gpus"]) == (False, 8)
+    assert "train.distributed=fsdp (--gpus N) on: A100-40GB x2" in table.format_estimate(ddp)
+    # Under DDP every GPU holds a whole copy: more GPUs do not lower the per-device peak (control).
+    assert plan_cli.estimate_for_run(big, throughput=100.0, gpus=2)["memory_gib"]["total"] == ddp["memory_gib"]["total"]
+    sharded = plan_cli.estimate_for_run(big.replace(**{"train.distributed": "fsdp"}), throughput=100.0, gpus=2)
+    assert sharded["memory_gib"]["sharded_over"] == 2 and sharded["memory_gib"]["total"] < ddp["memory_gib"]["total"]
+    fits = {o["gpu"]: o["fits"] for o in sharded["options"]}
+    assert fits["A100-40GB"] and not fits["RTX-4090"]

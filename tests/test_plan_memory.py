@@ -242,3 +242,42 @@ def test_estimate_holds_for_the_tiny_recipe_on_its_training_path(
 
     assert measured <= estimate(t.micro_batch_size) <= 1.30 * measured, estimate(t.micro_batch_size) / measured
     assert not measured <= estimate(t.micro_batch_size // 2) <= 1.30 * measured  # control: the wrong batch misses
+
+
+def test_fsdp_shards_the_base_and_the_adapter_state_but_not_the_activations() -> None:
+    from trainer.plan.models import load_config
+
+    shape = flops.model_shape(load_config("meta-llama/Llama-3.1-70B").get_text_config())
+    lora = flops.lora_params(shape, 16)
+
+    def est(shards: int, offload: bool = False) -> memory.MemoryEstimate:
+        return memory.estimate_memory(
+            shape,
+            weight_format="nf4",
+            compute_dtype="bfloat16",
+            lora_params=lora,
+            lora_r=16,
+            target_modules=("all-linear",),
+            lora_dropout=False,
+            optimizer="adamw",
+            micro_batch_size=1,
+            seq_len=4096,
+            gradient_checkpointing=True,
+            shards=shards,
+            offload=offload,
+        )
+
+    one, two, eight, off = est(1), est(2), est(8), est(8, offload=True)
+    whole = memory.weight_bytes(shape, "nf4", "bfloat16")
+    layer = memory.layer_weight_bytes(shape, "nf4", "bfloat16")
+    root = whole - shape.layers * layer  # embeddings, final norm, head: gathered for the whole step
+    assert one.weights == whole
+    assert two.weights == pytest.approx(root + 2 * layer + (whole - root - 2 * layer) / 2)
+    assert off.weights == pytest.approx(root + 2 * layer)  # the shards live in host memory
+    assert (two.optimizer, eight.gradients, off.optimizer) == (one.optimizer / 2, one.gradients / 8, 0.0)
+    assert two.activations == one.activations and eight.logits == one.logits
+    assert one.total > two.total > eight.total > off.total
+    # 70B QLoRA: one 80 GB card holds it; 40 GB cards need two, 24 GB cards eight (per-device peak).
+    fits = {gib: memory.smallest_shard_count(lambda n, g=gib: est(n).total <= g * memory.GIB) for gib in (80, 40, 24)}
+    assert fits == {80: 1, 40: 2, 24: 8}
+    assert memory.smallest_shard_count(lambda n: False) is None

@@ -12,13 +12,14 @@ JSON document.
   data{source: manifest|sample, exact, rows_per_epoch, real_tokens_per_epoch, ...},
   run{steps, gpus, global_batch_rows, seq_len, epochs, real_tokens, trainable_tokens, train_flops},
   memory_gib{weights, adapter, gradients, optimizer, activations, logits, backward_workspace,
-             overhead, total, pilot_measured_peak}, throughput{source: pilot|given|mfu, ...},
+             overhead, total, pilot_measured_peak, sharded_over (FSDP devices, 1 under DDP)}, throughput{source: pilot|given|mfu, ...},
   checkpoint{save_seconds, every_minutes, every_steps, restart_seconds, saves_on_measured_device},
   timeline{attempt[{name, seconds, source}], attempt_seconds, restart[...], restart_seconds,
            fixed_sd_seconds, interval}, constraints{...},
   options[{gpu, gpus, pricing, price_per_gpu_hour, fits, tokens_per_s, throughput_basis,
            compute_hours/wall_hours/gpu_hours/cost{low, expected, high}, startup_hours,
-           checkpoint_hours, eval_hours, interruptions, restart_hours, recommended_checkpoint_minutes, ...}],
+           checkpoint_hours, eval_hours, interruptions, restart_hours, recommended_checkpoint_minutes,
+           saves, fixed_spread_hours, fsdp_gpus (where it does not fit: the fewest such GPUs under FSDP)}],
   recommendation{index, gpu, pricing, wall_hours, cost, why} | null, assumptions[str].
 Throughput is in real (non-padding) tokens per second, the unit of the training metrics.
 
@@ -72,20 +73,7 @@ def estimate(
     measured = measured or Measured()
     target = target or tl.Target()
     totals = _totals(job, work, constraints.gpus)
-    memory = mem.estimate_memory(
-        job.shape,
-        weight_format=job.weight_format,
-        compute_dtype=job.model.dtype,
-        lora_params=job.lora_params,
-        lora_r=job.adapter.r,
-        target_modules=job.adapter.target_modules,
-        lora_dropout=job.adapter.dropout > 0,
-        optimizer=job.train.optimizer,
-        micro_batch_size=job.train.micro_batch_size,
-        seq_len=job.seq_len,
-        gradient_checkpointing=job.model.gradient_checkpointing,
-        eager_attention=job.model.attn_implementation == "eager",
-    )
+    memory = job.memory(constraints.gpus)
     save_s = measured.get("save_seconds")
     save_s = float(save_s) if save_s is not None else _default_save_seconds(job.lora_params)
     attempt = tl.attempt_items(measured.pilot, target)
@@ -135,7 +123,8 @@ def estimate(
             "trainable_tokens": totals.trainable,
             "train_flops": totals.train_flops,
         },
-        "memory_gib": memory.as_gib() | {"pilot_measured_peak": measured.get("peak_memory_gib")},
+        "memory_gib": memory.as_gib()
+        | {"pilot_measured_peak": measured.get("peak_memory_gib"), "sharded_over": constraints.gpus if job.fsdp else 1},
         "throughput": rate.as_dict() | {"flops_per_token": totals.flops_per_token},
         "checkpoint": {
             "save_seconds": save_s,
@@ -219,6 +208,7 @@ def _options(
             totals.steps, job.checkpoint.every_steps, job.checkpoint.every_minutes, step_hours * 3600.0
         )
         fits = g is None or memory_bytes <= g.memory_gib * mem.GIB
+        fsdp_devices = job.fsdp_devices(g.memory_gib) if g is not None and not fits else None
         mtbi = g.mtbi_hours if g is not None else None
         recommended = fc.young_daly_interval_hours(fixed.save_s, mtbi) if mtbi else None
         prices: list[tuple[fc.Pricing, float | None]] = [
@@ -253,6 +243,7 @@ def _options(
                 throughput_basis=on.basis,
                 tokens_per_s=speed,
                 saves=saves,
+                fsdp_gpus=fsdp_devices,
                 recommended_checkpoint_minutes=recommended * 60 if recommended else None,
             )
             rows.append(row)

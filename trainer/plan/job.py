@@ -36,6 +36,35 @@ class Job:
     def lora_params(self) -> int:
         return flops.lora_params(self.shape, self.adapter.r, self.adapter.target_modules)
 
+    @property
+    def fsdp(self) -> bool:
+        return self.train.distributed == "fsdp"
+
+    def memory(self, devices: int = 1, fsdp: bool | None = None) -> mem.MemoryEstimate:
+        """Peak bytes per device on `devices` GPUs: sharded under FSDP (`fsdp`, default the
+        recipe's `train.distributed`), a whole copy on each under DDP."""
+        sharded = self.fsdp if fsdp is None else fsdp
+        return mem.estimate_memory(
+            self.shape,
+            weight_format=self.weight_format,
+            compute_dtype=self.model.dtype,
+            lora_params=self.lora_params,
+            lora_r=self.adapter.r,
+            target_modules=self.adapter.target_modules,
+            lora_dropout=self.adapter.dropout > 0,
+            optimizer=self.train.optimizer,
+            micro_batch_size=self.train.micro_batch_size,
+            seq_len=self.seq_len,
+            gradient_checkpointing=self.model.gradient_checkpointing,
+            eager_attention=self.model.attn_implementation == "eager",
+            shards=devices if sharded else 1,
+            offload=sharded and self.train.fsdp_cpu_offload,
+        )
+
+    def fsdp_devices(self, memory_gib: float) -> int | None:
+        """The fewest devices of `memory_gib` each that hold the run under FSDP (None: over 64)."""
+        return mem.smallest_shard_count(lambda n: self.memory(n, fsdp=True).total <= memory_gib * mem.GIB)
+
 
 @dataclass(frozen=True)
 class Measured:

@@ -42,6 +42,7 @@ def format_estimate(result: dict[str, Any]) -> str:
             f"{o['gpu_hours']['expected']:>8.2f}{cost:>22}{(f'{rec:.0f} min' if rec and o['pricing'] == 'spot' else ''):>11}{star}"
         )
     rec = result["recommendation"]
+    lines += _fsdp_hint(result)
     lines.append("")
     if rec:
         lines.append(
@@ -56,6 +57,20 @@ def format_estimate(result: dict[str, Any]) -> str:
         "(restart + half a checkpoint interval); GPU-h = wall x GPUs; cost = GPU-h x price"
     )
     return "\n".join(lines)
+
+
+def _fsdp_hint(result: dict[str, Any]) -> list[str]:
+    """Where the run does not fit: how many of each GPU hold it with the base sharded (FSDP)."""
+    fits: dict[str, int | None] = {}
+    for o in result["options"]:
+        if not o["fits"] and o.get("memory_gib"):
+            fits[o["gpu"]] = o.get("fsdp_gpus")
+    if not fits:
+        return []
+    sharded = result["memory_gib"].get("sharded_over", 1) > 1
+    where = ", ".join(f"{g} x{n}" if n else f"{g} (not within 64)" for g, n in fits.items())
+    how = "with more of them (--gpus N)" if sharded else "with train.distributed=fsdp (--gpus N)"
+    return ["", f"does not fit: per-device memory under FSDP fits {how} on: {where}"]
 
 
 def _timeline(result: dict[str, Any]) -> list[str]:
