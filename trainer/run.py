@@ -20,7 +20,7 @@ from trainer import config as C
 from trainer import exit_codes, flops, loop, metrics, tiny
 from trainer.atomic import fsync_tree, publish_dir, remove_temp_siblings, temp_sibling
 from trainer.batches import StepDataset, step_loader
-from trainer.data.cache import data_cache_root
+from trainer.data.cache import data_cache_root, in_turns
 from trainer.exit_codes import StopReason
 from trainer.model import build, count_params
 from trainer.restart import notice, preemption
@@ -142,8 +142,12 @@ def train(cfg: C.RunConfig) -> int:
         watcher.start()
     show = is_main and cfg.metrics.progress
 
-    with accelerator.main_process_first():  # rank 0 prepares; the others then reuse its cache
-        prepared = prepare_data(cfg, progress=show)
+    prepared = in_turns(  # rank 0, then one rank per other node, then the rest reuse their node's cache
+        lambda: prepare_data(cfg, progress=show),
+        is_main=is_main,
+        is_local_main=accelerator.is_local_main_process,
+        barrier=accelerator.wait_for_everyone,
+    )
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
         if not (out / "config.yaml").exists():
