@@ -33,7 +33,7 @@ from test_elastic import REPO, STEPS, _adapter, _args, _assert_close, _digests, 
 from trainer import config as C
 from trainer import run
 from trainer.data.cache import in_turns
-from trainer.restart.checkpoint import MANIFEST, CheckpointManager
+from trainer.restart.checkpoint import MANIFEST, PAUSE_ENV, CheckpointManager
 from trainer.restart.ledger import Ledger, read_rows
 from trainer.restart.remote import fetch_run_files
 from trainer.restart.storage import Store
@@ -122,7 +122,7 @@ def test_two_nodes_resume_from_rank0s_step_after_a_kill(
     env = {**os.environ, **s3_env(moto_endpoint), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     env["PYTHONUNBUFFERED"] = "1"
     logs = [tmp_path / "node0-a.log", tmp_path / "node1-a.log"]
-    procs = _launch(nodes, logs, env)
+    procs = _launch(nodes, logs, {**env, PAUSE_ENV: "0.2"})  # slow saves: a fast machine cannot finish before the kill
     _wait(procs, lambda: _newest_step(outs[0]) >= 3, logs)
     _kill_all(procs)  # both machines gone at once: no handler runs anywhere
     assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
