@@ -39,6 +39,7 @@ bench: setup
 	$(PY) benchmarks/packing.py
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/resume.py
+	$(PY) benchmarks/scaleout.py
 	$(PY) benchmarks/forecast.py
 
 clean:

@@ -62,9 +62,15 @@ def _recipe(work: Path, model: Path, data: Path) -> dict[str, Any]:
     }
 
 
-def _train(recipe: Path, *overrides: str) -> None:
+def _train(recipe: Path, *overrides: str, world: int = 1, env: dict[str, str] | None = None) -> None:
+    """`spotune train` in a new process; on `world` CPU ranks through torchrun when above 1."""
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world)] if world > 1 else []
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer", "train", str(recipe), *overrides], cwd=REPO, capture_output=True, text=True
+        [sys.executable, *launch, "-m", "trainer", "train", str(recipe), *overrides],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=env,
     )
     if proc.returncode != 0:
         raise SystemExit(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

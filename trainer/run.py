@@ -19,7 +19,7 @@ import torch
 from trainer import config as C
 from trainer import distributed, exit_codes, flops, loop, metrics, tiny
 from trainer.batches import StepDataset, step_loader
-from trainer.data.cache import data_cache_root
+from trainer.data.cache import data_cache_root, in_turns
 from trainer.exit_codes import StopReason
 from trainer.export import write_final
 from trainer.model import build, count_params
@@ -139,8 +139,13 @@ def train(cfg: C.RunConfig) -> int:
         watcher.start()
     show = is_main and cfg.metrics.progress
 
-    with timed(phases, "data"), accelerator.main_process_first():  # rank 0 prepares; the others reuse its cache
-        prepared = prepare_data(cfg, progress=show)
+    with timed(phases, "data"):
+        prepared = in_turns(  # rank 0, then one rank per other node, then the rest reuse their node's cache
+            lambda: prepare_data(cfg, progress=show),
+            is_main=is_main,
+            is_local_main=accelerator.is_local_main_process,
+            barrier=accelerator.wait_for_everyone,
+        )
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
         if not (out / "config.yaml").exists():

@@ -17,11 +17,13 @@ import secrets
 import shutil
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from trainer.atomic import TEMP_MARK, fsync_path, fsync_tree, write_text
+
+T = TypeVar("T")
 
 # Bump when the pipeline's output for the same inputs changes (template text, masking, packing).
 PIPELINE_VERSION = "1"
@@ -36,6 +38,19 @@ _TOKENIZER_PREFIXES = ("tokenizer", "special_tokens_map", "vocab", "merges", "ad
 def data_cache_root(cache_dir: str | None, output_dir: str) -> Path:
     """Where `prepare` caches packed data: `data.cache_dir`, else `<output_dir>/data`."""
     return Path(cache_dir) if cache_dir else Path(output_dir) / "data"
+
+
+def in_turns(build: Callable[[], T], *, is_main: bool, is_local_main: bool, barrier: Callable[[], None]) -> T:
+    """`build()` on every rank of a job, in three turns: rank 0 alone (a cache on a shared
+    filesystem is then reused by everyone), then the first rank of every other node (a node
+    with its own disk prepares once, not once per GPU), then the rest, each finding its node's
+    cache. `barrier` is a collective: every rank calls it exactly twice."""
+    built: list[T] = [build()] if is_main else []
+    barrier()
+    if not built and is_local_main:
+        built.append(build())
+    barrier()
+    return built[0] if built else build()
 
 
 def hash_path(path: Path, h: Any) -> None:

@@ -9,17 +9,24 @@ metrics row, and `finish` before the process exits. The loop never sees it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from trainer.restart.checkpoint import CheckpointError, CheckpointManager, resolve_resume
-from trainer.restart.ledger import HEARTBEAT_FILE, read_rows
-from trainer.restart.storage import Store, StoreError, _short
+from trainer.atomic import write_bytes
+from trainer.restart.checkpoint import MANIFEST, CheckpointError, CheckpointManager, resolve_resume
+from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, read_rows
+from trainer.restart.storage import Store, StoreError, _short, redact
 from trainer.restart.uploader import RUN_FILES, Uploader
+
+T = TypeVar("T")
+
+APPEND_ONLY = ("metrics.jsonl", LEDGER_FILE)
+"""Run files that only ever grow: a longer copy in the store that starts with the local one is newer."""
 
 FINISH_TIMEOUT = 600.0
 """Seconds a finished run waits for its last upload (a preempted one has checkpoint.notice_seconds)."""
@@ -76,29 +83,82 @@ class RemoteRun:
 
     def resolve(self, resume_setting: str) -> tuple[Path | None, list[str]]:
         """The checkpoint every rank resumes from: chosen on rank 0 (local or remote, the newest
-        that verifies), broadcast, downloaded by each node whose local disk lacks it."""
+        that verifies) and broadcast with the digest of its files.
+
+        Each node's disk is its own: a node that lacks that exact checkpoint (none, a corrupt
+        copy, or a copy of the same step from an abandoned timeline) downloads it. When the
+        store lacks it too (the last attempt was killed before its upload finished), rank 0
+        uploads it first. Every rank learns of a failure and raises the same error, so no
+        node waits forever in a collective for one that gave up.
+        """
         root = self.run_dir / "checkpoints"
         notes: list[str] = []
-        chosen: Path | None = None
+        picked: tuple[int, str, str] | str | None = None  # (step, rank 0's path, digest), or rank 0's error
         if self.is_main:
-            chosen, notes = self._choose(root, resume_setting)
-        step = _broadcast(CheckpointManager.step_of(chosen) if chosen is not None else -1)
-        if step < 0:
+            try:
+                chosen, notes = self._choose(root, resume_setting)
+                if chosen is not None:
+                    picked = (CheckpointManager.step_of(chosen), str(chosen), files_digest(chosen))
+            except Exception as e:
+                _broadcast(f"{type(e).__name__}: {_short(e)}")  # the other ranks wait in the broadcast below
+                raise
+        picked = _broadcast(picked)
+        if isinstance(picked, str):
+            raise CheckpointError(f"rank 0 could not choose the checkpoint to resume from: {picked}")
+        if picked is None:
             return None, notes
-        if chosen is None:  # another rank's view: rank 0 chose a committed step
-            chosen = root / f"step-{step:06d}"
-            if self.is_local_main and (not chosen.is_dir() or CheckpointManager(root).verify(chosen)):
-                if self.url is None:
-                    raise CheckpointError(
-                        f"rank 0 resumes from step {step} but {chosen} is not on this node's disk; put output_dir "
-                        "on a shared filesystem or set checkpoint.remote"
-                    )
-                Store(self.url, self.options).download(step, root)  # a node with an empty local disk
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                torch.distributed.barrier()
-        elif torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.barrier()
-        return chosen, notes
+        step, rank0_path, digest = picked
+        here = Path(rank0_path) if self.is_main else root / f"step-{step:06d}"
+        lacks = self.is_local_main and not self.is_main and not _holds(root, here, digest)
+        lacking = [r for r, flag in enumerate(_gather(lacks)) if flag]
+        if lacking:
+            if self.url is None:
+                raise CheckpointError(
+                    f"rank 0 resumes from step {step} but the disk of rank(s) {', '.join(map(str, lacking))} lacks "
+                    "it; put output_dir on a shared filesystem or set checkpoint.remote"
+                )
+            problem = self._publish(Path(rank0_path), step, digest, notes) if self.is_main else None
+            problem = _broadcast(problem)
+            if problem is None and lacks:
+                problem = self._fetch(root, step, digest)
+            problems = [p for p in _gather(problem) if p]
+            if problems:
+                raise StoreError(problems[0])
+        if self.is_local_main and not self.is_main:  # one line per node: what it loaded
+            self.message(f"spotune: rank {_rank()}: resuming from {here} at step {step} (chosen by rank 0)")
+        return here, notes
+
+    def _publish(self, path: Path, step: int, digest: str, notes: list[str]) -> str | None:
+        """Rank 0: make sure the store holds `path` as step `step` for the nodes that lack it."""
+        store = self.store
+        if store is None or not self.reachable:
+            return (
+                f"rank 0 resumes from its local step {step}, other nodes lack it and checkpoint.remote="
+                f"{redact(self.url or '')} was unreachable at start"
+            )
+        try:
+            if step in store.committed() and _remote_digest(store, step) == digest:
+                return None
+            store.upload(path, step)
+        except Exception as e:
+            return f"uploading step {step} to {store.show_dir(step)} for the nodes that lack it failed: {_short(e)}"
+        notes.append(
+            f"uploaded {store.show_dir(step)} for the nodes that lack it (the last attempt stopped before its upload)"
+        )
+        return None
+
+    def _fetch(self, root: Path, step: int, digest: str) -> str | None:
+        """A node's local main: download step `step` from the store; None, or what went wrong."""
+        store = Store(self.url or "", self.options)
+        try:
+            path = store.download(step, root)
+        except Exception as e:
+            return f"rank {_rank()}: downloading {store.show_dir(step)} failed: {_short(e)}"
+        if files_digest(path) != digest:
+            return f"rank {_rank()}: {store.show_dir(step)} is not the checkpoint rank 0 resumes from"
+        self.message(f"spotune: rank {_rank()}: this node lacked step {step}; downloaded {store.show_dir(step)}")
+        CheckpointManager(root, keep_last=self.keep_last).prune(protect=path)  # only rank 0 saves: no other prune
+        return None
 
     def _choose(self, root: Path, resume_setting: str) -> tuple[Path | None, list[str]]:
         error: CheckpointError | None = None
@@ -193,29 +253,93 @@ class RemoteRun:
 
 
 def fetch_run_files(store: Store, run_dir: Path) -> list[str]:
-    """Download the run files this machine lacks (a fresh VM); returns their names.
+    """Download the run files this machine lacks (a fresh VM), and the append-only ones of which
+    it holds an older copy (a node that was rank 0 in an earlier attempt, since when another
+    node's rank 0 has written on); returns their names.
 
     A heartbeat whose attempt already has its ledger row is dropped: the uploader sends the
     ledger before the heartbeat, so a kill between the two would otherwise count it twice.
     """
-    fetched = [name for name in RUN_FILES if not (run_dir / name).exists() and store.get(name, run_dir / name)]
+    fetched = []
+    for name in RUN_FILES:
+        local = run_dir / name
+        if not local.exists():
+            got = store.get(name, local)
+        else:
+            got = name in APPEND_ONLY and _continue(store, name, local)
+        if got:
+            fetched.append(name)
     beat = run_dir / HEARTBEAT_FILE
-    if HEARTBEAT_FILE in fetched:
+    if beat.exists():
         try:
             progress = json.loads(beat.read_text())
             key = (progress["attempt"], progress["pid"])
         except (ValueError, KeyError, TypeError):
-            key = None
-        if key is None or any((r.get("attempt"), r.get("pid")) == key for r in read_rows(run_dir)):
+            key = None  # an unreadable local one is left to Ledger.open, which warns
+        counted = key is not None and any((r.get("attempt"), r.get("pid")) == key for r in read_rows(run_dir))
+        if counted or (key is None and HEARTBEAT_FILE in fetched):
             beat.unlink()
-            fetched.remove(HEARTBEAT_FILE)
+            if HEARTBEAT_FILE in fetched:
+                fetched.remove(HEARTBEAT_FILE)
     return fetched
 
 
-def _broadcast(step: int) -> int:
-    """Rank 0's `step` on every rank (the resume step must be the same everywhere)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return step
-    box = [step]
+def _continue(store: Store, name: str, local: Path) -> bool:
+    """Replace `local` by the store's copy when that copy continues it (starts with its bytes);
+    a local copy with rows the store lacks is kept (this node wrote them last)."""
+    try:
+        if store.fs.size(store.path(name)) <= local.stat().st_size:
+            return False
+        remote = store.fs.cat_file(store.path(name))
+    except FileNotFoundError:
+        return False
+    if not remote.startswith(local.read_bytes()):
+        return False
+    write_bytes(local, remote)
+    return True
+
+
+def files_digest(checkpoint: Path) -> str:
+    """sha256 over a committed checkpoint's manifest entries (every file's size and sha256): equal
+    digests, equal bytes. The manifest's own timestamp is left out."""
+    files = json.loads((checkpoint / MANIFEST).read_text())["files"]
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def _remote_digest(store: Store, step: int) -> str:
+    files = json.loads(store.fs.cat_file(store.step_path(step, MANIFEST)))["files"]
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def _holds(root: Path, path: Path, digest: str) -> bool:
+    """Whether this node's disk has the exact checkpoint rank 0 chose, and it verifies."""
+    try:
+        return path.is_dir() and files_digest(path) == digest and not CheckpointManager(root).verify(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if _distributed() else 0
+
+
+def _broadcast(value: T) -> T:
+    """Rank 0's `value` on every rank (the resume step must be the same everywhere)."""
+    if not _distributed():
+        return value
+    box = [value]
     torch.distributed.broadcast_object_list(box, src=0)
-    return int(box[0])
+    return box[0]
+
+
+def _gather(value: T) -> list[T]:
+    """Every rank's `value`, in rank order, on every rank."""
+    if not _distributed():
+        return [value]
+    out: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, value)
+    return out
