@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pilot_fixture import FIXED, RESTART
 
 from trainer import cli, config, plan_cli, run
 from trainer.plan import PlanError, estimate, table
@@ -86,27 +87,8 @@ def _pilot(tmp_path: Path, device: str, tokens_per_s: float = 10_000.0) -> Path:
                     "p90": 1.2,
                 },
                 "warmup_extra_seconds": 5.0,
-                "fixed": {
-                    "imports": 20.0,
-                    "store": 0.0,
-                    "data_prepare": 30.0,
-                    "data_cache_hit": 1.0,
-                    "model": 40.0,
-                    "setup": 3.0,
-                    "warmup_extra": 5.0,
-                    "final": 2.0,
-                    "flush": 0.0,
-                    "report": 1.0,
-                    "exit": 1.0,
-                    "sd": 2.0,
-                },
-                "restart": {
-                    "startup_seconds": 70.0,
-                    "resolve_seconds": 1.0,
-                    "restore_seconds": 4.0,
-                    "warmup_extra_seconds": 5.0,
-                    "data_reused": True,
-                },
+                "fixed": FIXED,
+                "restart": RESTART,
                 "save_seconds": 12.0,
                 "checkpoint_bytes": 1e8,
                 "eval_seconds": None,

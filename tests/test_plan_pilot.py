@@ -196,6 +196,7 @@ def test_cli_pilot_times_two_processes_and_a_restart(cfg: config.RunConfig, tmp_
     assert proc.returncode == 0, proc.stderr[-3000:]
     p = json.loads((Path(cfg.output_dir) / "pilot" / "pilot.json").read_text())
     assert [a["exit_reason"] for a in p["attempts"]] == ["preempted", "finished"]
+    assert [a["steps"] for a in p["attempts"]] == [5, 5]  # the planned stop: exactly halfway
     for a in p["attempts"]:
         assert a["outside_seconds"] >= a["wall_seconds"] > a["startup_seconds"] > 0
         assert a["exit_seconds"] == pytest.approx(a["outside_seconds"] - a["wall_seconds"])

@@ -3,26 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from pilot_fixture import FIXED, RESTART
 
 from trainer.plan import timeline as tl
 
-PILOT = {
-    "fixed": {
-        "imports": 20.0,
-        "store": 0.0,
-        "data_prepare": 30.0,
-        "data_cache_hit": 1.0,
-        "model": 40.0,
-        "setup": 3.0,
-        "warmup_extra": 5.0,
-        "final": 2.0,
-        "flush": 0.0,
-        "report": 1.0,
-        "exit": 1.0,
-        "sd": 2.0,
-    },
-    "restart": {"startup_seconds": 70.0, "restore_seconds": 4.0, "warmup_extra_seconds": 6.0, "data_reused": True},
-}
+PILOT = {"fixed": FIXED, "restart": {**RESTART, "warmup_extra_seconds": 6.0}}
 
 
 def _by_name(items: list[tl.Item]) -> dict[str, tl.Item]:

@@ -73,3 +73,15 @@ def test_save_fits_notice() -> None:
     assert P.save_fits_notice(2.0, 30.0) is None
     msg = P.save_fits_notice(45.0, 30.0)
     assert msg is not None and "45.0s" in msg and "checkpoint.notice_seconds=30" in msg
+
+
+def test_a_planned_stop_takes_the_signal_path_at_its_step(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setenv(P.STOP_AFTER_ENV, "4")
+    stop = P.Preemption()
+    assert [stop.due(step) for step in (2, 3)] == [False, False]
+    assert stop.due(4) and stop.requested and stop.due(5)
+    assert "planned stop after step 4" in capsys.readouterr().err
+    monkeypatch.delenv(P.STOP_AFTER_ENV)
+    assert not P.Preemption().due(10**6)  # control: without it, only a signal stops the run

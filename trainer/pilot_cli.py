@@ -25,6 +25,7 @@ from trainer.plan.pilot import DEFAULT_STEPS
 from trainer.plan.table import format_estimate
 from trainer.plan_cli import estimate_for_run, fingerprint, pilot_dir
 from trainer.restart.ledger import seconds_since_process_start
+from trainer.restart.preemption import STOP_AFTER_ENV
 
 
 def pilot_config(
@@ -120,68 +121,48 @@ def run_pilot(
 def _pilot_processes(pcfg: RunConfig, out: Path, minutes: float | None, restart: bool) -> dict[int, float]:
     """`spotune train` of the pilot recipe in child processes; returns each one's wall seconds.
 
-    The first is sent SIGTERM once it is halfway (by steps, or by time with --minutes), which
-    it takes as a preemption notice: it saves and exits 143. The second resumes and finishes."""
+    The first stops halfway as on a preemption (after half the steps, planned through
+    SPOTUNE_STOP_AFTER_STEP; with --minutes a SIGTERM after half the time): it saves and exits
+    143. The second resumes and finishes."""
     out.mkdir(parents=True)
     recipe = out / "pilot.yaml"
     recipe.write_text(to_yaml(pcfg))
-    env = {k: v for k, v in os.environ.items() if k != exit_codes.EXIT_FILE_ENV}  # the parent reports its own
+    env = {k: v for k, v in os.environ.items() if k not in (exit_codes.EXIT_FILE_ENV, STOP_AFTER_ENV)}
     steps = pcfg.train.max_steps or 0
-    half_steps = steps // 2 if minutes is None else None
-    enough = pcfg.metrics.warmup_steps + 2
-    if half_steps is not None and min(half_steps, steps - half_steps - 1) < enough:
+    half = steps // 2
+    if minutes is None and min(half, steps - half) < pcfg.metrics.warmup_steps + 2:
         restart = False  # too short to leave two sustained steps on both sides of a restart
-    half_time = 30.0 * minutes if minutes is not None else None
-    outside: dict[int, float] = {}
+    first = dict(env)
+    if restart and minutes is None:
+        first[STOP_AFTER_ENV] = str(half)
     command = [sys.executable, "-m", "trainer", "train", str(recipe)]
+    outside: dict[int, float] = {}
     started = time.time()
-    code = _child(command, env, out / "metrics.jsonl", half_steps if restart else None, half_time if restart else None)
+    code = _child(command, first, 30.0 * minutes if restart and minutes is not None else None)
     outside[1] = time.time() - started
     if code == exit_codes.EXIT_PREEMPTED:
         print("spotune pilot: first process stopped as a preemption would; resuming to measure a restart", flush=True)
         started = time.time()
-        code = _child([*command, "checkpoint.resume=auto"], env, None, None, None)
+        code = _child([*command, "checkpoint.resume=auto"], env, None)
         outside[2] = time.time() - started
     if code not in (exit_codes.EXIT_FINISHED, exit_codes.EXIT_BUDGET):
         raise PlanError(f"the pilot run in {out} stopped with exit code {code}; see the messages above")
     return outside
 
 
-def _child(
-    command: list[str], env: dict[str, str], metrics: Path | None, stop_step: int | None, stop_after: float | None
-) -> int:
-    """Run one pilot process; SIGTERM it once `metrics` logs step `stop_step` or `stop_after` s pass."""
+def _child(command: list[str], env: dict[str, str], stop_after: float | None) -> int:
+    """Run one pilot process; SIGTERM it (a preemption notice) once `stop_after` seconds have passed."""
     proc = subprocess.Popen(command, env=env)
-    started = time.monotonic()
     try:
-        while proc.poll() is None:
-            due = stop_after is not None and time.monotonic() - started >= stop_after
-            if stop_step is not None and metrics is not None:
-                due = due or _last_step(metrics) >= stop_step
-            if due:
-                proc.send_signal(signal.SIGTERM)
-                break
-            time.sleep(0.05)
-        return proc.wait()
-    finally:
-        if proc.poll() is None:  # the parent was interrupted: take the child down with it
-            proc.kill()
-            proc.wait()
-
-
-def _last_step(metrics: Path) -> int:
-    try:
-        lines = metrics.read_text().splitlines()
-    except FileNotFoundError:
-        return -1
-    for line in reversed(lines):
         try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a line being written
-        if "loss" in row:
-            return int(row["step"])
-    return -1
+            return proc.wait(timeout=stop_after)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)
+            return proc.wait()
+    except BaseException:  # the parent was interrupted: take the child down with it
+        proc.kill()
+        proc.wait()
+        raise
 
 
 def pilot_command(cfg: RunConfig, steps: int | None = None, minutes: float | None = None) -> int:

@@ -290,7 +290,7 @@ def train(cfg: C.RunConfig) -> int:
         save=save,
         on_step=telemetry.on_step,
         message=console.message,
-        stop_requested=lambda: stop.requested,
+        stop_requested=lambda: stop.due(counters.step),
         over_budget=telemetry.over_budget,
         evaluate=_evaluator(cfg, prepared, model, accelerator, telemetry, counters) if plan.eval_every else None,
     )

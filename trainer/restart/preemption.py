@@ -6,11 +6,16 @@ SIGUSR1 (Slurm's `--signal=USR1@90`) only set a flag, and so does a cloud preemp
 step it is in, every rank agrees to stop at the same step (`agree`), a checkpoint is
 saved, and the process exits with `EXIT_PREEMPTED`. A second SIGINT aborts at once.
 
+`SPOTUNE_STOP_AFTER_STEP=N` asks for the same stop once step N is done: a preemption planned in
+advance, which is how `spotune pilot` measures a restart at a step it chose, whatever the
+step time (a signal sent on seeing step N in the log lands a few steps later on a fast run).
+
 Exit codes live in `trainer.exit_codes`.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -22,6 +27,7 @@ import torch
 from trainer.exit_codes import EXIT_ABORTED
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+STOP_AFTER_ENV = "SPOTUNE_STOP_AFTER_STEP"
 
 
 class Preemption:
@@ -34,6 +40,15 @@ class Preemption:
         self.reason: str | None = None
         """What stopped the run: a signal or a cloud notice, as printed."""
         self._previous: dict[int, Any] = {}
+        planned = os.environ.get(STOP_AFTER_ENV)
+        self.stop_after = int(planned) if planned else None
+        """Stop as on a signal once this many steps are done (`SPOTUNE_STOP_AFTER_STEP`)."""
+
+    def due(self, step: int) -> bool:
+        """A stop was asked for, or the planned one is reached at `step` steps done."""
+        if not self.requested and self.stop_after is not None and step >= self.stop_after:
+            self.request(f"planned stop after step {self.stop_after} ({STOP_AFTER_ENV})")
+        return self.requested
 
     def request(self, reason: str, hint: str = "") -> bool:
         """Ask for the save-and-exit at the next step boundary; True when this request was the first.
