@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -37,11 +38,14 @@ from trainer.plan_cli import estimate_for_run  # noqa: E402
 DATA = REPO.parent / "shared" / "data" / "gpteacher-roleplay.json"
 
 
-def spotune(*args: str) -> float:
-    """Run the CLI in a fresh process; its wall seconds, start to exit."""
+def spotune(*args: str) -> tuple[float, float]:
+    """Run the CLI in a fresh process: its wall seconds, start to exit, and its CPU seconds."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()
     subprocess.run([sys.executable, "-m", "trainer", *args], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-    return time.monotonic() - started
+    wall = time.monotonic() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def forecast(recipe: str, overrides: list[str], pilot_json: Path) -> tuple[float, float, float]:
@@ -78,7 +82,7 @@ def main() -> None:
         "metrics.progress=false",
     ]
     pilot_dir = work / "pilot-run"
-    pilot_wall = spotune("pilot", args.recipe, *case, f"output_dir={pilot_dir}", "--steps", str(args.pilot_steps))
+    pilot_wall, _ = spotune("pilot", args.recipe, *case, f"output_dir={pilot_dir}", "--steps", str(args.pilot_steps))
     pilot_json = pilot_dir / "pilot" / "pilot.json"
     p = json.loads(pilot_json.read_text())
     print(
@@ -87,21 +91,21 @@ def main() -> None:
         f"(between processes {p['step_time_s']['between_sd'] or 0:.3f} s), fixed sd {p['fixed']['sd'] or 0:.2f} s"
     )
     trials = []
-    print(f"{'run':<10}{'forecast':>9}{'low':>8}{'high':>8}{'actual':>8}{'error':>8}  inside")
+    print(f"{'run':<10}{'forecast':>9}{'low':>8}{'high':>8}{'actual':>8}{'error':>8}  inside  {'cpu s':>6}")
     for i in range(args.repeats):
         for kind in ("fresh", "shared"):
             out = [f"output_dir={work / f'{kind}-{i}'}"]
             if kind == "shared":
                 out.append(f"data.cache_dir={pilot_dir / 'data'}")
             low, expected, high = forecast(args.recipe, case + out, pilot_json)
-            actual = spotune("train", args.recipe, *case, *out)
-            trial = {"kind": kind, "low": low, "expected": expected, "high": high, "actual": actual}
+            actual, cpu = spotune("train", args.recipe, *case, *out)
+            trial = {"kind": kind, "low": low, "expected": expected, "high": high, "actual": actual, "cpu": cpu}
             trial["error"] = expected / actual - 1
             trial["inside"] = low <= actual <= high
             trials.append(trial)
             print(
                 f"{kind}-{i:<4}{expected:>9.1f}{low:>8.1f}{high:>8.1f}{actual:>8.1f}{trial['error']:>+8.1%}  "
-                f"{'yes' if trial['inside'] else 'NO'}",
+                f"{'yes' if trial['inside'] else 'NO ':<3}  {cpu:>7.1f}",
                 flush=True,
             )
     print()
@@ -110,6 +114,11 @@ def main() -> None:
         med = statistics.median(abs(t["error"]) for t in mine)
         signed = statistics.median(t["error"] for t in mine)
         inside = sum(t["inside"] for t in mine)
+        walls = [t["actual"] for t in mine]
+        print(
+            f"{kind:<7} identical runs took {min(walls):.1f}-{max(walls):.1f} s "
+            f"(sd {statistics.stdev(walls) / statistics.fmean(walls):.1%} of the mean): the machine's own variation"
+        )
         print(
             f"{kind:<7} median |error| {med:.1%} (goal <= 5%), median error {signed:+.1%}, "
             f"inside the range {inside}/{len(mine)} = {inside / len(mine):.0%} (goal >= 90%)"

@@ -24,9 +24,11 @@ JSON document.
 Throughput is in real (non-padding) tokens per second, the unit of the training metrics.
 
 The interval: on the device the pilot ran on, low/high are the expected wall time -/+ two
-standard deviations of what the pilot measured (step-time noise, the spread of the two
-processes' mean step times, the spread of their fixed costs); elsewhere the throughput's
-range (an assumed MFU's +/-30%, or the pilot's p10/p90 carried by peak FLOP/s).
+standard deviations of what the pilot measured: its step-time spread taken whole (a machine's
+speed drifts slowly, so it does not average out over a run; throughput.measured_sd), the
+spread of its processes' mean step times and of their fixed costs, and the same relative
+step-time spread on the fixed costs. Elsewhere the throughput's range (an assumed MFU's
++/-30%, or the pilot's p10/p90 carried by peak FLOP/s).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from trainer.plan import memory as mem
 from trainer.plan import timeline as tl
 from trainer.plan import workload as wl
 from trainer.plan.job import Constraints, Job, Measured, Totals
-from trainer.plan.throughput import GIVEN_SPREAD, MFU_SPREAD, Throughput, measured_sd, rate_on
+from trainer.plan.throughput import GIVEN_SPREAD, MFU_SPREAD, Throughput, machine_cv, measured_sd, rate_on
 from trainer.sampler import run_steps
 
 SCHEMA = "spotune.estimate/1"
@@ -78,7 +80,10 @@ def estimate(
     save_s = float(save_s) if save_s is not None else _default_save_seconds(job.lora_params)
     attempt = tl.attempt_items(measured.pilot, target)
     restart = tl.restart_items(measured.pilot, target, measured.get("checkpoint_bytes") or _adapter_bytes(job))
-    fixed = Fixed(tl.total(attempt), tl.total(restart), measured.fixed_sd, save_s)
+    # The fixed costs vary with the machine's speed too (imports and loading are CPU and disk
+    # work), besides what the pilot's processes measured between them.
+    sd_s = math.hypot(measured.fixed_sd, machine_cv(measured.get("step_time_s")) * tl.total(attempt))
+    fixed = Fixed(tl.total(attempt), tl.total(restart), sd_s, save_s)
     options, rows = _options(job, work, totals, rate, gpus, catalog, constraints, memory.total, fixed, measured)
     fitting = [o for o, r in zip(options, rows, strict=True) if r["fits"] and not math.isnan(o.price_per_gpu_hour)]
     best = fc.cheapest(fitting, constraints.deadline_hours, constraints.budget)
@@ -195,8 +200,8 @@ def _options(
         expected = fc.hours_for(t, speed)
         step = measured.get("step_time_s")
         if on.basis == "measured" and step and step.get("sd") is not None and n == rate.measured_gpus:
-            # Where the pilot ran: the spread it measured, for this many steps.
-            half = INTERVAL_SIGMAS * measured_sd(step, totals.steps) * expected
+            # Where the pilot ran: the spread it measured.
+            half = INTERVAL_SIGMAS * measured_sd(step) * expected
             compute = fc.Range(max(0.0, expected - half), expected, expected + half)
         else:
             compute = fc.Range(fc.hours_for(t, speed * on.fast), expected, fc.hours_for(t, speed * on.slow))

@@ -79,7 +79,7 @@ def _timeline(result: dict[str, Any]) -> list[str]:
     where = result["throughput"].get("device") if result["throughput"]["source"] == "pilot" else None
     lines = [f"fixed costs per process{f' (measured on {where})' if where else ''}:"]
     lines += [f"  {i['name']:<48}{_secs(i['seconds']):>9}  {i['source']}" for i in tl["attempt"]]
-    sd = f", sd {_secs(tl['fixed_sd_seconds'])} between the pilot's processes" if tl["fixed_sd_seconds"] else ""
+    sd = f", sd {_secs(tl['fixed_sd_seconds'])} (pilot's processes, machine speed)" if tl["fixed_sd_seconds"] else ""
     lines.append(f"  {'= per process':<48}{_secs(tl['attempt_seconds']):>9}{sd}")
     lines.append(f"  + steps, evaluations and {_secs(ck['save_seconds'])} per checkpoint save (table below)")
     lines.append("each spot interruption costs:")

@@ -106,15 +106,24 @@ def rate_on(t: Throughput, g: cat.GPU | None, catalog: list[cat.GPU], flops_per_
     return Rate(per_gpu, 1 - MFU_SPREAD, 1 + MFU_SPREAD, f"assumed MFU {t.assumed_mfu:.2f}")
 
 
-def measured_sd(step: dict[str, Any], steps: int) -> float:
-    """Relative standard deviation of `steps` steps' total time, from a pilot's step times.
+def measured_sd(step: dict[str, Any]) -> float:
+    """Relative standard deviation of a run's total step time, from a pilot's step times.
 
-    Three parts: the pilot's mean is itself an estimate (sd^2 / n), a new process runs at its
-    own speed (`between_sd`, measured between the pilot's processes), and the run's own steps
-    vary (sd^2 / steps)."""
+    Three parts. The machine's own speed varies over time, and on a shared or virtual machine
+    that variation is slow (the steps of minutes run fast or slow together), so the steps'
+    spread is taken whole, not divided by the number of steps (cv). The pilot's mean is itself
+    an estimate (sd / sqrt(n)). And a new process runs at its own speed (`between_sd`,
+    measured between the pilot's processes)."""
     mean = float(step["mean"])
-    if mean <= 0 or steps <= 0:
+    if mean <= 0:
         return 0.0
     sd, n = float(step.get("sd") or 0.0), max(1, int(step.get("n") or 1))
     between = float(step.get("between_sd") or 0.0)
-    return math.sqrt(sd**2 / n + between**2 + sd**2 / steps) / mean
+    return math.sqrt(sd**2 + sd**2 / n + between**2) / mean
+
+
+def machine_cv(step: dict[str, Any] | None) -> float:
+    """The pilot's step-time coefficient of variation: how much this machine's speed varies."""
+    if not step or not step.get("mean"):
+        return 0.0
+    return float(step.get("sd") or 0.0) / float(step["mean"])
