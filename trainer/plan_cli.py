@@ -145,9 +145,9 @@ def _target(
         float(r["startup_seconds"]) / int(r.get("world_size", 1)) for r in rows if "restore" in (r.get("phases") or {})
     ]
     gaps = [
-        max(0.0, _unix(b["start"]) - _unix(a["end"]))
+        _unix(b["start"]) - _unix(a["end"])
         for a, b in zip(rows, rows[1:], strict=False)
-        if a.get("exit_reason") in ("preempted", "killed")
+        if a.get("exit_reason") in ("preempted", "killed") and _unix(b["start"]) > _unix(a["end"])
     ]
     return tl.Target(
         data_cached=_data_cached(cfg),
@@ -161,7 +161,7 @@ def _target(
         vm_start_given=vm_start_seconds is not None,
         remote=cfg.checkpoint.remote is not None,
         restarts=restarts,
-        gaps=[g for g in gaps if g > 0] if gaps else [],
+        gaps=gaps,
     )
 
 

@@ -77,7 +77,7 @@ def estimate(
     totals = _totals(job, work, constraints.gpus)
     memory = job.memory(constraints.gpus)
     save_s = measured.get("save_seconds")
-    save_s = float(save_s) if save_s is not None else _default_save_seconds(job.lora_params)
+    save_s = float(save_s) if save_s is not None else _default_save_seconds(job)
     attempt = tl.attempt_items(measured.pilot, target)
     restart = tl.restart_items(measured.pilot, target, measured.get("checkpoint_bytes") or _adapter_bytes(job))
     # The fixed costs vary with the machine's speed too (imports and loading are CPU and disk
@@ -268,9 +268,9 @@ class Fixed:
 # ---------------------------------------------------------------------------- pieces
 
 
-def _default_save_seconds(lora_params: int) -> float:
-    """Adapter (fp32) + AdamW state written at ~200 MB/s plus 2 s of fsync and bookkeeping."""
-    return 2.0 + 12.0 * lora_params / 200e6
+def _default_save_seconds(job: Job) -> float:
+    """The checkpoint's bytes written at ~200 MB/s plus 2 s of fsync and bookkeeping."""
+    return 2.0 + _adapter_bytes(job) / 200e6
 
 
 def _interval_hours(c: CheckpointConfig, step_hours: float) -> float | None:

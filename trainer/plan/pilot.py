@@ -73,7 +73,10 @@ def summarise(
         )
     times = np.array([r["step_time_s"] for r in sustained])
     mean_step = float(times.mean())
-    tokens = sum(_step_tokens(rows, r) for r in sustained)
+    # Real tokens of each step: the cumulative counter's increase (the pilot logs every step;
+    # a later row of the same step, after a resume, wins).
+    counter = {r["step"]: r["real_tokens"] for r in steps if r.get("real_tokens") is not None}
+    tokens = sum(float(r["real_tokens"] - counter.get(r["step"] - 1, 0)) for r in sustained)
     world = int(ledger[-1].get("world_size", 1))
     attempts = [_attempt(row, steps, warmup_steps, mean_step, outside_seconds or {}) for row in ledger]
     if earlier_seconds:
@@ -98,7 +101,8 @@ def summarise(
         "fixed": _fixed(attempts),
         "restart": _restart(attempts),
         "startup_seconds": attempts[0]["startup_seconds"],
-        "save_seconds": sum(float(r["checkpoint_seconds"]) for r in ledger) / world / max(1, _saves(ledger)),
+        # One save per process: at its end (the preemption save, the final one).
+        "save_seconds": sum(float(r["checkpoint_seconds"]) for r in ledger) / world / len(ledger),
         "checkpoint_bytes": _checkpoint_bytes(run_dir),
         "eval_seconds": statistics.fmean(evals) if evals else None,
         "wall_seconds": sum(a["wall_seconds"] for a in attempts),
@@ -109,13 +113,6 @@ def summarise(
 
 
 # ---------------------------------------------------------------------------- pieces
-
-
-def _step_tokens(rows: list[dict[str, Any]], row: dict[str, Any]) -> float:
-    """Real tokens of the one step `row` logs (the pilot logs every step): the counter's increase."""
-    before = [r for r in rows if r.get("step") == row["step"] - 1 and r.get("real_tokens") is not None]
-    previous = before[-1]["real_tokens"] if before else 0
-    return float(row["real_tokens"] - previous)
 
 
 def _attempt(
@@ -218,11 +215,6 @@ def _spread(sustained: list[dict[str, Any]], mean_step: float) -> dict[str, Any]
         "p50": float(np.percentile(times, 50)),
         "p90": float(np.percentile(times, 90)),
     }
-
-
-def _saves(ledger: list[dict[str, Any]]) -> int:
-    """Checkpoints the pilot wrote: one at each attempt's end (the preemption save, the final one)."""
-    return len(ledger)
 
 
 def _checkpoint_bytes(run_dir: Path) -> float | None:
