@@ -28,11 +28,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from trainer import config  # noqa: E402
+from trainer.plan.pilot import summarise  # noqa: E402
 from trainer.plan_cli import estimate_for_run  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data" / "gpteacher-roleplay.json"
@@ -48,14 +50,42 @@ def spotune(*args: str) -> tuple[float, float]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def forecast(recipe: str, overrides: list[str], pilot_json: Path) -> tuple[float, float, float]:
-    """(low, expected, high) wall seconds on the pilot's device, for the directory in `overrides`."""
+def forecast(recipe: str, overrides: list[str], pilot_json: Path) -> tuple[float, float, float, dict[str, float]]:
+    """(low, expected, high) wall seconds on the pilot's device, for the directory in `overrides`,
+    and the forecast's items (the steps and each fixed cost)."""
     cfg = config.load(recipe, overrides)
     pilot = json.loads(pilot_json.read_text())
     doc = estimate_for_run(cfg, pilot_json=pilot_json, gpus=pilot["world_size"])
     row = next(o for o in doc["options"] if o["gpu"] == pilot["device"])
     w = row["wall_hours"]
-    return w["low"] * 3600, w["expected"] * 3600, w["high"] * 3600
+    items = {i["name"]: i["seconds"] for i in doc["timeline"]["attempt"]}
+    items["steps"] = row["compute_hours"]["expected"] * 3600
+    return w["low"] * 3600, w["expected"] * 3600, w["high"] * 3600, items
+
+
+# The forecast's item names (trainer/plan/timeline.py) against the measured parts of a run.
+MEASURED_AS = {
+    "interpreter start and imports": "imports",
+    "model load and adapter": "model",
+    "data": "data",
+    "other set-up (optimizer, sampler, loader)": "setup",
+    "warm-up steps beyond the sustained rate": "warmup_extra",
+    "write final/ (adapter + tokenizer)": "final",
+    "report page": "report",
+    "interpreter exit": "exit",
+}
+
+
+def measured_parts(out: Path, outside: float, warmup_steps: int) -> dict[str, float]:
+    """One finished run cut into the forecast's items by the pilot's own rule (plan/pilot.py)."""
+    run = summarise(out, warmup_steps, "measured", {1: outside})
+    (a,) = run["attempts"]
+    parts = {
+        k: run["fixed"][k] or 0.0 for k in ("imports", "model", "setup", "warmup_extra", "exit", "final", "report")
+    }
+    parts["data"] = a["phases"].get("data", 0.0)
+    parts["steps"] = run["step_time_s"]["mean"] * run["steps"]
+    return parts
 
 
 def main() -> None:
@@ -90,16 +120,26 @@ def main() -> None:
         f"{p['sustained_tokens_per_s']:,.0f} tokens/s, step sd {p['step_time_s']['sd']:.3f} s "
         f"(between processes {p['step_time_s']['between_sd'] or 0:.3f} s), fixed sd {p['fixed']['sd'] or 0:.2f} s"
     )
-    trials = []
+    warmup = config.load(args.recipe, case).metrics.warmup_steps
+    trials: list[dict[str, Any]] = []
     print(f"{'run':<10}{'forecast':>9}{'low':>8}{'high':>8}{'actual':>8}{'error':>8}  inside  {'cpu s':>6}")
     for i in range(args.repeats):
         for kind in ("fresh", "shared"):
             out = [f"output_dir={work / f'{kind}-{i}'}"]
             if kind == "shared":
                 out.append(f"data.cache_dir={pilot_dir / 'data'}")
-            low, expected, high = forecast(args.recipe, case + out, pilot_json)
+            low, expected, high, items = forecast(args.recipe, case + out, pilot_json)
             actual, cpu = spotune("train", args.recipe, *case, *out)
-            trial = {"kind": kind, "low": low, "expected": expected, "high": high, "actual": actual, "cpu": cpu}
+            trial: dict[str, Any] = {
+                "kind": kind,
+                "low": low,
+                "expected": expected,
+                "high": high,
+                "actual": actual,
+                "cpu": cpu,
+            }
+            trial["forecast_items"] = items
+            trial["measured"] = measured_parts(Path(out[0].split("=", 1)[1]), actual, warmup)
             trial["error"] = expected / actual - 1
             trial["inside"] = low <= actual <= high
             trials.append(trial)
@@ -123,8 +163,22 @@ def main() -> None:
             f"{kind:<7} median |error| {med:.1%} (goal <= 5%), median error {signed:+.1%}, "
             f"inside the range {inside}/{len(mine)} = {inside / len(mine):.0%} (goal >= 90%)"
         )
+    print("\nwhere the error is: each item's forecast against the runs' median (seconds)")
+    print(f"{'item':<12}{'forecast':>10}{'runs':>8}{'runs min-max':>16}{'forecast - runs':>17}")
+    for kind in ("fresh", "shared"):
+        mine = [t for t in trials if t["kind"] == kind]
+        for name, part in [*MEASURED_AS.items(), ("steps", "steps")]:
+            said = [t["forecast_items"].get(name, 0.0) if name != "data" else _data_item(t) for t in mine]
+            got = [t["measured"][part] for t in mine]
+            f, m = statistics.median(said), statistics.median(got)
+            print(f"{kind[:5]} {part:<6}{f:>10.2f}{m:>8.2f}{min(got):>8.2f}-{max(got):<7.2f}{f - m:>+17.2f}")
     if args.json:
         args.json.write_text(json.dumps({"pilot": p, "trials": trials}, indent=2))
+
+
+def _data_item(trial: dict[str, Any]) -> float:
+    """The forecast's data item, whatever its name says (prepare, cache hit)."""
+    return sum(v for k, v in trial["forecast_items"].items() if k.startswith("data"))
 
 
 if __name__ == "__main__":

@@ -85,13 +85,20 @@ def test_kill_delete_output_dir_rerun_from_the_bucket(
     new_vm()
 
     # 2: SIGKILL in the middle of an upload (objects sent, manifest not yet).
+    # Attempt 1 may have died mid-upload too, leaving a step without a manifest: only objects this
+    # attempt wrote count. The store's clock has whole seconds, so start on a later second than the kill.
+    time.sleep(1.1)
+    since = int(time.time())
     p = start(2, upload_pause=3.0)
     before = remote_steps()
 
     def uploading() -> bool:
         store.fs.invalidate_cache()
-        dirs = {int(d.rsplit("-", 1)[1]) for d in store.fs.ls(store.path("checkpoints"), detail=False)}
-        return bool(dirs - set(remote_steps()))
+        committed = set(remote_steps())
+        found = store.fs.find(store.path("checkpoints"), detail=True)
+        return any(
+            _step_of(key) not in committed and info["LastModified"].timestamp() >= since for key, info in found.items()
+        )
 
     if _wait(p, uploading, timeout=300):
         p.kill()
@@ -151,3 +158,8 @@ def test_kill_delete_output_dir_rerun_from_the_bucket(
     assert final_state["ledger"]["device_seconds"] >= sum(r["device_seconds"] for r in earlier)
     for q in procs:
         assert SECRET not in (logs / f"attempt{procs.index(q) + 1}.log").read_text()
+
+
+def _step_of(key: str) -> int:
+    """The step of an object key under `<remote>/checkpoints/step-NNNNNN/`."""
+    return int(key.split("/checkpoints/", 1)[1].split("/", 1)[0].rsplit("-", 1)[1])

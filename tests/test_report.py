@@ -194,7 +194,7 @@ def test_train_writes_a_report_whose_figures_are_the_ledgers(real_run: dict[str,
     v = page.values
     page_time = rows[-1]["phases"]["report"] * rows[-1]["world_size"]
     device_s = sum(r["device_seconds"] for r in rows)
-    assert float(v["gpu_hours"]) * 3600 == pytest.approx(device_s - page_time, abs=0.05)
+    assert float(v["gpu_hours"]) * 3600 == pytest.approx(device_s - page_time, abs=1e-3)  # phases keep 4 decimals
     assert float(v["cost"]) == pytest.approx(sum(r["cost"] for r in rows) * (device_s - page_time) / device_s, rel=1e-3)
     productive = sum(r["productive_seconds"] for r in rows)
     assert float(v["goodput"]) == pytest.approx(productive / (device_s - page_time), rel=1e-3)

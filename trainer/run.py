@@ -312,11 +312,10 @@ def train(cfg: C.RunConfig) -> int:
         if is_main:  # after the flush: a preempted machine spends its notice on the upload first
             # Before the ledger row, so the ledger counts what the user pays for: the page shows
             # this attempt from the heartbeat, ended and up to date but for the page's own time.
-            ledger.heartbeat()
-            with ledger.timed("report"):
-                from trainer.report import report_after_train
+            ledger.reporting()
+            from trainer.report import report_after_train
 
-                report_after_train(out, console.message)
+            report_after_train(out, console.message)
         if cfg.metrics.trackers:
             accelerator.end_training()
         # Closed while the signal handlers are still installed: a late SIGTERM (torchrun

@@ -11,7 +11,8 @@ device counts add up. Per attempt:
   (`trainer/plan/timeline.py`): `imports` (process start to `train()`), `store` (remote
   connect), `data` (prepare or cache hit; `data_reused` says which), `model` (load + adapter),
   `resolve` (choose, and download, the checkpoint), `restore`, `final` (write final/),
-  `report`. The row is written after the report, so only interpreter exit is outside it.
+  `report` (from the heartbeat the page is drawn from to this row, so the page's totals plus
+  this phase are the row's exactly). Only interpreter exit is outside the row.
 Run `goodput` = productive / device seconds.
 
 A SIGKILLed attempt cannot write its row, so the attempt keeps `ledger.current.json` up to
@@ -106,6 +107,8 @@ class Ledger:
         self.data_reused: bool | None = None
         self.ending: str | None = None
         """The exit reason once the attempt is winding down (report, upload flush) but not closed."""
+        self._beat_time: float | None = None
+        self._report_from: float | None = None
 
     @classmethod
     def open(
@@ -161,6 +164,12 @@ class Ledger:
         self.ending = exit_reason
         self.heartbeat()
 
+    def reporting(self) -> None:
+        """Call right before writing the report: the page reads the heartbeat refreshed here, and
+        the time from it to this attempt's row is phase `report` (the page misses only that)."""
+        self.heartbeat()
+        self._report_from = self._beat_time
+
     def add_productive(self, seconds: float) -> None:
         """Wall seconds of one optimizer step (forward, backward, optimizer)."""
         self.productive += seconds
@@ -178,7 +187,8 @@ class Ledger:
         if step is not None:
             self.last_step = step
         if self.enabled and self.closed is None:
-            write_text(self.run_dir / HEARTBEAT_FILE, json.dumps(self._progress(time.time())))
+            self._beat_time = time.time()
+            write_text(self.run_dir / HEARTBEAT_FILE, json.dumps(self._progress(self._beat_time)))
 
     def totals(self) -> dict[str, Any]:
         """Whole-run totals including this attempt so far (store them in TrainState.ledger)."""
@@ -191,7 +201,10 @@ class Ledger:
         """Write this attempt's row and remove the heartbeat; returns the row. Idempotent."""
         if self.closed is not None:
             return self.closed
-        row = self._row(time.time(), keep_all=False)
+        now = time.time()
+        if self._report_from is not None:
+            self.phases["report"] = now - self._report_from
+        row = self._row(now, keep_all=False)
         row["exit_reason"] = exit_reason
         self.closed = row
         if self.enabled:
