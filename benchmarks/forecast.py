@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 from trainer import config  # noqa: E402
 from trainer.plan.pilot import summarise  # noqa: E402
 from trainer.plan_cli import estimate_for_run  # noqa: E402
+from trainer.restart.ledger import read_rows  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data" / "gpteacher-roleplay.json"
 
@@ -69,22 +70,21 @@ MEASURED_AS = {
     "model load and adapter": "model",
     "data": "data",
     "other set-up (optimizer, sampler, loader)": "setup",
-    "warm-up steps beyond the sustained rate": "warmup_extra",
     "write final/ (adapter + tokenizer)": "final",
     "report page": "report",
     "interpreter exit": "exit",
 }
 
 
-def measured_parts(out: Path, outside: float, warmup_steps: int) -> dict[str, float]:
-    """One finished run cut into the forecast's items by the pilot's own rule (plan/pilot.py)."""
-    run = summarise(out, warmup_steps, "measured", {1: outside})
+def measured_parts(out: Path, outside: float) -> dict[str, float]:
+    """One finished run cut into the forecast's items by the pilot's rule (plan/pilot.py); its
+    steps (warm-up included: the run logs too seldom to tell them apart) from the ledger."""
+    run = summarise(out, 0, "measured", {1: outside})
     (a,) = run["attempts"]
-    parts = {
-        k: run["fixed"][k] or 0.0 for k in ("imports", "model", "setup", "warmup_extra", "exit", "final", "report")
-    }
+    parts = {k: run["fixed"][k] or 0.0 for k in ("imports", "model", "setup", "exit", "final", "report")}
     parts["data"] = a["phases"].get("data", 0.0)
-    parts["steps"] = run["step_time_s"]["mean"] * run["steps"]
+    (row,) = read_rows(out)
+    parts["steps"] = row["productive_seconds"] / row["world_size"]
     return parts
 
 
@@ -120,7 +120,6 @@ def main() -> None:
         f"{p['sustained_tokens_per_s']:,.0f} tokens/s, step sd {p['step_time_s']['sd']:.3f} s "
         f"(between processes {p['step_time_s']['between_sd'] or 0:.3f} s), fixed sd {p['fixed']['sd'] or 0:.2f} s"
     )
-    warmup = config.load(args.recipe, case).metrics.warmup_steps
     trials: list[dict[str, Any]] = []
     print(f"{'run':<10}{'forecast':>9}{'low':>8}{'high':>8}{'actual':>8}{'error':>8}  inside  {'cpu s':>6}")
     for i in range(args.repeats):
@@ -139,7 +138,7 @@ def main() -> None:
                 "cpu": cpu,
             }
             trial["forecast_items"] = items
-            trial["measured"] = measured_parts(Path(out[0].split("=", 1)[1]), actual, warmup)
+            trial["measured"] = measured_parts(Path(out[0].split("=", 1)[1]), actual)
             trial["error"] = expected / actual - 1
             trial["inside"] = low <= actual <= high
             trials.append(trial)
@@ -161,14 +160,15 @@ def main() -> None:
         )
         print(
             f"{kind:<7} median |error| {med:.1%} (goal <= 5%), median error {signed:+.1%}, "
-            f"inside the range {inside}/{len(mine)} = {inside / len(mine):.0%} (goal >= 90%)"
+            f"inside the range {inside}/{len(mine)} = {inside / len(mine):.0%} (goal >= 90%); "
+            f"a forecast that knew the other runs' median: {statistics.median(_hindsight(mine)):.1%}"
         )
     print("\nwhere the error is: each item's forecast against the runs' median (seconds)")
     print(f"{'item':<12}{'forecast':>10}{'runs':>8}{'runs min-max':>16}{'forecast - runs':>17}")
     for kind in ("fresh", "shared"):
         mine = [t for t in trials if t["kind"] == kind]
         for name, part in [*MEASURED_AS.items(), ("steps", "steps")]:
-            said = [t["forecast_items"].get(name, 0.0) if name != "data" else _data_item(t) for t in mine]
+            said = [_item(t, name) for t in mine]
             got = [t["measured"][part] for t in mine]
             f, m = statistics.median(said), statistics.median(got)
             print(f"{kind[:5]} {part:<6}{f:>10.2f}{m:>8.2f}{min(got):>8.2f}-{max(got):<7.2f}{f - m:>+17.2f}")
@@ -176,9 +176,26 @@ def main() -> None:
         args.json.write_text(json.dumps({"pilot": p, "trials": trials}, indent=2))
 
 
-def _data_item(trial: dict[str, Any]) -> float:
-    """The forecast's data item, whatever its name says (prepare, cache hit)."""
-    return sum(v for k, v in trial["forecast_items"].items() if k.startswith("data"))
+def _hindsight(trials: list[dict[str, Any]]) -> list[float]:
+    """|error| of each run against the median of the other runs of its kind: the floor the
+    machine's own variation sets for any forecast made before a run."""
+    out = []
+    for t in trials:
+        others = [o["actual"] for o in trials if o is not t and o["kind"] == t["kind"]]
+        if others:
+            out.append(abs(statistics.median(others) / t["actual"] - 1))
+    return out or [0.0]
+
+
+def _item(trial: dict[str, Any], name: str) -> float:
+    """The forecast's seconds for one measured part: data is a hit or a preparation, whichever
+    the directory saw; the steps include the pilot's warm-up extra (the runs' are not apart)."""
+    items = trial["forecast_items"]
+    if name == "data":
+        return sum(v for k, v in items.items() if k.startswith("data"))
+    if name == "steps":
+        return items["steps"] + items.get("warm-up steps beyond the sustained rate", 0.0)
+    return float(items.get(name, 0.0))
 
 
 if __name__ == "__main__":
