@@ -24,6 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from trainer.restart.checkpoint import MANIFEST, CheckpointManager
 from trainer.sampler import StepSampler
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,7 +70,9 @@ def _command(world: int, args: list[str]) -> list[str]:
 
 
 def _newest_step(out: Path) -> int:
-    return max((int(p.parent.name[5:]) for p in (out / "checkpoints").glob("step-*/MANIFEST.json")), default=0)
+    """The newest committed step (a directory being pruned, `step-N.tmp-pruned-*`, is not one)."""
+    store = CheckpointManager(out / "checkpoints")
+    return max((store.step_of(p) for p in store.committed() if (p / MANIFEST).is_file()), default=0)
 
 
 def _run(world: int, args: list[str], log: Path, kill_after: int | None = None, out: Path | None = None) -> int:

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from trainer.plan import PlanError
+from trainer.restart.checkpoint import CheckpointManager
 
 DEFAULT_STEPS = 20
 PILOT_SCHEMA = "spotune.pilot/2"
@@ -219,7 +220,7 @@ def _spread(sustained: list[dict[str, Any]], mean_step: float) -> dict[str, Any]
 
 def _checkpoint_bytes(run_dir: Path) -> float | None:
     """Size of the newest checkpoint: what a restart downloads and an upload sends."""
-    dirs = sorted((run_dir / "checkpoints").glob("step-*"))
+    dirs = CheckpointManager(run_dir / "checkpoints").committed()  # not a retired or half-pruned one
     if not dirs:
         return None
     return float(sum(f.stat().st_size for f in dirs[-1].rglob("*") if f.is_file()))
