@@ -21,6 +21,7 @@ FIXED: dict[str, Any] = {
 }
 RESTART: dict[str, Any] = {
     "startup_seconds": 70.0,
+    "cold_start_extra_seconds": 0.0,
     "resolve_seconds": 1.0,
     "restore_seconds": 4.0,
     "warmup_extra_seconds": 5.0,

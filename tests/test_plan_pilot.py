@@ -120,6 +120,7 @@ def test_summary_of_a_known_log(tmp_path: Path) -> None:
     assert f["sd"] == pytest.approx(float(np.std([4 + 2 + 1 + 1.0, 5 + 3 + 0.25 + 0.5], ddof=1)))
     assert s["restart"] == {
         "startup_seconds": 9.0,
+        "cold_start_extra_seconds": 0.0,  # 4 + 2 against 5 + 3: the first process loaded warm
         "resolve_seconds": 0.1,
         "restore_seconds": 0.4,
         "warmup_extra_seconds": pytest.approx(1.0),
@@ -136,6 +137,27 @@ def test_summary_of_a_known_log(tmp_path: Path) -> None:
     assert pilot.summarise(tmp_path, warmup_steps=1, device="cpu")["step_time_s"]["between_sd"] > 0.2
     with pytest.raises(PlanError, match="give more --steps"):
         pilot.summarise(tmp_path, warmup_steps=4, device="cpu")
+
+
+def test_a_cold_first_process_is_a_restarts_cost_not_the_next_runs(tmp_path: Path) -> None:
+    """A pilot whose first process read torch and the weights from disk (a new machine): the run
+    that follows on the warm machine pays the second process's loading; a replacement machine
+    pays the difference again."""
+    _attempt_log(tmp_path)
+    rows = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    rows[0]["phases"].update(imports=17.0, model=5.0)  # 22 s against the second's 8: cold
+    rows[0]["startup_seconds"] += 16.0
+    (tmp_path / "ledger.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = pilot.summarise(tmp_path, warmup_steps=1, device="cpu")
+    assert (s["fixed"]["imports"], s["fixed"]["model"]) == (5.0, 3.0)
+    assert s["restart"]["cold_start_extra_seconds"] == 14.0
+    assert s["fixed"]["sd"] is None  # one warm process: no spread measured between warm ones
+    # Control: 1.4x the second's loading is warm-process noise, averaged as before.
+    rows[0]["phases"].update(imports=7.2, model=4.0)
+    (tmp_path / "ledger.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = pilot.summarise(tmp_path, warmup_steps=1, device="cpu")
+    assert (s["fixed"]["imports"], s["fixed"]["model"]) == (pytest.approx(6.1), 3.5)
+    assert s["restart"]["cold_start_extra_seconds"] == 0.0
 
 
 def test_timed_pilot_stops_by_the_clock(cfg: config.RunConfig) -> None:

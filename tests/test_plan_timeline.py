@@ -54,6 +54,18 @@ def test_a_restart_is_itemised_from_the_pilot_until_the_run_has_measured_ones() 
     assert items["data: prepare (no cache in the target directory)"].seconds == 30.0
     assert items["checkpoint download"].seconds == pytest.approx(0.5)
     assert items["warm-up steps beyond the sustained rate"].seconds == 6.0
+    cold = items["cold page cache (a new machine's first process)"]
+    assert cold.seconds == 0.0 and "loaded warm" in cold.source
+    old = {**PILOT, "restart": {k: v for k, v in PILOT["restart"].items() if k != "cold_start_extra_seconds"}}
+    cold = _by_name(tl.restart_items(old, target, checkpoint_bytes=50e6))[
+        "cold page cache (a new machine's first process)"
+    ]
+    assert cold.seconds == 0.0 and cold.source.startswith("not measured")
+    pilot_cold = {**PILOT, "restart": {**PILOT["restart"], "cold_start_extra_seconds": 12.0}}
+    items = _by_name(tl.restart_items(pilot_cold, target, checkpoint_bytes=50e6))
+    assert items["cold page cache (a new machine's first process)"] == tl.Item(
+        "cold page cache (a new machine's first process)", 12.0, "pilot: its first process over its second"
+    )
     measured = tl.Target(restarts=[50.0, 70.0, 60.0], gaps=[100.0, 140.0])
     items = _by_name(tl.restart_items(PILOT, measured, checkpoint_bytes=50e6))
     assert items == {

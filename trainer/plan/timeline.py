@@ -124,6 +124,7 @@ def restart_items(pilot: dict[str, Any] | None, target: Target, checkpoint_bytes
         data_hit = (pilot["fixed"].get("data_cache_hit") or 0.0) if restart.get("data_reused") else 0.0
         items += [
             Item("start-up with resume (imports, load, restore)", restart["startup_seconds"] - data_hit, "pilot"),
+            _cold_item(restart),
             _data(pilot["fixed"], fresh_disk),
             Item("warm-up steps beyond the sustained rate", restart["warmup_extra_seconds"], "pilot"),
         ]
@@ -132,6 +133,17 @@ def restart_items(pilot: dict[str, Any] | None, target: Target, checkpoint_bytes
             Item("checkpoint download", checkpoint_bytes / target.download_bytes_per_s, target.download_source())
         )
     return items
+
+
+def _cold_item(restart: dict[str, Any]) -> Item:
+    """What a cold page cache added to the pilot's first process: a replacement machine pays it."""
+    name = "cold page cache (a new machine's first process)"
+    extra = restart.get("cold_start_extra_seconds")
+    if extra is None:
+        return Item(name, 0.0, "not measured (a pilot.json from before spotune measured it)")
+    if extra:
+        return Item(name, extra, "pilot: its first process over its second")
+    return Item(name, 0.0, "pilot: its first process loaded warm (a machine that ran spotune before)")
 
 
 def total(items: Sequence[Item]) -> float:
