@@ -15,7 +15,7 @@ From the attempts' `ledger.jsonl` rows (their `phases`), `metrics.jsonl` and the
   the slower warm-up steps, and after the steps final/, upload flush, report, interpreter exit;
 - a first process that loaded cold (libraries and weights read from disk: a new machine, or a
   page cache reclaimed while idle) is left out of the fixed costs of the run that follows on
-  this now-warm machine; what it paid over the second is the restart's `cold_start_extra`,
+  this now-warm machine; what it paid over the last is the restart's `cold_start_extra_seconds`,
   since a replacement machine starts cold;
 - the restart: resolve + restore on top of the start-up; checkpoint save seconds and bytes;
   evaluation seconds when the recipe evaluates; peak memory, data-stall share, MFU.
@@ -202,7 +202,7 @@ def _restart(attempts: list[dict[str, Any]]) -> dict[str, Any] | None:
     if not resumed:
         return None
     a = resumed[-1]
-    cold = _loading(attempts[0]) - _loading(a) if _cold(attempts[0], attempts) else 0.0
+    cold = _loading(attempts[0]) - _loading(attempts[-1]) if _cold(attempts[0], attempts) else 0.0  # as _cold measures
     return {
         "startup_seconds": a["startup_seconds"],
         "cold_start_extra_seconds": cold,
