@@ -52,14 +52,16 @@ def template_code_problems(texts: dict[Path, str]) -> list[str]:
         if got != want:
             problems.append(f"{where.name}: {what} is {got}, trainer/exit_codes.py says {want}")
 
-    want = {name: getattr(E, name) for name in ("EXIT_FINISHED", "EXIT_BAD_INPUT", "EXIT_PREEMPTED")}
+    want = {
+        name: getattr(E, name) for name in ("EXIT_FINISHED", "EXIT_BAD_INPUT", "EXIT_OUT_OF_MEMORY", "EXIT_PREEMPTED")
+    }
     for path in (SLURM, SLURM_NODES, ENTRYPOINT):
         same(path, "EXIT_* assignments", _shell_codes(texts[path]), want)
     recovery = yaml.safe_load(texts[SKYPILOT])["resources"]["job_recovery"]
     same(SKYPILOT, "recover_on_exit_codes", recovery["recover_on_exit_codes"], [E.EXIT_PREEMPTED])
     same(SKYPILOT, "max_restarts_on_errors", recovery["max_restarts_on_errors"], 0)
     rules = _k8s_rules(yaml.safe_load(texts[K8S]))
-    same(K8S, "FailJob exit codes", rules.get("FailJob"), [E.EXIT_BAD_INPUT])
+    same(K8S, "FailJob exit codes", rules.get("FailJob"), [E.EXIT_BAD_INPUT, E.EXIT_OUT_OF_MEMORY])
     same(K8S, "Ignore (restart) exit codes", rules.get("Ignore"), [E.EXIT_PREEMPTED])
     return problems
 

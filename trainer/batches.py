@@ -12,6 +12,7 @@ the meter need.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -21,6 +22,7 @@ import torch
 
 from trainer.data.template import IGNORE_INDEX
 from trainer.restart.preemption import SIGNALS
+from trainer.shutdown import close_loader
 
 COLUMNS = ("input_ids", "labels", "position_ids")
 """The columns of a packed row that a forward pass needs."""
@@ -166,6 +168,17 @@ def step_loader(
         generator=torch.Generator().manual_seed(seed),
         worker_init_fn=_ignore_stop_signals if workers else None,
     )
+
+
+@contextlib.contextmanager
+def prefetching(loader: torch.utils.data.DataLoader) -> Iterator[Iterator[StepBatch]]:
+    """The loader's iterator, whose workers end when the block does, on every path (an
+    exception's traceback would otherwise keep them alive until exit: trainer/shutdown.py)."""
+    iterator = iter(loader)
+    try:
+        yield iterator
+    finally:
+        close_loader(iterator)
 
 
 def _ignore_stop_signals(worker_id: int) -> None:

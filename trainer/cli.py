@@ -89,7 +89,12 @@ def _split(recipe: str | None, overrides: Sequence[str]) -> tuple[str | None, li
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    code = _main(argv)
+    try:
+        code = _main(argv)
+    finally:  # whatever ended the command, no child of ours may hold the process open
+        from trainer.shutdown import end_child_processes
+
+        end_child_processes()
     _record_exit_code(code)
     return code
 

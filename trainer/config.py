@@ -97,6 +97,9 @@ class DataConfig:
     """A separate evaluation file, prepared like `path`."""
     shuffle: bool = True
     """Shuffle rows each epoch (order is a pure function of seed and epoch)."""
+    loader_workers: int | Literal["auto"] = "auto"
+    """DataLoader worker processes that prefetch whole steps: `auto` is 1 on CUDA (reading and collating hide
+    behind the GPU's work) and 0 on CPU (a worker would only compete for the cores). Same batches either way."""
 
 
 @dataclass(frozen=True)

@@ -137,6 +137,8 @@ def cross_checks(cfg: RunConfig) -> list[str]:
         p.append(f"train.epochs: must be above 0 when train.max_steps is unset, got {cfg.train.epochs}")
     if cfg.train.lr <= 0:
         p.append(f"train.lr: must be above 0, got {cfg.train.lr}")
+    if cfg.data.loader_workers != "auto" and cfg.data.loader_workers < 0:
+        p.append(f"data.loader_workers: must be auto or 0 or more, got {cfg.data.loader_workers}")
     if cfg.train.warmup_steps < 0:
         p.append(f"train.warmup_steps: must be 0 or more, got {cfg.train.warmup_steps}")
     if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:

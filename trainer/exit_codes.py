@@ -12,6 +12,9 @@ What a supervisor should do with each:
   checkpoint. Raise the budget and rerun the same command to continue.
 - `EXIT_BAD_STEPS = 4`: `train.max_bad_steps` consecutive non-finite steps; fix the run
   (learning rate, data) before rerunning.
+- `EXIT_OUT_OF_MEMORY = 5`: the GPU ran out of memory; the message names the step, the
+  estimate's peak and what to change (micro-batch, gradient checkpointing, seq_len, QLoRA).
+  Rerunning unchanged fails the same way on the same GPU: do not restart it.
 - `EXIT_ABORTED = 130`: a second SIGINT; no checkpoint was saved for the step in flight.
   Rerunning resumes from the last committed checkpoint.
 - `EXIT_PREEMPTED = 143` (128 + SIGTERM): stopped by a signal after saving a checkpoint.
@@ -27,6 +30,7 @@ EXIT_ERROR = 1
 EXIT_BAD_INPUT = 2
 EXIT_BUDGET = 3
 EXIT_BAD_STEPS = 4
+EXIT_OUT_OF_MEMORY = 5
 EXIT_ABORTED = 130
 EXIT_PREEMPTED = 143
 

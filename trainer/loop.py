@@ -30,6 +30,7 @@ from trainer.exit_codes import StopReason
 from trainer.loss import token_loss_sum
 from trainer.restart.preemption import agree_all
 from trainer.restart.state import Counters
+from trainer.shutdown import OOM_ERRORS, OutOfMemory
 
 # ---------------------------------------------------------------------------- schedule
 
@@ -157,7 +158,7 @@ def train_loop(
             # Own accumulation: skip the gradient all-reduce (DDP) or reduce-scatter (FSDP) on all
             # but the last micro-batch.
             sync = contextlib.nullcontext() if micro_step == last else distributed.no_sync(accelerator, model)
-            with sync:
+            with sync, _out_of_memory_at(step, micro_step, batch):
                 loss = token_loss_sum(model, micro)
                 accelerator.backward(loss / denom)
             loss_sum += loss.detach()
@@ -171,7 +172,8 @@ def train_loop(
         ).tolist()
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)
         if finite:
-            optimizer.step()
+            with _out_of_memory_at(step, None, batch):  # the first step allocates AdamW's state
+                optimizer.step()
             counters.consecutive_bad_steps = 0
         else:
             _skip_step(accelerator)
@@ -237,6 +239,17 @@ def train_loop(
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+@contextlib.contextmanager
+def _out_of_memory_at(step: int, micro_step: int | None, batch: StepBatch) -> Iterator[None]:
+    """Name where the device ran out of memory (step, micro-batch, its shape): the one fact
+    the user needs to pick what to change, and one the bare CUDA error does not carry."""
+    try:
+        yield
+    except OOM_ERRORS as e:
+        rows, seq_len = batch.micro[0]["input_ids"].shape if batch.micro else (0, 0)
+        raise OutOfMemory(step, micro_step, len(batch.micro), int(rows), int(seq_len)) from e
 
 
 def _skip_step(accelerator: Any) -> None:

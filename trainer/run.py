@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,8 +18,8 @@ from typing import Any
 import torch
 
 from trainer import config as C
-from trainer import distributed, exit_codes, flops, loop, metrics, tiny
-from trainer.batches import StepDataset, step_loader
+from trainer import distributed, exit_codes, flops, loop, metrics, shutdown, tiny
+from trainer.batches import StepDataset, prefetching, step_loader
 from trainer.data.cache import data_cache_root, in_turns
 from trainer.exit_codes import StopReason
 from trainer.export import write_final
@@ -37,6 +38,7 @@ from trainer.restart.state import (
     write_training_state,
 )
 from trainer.sampler import StepSampler, run_steps
+from trainer.shutdown import OutOfMemory
 from trainer.telemetry import Budget, Telemetry
 
 
@@ -295,12 +297,15 @@ def train(cfg: C.RunConfig) -> int:
         evaluate=_evaluator(cfg, prepared, model, accelerator, telemetry, counters) if plan.eval_every else None,
     )
     reason: StopReason = "finished"
+    out_of_memory: OutOfMemory | None = None
     try:
         if counters.step < steps:
             dataset = StepDataset(rows, sampler, rank, world, t.micro_batch_size, steps)
-            batches = step_loader(dataset, counters.step, accelerator.device, cfg.seed)
+            workers = None if cfg.data.loader_workers == "auto" else cfg.data.loader_workers
+            loader = step_loader(dataset, counters.step, accelerator.device, cfg.seed, workers)
             ledger.mark_first_step()
-            reason = loop.train_loop(accelerator, model, optimizer, batches, plan, counters, hooks)
+            with prefetching(loader) as batches:  # its workers end with the block, whatever ends it
+                reason = loop.train_loop(accelerator, model, optimizer, batches, plan, counters, hooks)
         ledger.winding_down(reason)
         if reason in ("finished", "budget"):
             with ledger.timed("final"):
@@ -322,6 +327,9 @@ def train(cfg: C.RunConfig) -> int:
         # forwards one after a sibling exits) must not kill us before this row is written.
         ledger.close(reason)
         remote.close()
+    except OutOfMemory as e:  # a run that does not fit: one message with the figures, no restart
+        ledger.close("out_of_memory")
+        out_of_memory = e
     except BaseException as e:  # the ledger row says how this attempt ended, whatever happened
         ledger.close("aborted" if isinstance(e, (KeyboardInterrupt, SystemExit)) else "error")
         raise
@@ -332,6 +340,9 @@ def train(cfg: C.RunConfig) -> int:
         stop.uninstall()
         if telemetry.sink is not None:
             telemetry.sink.close()
+    if out_of_memory is not None:
+        print(_out_of_memory_message(out_of_memory, cfg, accelerator, model), file=sys.stderr, flush=True)
+        return exit_codes.EXIT_OUT_OF_MEMORY
     if is_main:
         console.message(telemetry.final_summary(reason, steps, summary, out))
     return exit_codes.FOR_STOP[reason]
@@ -352,6 +363,39 @@ def _restore(resume_dir: Path, model: torch.nn.Module, optimizer: Any, accelerat
         scaler=accelerator.scaler,
     )
     return saved.counters()
+
+
+def _out_of_memory_message(err: OutOfMemory, cfg: C.RunConfig, accelerator: Any, model: torch.nn.Module) -> str:
+    """The figures of an out-of-memory stop: this GPU, what torch held, what the estimate predicts."""
+    from trainer.plan.job import Job
+
+    device = accelerator.device
+    cuda = device.type == "cuda"
+    predicted = None
+    try:
+        job = Job(
+            name_or_path=cfg.model.name_or_path,
+            shape=flops.model_shape(accelerator.unwrap_model(model).config),
+            hf_model_type="",
+            model=cfg.model,
+            adapter=cfg.adapter,
+            train=cfg.train,
+            checkpoint=cfg.checkpoint,
+            seq_len=cfg.data.seq_len,
+        )
+        predicted = job.memory(accelerator.num_processes).total / 2**30
+    except (ValueError, KeyError):
+        pass  # an architecture the estimate does not know: the message goes without its figure
+    return shutdown.out_of_memory_message(
+        err,
+        device_name=torch.cuda.get_device_name(device) if cuda else str(device),
+        device_gib=torch.cuda.get_device_properties(device).total_memory / 2**30 if cuda else None,
+        reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None,
+        predicted_gib=predicted,
+        micro_batch_size=cfg.train.micro_batch_size,
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
+        method=cfg.adapter.method,
+    )
 
 
 def _evaluator(
