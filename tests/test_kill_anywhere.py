@@ -48,7 +48,8 @@ def _recipe(out: Path, model: Path, data: Path, cache: Path) -> dict[str, Any]:
         "seed": 5,
         "model": {"name_or_path": str(model), "dtype": "float32"},
         "adapter": {"r": 4, "alpha": 8, "dropout": 0.1},
-        "data": {"path": str(data), "seq_len": 128, "cache_dir": str(cache)},
+        # One loader worker, as on CUDA: the drill kills a process that has a child.
+        "data": {"path": str(data), "seq_len": 128, "cache_dir": str(cache), "loader_workers": 1},
         "train": {
             "max_steps": STEPS,
             "micro_batch_size": 2,

@@ -21,8 +21,12 @@ across documents.
 
 from __future__ import annotations
 
+import functools
 import inspect
-from typing import Any
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -83,19 +87,9 @@ def varlen_attention(
     if dropout and module.training:
         raise ValueError(f"attention '{VARLEN}' has no attention dropout; use model.attn_implementation=sdpa")
     q, k, v = (t.squeeze(0).transpose(0, 1) for t in (query, key, value))  # [T, H, D]
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _torch_varlen() is not None:
-        out = _torch_varlen()(
-            q,
-            k,
-            v,
-            cu,
-            cu,
-            int(longest),
-            int(longest),
-            scale=scaling,
-            window_size=(-1, 0),  # causal
-            enable_gqa=q.size(1) != k.size(1),
-        )
+    kernel = torch_varlen()
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and kernel is not None:
+        out = kernel(q, k, v, cu, int(longest), scaling)
     else:
         out = reference_varlen(q, k, v, cu, scaling)
     return out.unsqueeze(0), None
@@ -120,14 +114,78 @@ def reference_varlen(
     return out
 
 
-def _torch_varlen() -> Any:
-    """torch's varlen flash attention, or None where the installed torch lacks it (or its causal
-    `window_size`, which older releases spelled differently)."""
+@dataclass(frozen=True)
+class VarlenKernel:
+    """torch's `varlen_attn` called the way the installed release spells it.
+
+    Its keywords moved between releases (read from each release's torch/nn/attention/varlen.py):
+    2.10 takes `is_causal` and no scale; 2.11 adds `scale` and `window_size` (causal is
+    (-1, 0)) and drops `is_causal`; 2.12-2.14 add `enable_gqa`, without which they refuse
+    fewer KV heads than query heads. So each keyword is passed only where the signature has it:
+    without `enable_gqa` the KV heads are repeated (exact, more memory), and without `scale` a
+    model's non-default scaling is folded into the query (softmax(c*q.k/sqrt(D)) with
+    c = scaling*sqrt(D)). tests/test_attention.py runs this against stand-ins with each
+    release's exact signature, so the next change of it is caught on CPU, not on a paid GPU.
+    """
+
+    fn: Callable[..., Any]
+    causal: Literal["window_size", "is_causal"]
+    takes_scale: bool
+    native_gqa: bool
+
+    @classmethod
+    def of(cls, fn: Callable[..., Any]) -> VarlenKernel | str:
+        """The adapter for `fn`, or why it cannot serve (a sentence)."""
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            return "its signature cannot be read"
+        if "window_size" in params:
+            causal: Literal["window_size", "is_causal"] = "window_size"
+        elif "is_causal" in params:
+            causal = "is_causal"
+        else:
+            return "it takes neither window_size nor is_causal, so it cannot be made causal"
+        return cls(fn, causal, "scale" in params, "enable_gqa" in params)
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int, scaling: float | None
+    ) -> torch.Tensor:
+        """Causal attention per document of [T, H, D] tensors (fewer KV heads allowed)."""
+        kwargs: dict[str, Any] = {"window_size": (-1, 0)} if self.causal == "window_size" else {"is_causal": True}
+        default = q.size(-1) ** -0.5
+        if self.takes_scale:
+            kwargs["scale"] = scaling
+        elif scaling is not None and not math.isclose(scaling, default, rel_tol=1e-6):
+            q = q * (scaling / default)
+        gqa = q.size(1) != k.size(1)
+        if gqa and self.native_gqa:
+            kwargs["enable_gqa"] = True
+        elif gqa:
+            groups = q.size(1) // k.size(1)
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return self.fn(q, k, v, cu, cu, longest, longest, **kwargs)
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_varlen() -> VarlenKernel | str:
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        return None
-    return varlen_attn if "window_size" in inspect.signature(varlen_attn).parameters else None
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    return VarlenKernel.of(varlen_attn)
+
+
+def torch_varlen() -> VarlenKernel | None:
+    """torch's varlen flash attention as spotune calls it, or None where the installed torch
+    lacks a usable one (`varlen_unavailable_reason` says why)."""
+    kernel = _installed_varlen()
+    return kernel if isinstance(kernel, VarlenKernel) else None
+
+
+def varlen_unavailable_reason() -> str | None:
+    kernel = _installed_varlen()
+    return None if isinstance(kernel, VarlenKernel) else f"torch's varlen_attn cannot serve: {kernel}"
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
@@ -145,5 +203,5 @@ def register() -> None:
 
 
 def varlen_available(device: torch.device) -> bool:
-    """Whether `spotune_varlen` runs a fused kernel here (CUDA and a torch with varlen_attn)."""
-    return device.type == "cuda" and _torch_varlen() is not None
+    """Whether `spotune_varlen` runs a fused kernel here (CUDA and a torch with a usable varlen_attn)."""
+    return device.type == "cuda" and torch_varlen() is not None

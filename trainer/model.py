@@ -102,6 +102,11 @@ def resolve_attn_implementation(choice: str, device: torch.device) -> str:
     if attention.varlen_available(device):
         attention.register()
         return attention.VARLEN
+    warnings.warn(
+        f"model.attn_implementation=auto: {attention.varlen_unavailable_reason()}; using flex_attention "
+        "(the same maths, documents kept apart by a block mask; set model.attn_implementation to choose)",
+        stacklevel=2,
+    )
     return "flex_attention"
 
 
