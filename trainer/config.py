@@ -147,6 +147,9 @@ class TrainConfig:
     """Stop with a checkpoint once the whole run cost this much (needs `metrics.price_per_hour`)."""
     distributed: Literal["ddp", "fsdp"] = "ddp"
     """Several processes: `ddp` keeps a whole model on every device; `fsdp` shards it (FSDP2, per decoder layer) for a base that does not fit one GPU. An `accelerate launch` FSDP config also selects fsdp. A checkpoint resumes under either."""
+    deterministic: bool = False
+    """Deterministic kernels only, so that on a GPU two runs, and a stopped-and-resumed run, end bit-identical (on
+    CPU in fp32 they already are). Costs GPU speed (README, Determinism); refuses model.compile."""
     fsdp_cpu_offload: bool = False
     """Under `fsdp`: keep the shards (and the optimizer step) in CPU memory, copied to the GPU a layer at a time; less GPU memory, slower steps."""
 

@@ -153,7 +153,10 @@ def cross_checks(cfg: RunConfig) -> list[str]:
         )
     if cfg.checkpoint.every_minutes is not None and cfg.checkpoint.every_minutes <= 0:
         p.append(f"checkpoint.every_minutes: must be above 0 or null, got {cfg.checkpoint.every_minutes}")
+    from trainer.determinism import problems as determinism_problems
     from trainer.restart.storage import remote_problems  # the URL rules live with the store
+
+    p += determinism_problems(deterministic=cfg.train.deterministic, compile=cfg.model.compile)
 
     p += remote_problems(cfg.checkpoint.remote, cfg.checkpoint.storage_options)
     ck = cfg.checkpoint

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from trainer import config as C
-from trainer import distributed, exit_codes, flops, loop, metrics, shutdown, tiny
+from trainer import determinism, distributed, exit_codes, flops, loop, metrics, shutdown, tiny
 from trainer.batches import StepDataset, prefetching, step_loader
 from trainer.data.cache import data_cache_root, in_turns
 from trainer.exit_codes import StopReason
@@ -112,6 +112,11 @@ def build_optimizer(
 
 def train(cfg: C.RunConfig) -> int:
     """Train (resuming when a checkpoint verifies) and return the process exit code."""
+    with determinism.kernels(cfg.train.deterministic) as notes:  # before any CUDA work
+        return _train(cfg, notes)
+
+
+def _train(cfg: C.RunConfig, early_notes: list[str]) -> int:
     entered = time.time()
     phases: dict[str, float] = {}  # fixed costs for the ledger, timed before it can open
     with timed(phases, "imports"):  # the rest of the libraries train() needs (the ledger adds the time before)
@@ -173,7 +178,7 @@ def train(cfg: C.RunConfig) -> int:
     rows = load_from_disk(str(prepared.train_path))
     with timed(phases, "resolve"):
         resume_dir, notes = remote.resolve(cfg.checkpoint.resume)  # local or remote, chosen on rank 0
-    notes = [*sharding.notes, *notes]
+    notes = [*early_notes, *sharding.notes, *notes]
     saved = TrainState.from_json((resume_dir / "trainer_state.json").read_text()) if resume_dir is not None else None
     # The run is defined by its global batch: a resume on another device count keeps it and only
     # the per-device split changes (trainer/sampler.py: the same rows every step).
