@@ -2,10 +2,15 @@
 # Create .venv and install spotune with the right torch for this machine. Idempotent:
 # a second run only checks. Called by `make demo` and `make test`.
 #   - torch already importable in .venv: kept as it is.
-#   - nvidia-smi answers: the default torch build (CUDA wheels) from the package index.
-#   - otherwise: the CPU build of torch, so a CPU-only machine never downloads the
-#     several GB of CUDA packages that a plain `pip install torch` pulls on Linux.
-# Override with TORCH_SPEC (e.g. TORCH_SPEC="torch==2.13.0") or TORCH_CPU_INDEX.
+#   - otherwise scripts/torch_choice.py decides, and says why in one line:
+#       no GPU                   -> the CPU build (never the several GB of CUDA packages)
+#       a GPU and a system torch that sees it and satisfies pyproject.toml
+#                                -> the venv reuses it (--system-site-packages): nothing downloaded
+#       a GPU, no usable torch   -> the CUDA build the driver supports (nvidia-smi's CUDA Version)
+#   - WHEELS=dir: install everything from that wheel folder only (air-gapped clusters; fill it
+#     with scripts/fetch_wheels.sh on a machine with a network).
+# After installing: if nvidia-smi sees a GPU but torch does not, stop with the reason and the fix.
+# Overrides: TORCH_SPEC (the CPU build, default torch==2.13.0), TORCH_CPU_INDEX, EXTRAS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -13,28 +18,52 @@ VENV=${VENV:-.venv}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 EXTRAS=${EXTRAS:-test,bench}
+WHEELS=${WHEELS:-}
 
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+local_only=()
+[ -z "$WHEELS" ] || local_only=(--no-index --find-links "$WHEELS")
 
-if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    echo "setup: GPU found, installing the CUDA build of torch"
-    pip install "${TORCH_SPEC%%=*}"
-  elif probe=$(mktemp -d) && pip download --no-deps --no-index -d "$probe" "$TORCH_SPEC" >/dev/null 2>&1; then
-    rm -rf "$probe"
-    echo "setup: no GPU, installing $TORCH_SPEC from the local wheel directory"
-    pip install "$TORCH_SPEC"
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  eval "$("$PY" scripts/torch_choice.py --system-python "$PY" --cpu-spec "$TORCH_SPEC")"
+  echo "setup: torch: $CHOICE ($WHY)"
+  if [ "$CHOICE" = system ]; then
+    [ -x "$VENV/bin/python" ] || "$PY" -m venv --system-site-packages "$VENV"
   else
-    echo "setup: no GPU, installing the CPU build of $TORCH_SPEC"
-    pip install "$TORCH_SPEC" --extra-index-url "$TORCH_CPU_INDEX"
+    [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  fi
+  if [ -n "$WHEELS" ] && [ "$CHOICE" != system ]; then
+    pip install "${local_only[@]}" "${SPEC}"
+  elif [ "$CHOICE" = cuda ]; then
+    pip install "$SPEC" --index-url "$INDEX" --extra-index-url https://pypi.org/simple
+  elif [ "$CHOICE" = cpu ]; then
+    if probe=$(mktemp -d) && pip download --no-deps --no-index -d "$probe" "$SPEC" >/dev/null 2>&1; then
+      rm -rf "$probe"
+      pip install "$SPEC"  # found in this machine's local wheel directory
+    else
+      pip install "$SPEC" --extra-index-url "$TORCH_CPU_INDEX"
+    fi
   fi
 fi
 
 stamp="$VENV/.spotune-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "setup: installing spotune[$EXTRAS] and its dependencies"
-  pip install -e ".[$EXTRAS]"
+  pip install "${local_only[@]}" -e ".[$EXTRAS]"
   touch "$stamp"
 fi
-"$VENV/bin/python" -c "import torch, transformers, peft, accelerate, datasets; print(f'setup: torch {torch.__version__} (cuda={torch.cuda.is_available()}), transformers {transformers.__version__}, peft {peft.__version__}')"
+# The version line imports peft, which imports bitsandbytes: its optional-kernel notice is not ours to show.
+"$VENV/bin/python" - <<'PYEOF'
+import logging, shutil, subprocess, sys
+logging.disable(logging.WARNING)
+import torch, transformers, peft, accelerate, datasets  # noqa: E401,F401
+print(f"setup: torch {torch.__version__} (cuda={torch.cuda.is_available()}), transformers {transformers.__version__}, peft {peft.__version__}")
+smi = shutil.which("nvidia-smi")
+listed = subprocess.run([smi, "-L"], capture_output=True, text=True).stdout if smi else ""
+if "GPU " in listed and not torch.cuda.is_available():
+    sys.exit(
+        f"setup: nvidia-smi sees a GPU but torch {torch.__version__} (built for CUDA {torch.version.cuda}) does not: "
+        "the driver is too old for this build, or it is a CPU build. Fix: rm -rf .venv && make setup "
+        "(it picks the build your driver supports), or update the NVIDIA driver."
+    )
+PYEOF

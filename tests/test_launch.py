@@ -419,7 +419,12 @@ def test_slurm_does_not_requeue_a_configuration_error(slurm: dict[str, str], tmp
 def test_shell_scripts_pass_shellcheck(tmp_path: Path) -> None:
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck not installed: apt-get install shellcheck (scripts/ci_tools.sh does, as root)")
-    scripts = [SLURM, DOCKER_RUN, ENTRYPOINT, REPO / "scripts" / "ci_tools.sh"]
+    scripts = [
+        SLURM,
+        DOCKER_RUN,
+        ENTRYPOINT,
+        *(REPO / "scripts" / n for n in ("ci_tools.sh", "setup.sh", "fetch_wheels.sh")),
+    ]
     done = subprocess.run(["shellcheck", *map(str, scripts)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout
     # control: the trainer's arguments unquoted (split and globbed) are flagged

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from trainer import config as C
-from trainer import determinism, distributed, exit_codes, flops, loop, metrics, shutdown, tiny
+from trainer import determinism, distributed, exit_codes, flops, gpu_probe, loop, metrics, shutdown, tiny
 from trainer.batches import StepDataset, prefetching, step_loader
 from trainer.data.cache import data_cache_root, in_turns
 from trainer.exit_codes import StopReason
@@ -74,6 +74,9 @@ def make_accelerator(cfg: C.RunConfig) -> Any:
     from accelerate.utils import InitProcessGroupKwargs
 
     cuda = torch.cuda.is_available()
+    unusable = gpu_probe.unusable_gpu_reason()
+    if unusable:
+        raise C.ConfigError([unusable])
     if cfg.train.mixed_precision == "fp16" and not cuda:
         raise C.ConfigError(["train.mixed_precision: fp16 needs a CUDA GPU; use bf16 or no on CPU"])
     trackers = list(cfg.metrics.trackers)
