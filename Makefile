@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo lint test test-fast test-floor bench bench-gpu clean
+.PHONY: setup demo lint test test-fast test-floor bench bench-gpu gpu-check clean
 
 setup:
 	bash scripts/setup.sh
@@ -34,6 +34,14 @@ test-floor:
 # On a CUDA machine: spotune against HF Trainer + PEFT on the Llama-3.1-8B shape (README, Benchmarks).
 bench-gpu: setup
 	$(PY) benchmarks/gpu.py --json runs/bench-gpu.json
+
+# On a CUDA machine, offline, < 9 min on one H100: the -m gpu tests, the exit paths, a kill-and-resume
+# drill on a ~1B Llama and the 8B benchmark; writes gpu-check.md + gpu-check.json (README, GPU check).
+# GPU extras from a wheel folder: WHEELS=dir make gpu-check. CI runs the dry path (tests/test_gpu_check.py).
+GPU_CHECK_OUT ?= runs/gpu-check
+gpu-check:
+	EXTRAS=test,bench,gpu bash scripts/setup.sh
+	$(PY) scripts/gpu_check.py --out $(GPU_CHECK_OUT)
 
 bench: setup
 	$(PY) benchmarks/packing.py

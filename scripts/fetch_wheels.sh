@@ -17,7 +17,7 @@ platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
 reqs=$("$PY" - "$EXTRAS" <<'PYEOF'
 import sys, tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-wanted = [r for r in project["dependencies"] if not r.startswith("torch")]
+wanted = [r for r in project["dependencies"] if not r.startswith("torch")] + ["setuptools>=68", "wheel"]
 for extra in sys.argv[1].split(","):
     wanted += project["optional-dependencies"].get(extra, [])
 print("\n".join(wanted))

@@ -22,6 +22,7 @@ WHEELS=${WHEELS:-}
 
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 local_only=()
+# Offline, pip cannot fetch setuptools into an isolated build: the venv's own (or the wheel folder's) builds it.
 [ -z "$WHEELS" ] || local_only=(--no-index --find-links "$WHEELS")
 
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
@@ -46,10 +47,15 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import torch" 2>/dev/
   fi
 fi
 
-stamp="$VENV/.spotune-installed"
+stamp="$VENV/.spotune-installed-${EXTRAS//,/-}"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "setup: installing spotune[$EXTRAS] and its dependencies"
-  pip install "${local_only[@]}" -e ".[$EXTRAS]"
+  if [ -n "$WHEELS" ]; then
+    pip install "${local_only[@]}" setuptools wheel
+    pip install "${local_only[@]}" --no-build-isolation -e ".[$EXTRAS]"
+  else
+    pip install -e ".[$EXTRAS]"
+  fi
   touch "$stamp"
 fi
 # The version line imports peft, which imports bitsandbytes: its optional-kernel notice is not ours to show.

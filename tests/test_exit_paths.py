@@ -125,8 +125,9 @@ def _wait_failed(proc: subprocess.Popen, tmp_path: Path) -> float:
     [
         ("trainer.loop.token_loss_sum", 3, E.EXIT_ERROR),  # the forward of step 1
         # A failed save is reported as such (CheckpointError: disk full, permissions), without a traceback.
-        ("trainer.run.write_training_state", 0, E.EXIT_BAD_INPUT),
-        ("trainer.report.report_after_train", 0, E.EXIT_ERROR),  # the report page after the last step
+        pytest.param("trainer.run.write_training_state", 0, E.EXIT_BAD_INPUT, marks=pytest.mark.slow),
+        # the report page after the last step
+        pytest.param("trainer.report.report_after_train", 0, E.EXIT_ERROR, marks=pytest.mark.slow),
     ],
     ids=["forward", "save", "report"],
 )
@@ -191,6 +192,7 @@ def _wait_for_step(proc: subprocess.Popen, run: Path, tmp_path: Path) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "signals, code", [([signal.SIGTERM], E.EXIT_PREEMPTED), ([signal.SIGINT, signal.SIGINT], E.EXIT_ABORTED)]
 )

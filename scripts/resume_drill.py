@@ -1,0 +1,133 @@
+"""The end-to-end resume drill of `make gpu-check`: train, SIGKILL after a checkpoint, run the same command.
+
+On a GPU: a ~1B random Llama (meta-llama/Llama-3.2-1B's shipped config, its vocabulary cut to the
+tokenizer's) in bf16 on real instruction data; with `dry`, the built-in tiny Llama on CPU. The
+checks are the same: the second process resumes from the newest checkpoint and finishes, the
+ledger holds one row per attempt (`killed`, then `finished`), and report.html is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from trainer import tiny  # noqa: E402
+from trainer.restart.checkpoint import CheckpointManager  # noqa: E402
+
+SHIPPED_1B = REPO / "trainer" / "plan" / "models" / "meta-llama--Llama-3.2-1B.json"
+
+
+def make_model(out: Path, tokenizer: Path | None, dry: bool) -> Path:
+    """A random-initialised model saved with its tokenizer (no download)."""
+    tok_dir = tokenizer or tiny.build_tokenizer(out.parent / "tokenizer")
+    if dry:
+        return tiny.build_model(out, "llama", tokenizer_dir=tok_dir)
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    config = LlamaConfig(**{**json.loads(SHIPPED_1B.read_text()), "vocab_size": len(tok)})
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def recipe(work: Path, model: Path, data: Path, dry: bool) -> dict[str, Any]:
+    return {
+        "output_dir": str(work / "run"),
+        "seed": 1,
+        "model": {"name_or_path": str(model), "dtype": "float32" if dry else "bfloat16"},
+        "adapter": {"r": 16, "alpha": 32},
+        "data": {"path": str(data), "format": "alpaca", "seq_len": 128 if dry else 2048},
+        "train": {
+            "max_steps": 8 if dry else 60,
+            "micro_batch_size": 2 if dry else 4,
+            "grad_accum": 2,
+            "lr": 2e-4,
+            "mixed_precision": "no" if dry else "bf16",
+        },
+        "checkpoint": {"every_steps": 2 if dry else 10, "every_minutes": None},
+        "metrics": {"progress": False, "log_every": 1, "warmup_steps": 1 if dry else 3},
+    }
+
+
+def drill(work: Path, *, data: Path | None, tokenizer: Path | None, dry: bool) -> tuple[bool, str, str]:
+    """(passed, the figure, the log) of one kill-and-resume."""
+    work.mkdir(parents=True, exist_ok=True)
+    model = make_model(work / "model", tokenizer, dry)
+    data = data or tiny.write_dataset(work / "data.jsonl", n=400)
+    cfg = recipe(work, model, data, dry)
+    path = work / "recipe.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = Path(cfg["output_dir"])
+    cmd = [sys.executable, "-m", "trainer", "train", str(path)]
+    kill_after = 2 * cfg["checkpoint"]["every_steps"]
+    manager = CheckpointManager(out / "checkpoints", keep_last=3)
+    with open(work / "attempt1.log", "w") as log:
+        first = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 600
+        while not any(int(p.name.split("-")[1]) >= kill_after for p in manager.committed()):
+            if first.poll() is not None or time.monotonic() > deadline:
+                first.kill()
+                return False, f"attempt 1 ended before a checkpoint at step {kill_after}", _read(work / "attempt1.log")
+            time.sleep(0.1)
+        os.killpg(first.pid, signal.SIGKILL)  # the VM vanishes: no save, no ledger row
+        first.wait()
+    killed_at = max(int(p.name.split("-")[1]) for p in manager.committed())
+    second = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    log = _read(work / "attempt1.log") + "\n--- attempt 2 ---\n" + second.stdout + second.stderr
+    ledger = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
+    reasons = [row["exit_reason"] for row in ledger]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["tokens_per_s"] for r in rows if r.get("tokens_per_s")]
+    problems = []
+    if second.returncode != 0:
+        problems.append(f"attempt 2 exited {second.returncode}")
+    if f"at step {killed_at} of" not in second.stdout + second.stderr:
+        problems.append(f"attempt 2 did not resume from step {killed_at}")
+    if reasons != ["killed", "finished"]:
+        problems.append(f"ledger reasons {reasons}, expected ['killed', 'finished']")
+    if not (out / "report.html").is_file():
+        problems.append("no report.html")
+    if not (out / "final" / "adapter_model.safetensors").is_file():
+        problems.append("no final adapter")
+    figure = (
+        f"SIGKILL after the step-{killed_at} checkpoint, resumed there and finished step {cfg['train']['max_steps']}; "
+        f"ledger {reasons}; {rates[-1]:.0f} tokens/s at the end"
+        if rates
+        else f"ledger {reasons}"
+    )
+    if problems:
+        figure = "; ".join(problems) + f" ({figure})"
+    return not problems, figure, log[-8000:]
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("work", type=Path)
+    ap.add_argument("--data", type=Path)
+    ap.add_argument("--tokenizer", type=Path)
+    ap.add_argument("--dry", action="store_true")
+    a = ap.parse_args()
+    ok, fig, _ = drill(a.work, data=a.data, tokenizer=a.tokenizer, dry=a.dry)
+    print(("pass: " if ok else "fail: ") + fig)
+    sys.exit(0 if ok else 1)
