@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
 
-from trainer import attention
+from trainer import attention, offload
 from trainer.config import AdapterConfig, ConfigError, ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -197,7 +197,7 @@ def build(
 
     base = load_base(model_cfg, adapter_cfg, name_or_path=name_or_path, device=device, sharded=sharded)
     base.config.use_cache = False  # training never uses the KV cache; avoids warnings with checkpointing
-    if model_cfg.gradient_checkpointing:
+    if model_cfg.gradient_checkpointing is True:  # `auto` is resolved by trainer/autofit.py before build
         enable_activation_checkpointing(base)
     targets = list(adapter_cfg.target_modules)
     lora = LoraConfig(
@@ -222,6 +222,8 @@ def build(
         compute_adapters_in_autocast_dtype(model)
     if model_cfg.compile:
         compile_layers(model)
+    if model_cfg.activation_offload == "on":
+        offload.attach(model)
     return model  # accelerate.prepare places a non-quantised model on its device
 
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from trainer import autofit, distributed, exit_codes, flops, loop, metrics, tiny
 from trainer import config as C
-from trainer import distributed, exit_codes, flops, loop, metrics, tiny
 from trainer.batches import StepDataset, step_loader
 from trainer.data.cache import data_cache_root, in_turns
 from trainer.exit_codes import StopReason
@@ -156,6 +156,9 @@ def train(cfg: C.RunConfig) -> int:
     # Resolved before the model loads, so a bad metrics.gpu fails in a second, not a minute.
     peak_flops = metrics.resolve_peak_flops(cfg.metrics.peak_flops, cfg.metrics.gpu, accelerator.device)
     set_seed(cfg.seed)  # same LoRA init on every rank (DDP also broadcasts rank 0's weights)
+    # `auto` micro-batch / checkpointing / offloading: the fastest that the estimate fits here.
+    cfg, auto_notes = autofit.resolve_for_device(cfg, model_path(cfg), accelerator.device, world, sharding.fsdp)
+    t = cfg.train
     with timed(phases, "model"):
         model = build(
             dataclasses.replace(cfg.model, gradient_checkpointing=True)
@@ -171,7 +174,7 @@ def train(cfg: C.RunConfig) -> int:
     rows = load_from_disk(str(prepared.train_path))
     with timed(phases, "resolve"):
         resume_dir, notes = remote.resolve(cfg.checkpoint.resume)  # local or remote, chosen on rank 0
-    notes = [*sharding.notes, *notes]
+    notes = [*sharding.notes, *auto_notes, *notes]
     saved = TrainState.from_json((resume_dir / "trainer_state.json").read_text()) if resume_dir is not None else None
     # The run is defined by its global batch: a resume on another device count keeps it and only
     # the per-device split changes (trainer/sampler.py: the same rows every step).
@@ -297,7 +300,7 @@ def train(cfg: C.RunConfig) -> int:
     reason: StopReason = "finished"
     try:
         if counters.step < steps:
-            dataset = StepDataset(rows, sampler, rank, world, t.micro_batch_size, steps)
+            dataset = StepDataset(rows, sampler, rank, world, split.micro_batch_size, steps)
             batches = step_loader(dataset, counters.step, accelerator.device, cfg.seed)
             ledger.mark_first_step()
             reason = loop.train_loop(accelerator, model, optimizer, batches, plan, counters, hooks)
@@ -360,7 +363,7 @@ def _evaluator(
     from datasets import load_from_disk
 
     evaluate = loop.make_evaluator(
-        load_from_disk(str(prepared.eval_path)), model, accelerator, cfg.train.micro_batch_size
+        load_from_disk(str(prepared.eval_path)), model, accelerator, int(cfg.train.micro_batch_size)
     )
     if evaluate is None:
         return None
