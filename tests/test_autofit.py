@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,37 @@ def test_auto_micro_batch_needs_the_global_batch() -> None:
         batch_split(_cfg().train, 1)
     with pytest.raises(ConfigError, match="gradient_checkpointing"):
         config.RunConfig().replace(**{"model.gradient_checkpointing": "sometimes"})
+
+
+def test_a_run_with_auto_settings_logs_its_choice_and_keeps_the_global_batch(
+    tmp_path: Path, tiny_llama: Path, tiny_data: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from trainer import run
+
+    out = tmp_path / "auto"
+    cfg = config.RunConfig().replace(
+        **{
+            "output_dir": str(out),
+            "model.name_or_path": str(tiny_llama),
+            "model.dtype": "float32",
+            "model.gradient_checkpointing": "auto",
+            "model.activation_offload": "auto",
+            "data.path": str(tiny_data),
+            "data.seq_len": 128,
+            "train.micro_batch_size": "auto",
+            "train.global_batch_size": 4,
+            "train.max_steps": 2,
+            "metrics.progress": False,
+            "checkpoint.every_minutes": None,
+        }
+    )
+    assert run.train(cfg) == 0
+    said = capsys.readouterr()
+    text = said.out + said.err
+    # A tiny model in host memory: the fastest setting, four rows at once, no recomputation.
+    assert "auto memory settings: micro_batch_size=4, gradient_checkpointing=false, activation_offload=off" in text
+    assert "global batch stays 4 rows" in text
+    state = json.loads(sorted((out / "checkpoints").glob("step-*"))[-1].joinpath("trainer_state.json").read_text())
+    assert state["structural"]["global_batch_rows"] == 4
+    written = config.load(out / "config.yaml")  # the recipe as written: a resume chooses again
+    assert (written.train.micro_batch_size, written.model.gradient_checkpointing) == ("auto", "auto")
