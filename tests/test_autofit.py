@@ -137,3 +137,24 @@ def test_a_run_with_auto_settings_logs_its_choice_and_keeps_the_global_batch(
     assert state["structural"]["global_batch_rows"] == 4
     written = config.load(out / "config.yaml")  # the recipe as written: a resume chooses again
     assert (written.train.micro_batch_size, written.model.gradient_checkpointing) == ("auto", "auto")
+
+
+def test_estimate_takes_a_recipe_with_auto_settings(tiny_llama: Path, tiny_data: Path, tmp_path: Path) -> None:
+    from trainer import plan_cli
+    from trainer.plan import table
+
+    cfg = _cfg(
+        **{
+            "output_dir": str(tmp_path / "run"),
+            "model.name_or_path": str(tiny_llama),
+            "model.dtype": "float32",
+            "data.path": str(tiny_data),
+            "data.seq_len": 256,
+            "metrics.progress": False,
+        }
+    )
+    doc = plan_cli.estimate_for_run(cfg, throughput=100.0)
+    assert doc["run"]["global_batch_rows"] == 16  # the recipe's, whatever micro-batch a GPU gets
+    assert doc["memory_gib"]["offloaded"] >= 0 and doc["memory_gib"]["total"] > 0
+    assert "next_cheaper" in doc["recommendation"]
+    assert "recommended: " in table.format_estimate(doc)

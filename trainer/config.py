@@ -304,6 +304,8 @@ def to_yaml(cfg: RunConfig) -> str:
 def structural_fields(cfg: RunConfig, world_size: int = 1, global_rows: int | None = None) -> dict[str, Any]:
     """The settings a resumed run must share with the run that wrote the checkpoint."""
     a, d, t = cfg.adapter, cfg.data, cfg.train
+    if global_rows is None and t.micro_batch_size == "auto":
+        global_rows = t.global_batch_size  # set whenever the micro-batch is `auto` (config_rules)
     return {
         "model.name_or_path": cfg.model.name_or_path,
         "model.revision": cfg.model.revision,

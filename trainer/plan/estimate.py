@@ -166,7 +166,9 @@ def estimate(
 
 
 def _totals(job: Job, work: wl.Workload, gpus: int) -> Totals:
-    global_rows = batch_split(job.train, gpus).global_rows
+    fixed = job.train.global_batch_size
+    # An `auto` micro-batch is chosen by the run on its GPU; the rows per step are the recipe's.
+    global_rows = fixed if job.train.micro_batch_size == "auto" and fixed else batch_split(job.train, gpus).global_rows
     steps = run_steps(int(work.rows), global_rows, job.train.max_steps, job.train.epochs)
     rows_done = steps * global_rows
     tokens = rows_done * work.real_tokens_per_row
