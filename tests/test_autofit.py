@@ -158,3 +158,22 @@ def test_estimate_takes_a_recipe_with_auto_settings(tiny_llama: Path, tiny_data:
     assert doc["memory_gib"]["offloaded"] >= 0 and doc["memory_gib"]["total"] > 0
     assert "next_cheaper" in doc["recommendation"]
     assert "recommended: " in table.format_estimate(doc)
+
+
+def test_out_of_memory_is_explained_with_figures_and_not_retried(tiny_llama: Path) -> None:
+    import torch
+
+    cfg = config.RunConfig().replace(**{"model.name_or_path": str(tiny_llama), "train.micro_batch_size": 4})
+    said: list[str] = []
+    calls = []
+    with pytest.raises(torch.OutOfMemoryError):
+        with autofit.oom_explained(cfg, str(tiny_llama), torch.device("cpu"), 1, False, said.append):
+            calls.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert calls == [1]  # ran once: no retry
+    assert len(said) == 1 and "the estimate was" in said[0] and "GiB" in said[0]
+    for fix in ("model.gradient_checkpointing=true", "model.activation_offload=on", "train.micro_batch_size=2"):
+        assert fix in said[0]
+    with autofit.oom_explained(cfg, str(tiny_llama), torch.device("cpu"), 1, False, said.append):
+        pass  # control: nothing said when nothing failed
+    assert len(said) == 1

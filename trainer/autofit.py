@@ -16,8 +16,9 @@ most frugal candidate does not fit, the choice says so with the figures and what
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,3 +170,56 @@ def resolve_for_device(cfg: Any, name_or_path: str, device: Any, world: int, fsd
         page = os.sysconf("SC_PAGE_SIZE")
         free, total = os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
     return resolve(cfg, shape, float(free), float(total), world, shards=world if fsdp else 1)
+
+
+@contextlib.contextmanager
+def oom_explained(
+    cfg: Any, name_or_path: str, device: Any, world: int, fsdp: bool, say: Callable[[str], None]
+) -> Iterator[None]:
+    """Say, when the step runs out of device memory, what it used against what the estimate
+    said and what to change; then let the error end the run (nothing is retried behind the
+    user's back). `cfg` is the resolved RunConfig the run trains with."""
+    try:
+        yield
+    except torch_oom():
+        say(oom_message(cfg, name_or_path, device, world, fsdp))
+        raise
+
+
+def torch_oom() -> type[BaseException]:
+    import torch
+
+    return getattr(torch, "OutOfMemoryError", RuntimeError)
+
+
+def oom_message(cfg: Any, name_or_path: str, device: Any, world: int, fsdp: bool) -> str:
+    """The figures of an out-of-memory step and the settings that lower them."""
+    import torch
+    from transformers import AutoConfig
+
+    from trainer import flops
+
+    m, t = cfg.model, cfg.train
+    setting = Setting(int(t.micro_batch_size), bool(m.gradient_checkpointing), m.activation_offload == "on")
+    hf = AutoConfig.from_pretrained(name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code)
+    est = estimate(cfg, flops.model_shape(hf.get_text_config()), setting, world if fsdp else 1)
+    used = ""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        used = (
+            f"; this device reserved {torch.cuda.max_memory_reserved(device) / GIB:.1f} GiB at its peak "
+            f"(allocated {torch.cuda.max_memory_allocated(device) / GIB:.1f}) of {total / GIB:.1f}"
+        )
+    fixes = []
+    if not setting.gradient_checkpointing:
+        fixes.append("model.gradient_checkpointing=true")
+    if not setting.activation_offload:
+        fixes.append("model.activation_offload=on")
+    if setting.micro_batch_size > 1:
+        fixes.append(f"train.micro_batch_size={setting.micro_batch_size // 2} (the global batch stays)")
+    fixes += [f"data.seq_len below {cfg.data.seq_len}", "adapter.method=qlora" if cfg.adapter.method == "lora" else ""]
+    return (
+        f"spotune: out of device memory with {setting.describe()}: the estimate was {est.reserved / GIB:.1f} GiB "
+        f"reserved{used}. Change one of: {', '.join(f for f in fixes if f)} (or set the memory settings to auto); "
+        "spotune does not retry by itself"
+    )

@@ -303,7 +303,8 @@ def train(cfg: C.RunConfig) -> int:
             dataset = StepDataset(rows, sampler, rank, world, split.micro_batch_size, steps)
             batches = step_loader(dataset, counters.step, accelerator.device, cfg.seed)
             ledger.mark_first_step()
-            reason = loop.train_loop(accelerator, model, optimizer, batches, plan, counters, hooks)
+            with autofit.oom_explained(cfg, model_path(cfg), accelerator.device, world, sharding.fsdp, console.message):
+                reason = loop.train_loop(accelerator, model, optimizer, batches, plan, counters, hooks)
         ledger.winding_down(reason)
         if reason in ("finished", "budget"):
             with ledger.timed("final"):
