@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from trainer import offload
-from trainer.batches import micro_batch
+from trainer.batches import micro_batch, to_device
 from trainer.config import AdapterConfig, ModelConfig
 from trainer.loss import token_loss_sum
 from trainer.model import build
@@ -29,14 +29,14 @@ def _micro() -> dict[str, Any]:
 
 
 def _loss_and_grads(
-    path: Path, offload_mode: str, corrupt: bool = False
+    path: Path, offload_mode: str, corrupt: bool = False, device: str = "cpu"
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model_cfg = ModelConfig(
         name_or_path=str(path), dtype="float32", gradient_checkpointing=True, activation_offload=offload_mode
     )
-    model = build(model_cfg, AdapterConfig(r=4, dropout=0.1))  # dropout: recomputation must replay its masks
-    model.train()
+    model = build(model_cfg, AdapterConfig(r=4, dropout=0.1), device=device)  # dropout: recomputation replays masks
+    model.to(device).train()
     if corrupt:  # control: a hook that changes what comes back must change the gradients
         off = model.spotune_offload
         plain_unpack = off.unpack
@@ -47,7 +47,7 @@ def _loss_and_grads(
 
         off.unpack = unpack  # type: ignore[method-assign]
     torch.manual_seed(1)
-    loss = token_loss_sum(model, _micro())
+    loss = token_loss_sum(model, to_device(_micro(), torch.device(device)))
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     return loss.detach(), grads
@@ -102,3 +102,16 @@ def test_hooks_do_not_leak_when_the_forward_raises(tiny_llama: Path) -> None:
     before = model.spotune_offload.offloaded_bytes
     y.backward()
     assert model.spotune_offload.offloaded_bytes == before and torch.equal(x.grad, 2 * torch.ones(4))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_offloading_on_cuda_is_bit_identical(tiny_llama: Path) -> None:
+    """The CUDA path: pinned host copies on a side stream, prefetched ahead of the backward."""
+    loss_off, grads_off = _loss_and_grads(tiny_llama, "off", device="cuda")
+    loss_on, grads_on = _loss_and_grads(tiny_llama, "on", device="cuda")
+    assert torch.equal(loss_on, loss_off)
+    for name in grads_off:
+        assert torch.equal(grads_on[name], grads_off[name]), name
+    _, grads_bad = _loss_and_grads(tiny_llama, "on", corrupt=True, device="cuda")
+    assert any(not torch.equal(grads_bad[n], grads_off[n]) for n in grads_off)
