@@ -142,12 +142,12 @@ def _timed_saves(root: Path, write, n: int) -> tuple[float, int, float]:
 
 
 def tiny_recipe_save(work: Path, repeats: int = 5) -> dict[str, Any]:
-    from trainer.model import build
+    from trainer.model import build, build_optimizer
 
     cfg = C.load(REPO / "recipes" / "tiny-cpu.yaml", [f"output_dir={work / 'tiny-run'}"])
     model = build(cfg.model, cfg.adapter, name_or_path=run.model_path(cfg), device=torch.device("cpu"))
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = run.build_optimizer(cfg.train, params, torch.device("cpu"))
+    opt = build_optimizer(cfg.train, params, torch.device("cpu"))
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()

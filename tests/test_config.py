@@ -53,7 +53,7 @@ def test_all_problems_reported_at_once_with_suggestions(tmp_path: Path) -> None:
     assert str(recipe) in msg
     assert "modle: unknown key; did you mean model?" in msg
     assert "data.seq_lenn: unknown key; did you mean data.seq_len?" in msg
-    assert "train.micro_batch_size: expected an integer, got 'two'" in msg
+    assert "train.micro_batch_size: expected an integer or one of 'auto', got 'two'" in msg
     assert "model.dtype: expected one of 'float32', 'bfloat16', 'float16', got 'float64'" in msg
     assert "train.lr: must be above 0" in msg
     assert "checkpoint.keep_last: must be at least 2" in msg

@@ -132,13 +132,13 @@ def test_meter_counts_head_flops_at_labelled_tokens_only() -> None:
     """The head runs only where a label is, so run.py's FLOP count charges it for those tokens."""
     from transformers import LlamaConfig
 
-    from trainer import flops, run
+    from trainer import flops
 
     config = LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=500
     )
     shape = flops.model_shape(config)
-    fn = run._flops_fn(config, trainable=1000)
+    fn = flops.meter_flops_fn(config, trainable=1000)
     assert fn is not None
     expected = flops.train_flops(shape, 800, 9e4, shape.matmul_params(), 1000, head_tokens=300)
     assert fn(800, 9e4, 300) == expected

@@ -252,7 +252,7 @@ def test_fsdp_memory_is_per_device_and_names_the_smallest_count(cfg: config.RunC
     by = {o["gpu"]: o for o in ddp["options"] if o["pricing"] == "on-demand"}
     assert by["H100-SXM"]["fits"] and by["H100-SXM"]["fsdp_gpus"] is None
     assert (by["A100-40GB"]["fits"], by["A100-40GB"]["fsdp_gpus"]) == (False, 2)
-    assert (by["RTX-4090"]["fits"], by["RTX-4090"]["fsdp_gpus"]) == (False, 8)
+    assert (by["RTX-4090"]["fits"], by["RTX-4090"]["fsdp_gpus"]) == (False, 4)  # the fused head: a chunk of logits
     assert "train.distributed=fsdp (--gpus N) on: A100-40GB x2" in table.format_estimate(ddp)
     # Under DDP every GPU holds a whole copy: more GPUs do not lower the per-device peak (control).
     assert plan_cli.estimate_for_run(big, throughput=100.0, gpus=2)["memory_gib"]["total"] == ddp["memory_gib"]["total"]

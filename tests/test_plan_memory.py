@@ -6,8 +6,9 @@ running sum of tensor allocations, plus the weights and optimizer state that alr
 existed. CPU has no caching allocator and no CUDA context, so the estimate is called with
 `device_overhead=0, fragmentation=0`; everything else is the formula used for GPUs.
 Hidden 512, 4 layers, seq 512: large enough that weights, activations and logits
-dominate. Agreement reached: llama without checkpointing +2% to +8% on the total (+3% to
-+13% on the per-step part; the allocation trace's peak varies a little between runs);
+dominate; the step uses the model's own (unfused) head and loss, so the estimate is called
+with `fused_head=False`. Agreement reached: llama without checkpointing +8% on the total
+(+13% on the per-step part; the allocation trace's peak varies a little between runs);
 qwen2 with checkpointing +16% (+50% on the per-step part): there the measured peak is the
 end of forward and lacks the fp32 logits gradient that the estimate adds (one vocab-sized
 tensor). The estimate is meant to err high, so the tests assert between -10% and +20% on
@@ -95,6 +96,7 @@ def test_estimate_matches_measured_peak(arch: str, seq: int, mbs: int, checkpoin
         gradient_checkpointing=checkpointing,
         device_overhead=0,
         fragmentation=0,
+        fused_head=False,  # this step uses the model's own head and loss: every logit at once
     )
     est_dynamic = est.activations + est.logits + est.backward_workspace + est.gradients
     assert est.weights + est.adapter + est.optimizer == pytest.approx(existing, rel=1e-6)
@@ -136,9 +138,7 @@ def test_checkpointing_and_8bit_optimizer_shrink_the_estimate() -> None:
     assert plain.weights == memory.weight_bytes(shape, "nf4", "bfloat16")
     eager = memory.estimate_memory(shape, optimizer="adamw", gradient_checkpointing=False, eager_attention=True, **kw)
     # Scores and probabilities: 2 x bf16 x 32 heads x 4096^2 per layer, 32 layers = 64 GiB more.
-    assert (eager.activations - plain.activations) / (1 + memory.FRAGMENTATION) == pytest.approx(
-        32 * 2 * 2 * 32 * 4096**2
-    )
+    assert eager.activations - plain.activations == pytest.approx(32 * 2 * 2 * 32 * 4096**2)
 
 
 def test_nf4_weight_bytes_match_bitsandbytes(tmp_path: Path) -> None:
@@ -180,7 +180,7 @@ def test_estimate_holds_for_the_tiny_recipe_on_its_training_path(
 ) -> None:
     """The tiny recipe (recipes/tiny-cpu.yaml: fp32, seq 256, micro-batch 4 x 2, LoRA r16 with
     dropout) through spotune's own step: its batches, its loss (logits at labelled rows only),
-    AdamW. Measured here: the estimate is 14% high (it assumes every position is trained).
+    AdamW. Measured here: the estimate is 17% high (it assumes every position is trained).
     Tolerance: 0% to +30%, since the estimate is there to say whether a run fits."""
     from datasets import load_from_disk
     from transformers import AutoConfig
@@ -277,7 +277,8 @@ def test_fsdp_shards_the_base_and_the_adapter_state_but_not_the_activations() ->
     assert (two.optimizer, eight.gradients, off.optimizer) == (one.optimizer / 2, one.gradients / 8, 0.0)
     assert two.activations == one.activations and eight.logits == one.logits
     assert one.total > two.total > eight.total > off.total
-    # 70B QLoRA: one 80 GB card holds it; 40 GB cards need two, 24 GB cards eight (per-device peak).
+    # 70B QLoRA: one 80 GB card holds it; 40 GB cards need two, 24 GB cards four (per-device peak;
+    # the fused head's working set is a chunk of logits, not the whole sequence's).
     fits = {gib: memory.smallest_shard_count(lambda n, g=gib: est(n).total <= g * memory.GIB) for gib in (80, 40, 24)}
-    assert fits == {80: 1, 40: 2, 24: 8}
+    assert fits == {80: 1, 40: 2, 24: 4}
     assert memory.smallest_shard_count(lambda n: False) is None

@@ -39,8 +39,10 @@ class ModelConfig:
     """`auto`: on CUDA flash_attention_3/2 if installed, else spotune_varlen (torch's varlen kernel), else flex_attention; sdpa on CPU."""
     compile: bool = False
     """torch.compile each decoder layer (first steps are slower while it compiles)."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward (non-reentrant) to save memory."""
+    gradient_checkpointing: bool | Literal["auto"] = False
+    """Recompute activations in backward (non-reentrant) to save memory; `auto`: only when the memory estimate says the run would not fit without it (trainer/autofit.py)."""
+    activation_offload: Literal["off", "on", "auto"] = "off"
+    """Move what the decoder saves for backward (with checkpointing: each layer's input) to host memory during the forward, back ahead of the backward (trainer/offload.py); `auto`: only when the estimate says the run would not fit otherwise."""
     trust_remote_code: bool = False
     """Run modelling code shipped with the checkpoint. Off unless you trust its source."""
 
@@ -98,8 +100,7 @@ class DataConfig:
     shuffle: bool = True
     """Shuffle rows each epoch (order is a pure function of seed and epoch)."""
     loader_workers: int | Literal["auto"] = "auto"
-    """DataLoader worker processes that prefetch whole steps: `auto` is 1 on CUDA (reading and collating hide
-    behind the GPU's work) and 0 on CPU (a worker would only compete for the cores). Same batches either way."""
+    """DataLoader worker processes that prefetch whole steps: `auto` is 1 on CUDA (reading and collating hide behind the GPU's work) and 0 on CPU (a worker would only compete for the cores). Same batches either way."""
 
 
 @dataclass(frozen=True)
@@ -111,8 +112,8 @@ class TrainConfig:
     global_batch_size: int | None = None
     """Packed rows per optimizer step over all devices: what defines the run (structural). Unset:
     `micro_batch_size x grad_accum x devices` of the first start, kept when a resume has another device count."""
-    micro_batch_size: int = 1
-    """Rows per forward pass per device: a memory choice, free to change between restarts."""
+    micro_batch_size: int | Literal["auto"] = 1
+    """Rows per forward pass per device: a memory choice, free to change between restarts. `auto`: the largest that the memory estimate fits on this device (needs `global_batch_size`; accumulation absorbs it)."""
     grad_accum: int | None = None
     """Micro-batches per optimizer step per device; derived from `global_batch_size` when unset (1 when both are)."""
     lr: float = 2e-4
@@ -148,8 +149,7 @@ class TrainConfig:
     distributed: Literal["ddp", "fsdp"] = "ddp"
     """Several processes: `ddp` keeps a whole model on every device; `fsdp` shards it (FSDP2, per decoder layer) for a base that does not fit one GPU. An `accelerate launch` FSDP config also selects fsdp. A checkpoint resumes under either."""
     deterministic: bool = False
-    """Deterministic kernels only, so that on a GPU two runs, and a stopped-and-resumed run, end bit-identical (on
-    CPU in fp32 they already are). Costs GPU speed (README, Determinism); refuses model.compile."""
+    """Deterministic kernels only, so that on a GPU two runs, and a stopped-and-resumed run, end bit-identical (on CPU in fp32 they already are). Costs GPU speed (README, Determinism); refuses model.compile."""
     fsdp_cpu_offload: bool = False
     """Under `fsdp`: keep the shards (and the optimizer step) in CPU memory, copied to the GPU a layer at a time; less GPU memory, slower steps."""
 
@@ -308,6 +308,8 @@ def to_yaml(cfg: RunConfig) -> str:
 def structural_fields(cfg: RunConfig, world_size: int = 1, global_rows: int | None = None) -> dict[str, Any]:
     """The settings a resumed run must share with the run that wrote the checkpoint."""
     a, d, t = cfg.adapter, cfg.data, cfg.train
+    if global_rows is None and t.micro_batch_size == "auto":
+        global_rows = t.global_batch_size  # set whenever the micro-batch is `auto` (config_rules)
     return {
         "model.name_or_path": cfg.model.name_or_path,
         "model.revision": cfg.model.revision,
@@ -359,6 +361,8 @@ def batch_split(train: TrainConfig, world: int, saved_global_rows: int | None = 
     """The one rule for the global batch: `train.global_batch_size`, else the resumed run's own,
     else `micro_batch_size x grad_accum x world`. Raises ConfigError when the pieces disagree."""
     micro = train.micro_batch_size
+    if micro == "auto":  # trainer/autofit.py resolves it before anything splits the batch
+        raise ConfigError(["train.micro_batch_size: `auto` must be resolved first (trainer.autofit.resolve)"])
     if train.global_batch_size is not None:
         rows = train.global_batch_size
         if train.grad_accum is not None and micro * train.grad_accum * world != rows:

@@ -114,7 +114,7 @@ def cross_checks(cfg: RunConfig) -> list[str]:
     p: list[str] = []
     positive = {
         "data.seq_len": cfg.data.seq_len,
-        "train.micro_batch_size": cfg.train.micro_batch_size,
+        "train.micro_batch_size": 1 if cfg.train.micro_batch_size == "auto" else cfg.train.micro_batch_size,
         "adapter.r": cfg.adapter.r,
         "data.num_proc": cfg.data.num_proc,
         "metrics.log_every": cfg.metrics.log_every,
@@ -123,6 +123,11 @@ def cross_checks(cfg: RunConfig) -> list[str]:
     for key, value in positive.items():
         if value < 1:
             p.append(f"{key}: must be at least 1, got {value}")
+    if cfg.train.micro_batch_size == "auto" and (cfg.train.global_batch_size is None or cfg.train.grad_accum):
+        p.append(  # the run must not depend on the GPU: accumulation absorbs the chosen micro-batch
+            "train.micro_batch_size: `auto` needs train.global_batch_size (the rows per optimizer step) and no "
+            "train.grad_accum; set train.global_batch_size, or give micro_batch_size a number"
+        )
     optional: dict[str, int | None] = {
         "train.max_steps": cfg.train.max_steps,
         "checkpoint.every_steps": cfg.checkpoint.every_steps,

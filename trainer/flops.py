@@ -25,7 +25,7 @@ embedding output directly. `tests/test_flops.py` measures that difference exactl
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,3 +204,19 @@ def train_flops(
         linear -= 4.0 * shape.head_params() * (tokens - head_tokens)
     pairs = causal_pairs(tokens, doc_len_sq_sum) if causal else float(doc_len_sq_sum)
     return linear + attention_flops(shape, pairs)
+
+
+def meter_flops_fn(hf_config: Any, trainable: int) -> Callable[[float, float, float], float] | None:
+    """The meter's FLOPs of a step (tokens, sum of squared document lengths, head tokens) for this
+    model with `trainable` LoRA parameters, or None for an architecture the FLOP model does not know."""
+    try:
+        shape = model_shape(hf_config)
+    except ValueError:
+        return None  # an architecture the FLOP model does not know: MFU stays null
+    frozen = shape.matmul_params()
+
+    def fn(tokens: float, doc_sq: float, head_tokens: float) -> float:
+        # trainer.loss applies the head to labelled positions only: head_tokens = trainable tokens.
+        return train_flops(shape, tokens, doc_sq, frozen, trainable, head_tokens=head_tokens)
+
+    return fn

@@ -16,12 +16,13 @@ import logging
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
 
-from trainer import attention
-from trainer.config import AdapterConfig, ConfigError, ModelConfig
+from trainer import attention, offload
+from trainer.config import AdapterConfig, ConfigError, ModelConfig, TrainConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -202,7 +203,7 @@ def build(
 
     base = load_base(model_cfg, adapter_cfg, name_or_path=name_or_path, device=device, sharded=sharded)
     base.config.use_cache = False  # training never uses the KV cache; avoids warnings with checkpointing
-    if model_cfg.gradient_checkpointing:
+    if model_cfg.gradient_checkpointing is True:  # `auto` is resolved by trainer/autofit.py before build
         enable_activation_checkpointing(base)
     targets = list(adapter_cfg.target_modules)
     lora = LoraConfig(
@@ -227,6 +228,8 @@ def build(
         compute_adapters_in_autocast_dtype(model)
     if model_cfg.compile:
         compile_layers(model)
+    if model_cfg.activation_offload == "on":
+        offload.attach(model)
     return model  # accelerate.prepare places a non-quantised model on its device
 
 
@@ -294,3 +297,18 @@ def count_params(model: torch.nn.Module) -> ParamCounts:
         else:
             frozen += n
     return ParamCounts(trainable=trainable, frozen=frozen)
+
+
+def build_optimizer(
+    train: TrainConfig, params: list[torch.nn.Parameter], device: torch.device
+) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters only; bitsandbytes 8-bit (paged) variants on request."""
+    kwargs: dict[str, Any] = dict(
+        lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps, weight_decay=train.weight_decay
+    )
+    if train.optimizer == "adamw":
+        return torch.optim.AdamW(params, fused=device.type == "cuda", **kwargs)
+    import bitsandbytes as bnb
+
+    cls = bnb.optim.AdamW8bit if train.optimizer == "adamw_8bit" else bnb.optim.PagedAdamW8bit
+    return cls(params, **kwargs)

@@ -1,45 +1,339 @@
 """Wiring for `spotune train`: the only module that sees the whole RunConfig.
 
-`train(cfg)` builds the accelerator, data, model, optimizer, sampler, checkpoint manager,
-ledger and meter, resumes from the newest checkpoint that verifies, hands everything to
-`loop.train_loop`, writes `final/` and returns the process exit code.
+`train(cfg)` reads top to bottom in the order the README tells it: the process and its store
+(trainer/process.py), the data, the model and its optimizer, the resume, the loop
+(trainer/loop.py), then the final adapter, the upload flush and the report. One `ExitStack`
+closes what each step opened, on every exit path (trainer/shutdown.py says why that matters).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import importlib.util
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from trainer import autofit, determinism, distributed, exit_codes, flops, loop, metrics, process, shutdown, tiny
 from trainer import config as C
-from trainer import determinism, distributed, exit_codes, flops, gpu_probe, loop, metrics, shutdown, tiny
 from trainer.batches import StepDataset, prefetching, step_loader
 from trainer.data.cache import data_cache_root, in_turns
 from trainer.exit_codes import StopReason
 from trainer.export import write_final
-from trainer.model import build, count_params
-from trainer.restart import notice, preemption
+from trainer.model import build, build_optimizer, count_params
 from trainer.restart.checkpoint import CheckpointManager
 from trainer.restart.ledger import Ledger, timed
-from trainer.restart.remote import RemoteRun
-from trainer.restart.rng import gather_rng
-from trainer.restart.state import (
-    Counters,
-    TrainState,
-    check_compatible,
-    restore_training_state,
-    snapshot,
-    write_training_state,
-)
+from trainer.restart.saving import Saver
+from trainer.restart.state import Counters, TrainState, check_compatible, restore_training_state
 from trainer.sampler import StepSampler, run_steps
 from trainer.shutdown import OutOfMemory
 from trainer.telemetry import Budget, Telemetry
+
+
+def train(cfg: C.RunConfig) -> int:
+    """Train (resuming when a checkpoint verifies) and return the process exit code."""
+    entered = time.time()
+    phases: dict[str, float] = {}  # fixed costs for the ledger, timed before it can open
+    with timed(phases, "imports"):  # the rest of the libraries train() needs (the ledger adds the time before)
+        from accelerate.utils import set_seed
+        from datasets import load_from_disk
+
+    with determinism.kernels(cfg.train.deterministic) as notes, contextlib.ExitStack() as closing:
+        proc = process.start(cfg, phases, closing)  # accelerator, DDP/FSDP, the store, the stop paths
+        device = proc.accelerator.device
+        with timed(phases, "data"):
+            prepared = _prepare_once_per_node(cfg, proc)
+        # Resolved before the model loads, so a bad metrics.gpu fails in a second, not a minute.
+        peak_flops = metrics.resolve_peak_flops(cfg.metrics.peak_flops, cfg.metrics.gpu, device)
+        # `auto` micro-batch / checkpointing / offloading: the fastest that the estimate fits here.
+        cfg, auto_notes = autofit.resolve_for_device(cfg, model_path(cfg), device, proc.world, proc.sharding.fsdp)
+        set_seed(cfg.seed)  # same LoRA init on every rank (DDP also broadcasts rank 0's weights)
+        with timed(phases, "model"):
+            model = _build_model(cfg, proc)
+        counts = count_params(model)
+        rows = load_from_disk(str(prepared.train_path))
+        with timed(phases, "resolve"):
+            resume_dir, resume_notes = proc.remote.resolve(cfg.checkpoint.resume)  # local or remote, on rank 0
+        sched = _schedule(cfg, proc, prepared, len(rows), resume_dir)
+        optimizer_device = torch.device("cpu") if proc.sharding.cpu_offload else device  # where it steps
+        model, optimizer = distributed.prepare(
+            proc.accelerator, model, lambda params: build_optimizer(cfg.train, params, optimizer_device), proc.sharding
+        )
+        set_seed(cfg.seed + proc.rank)  # distinct dropout streams per rank from here on
+
+        books = _open_books(cfg, proc, sched, model, counts.trainable, peak_flops, phases, entered, closing)
+        books.ledger.data_reused = bool(prepared.reused)
+        for note in [*notes, *proc.sharding.notes, *auto_notes, *resume_notes, *sched.notes]:
+            books.console.message(f"spotune: {note}")
+        saver = _saver(cfg, proc, sched, model, optimizer, books)
+        counters = Counters()
+        if resume_dir is not None:  # last before the first step: it restores the RNG
+            with books.ledger.timed("restore"):
+                counters = _restore(resume_dir, model, optimizer, proc.accelerator)
+            books.console.message(f"spotune: resuming from {resume_dir} at step {counters.step} of {sched.steps}")
+        books.meter.start_step = counters.step
+        books.console.update(counters.step)
+
+        try:
+            reason = _train_steps(cfg, proc, sched, rows, prepared, model, optimizer, counters, saver, books)
+        except OutOfMemory as e:  # a run that does not fit: one message with the figures, no restart
+            books.ledger.close("out_of_memory")
+            figures = autofit.out_of_memory_figures(cfg, proc.accelerator.unwrap_model(model).config, proc.accelerator)
+            print(shutdown.out_of_memory_message(e, **figures), file=sys.stderr, flush=True)
+            return exit_codes.EXIT_OUT_OF_MEMORY
+        return _finish(cfg, proc, sched, model, reason, books)
+
+
+# ---------------------------------------------------------------------------- the stages
+
+
+def _prepare_once_per_node(cfg: C.RunConfig, proc: process.Process) -> Any:
+    """The packed dataset (rank 0, then one rank per other node; the rest reuse their node's cache),
+    and config.yaml in the run directory on its first start."""
+    prepared = in_turns(
+        lambda: prepare_data(cfg, progress=proc.is_main and cfg.metrics.progress),
+        is_main=proc.is_main,
+        is_local_main=proc.accelerator.is_local_main_process,
+        barrier=proc.accelerator.wait_for_everyone,
+    )
+    if proc.is_main:
+        proc.out.mkdir(parents=True, exist_ok=True)
+        if not (proc.out / "config.yaml").exists():
+            (proc.out / "config.yaml").write_text(C.to_yaml(cfg))
+    return prepared
+
+
+def _build_model(cfg: C.RunConfig, proc: process.Process) -> torch.nn.Module:
+    model_cfg = cfg.model
+    if proc.sharding.activation_checkpointing:  # asked for by an accelerate FSDP config
+        model_cfg = dataclasses.replace(model_cfg, gradient_checkpointing=True)
+    return build(
+        model_cfg,
+        cfg.adapter,
+        name_or_path=model_path(cfg),
+        device=proc.accelerator.device,
+        autocast=cfg.train.mixed_precision != "no",
+        sharded=proc.sharding.fsdp,
+    )
+
+
+@dataclass
+class Schedule:
+    """Which rows each step trains on and how many steps the run has, and what a checkpoint must match."""
+
+    split: C.BatchSplit
+    sampler: StepSampler
+    steps: int
+    state: TrainState
+    """What every checkpoint of the run records: structure, data fingerprint, config."""
+    saved: TrainState | None
+    notes: list[str]
+
+
+def _schedule(cfg: C.RunConfig, proc: process.Process, prepared: Any, n_rows: int, resume_dir: Path | None) -> Schedule:
+    saved = TrainState.from_json((resume_dir / "trainer_state.json").read_text()) if resume_dir is not None else None
+    # The run is defined by its global batch: a resume on another device count keeps it and only
+    # the per-device split changes (trainer/sampler.py: the same rows every step).
+    split = C.batch_split(cfg.train, proc.world, saved.structural.get("global_batch_rows") if saved else None)
+    structural = C.structural_fields(cfg, proc.world, split.global_rows)
+    notes: list[str] = []
+    if saved is not None:
+        notes += check_compatible(saved, structural, prepared.fingerprint, cfg.checkpoint.allow_config_change)
+        if saved.world_size != proc.world:
+            notes.append(split.resume_note(saved.world_size, cfg.adapter.dropout))
+    sampler = StepSampler(n_rows, split.global_rows, seed=cfg.seed, shuffle=cfg.data.shuffle)
+    steps = run_steps(n_rows, split.global_rows, cfg.train.max_steps, cfg.train.epochs)
+    state = TrainState(
+        structural=structural,
+        data_fingerprint=prepared.fingerprint,
+        config=cfg.to_dict(),
+        world_size=proc.world,
+        seed=cfg.seed,
+    )
+    return Schedule(split, sampler, steps, state, saved, notes)
+
+
+@dataclass
+class Books:
+    """Where the run's account goes: the ledger (device-hours, cost), the meter, the console, the sinks."""
+
+    ledger: Ledger
+    meter: metrics.Meter
+    console: metrics.Console
+    telemetry: Telemetry
+
+
+def _open_books(
+    cfg: C.RunConfig,
+    proc: process.Process,
+    sched: Schedule,
+    model: torch.nn.Module,
+    trainable: int,
+    peak_flops: float | None,
+    phases: dict[str, float],
+    entered: float,
+    closing: contextlib.ExitStack,
+) -> Books:
+    saved = sched.saved
+    ledger = Ledger.open(
+        proc.out,
+        proc.world,
+        price_per_hour=cfg.metrics.price_per_hour,
+        carried_totals=saved.ledger if saved is not None else None,
+        enabled=proc.is_main,
+        phases=phases,
+    )
+    closing.push(_ledger_row_on_error(ledger))
+    ledger.phases["imports"] += entered - ledger.start  # interpreter, CLI and config before train()
+    console = metrics.Console(sched.steps, 0, enabled=cfg.metrics.progress, is_main=proc.is_main)
+    closing.callback(console.close)
+    proc.remote.message = console.message
+    proc.remote.start_uploads()
+    meter = metrics.Meter(
+        world_size=proc.world,
+        warmup_steps=cfg.metrics.warmup_steps,
+        flops_fn=flops.meter_flops_fn(proc.accelerator.unwrap_model(model).config, trainable),
+        peak_flops=peak_flops,
+        price_per_hour=cfg.metrics.price_per_hour,
+        total_steps=sched.steps,
+        device_seconds_fn=lambda: float(ledger.totals()["device_seconds"]),  # one source of truth: the ledger
+    )
+    if cfg.metrics.trackers:
+        proc.accelerator.init_trackers("spotune", config=metrics.flat_config(cfg.to_dict()))
+    sink = metrics.JsonlSink(proc.out / "metrics.jsonl") if proc.is_main else None
+    if sink is not None:
+        closing.callback(sink.close)
+    telemetry = Telemetry(
+        meter,
+        console,
+        ledger,
+        sink,
+        log_every=cfg.metrics.log_every,
+        total_steps=sched.steps,
+        budget=Budget(max_gpu_hours=cfg.train.max_gpu_hours, max_cost=cfg.train.max_cost),
+        epoch_of=lambda step: round(step / sched.sampler.steps_per_epoch, 4),
+        digest_of=sched.sampler.digest,
+        tracker_log=(lambda row, step: proc.accelerator.log(row, step=step)) if cfg.metrics.trackers else None,
+        row_extras=proc.remote.metrics,
+    )
+    return Books(ledger, meter, console, telemetry)
+
+
+def _ledger_row_on_error(ledger: Ledger) -> Callable[..., bool]:
+    """The ledger row says how this attempt ended, whatever ended it (an ExitStack exit callback)."""
+
+    def close(exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        if exc_type is not None:  # close is idempotent: a row already written stays
+            ledger.close("aborted" if issubclass(exc_type, (KeyboardInterrupt, SystemExit)) else "error")
+        return False  # the exception goes on
+
+    return close
+
+
+def _saver(cfg: C.RunConfig, proc: process.Process, sched: Schedule, model: Any, optimizer: Any, books: Books) -> Saver:
+    return Saver(
+        model=model,
+        optimizer=optimizer,
+        accelerator=proc.accelerator,
+        state=sched.state,
+        position=sched.sampler.position,
+        manager=CheckpointManager(proc.out / "checkpoints", keep_last=cfg.checkpoint.keep_last),
+        remote=proc.remote,
+        ledger_totals=books.ledger.totals,
+        notice_seconds=cfg.checkpoint.notice_seconds,
+        message=books.console.message,
+        on_saved=books.telemetry.saved,
+    )
+
+
+def _train_steps(
+    cfg: C.RunConfig,
+    proc: process.Process,
+    sched: Schedule,
+    rows: Any,
+    prepared: Any,
+    model: torch.nn.Module,
+    optimizer: Any,
+    counters: Counters,
+    saver: Saver,
+    books: Books,
+) -> StopReason:
+    """The loop over the remaining steps, its loader's workers ending with it."""
+    t = cfg.train
+    if counters.step >= sched.steps:
+        return "finished"
+    plan = loop.LoopPlan(
+        total_steps=sched.steps,
+        lr=loop.LrSchedule(
+            peak=t.lr,
+            total_steps=sched.steps,
+            warmup_steps=t.warmup_steps,
+            kind=t.schedule,
+            min_lr_ratio=t.min_lr_ratio,
+        ),
+        max_grad_norm=t.max_grad_norm,
+        max_bad_steps=t.max_bad_steps,
+        eval_every=t.eval_every if prepared.eval_path is not None else None,
+        save_every_steps=cfg.checkpoint.every_steps,
+        save_every_minutes=cfg.checkpoint.every_minutes,
+    )
+    evaluate = (
+        _evaluator(cfg, prepared, model, proc.accelerator, books.telemetry, counters) if plan.eval_every else None
+    )
+    hooks = loop.Hooks(
+        save=saver,
+        on_step=books.telemetry.on_step,
+        message=books.console.message,
+        stop_requested=lambda: proc.stop.due(counters.step),
+        over_budget=books.telemetry.over_budget,
+        evaluate=evaluate,
+    )
+    dataset = StepDataset(rows, sched.sampler, proc.rank, proc.world, sched.split.micro_batch_size, sched.steps)
+    workers = None if cfg.data.loader_workers == "auto" else cfg.data.loader_workers
+    loader = step_loader(dataset, counters.step, proc.accelerator.device, cfg.seed, workers)
+    books.ledger.mark_first_step()
+    with prefetching(loader) as batches:  # its workers end with the block, whatever ends it
+        return loop.train_loop(proc.accelerator, model, optimizer, batches, plan, counters, hooks)
+
+
+def _finish(
+    cfg: C.RunConfig, proc: process.Process, sched: Schedule, model: Any, reason: StopReason, books: Books
+) -> int:
+    """final/, the upload flush, the report, the ledger row; returns the exit code."""
+    ledger = books.ledger
+    ledger.winding_down(reason)
+    if reason in ("finished", "budget"):
+        with ledger.timed("final"):
+            write_final(proc.out / "final", model, tokenizer_path(cfg), proc.is_main)  # collective under FSDP
+    proc.accelerator.wait_for_everyone()
+    summary = books.meter.summary()
+    with ledger.timed("flush"):
+        proc.remote.finish(preempted=reason == "preempted", notice_seconds=cfg.checkpoint.notice_seconds)
+    if proc.is_main:  # after the flush: a preempted machine spends its notice on the upload first
+        # Before the ledger row, so the ledger counts what the user pays for: the page shows
+        # this attempt from the heartbeat, ended and up to date but for the page's own time.
+        ledger.reporting()
+        from trainer.report import report_after_train
+
+        report_after_train(proc.out, books.console.message)
+    if cfg.metrics.trackers:
+        proc.accelerator.end_training()
+    # Closed while the signal handlers are still installed: a late SIGTERM (torchrun
+    # forwards one after a sibling exits) must not kill us before this row is written.
+    ledger.close(reason)
+    proc.remote.close()
+    books.console.close()
+    if proc.is_main:
+        books.console.message(books.telemetry.final_summary(reason, sched.steps, summary, proc.out))
+    return exit_codes.FOR_STOP[reason]
+
+
+# ---------------------------------------------------------------------------- pieces
 
 
 def model_path(cfg: C.RunConfig) -> str:
@@ -62,303 +356,6 @@ def prepare_data(cfg: C.RunConfig, progress: bool = True) -> Any:
     return prepared
 
 
-def make_accelerator(cfg: C.RunConfig) -> Any:
-    """Accelerate owns device placement, autocast (+ fp16 grad scaler) and DDP wrapping; FSDP
-    sharding is ours (trainer/distributed.py says why).
-
-    Gradient accumulation stays ours (loop.py counts tokens over the whole step), so the
-    accelerator runs with gradient_accumulation_steps=1. Under `torchrun` on a CPU-only
-    machine, `cpu=True` still gives one gloo rank per process.
-    """
-    from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs
-
-    cuda = torch.cuda.is_available()
-    unusable = gpu_probe.unusable_gpu_reason()
-    if unusable:
-        raise C.ConfigError([unusable])
-    if cfg.train.mixed_precision == "fp16" and not cuda:
-        raise C.ConfigError(["train.mixed_precision: fp16 needs a CUDA GPU; use bf16 or no on CPU"])
-    trackers = list(cfg.metrics.trackers)
-    missing = [t for t in trackers if importlib.util.find_spec(t) is None]
-    if missing:  # accelerate would only log a warning and drop the tracker
-        raise C.ConfigError(
-            [
-                f"metrics.trackers: {', '.join(missing)} is not installed; pip install {' '.join(missing)} "
-                "(or pip install 'spotune[trackers]'), or remove it from metrics.trackers"
-            ]
-        )
-    backend = distributed.process_group_backend(cfg.train.distributed, cfg.train.fsdp_cpu_offload, cuda)
-    return Accelerator(
-        cpu=not cuda,
-        mixed_precision=cfg.train.mixed_precision,
-        log_with=trackers or None,
-        project_dir=cfg.output_dir,
-        kwargs_handlers=[InitProcessGroupKwargs(backend=backend)] if backend else None,
-    )
-
-
-def build_optimizer(
-    train: C.TrainConfig, params: list[torch.nn.Parameter], device: torch.device
-) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters only; bitsandbytes 8-bit (paged) variants on request."""
-    kwargs: dict[str, Any] = dict(
-        lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps, weight_decay=train.weight_decay
-    )
-    if train.optimizer == "adamw":
-        return torch.optim.AdamW(params, fused=device.type == "cuda", **kwargs)
-    import bitsandbytes as bnb
-
-    cls = bnb.optim.AdamW8bit if train.optimizer == "adamw_8bit" else bnb.optim.PagedAdamW8bit
-    return cls(params, **kwargs)
-
-
-def train(cfg: C.RunConfig) -> int:
-    """Train (resuming when a checkpoint verifies) and return the process exit code."""
-    with determinism.kernels(cfg.train.deterministic) as notes:  # before any CUDA work
-        return _train(cfg, notes)
-
-
-def _train(cfg: C.RunConfig, early_notes: list[str]) -> int:
-    entered = time.time()
-    phases: dict[str, float] = {}  # fixed costs for the ledger, timed before it can open
-    with timed(phases, "imports"):  # the rest of the libraries train() needs (the ledger adds the time before)
-        from datasets import load_from_disk
-
-    out = Path(cfg.output_dir)
-    accelerator = make_accelerator(cfg)
-    rank, world, is_main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
-    t = cfg.train
-    # DDP, or FSDP from the recipe or an accelerate FSDP config; refuses DeepSpeed and the like.
-    sharding = distributed.choose(t.distributed, t.fsdp_cpu_offload, accelerator)
-    ck = cfg.checkpoint
-    remote = RemoteRun(
-        ck.remote,
-        ck.storage_options,
-        out,
-        keep_last=ck.keep_last,
-        is_main=is_main,
-        is_local_main=accelerator.is_local_main_process,
-    )
-    with timed(phases, "store"):
-        remote.connect()  # first: a fresh machine fetches the run's config, ledger and metrics before writing any
-    stop = preemption.Preemption().install()
-    ck = cfg.checkpoint  # a cloud notice sets the same flag as SIGTERM; one poller per machine
-    watcher = notice.NoticeWatcher(ck.preemption_notice, stop.request, ck.notice_endpoint, ck.notice_poll_seconds)
-    if accelerator.is_local_main_process:
-        watcher.start()
-    show = is_main and cfg.metrics.progress
-
-    with timed(phases, "data"):
-        prepared = in_turns(  # rank 0, then one rank per other node, then the rest reuse their node's cache
-            lambda: prepare_data(cfg, progress=show),
-            is_main=is_main,
-            is_local_main=accelerator.is_local_main_process,
-            barrier=accelerator.wait_for_everyone,
-        )
-    if is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        if not (out / "config.yaml").exists():
-            (out / "config.yaml").write_text(C.to_yaml(cfg))
-
-    from accelerate.utils import set_seed
-
-    # Resolved before the model loads, so a bad metrics.gpu fails in a second, not a minute.
-    peak_flops = metrics.resolve_peak_flops(cfg.metrics.peak_flops, cfg.metrics.gpu, accelerator.device)
-    set_seed(cfg.seed)  # same LoRA init on every rank (DDP also broadcasts rank 0's weights)
-    with timed(phases, "model"):
-        model = build(
-            dataclasses.replace(cfg.model, gradient_checkpointing=True)
-            if sharding.activation_checkpointing
-            else cfg.model,
-            cfg.adapter,
-            name_or_path=model_path(cfg),
-            device=accelerator.device,
-            autocast=cfg.train.mixed_precision != "no",
-            sharded=sharding.fsdp,
-        )
-    counts = count_params(model)
-    rows = load_from_disk(str(prepared.train_path))
-    with timed(phases, "resolve"):
-        resume_dir, notes = remote.resolve(cfg.checkpoint.resume)  # local or remote, chosen on rank 0
-    notes = [*early_notes, *sharding.notes, *notes]
-    saved = TrainState.from_json((resume_dir / "trainer_state.json").read_text()) if resume_dir is not None else None
-    # The run is defined by its global batch: a resume on another device count keeps it and only
-    # the per-device split changes (trainer/sampler.py: the same rows every step).
-    split = C.batch_split(t, world, saved.structural.get("global_batch_rows") if saved is not None else None)
-    structural = C.structural_fields(cfg, world, split.global_rows)
-    if saved is not None:
-        notes += check_compatible(saved, structural, prepared.fingerprint, cfg.checkpoint.allow_config_change)
-        if saved.world_size != world:
-            notes.append(split.resume_note(saved.world_size, cfg.adapter.dropout))
-    sampler = StepSampler(len(rows), split.global_rows, seed=cfg.seed, shuffle=cfg.data.shuffle)
-    steps = run_steps(len(rows), split.global_rows, t.max_steps, t.epochs)
-    optimizer_device = torch.device("cpu") if sharding.cpu_offload else accelerator.device  # where it steps
-    model, optimizer = distributed.prepare(
-        accelerator, model, lambda params: build_optimizer(t, params, optimizer_device), sharding
-    )
-    set_seed(cfg.seed + rank)  # distinct dropout streams per rank from here on
-
-    state = TrainState(
-        structural=structural,
-        data_fingerprint=prepared.fingerprint,
-        config=cfg.to_dict(),
-        world_size=world,
-        seed=cfg.seed,
-    )
-    ledger = Ledger.open(
-        out,
-        world,
-        price_per_hour=cfg.metrics.price_per_hour,
-        carried_totals=saved.ledger if saved is not None else None,
-        enabled=is_main,
-        phases=phases,
-    )
-    ledger.data_reused = bool(prepared.reused)
-    ledger.phases["imports"] += entered - ledger.start  # interpreter, CLI and config before train()
-    manager = CheckpointManager(out / "checkpoints", keep_last=cfg.checkpoint.keep_last)
-    console = metrics.Console(steps, 0, enabled=cfg.metrics.progress, is_main=is_main)
-    for note in notes:
-        console.message(f"spotune: {note}")
-    remote.message = console.message
-    remote.start_uploads()
-
-    meter = metrics.Meter(
-        world_size=world,
-        warmup_steps=cfg.metrics.warmup_steps,
-        flops_fn=_flops_fn(accelerator.unwrap_model(model).config, counts.trainable),
-        peak_flops=peak_flops,
-        price_per_hour=cfg.metrics.price_per_hour,
-        total_steps=steps,
-        device_seconds_fn=lambda: float(ledger.totals()["device_seconds"]),  # one source of truth: the ledger
-    )
-    if cfg.metrics.trackers:
-        accelerator.init_trackers("spotune", config=metrics.flat_config(cfg.to_dict()))
-    telemetry = Telemetry(
-        meter,
-        console,
-        ledger,
-        metrics.JsonlSink(out / "metrics.jsonl") if is_main else None,
-        log_every=cfg.metrics.log_every,
-        total_steps=steps,
-        budget=Budget(max_gpu_hours=t.max_gpu_hours, max_cost=t.max_cost),
-        epoch_of=lambda step: round(step / sampler.steps_per_epoch, 4),
-        digest_of=sampler.digest,
-        tracker_log=(lambda row, step: accelerator.log(row, step=step)) if cfg.metrics.trackers else None,
-        row_extras=remote.metrics,
-    )
-
-    def save(counters: Counters) -> float:
-        started = time.monotonic()
-        rng = gather_rng(world)  # collective: every rank's generators
-        tensors = snapshot(model, optimizer, keep=is_main)  # collective under FSDP: whole adapter + optimizer
-        state_now = dataclasses.replace(state, **vars(counters.counters()), ledger=ledger.totals(), scaler=None)
-        state_now.epoch, state_now.cursor = sampler.position(counters.step)
-        if is_main:
-            result = manager.save(
-                counters.step,
-                lambda tmp: write_training_state(
-                    tmp,
-                    model=model,
-                    optimizer=optimizer,
-                    state=state_now,
-                    rng=rng,
-                    scaler=accelerator.scaler,
-                    tensors=tensors,
-                ),
-            )
-            if not result.skipped:
-                remote.submit(counters.step, result.path)  # returns at once; uploads in the background
-            warning = preemption.save_fits_notice(result.seconds, cfg.checkpoint.notice_seconds)
-            if warning:
-                console.message(f"spotune: {warning}")
-        accelerator.wait_for_everyone()  # nobody runs ahead of a checkpoint that is not committed yet
-        seconds = time.monotonic() - started
-        telemetry.saved(counters.step, seconds)
-        return seconds
-
-    counters = Counters()
-    if resume_dir is not None:  # last before the first step: it restores the RNG
-        with ledger.timed("restore"):
-            counters = _restore(resume_dir, model, optimizer, accelerator)
-        console.message(f"spotune: resuming from {resume_dir} at step {counters.step} of {steps}")
-    meter.start_step = counters.step
-    console.update(counters.step)
-
-    plan = loop.LoopPlan(
-        total_steps=steps,
-        lr=loop.LrSchedule(
-            peak=t.lr, total_steps=steps, warmup_steps=t.warmup_steps, kind=t.schedule, min_lr_ratio=t.min_lr_ratio
-        ),
-        max_grad_norm=t.max_grad_norm,
-        max_bad_steps=t.max_bad_steps,
-        eval_every=t.eval_every if prepared.eval_path is not None else None,
-        save_every_steps=cfg.checkpoint.every_steps,
-        save_every_minutes=cfg.checkpoint.every_minutes,
-    )
-    hooks = loop.Hooks(
-        save=save,
-        on_step=telemetry.on_step,
-        message=console.message,
-        stop_requested=lambda: stop.due(counters.step),
-        over_budget=telemetry.over_budget,
-        evaluate=_evaluator(cfg, prepared, model, accelerator, telemetry, counters) if plan.eval_every else None,
-    )
-    reason: StopReason = "finished"
-    out_of_memory: OutOfMemory | None = None
-    try:
-        if counters.step < steps:
-            dataset = StepDataset(rows, sampler, rank, world, t.micro_batch_size, steps)
-            workers = None if cfg.data.loader_workers == "auto" else cfg.data.loader_workers
-            loader = step_loader(dataset, counters.step, accelerator.device, cfg.seed, workers)
-            ledger.mark_first_step()
-            with prefetching(loader) as batches:  # its workers end with the block, whatever ends it
-                reason = loop.train_loop(accelerator, model, optimizer, batches, plan, counters, hooks)
-        ledger.winding_down(reason)
-        if reason in ("finished", "budget"):
-            with ledger.timed("final"):
-                write_final(out / "final", model, tokenizer_path(cfg), is_main)  # collective under FSDP
-        accelerator.wait_for_everyone()
-        summary = meter.summary()
-        with ledger.timed("flush"):
-            remote.finish(preempted=reason == "preempted", notice_seconds=cfg.checkpoint.notice_seconds)
-        if is_main:  # after the flush: a preempted machine spends its notice on the upload first
-            # Before the ledger row, so the ledger counts what the user pays for: the page shows
-            # this attempt from the heartbeat, ended and up to date but for the page's own time.
-            ledger.reporting()
-            from trainer.report import report_after_train
-
-            report_after_train(out, console.message)
-        if cfg.metrics.trackers:
-            accelerator.end_training()
-        # Closed while the signal handlers are still installed: a late SIGTERM (torchrun
-        # forwards one after a sibling exits) must not kill us before this row is written.
-        ledger.close(reason)
-        remote.close()
-    except OutOfMemory as e:  # a run that does not fit: one message with the figures, no restart
-        ledger.close("out_of_memory")
-        out_of_memory = e
-    except BaseException as e:  # the ledger row says how this attempt ended, whatever happened
-        ledger.close("aborted" if isinstance(e, (KeyboardInterrupt, SystemExit)) else "error")
-        raise
-    finally:
-        remote.stop()
-        console.close()
-        watcher.stop()
-        stop.uninstall()
-        if telemetry.sink is not None:
-            telemetry.sink.close()
-    if out_of_memory is not None:
-        print(_out_of_memory_message(out_of_memory, cfg, accelerator, model), file=sys.stderr, flush=True)
-        return exit_codes.EXIT_OUT_OF_MEMORY
-    if is_main:
-        console.message(telemetry.final_summary(reason, steps, summary, out))
-    return exit_codes.FOR_STOP[reason]
-
-
-# ---------------------------------------------------------------------------- pieces
-
-
 def _restore(resume_dir: Path, model: torch.nn.Module, optimizer: Any, accelerator: Any) -> Counters:
     """Adapter, optimizer, grad scaler and this rank's RNG from `resume_dir`, every field; returns
     the checkpoint's counters. The ledger totals it carried were read when the ledger opened."""
@@ -373,46 +370,13 @@ def _restore(resume_dir: Path, model: torch.nn.Module, optimizer: Any, accelerat
     return saved.counters()
 
 
-def _out_of_memory_message(err: OutOfMemory, cfg: C.RunConfig, accelerator: Any, model: torch.nn.Module) -> str:
-    """The figures of an out-of-memory stop: this GPU, what torch held, what the estimate predicts."""
-    from trainer.plan.job import Job
-
-    device = accelerator.device
-    cuda = device.type == "cuda"
-    predicted = None
-    try:
-        job = Job(
-            name_or_path=cfg.model.name_or_path,
-            shape=flops.model_shape(accelerator.unwrap_model(model).config),
-            hf_model_type="",
-            model=cfg.model,
-            adapter=cfg.adapter,
-            train=cfg.train,
-            checkpoint=cfg.checkpoint,
-            seq_len=cfg.data.seq_len,
-        )
-        predicted = job.memory(accelerator.num_processes).total / 2**30
-    except (ValueError, KeyError):
-        pass  # an architecture the estimate does not know: the message goes without its figure
-    return shutdown.out_of_memory_message(
-        err,
-        device_name=torch.cuda.get_device_name(device) if cuda else str(device),
-        device_gib=torch.cuda.get_device_properties(device).total_memory / 2**30 if cuda else None,
-        reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30 if cuda else None,
-        predicted_gib=predicted,
-        micro_batch_size=cfg.train.micro_batch_size,
-        gradient_checkpointing=cfg.model.gradient_checkpointing,
-        method=cfg.adapter.method,
-    )
-
-
 def _evaluator(
     cfg: C.RunConfig, prepared: Any, model: torch.nn.Module, accelerator: Any, telemetry: Telemetry, counters: Counters
 ) -> Callable[[], float | None] | None:
     from datasets import load_from_disk
 
     evaluate = loop.make_evaluator(
-        load_from_disk(str(prepared.eval_path)), model, accelerator, cfg.train.micro_batch_size
+        load_from_disk(str(prepared.eval_path)), model, accelerator, int(cfg.train.micro_batch_size)
     )
     if evaluate is None:
         return None
@@ -424,17 +388,3 @@ def _evaluator(
         return loss
 
     return run_and_report
-
-
-def _flops_fn(hf_config: Any, trainable: int) -> metrics.FlopsFn | None:
-    try:
-        shape = flops.model_shape(hf_config)
-    except ValueError:
-        return None  # an architecture the FLOP model does not know: MFU stays null
-    frozen = shape.matmul_params()
-
-    def fn(tokens: float, doc_sq: float, head_tokens: float) -> float:
-        # trainer.loss applies the head to labelled positions only: head_tokens = trainable tokens.
-        return flops.train_flops(shape, tokens, doc_sq, frozen, trainable, head_tokens=head_tokens)
-
-    return fn

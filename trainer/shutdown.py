@@ -84,6 +84,7 @@ def out_of_memory_message(
     predicted_gib: float | None,
     micro_batch_size: int,
     gradient_checkpointing: bool,
+    activation_offload: bool,
     method: str,
 ) -> str:
     """The one message of an out-of-memory stop: where, the figures, and what to change."""
@@ -100,10 +101,14 @@ def out_of_memory_message(
         )
     if not gradient_checkpointing:
         fixes.append("set model.gradient_checkpointing=true")
+    if not activation_offload:
+        fixes.append("set model.activation_offload=on (checkpointed activations in host memory)")
     fixes.append(f"lower data.seq_len (now {err.seq_len}; the data is prepared again)")
     if method != "qlora":
         fixes.append("use adapter.method=qlora (4-bit base weights)")
-    fixes.append("or pick a larger GPU (`spotune estimate` lists the ones that fit)")
+    fixes.append(
+        "or set these memory settings to auto, or pick a larger GPU (`spotune estimate` lists the ones that fit)"
+    )
     return (
         f"spotune: CUDA {err} on {card}"
         + (f"; {', '.join(figures)}" if figures else "")

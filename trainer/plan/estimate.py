@@ -20,7 +20,8 @@ JSON document.
            compute_hours/wall_hours/gpu_hours/cost{low, expected, high}, startup_hours,
            checkpoint_hours, eval_hours, interruptions, restart_hours, recommended_checkpoint_minutes,
            saves, fixed_spread_hours, fsdp_gpus (where it does not fit: the fewest such GPUs under FSDP)}],
-  recommendation{index, gpu, pricing, wall_hours, cost, why} | null, assumptions[str].
+  recommendation{index, gpu, pricing, wall_hours, cost, why, next_cheaper (what the option just cheaper
+  lacks, or null)} | null, assumptions[str].
 Throughput is in real (non-padding) tokens per second, the unit of the training metrics.
 
 The interval: on the device the pilot ran on, low/high are the expected wall time -/+ two
@@ -40,7 +41,7 @@ from typing import Any
 from trainer import catalog as cat
 from trainer import flops
 from trainer.config import CheckpointConfig, batch_split
-from trainer.plan import PlanError
+from trainer.plan import PlanError, lacks
 from trainer.plan import forecast as fc
 from trainer.plan import memory as mem
 from trainer.plan import timeline as tl
@@ -96,6 +97,13 @@ def estimate(
             "wall_hours": best.wall_hours.expected,
             "cost": best.cost.expected,
             "why": _why(constraints.deadline_hours, constraints.budget),
+            "next_cheaper": lacks.next_cheaper(  # what the option just cheaper than this one lacks
+                rows,
+                options.index(best),
+                memory.total / mem.GIB,
+                lacks.frugal_gib(job, constraints.gpus),
+                constraints.deadline_hours,
+            ),
         }
     return {
         "schema": SCHEMA,
@@ -158,7 +166,9 @@ def estimate(
 
 
 def _totals(job: Job, work: wl.Workload, gpus: int) -> Totals:
-    global_rows = batch_split(job.train, gpus).global_rows
+    fixed = job.train.global_batch_size
+    # An `auto` micro-batch is chosen by the run on its GPU; the rows per step are the recipe's.
+    global_rows = fixed if job.train.micro_batch_size == "auto" and fixed else batch_split(job.train, gpus).global_rows
     steps = run_steps(int(work.rows), global_rows, job.train.max_steps, job.train.epochs)
     rows_done = steps * global_rows
     tokens = rows_done * work.real_tokens_per_row

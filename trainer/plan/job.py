@@ -42,7 +42,9 @@ class Job:
 
     def memory(self, devices: int = 1, fsdp: bool | None = None) -> mem.MemoryEstimate:
         """Peak bytes per device on `devices` GPUs: sharded under FSDP (`fsdp`, default the
-        recipe's `train.distributed`), a whole copy on each under DDP."""
+        recipe's `train.distributed`), a whole copy on each under DDP. An `auto` memory setting
+        counts as its most frugal choice (micro-batch 1, checkpointing and offloading on): whether
+        the run fits at all (trainer/autofit.py picks the fastest that fits on the device)."""
         sharded = self.fsdp if fsdp is None else fsdp
         return mem.estimate_memory(
             self.shape,
@@ -53,9 +55,10 @@ class Job:
             target_modules=self.adapter.target_modules,
             lora_dropout=self.adapter.dropout > 0,
             optimizer=self.train.optimizer,
-            micro_batch_size=self.train.micro_batch_size,
+            micro_batch_size=micro if isinstance(micro := self.train.micro_batch_size, int) else 1,
             seq_len=self.seq_len,
-            gradient_checkpointing=self.model.gradient_checkpointing,
+            gradient_checkpointing=ckpt if isinstance(ckpt := self.model.gradient_checkpointing, bool) else True,
+            activation_offload=self.model.activation_offload != "off",
             eager_attention=self.model.attn_implementation == "eager",
             shards=devices if sharded else 1,
             offload=sharded and self.train.fsdp_cpu_offload,

@@ -1,8 +1,13 @@
 """Peak device memory of one LoRA/QLoRA training step, per GPU, from the model's shape.
 
-peak = base weights + adapter (weights, gradients, optimizer states)
-       + saved activations of every layer + the logits/loss working set
-       + the backward working set + framework overhead.
+What is resident at the step's peak, each term named (`MemoryEstimate`):
+  allocated = weights (storage dtype; NF4: 4-bit blocks + 8-bit absmax per 64 + fp32 scale per
+              256 absmax blocks) + adapter + its gradients + optimizer states
+            + activations saved for backward + the head/loss working set + backward temporaries
+  reserved  = allocated + fragmentation (the caching allocator's headroom)
+  total     = reserved + overhead (CUDA context, cuBLAS workspace: outside the allocator)
+  offloaded = host memory activation offloading uses instead (not in total).
+`allocated` is what torch.cuda.max_memory_allocated reads, `reserved` max_memory_reserved.
 
 Per-layer saved activations (llama-style block, elements per token, `a` = bytes of the
 compute dtype), counted from what autograd keeps for backward:
@@ -19,16 +24,29 @@ gpt2 blocks use the same terms with a plain MLP (c_fc output, GELU output: 2*a*i
 internal input) and LayerNorms.
 
 With gradient checkpointing each layer keeps only its input (a*h per token) and one layer
-is recomputed at a time, so one layer's full activations are added once.
+is recomputed at a time, so one layer's full activations join the backward temporaries.
+With activation offloading (trainer/offload.py) all but two layers' saved tensors (the one in
+use, the one being fetched) sit in pinned host memory instead.
 
-Logits: the head writes a*V per token and log_softmax keeps its fp32 output (4*V); backward
-adds the fp32 gradient (4*V, plus a*V for the cast back when a < 4). Over a long vocabulary
-this is often the single largest term. The peak of a step is at the start of backward:
-all saved activations plus the logits and their gradient.
+Head and loss: spotune's fused head (trainer/loss.py) holds one chunk of logits at a time (a*V,
+fp32 softmax and gradient, per token of the chunk) and the hidden states' gradient; a model's
+own loss (`fused_head=False`) holds every logit and its gradient, often the largest term. Only
+labelled positions reach the head (`head_tokens`); the default assumes every position does,
+which keeps the estimate on the safe side for prompt-masked data.
 
-spotune's loop computes logits only at positions that carry a label (`logits_to_keep`), so
-for prompt-masked SFT data the real logits term is smaller: the estimate assumes every
-position of a row is trained (true for `text` data), which keeps it on the safe side.
+Backward temporaries: one layer's gradients of the MLP's gate and up outputs and of its input
+and output, plus (NF4/int8) the largest weight dequantised. The head's working set is gone when
+a layer's backward runs, so the term is what the layer needs beyond it: the peak is the larger.
+
+Calibration, each against a measurement kept with the code:
+* ../shared/GPU-FINDINGS.md (one H100, Llama-3.1-8B shape, seq 4096, LoRA r16 all linear, one
+  row, spotune_varlen, liger; tests/test_plan_memory_terms.py): LoRA bf16 without
+  checkpointing 39.6 GiB estimated against 38.6 allocated (1.03x); QLoRA NF4 checkpointed
+  8.19 against 7.96 (1.03x). No term was fitted to these: both follow from the formulas.
+* CPU fp32 peaks (tests/test_plan_memory.py: profiler allocation trace of a full optimizer
+  step, 4-layer hidden-512 llama/qwen2, and the tiny recipe through spotune's own step).
+* Not calibrated yet: `FRAGMENTATION` (no reserved figure measured) and the CUDA context
+  (`CUDA_OVERHEAD_BYTES`); benchmarks/gpu_memory.py prints reserved beside allocated.
 
 Under FSDP on N devices (`shards=N`) every parameter, gradient and optimizer state is held as
 1/N of the whole; what a device holds unsharded at the peak is the root module's parameters
@@ -36,14 +54,11 @@ Under FSDP on N devices (`shards=N`) every parameter, gradient and optimizer sta
 to two decoder layers at a time (the one computing and the one prefetched). With the frozen
 base offloaded to CPU (`offload=True`) the shards live in host memory and only the gathered
 working set is on the device. Activations are per device either way.
-
-Measured against CPU fp32 peaks (tests/test_plan_memory.py: profiler allocation trace of
-a full optimizer step, 4-layer hidden-512 llama/qwen2) the total comes out 2-8% high without
-checkpointing and 16% high with it (the measured peak there lacks the logits gradient).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -58,32 +73,65 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 # LLM.int8: one byte per weight plus an fp32 scale per output row (added per linear below).
 INT8_BYTES = 1.0
-# CUDA context, cuBLAS workspace and allocator slack that no tensor accounts for.
+# trainer/loss.py's CHUNK_ELEMENTS (logits per chunk of the pure-torch fused loss); a test keeps them equal.
+CHUNK_ELEMENTS = 1 << 25
+# CUDA context and cuBLAS workspace, outside the caching allocator (not in max_memory_reserved).
 CUDA_OVERHEAD_BYTES = 1.0 * GIB
-# The caching allocator rarely packs perfectly: dynamic memory (activations, logits) grows by this share.
+# The caching allocator's headroom over what is allocated, as a share of the per-step memory
+# (activations, head, backward temporaries). ASSUMED, not yet calibrated: ../shared/GPU-FINDINGS.md
+# gives max_memory_allocated only; benchmarks/gpu_memory.py prints reserved beside allocated.
 FRAGMENTATION = 0.05
+
+
+ALLOCATED_TERMS = ("weights", "adapter", "gradients", "optimizer", "activations", "logits", "backward_workspace")
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per GPU, by component."""
+    """Bytes per GPU, by component: what is resident at the step's peak, each term named."""
 
     weights: float
+    """Frozen base in its storage dtype (NF4: packed blocks + absmax + nested scales)."""
     adapter: float
+    """LoRA weights (fp32)."""
     gradients: float
+    """LoRA gradients (fp32)."""
     optimizer: float
+    """Optimizer states of the LoRA weights."""
     activations: float
+    """Saved for backward: every layer's (or, checkpointed, every layer's input; offloaded, the
+    layers in flight), plus the embedding output and the final norm's."""
     logits: float
+    """The head and loss working set: one chunk of logits and its gradient (fused head), or every
+    logit and its gradient (unfused), plus the hidden states' gradient the head hands back."""
     backward_workspace: float
+    """Temporaries of one layer's backward (with checkpointing, that layer recomputed), and a
+    dequantised weight for NF4/int8 linears, beyond the head's working set (freed by then)."""
+    fragmentation: float
+    """The caching allocator's headroom: reserved minus allocated at the peak."""
     overhead: float
+    """CUDA context and cuBLAS workspace: outside the allocator, still on the device."""
+    offloaded: float = 0.0
+    """Host (pinned) memory that activation offloading uses instead of the device; not in `total`."""
+
+    @property
+    def allocated(self) -> float:
+        """What torch.cuda.max_memory_allocated should read at the peak."""
+        return float(sum(getattr(self, name) for name in ALLOCATED_TERMS))
+
+    @property
+    def reserved(self) -> float:
+        """What torch.cuda.max_memory_reserved should read at the peak."""
+        return self.allocated + self.fragmentation
 
     @property
     def total(self) -> float:
-        return sum(asdict(self).values())
+        """Device memory the run needs: reserved plus the CUDA context."""
+        return self.reserved + self.overhead
 
     def as_gib(self) -> dict[str, float]:
         out = {k: v / GIB for k, v in asdict(self).items()}
-        out["total"] = self.total / GIB
+        out["allocated"], out["reserved"], out["total"] = self.allocated / GIB, self.reserved / GIB, self.total / GIB
         return out
 
 
@@ -152,6 +200,30 @@ def layer_activation_bytes_per_token(
     return norms + attention + mlp + lora
 
 
+def head_working_bytes(shape: ModelShape, a: int, tokens: int, head_tokens: int, fused: bool) -> float:
+    """The head and loss at their largest (see `MemoryEstimate.logits`).
+
+    Fused (trainer/loss.py: Liger's kernel on CUDA, else the chunked torch version): one chunk's
+    logits in the compute dtype, their fp32 softmax and gradient, at most max(Liger's chunk,
+    `loss.CHUNK_ELEMENTS / vocab`) tokens at once; the head's input gradient (head tokens x
+    hidden) kept for backward, and its scatter back to every position. Unfused (a model's own
+    loss): every logit in the compute dtype and fp32, and the fp32 gradient (plus its cast)."""
+    if not fused:
+        return tokens * shape.vocab * (a + 4) + tokens * shape.vocab * (4 + (a if a < 4 else 0))
+    liger = 1 << max(0, math.ceil(math.log2(max(1, math.ceil(head_tokens / math.ceil(shape.vocab / shape.hidden))))))
+    chunk = min(head_tokens, max(liger, CHUNK_ELEMENTS // shape.vocab))
+    return chunk * shape.vocab * (a + 8) + (head_tokens + tokens) * shape.hidden * a
+
+
+def backward_workspace_bytes(shape: ModelShape, a: int, tokens: int, weight_format: WeightFormat) -> float:
+    """One layer's backward temporaries: the gradients of the MLP's gate and up outputs and of
+    the layer's input and output (a*(2i + 2h) per token), plus, for quantised linears, the
+    largest weight dequantised to the compute dtype (bitsandbytes does that in each backward)."""
+    temporaries = a * (2 * shape.intermediate + 2 * shape.hidden) * tokens
+    dequantised = max(i * o for _, i, o in shape.linears()) * a if weight_format in ("nf4", "int8") else 0
+    return temporaries + dequantised
+
+
 def estimate_memory(
     shape: ModelShape,
     *,
@@ -170,9 +242,15 @@ def estimate_memory(
     eager_attention: bool = False,
     shards: int = 1,
     offload: bool = False,
+    activation_offload: bool = False,
+    fused_head: bool = True,
+    head_tokens: int | None = None,
 ) -> MemoryEstimate:
     """Peak bytes per GPU for one optimizer step (adapter kept in fp32, as peft does by default);
-    `shards`/`offload`: FSDP over that many devices, the frozen base offloaded to CPU."""
+    `shards`/`offload`: FSDP over that many devices, the frozen base offloaded to CPU;
+    `activation_offload`: saved decoder tensors in host memory, two layers' worth in flight
+    (trainer/offload.py); `fused_head`: spotune's fused head and loss (False: the model's own);
+    `head_tokens`: positions that reach the head (default: all, the safe side for SFT data)."""
     if shards < 1:
         raise ValueError(f"shards must be at least 1, got {shards}")
     a = _DTYPE_BYTES[compute_dtype]
@@ -183,25 +261,21 @@ def estimate_memory(
         )
         * tokens
     )
-    embed_out = a * shape.hidden * tokens  # the embedding output (first layer's input)
+    layer_input = a * shape.hidden * tokens
+    embed_out = layer_input  # the embedding output (first layer's input)
     final_norm = (4 + a) * shape.hidden * tokens
-    # Held after forward: logits in the compute dtype and log_softmax's fp32 output (the
-    # loss's fp32 upcast is a temporary; in fp32 it is no copy at all).
-    logits = tokens * shape.vocab * (a + 4)
-    # Backward starts with every activation still held and adds the fp32 logits gradient
-    # (and its cast back to the compute dtype): the step's peak unless checkpointing moved it.
-    logits_grad = tokens * shape.vocab * (4 + (a if a < 4 else 0))
-    activations: float
-    workspace: float
+    saved_per_layer = layer_input if gradient_checkpointing else per_layer
+    in_flight = min(2, shape.layers)  # with offloading: the layer being used and the one being fetched
+    kept_layers = in_flight if activation_offload else shape.layers
+    activations = kept_layers * saved_per_layer + embed_out + final_norm
+    offloaded = (shape.layers - kept_layers) * saved_per_layer
+    head = head_working_bytes(shape, a, tokens, tokens if head_tokens is None else head_tokens, fused_head)
+    layer_backward = backward_workspace_bytes(shape, a, tokens, weight_format)
     if gradient_checkpointing:
-        # Each layer keeps only its input; later in backward one layer at a time is
-        # recomputed, by which point the logits are gone: the peak is the larger of the two.
-        activations = shape.layers * a * shape.hidden * tokens + embed_out + final_norm
-        workspace = max(logits_grad, per_layer - logits)
-    else:
-        activations = shape.layers * per_layer + embed_out + final_norm
-        workspace = logits_grad
-    scale = 1 + fragmentation
+        layer_backward += per_layer  # the layer being recomputed holds all its activations
+    # The head's working set is gone by the time a layer runs its backward: the peak takes the
+    # larger of the two, so the workspace term is what a layer's backward needs beyond the head.
+    workspace = max(0.0, layer_backward - head)
     weights = weight_bytes(shape, weight_format, compute_dtype)
     state = 1.0 / shards  # the adapter, its gradients and optimizer state are sharded too
     if shards > 1 or offload:
@@ -215,8 +289,10 @@ def estimate_memory(
         adapter=4.0 * lora_params * state,
         gradients=4.0 * lora_params * state,
         optimizer=optimizer_bytes_per_param(optimizer) * lora_params * state,
-        activations=activations * scale,
-        logits=logits * scale,
-        backward_workspace=workspace * scale,
+        activations=activations,
+        logits=head,
+        backward_workspace=workspace,
+        fragmentation=fragmentation * (activations + head + workspace),
         overhead=device_overhead,
+        offloaded=offloaded,
     )

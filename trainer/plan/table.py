@@ -48,6 +48,8 @@ def format_estimate(result: dict[str, Any]) -> str:
         lines.append(
             f"recommended: {rec['gpu']} {rec['pricing']}, ~{_hours(rec['wall_hours'])}, ~{rec['cost']:,.2f} ({rec['why']})"
         )
+        if rec.get("next_cheaper"):
+            lines.append(f"  next cheaper: {rec['next_cheaper']}")
     elif result["constraints"]["deadline_hours"] is not None or result["constraints"]["budget"] is not None:
         lines.append("recommended: none meets the deadline/budget; relax one, add GPUs (--gpus) or shorten the run")
     lines.append(f"throughput: {t['source']}" + (f" on {t['device']}" if t.get("device") else ""))

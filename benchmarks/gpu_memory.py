@@ -1,0 +1,279 @@
+"""GPU memory: spotune's estimate beside the measured peak, and the longest trainable sequence (issue 23).
+
+One command on a CUDA machine (no downloads; random weights of the Llama-3.1-8B shape):
+    .venv/bin/python benchmarks/gpu_memory.py --json runs/bench-memory.json            # the table
+    .venv/bin/python benchmarks/gpu_memory.py --longest --json runs/bench-longest.json  # the search
+
+The table: LoRA and QLoRA (NF4) x {no checkpointing, checkpointing, checkpointing + activation
+offloading} x seq 2048 and 4096, one packed row per micro-batch, r16 on every linear layer, bf16
+autocast, spotune's own step (trainer.model.build + trainer.loss.token_loss_sum + fused AdamW).
+Each row: trainer/plan/memory.py's estimate (allocated, and reserved = allocated + the
+allocator's headroom) beside torch.cuda.max_memory_allocated and max_memory_reserved, their
+ratios (goal 0.90-1.10 on reserved), and tokens/s (the offloading rows' cost is the gap to the
+checkpointing rows above them). A row that runs out of memory says so and the table goes on.
+
+`--longest`: 8B QLoRA r32 all linear, checkpointing and activation offloading on, one row:
+the longest sequence (multiple of 1024) whose optimizer step runs on this GPU, found by
+bisection between what fits and what does not, beside the estimate's own longest.
+Published target: 342k tokens on one 80 GB GPU.
+
+`--tiny` runs the same code on CPU with a tiny Llama (CI keeps it working; CPU has no caching
+allocator, so its measured columns are empty and its figures mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from gpu import free, make_model, packed_rows, sync, to_micro  # noqa: E402
+
+from trainer import flops  # noqa: E402
+from trainer.batches import to_device  # noqa: E402
+from trainer.config import AdapterConfig, ModelConfig  # noqa: E402
+from trainer.loss import token_loss_sum  # noqa: E402
+from trainer.model import build  # noqa: E402
+from trainer.plan import memory  # noqa: E402
+
+GIB = memory.GIB
+PUBLISHED_LONGEST = 342_000  # the issue's best published figure: 8B QLoRA on one 80 GB GPU
+MODES = [(False, False), (True, False), (True, True)]  # (gradient checkpointing, activation offloading)
+
+
+def estimate(path: Path, qlora: bool, r: int, seq: int, ckpt: bool, offload: bool, tiny: bool) -> memory.MemoryEstimate:
+    """What `spotune estimate` says for this step (every position counted as labelled)."""
+    from transformers import AutoConfig
+
+    shape = flops.model_shape(AutoConfig.from_pretrained(path))
+    dtype = "float32" if tiny else "bfloat16"
+    targets = AdapterConfig().target_modules
+    return memory.estimate_memory(
+        shape,
+        weight_format="nf4" if qlora else dtype,
+        compute_dtype=dtype,
+        lora_params=flops.lora_params(shape, r, targets),
+        lora_r=r,
+        target_modules=targets,
+        lora_dropout=False,
+        optimizer="adamw",
+        micro_batch_size=1,
+        seq_len=seq,
+        gradient_checkpointing=ckpt,
+        activation_offload=offload,
+    )
+
+
+def load(path: Path, qlora: bool, r: int, ckpt: bool, offload: bool, tiny: bool) -> Any:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model_cfg = ModelConfig(
+        name_or_path=str(path),
+        dtype="float32" if tiny else "bfloat16",
+        gradient_checkpointing=ckpt,
+        activation_offload="on" if offload else "off",
+    )
+    adapter = AdapterConfig(
+        method="qlora" if qlora and device.type == "cuda" else "lora", r=r, alpha=2 * r, dropout=0.0
+    )
+    model = build(model_cfg, adapter, device=device, autocast=device.type == "cuda")
+    if adapter.method == "lora":  # a 4-bit model is placed while it loads
+        model = model.to(device)
+    model.train()
+    return model
+
+
+def run_steps(model: Any, seq: int, steps: int, vocab: int) -> dict[str, Any]:
+    """`steps` optimizer steps of one packed row each; peak memory and tokens/s of the last ones."""
+    device = next(p for p in model.parameters() if p.requires_grad).device
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
+    for p in params:  # AdamW's state exists before the first measured step, as in every later step
+        p.grad = torch.zeros_like(p)
+    opt.step()  # zero gradients, no weight decay: the weights do not move
+    opt.zero_grad(set_to_none=True)
+    rows = packed_rows(seq, steps, vocab)
+    free()
+    times = []
+    for row in rows:
+        micro = to_device(to_micro([row], seq), device)
+        sync()
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = token_loss_sum(model, micro)
+        (loss / max(1, len(micro["label_index"]))).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        times.append(time.perf_counter() - start)
+    cuda = device.type == "cuda"
+    kept = times[1:] or times
+    offload = getattr(model, "spotune_offload", None)
+    out = {
+        "allocated_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None,
+        "reserved_gib": torch.cuda.max_memory_reserved() / GIB if cuda else None,
+        "tokens_per_s": seq * len(kept) / sum(kept),
+        "offloaded_gib": offload.offloaded_bytes / GIB if offload is not None else 0.0,
+    }
+    del opt
+    return out
+
+
+def oom_types() -> tuple[type[BaseException], ...]:
+    return (torch.OutOfMemoryError,) if hasattr(torch, "OutOfMemoryError") else (RuntimeError,)
+
+
+def memory_table(path: Path, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
+    rows = []
+    for qlora in (False, True):
+        for ckpt, offload in MODES:
+            model = load(path, qlora, 16, ckpt, offload, args.tiny)
+            for seq in args.seqs:
+                e = estimate(path, qlora, 16, seq, ckpt, offload, args.tiny)
+                row: dict[str, Any] = {
+                    "method": "qlora" if qlora else "lora",
+                    "checkpointing": ckpt,
+                    "offload": offload,
+                    "seq": seq,
+                    "estimate": e.as_gib(),
+                }
+                try:
+                    row.update(run_steps(model, seq, args.steps, vocab))
+                except oom_types() as exc:
+                    row["error"] = f"out of memory: {str(exc).splitlines()[0][:120]}"
+                free()
+                rows.append(row)
+                print(table_line(row), flush=True)
+            del model
+            free()
+    return rows
+
+
+def longest(path: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """Bisection over sequence lengths (multiples of 1024) for 8B QLoRA r32, checkpointing + offloading."""
+    total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 64 * GIB
+    unit = 64 if args.tiny else 1024
+
+    def estimated_fits(seq: int) -> bool:
+        return estimate(path, True, 32, seq, True, True, args.tiny).total <= total
+
+    lo, hi = unit, unit
+    while estimated_fits(hi) and hi < (1 << 24):
+        lo, hi = hi, hi * 2
+    while hi - lo > unit:
+        mid = (lo + hi) // 2 // unit * unit
+        lo, hi = (mid, hi) if estimated_fits(mid) else (lo, mid)
+    predicted = lo
+    model = load(path, True, 32, True, True, args.tiny)
+    tried: list[dict[str, Any]] = []
+
+    def fits(seq: int) -> bool:
+        try:
+            result = run_steps(model, seq, 1, vocab)
+            tried.append({"seq": seq, **result})
+            print(f"  seq {seq}: fits, {result}", flush=True)
+            return True
+        except oom_types() as exc:
+            tried.append({"seq": seq, "error": str(exc).splitlines()[0][:120]})
+            print(f"  seq {seq}: out of memory", flush=True)
+            free()
+            return False
+
+    start = min(predicted, args.longest_cap)
+    good, bad = (start, None) if fits(start) else (0, start)
+    step = max(unit, start // 4)
+    while bad is None and good + step <= args.longest_cap:
+        if fits(good + step):
+            good += step
+        else:
+            bad = good + step
+    while bad is not None and bad - good > unit:
+        mid = (good + bad) // 2 // unit * unit
+        if mid <= good:
+            break
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return {
+        "measured_longest": good,
+        "estimated_longest": predicted,
+        "published_target": PUBLISHED_LONGEST,
+        "device_memory_gib": total / GIB,
+        "tried": tried,
+    }
+
+
+def fmt(v: Any, spec: str) -> str:
+    width = int("".join(c for c in spec.split(".")[0] if c.isdigit()) or 1)
+    return "-".rjust(width) if v is None else format(v, spec)
+
+
+def table_line(row: dict[str, Any]) -> str:
+    e = row["estimate"]
+    mode = ("ckpt" if row["checkpointing"] else "no-ckpt") + ("+offload" if row["offload"] else "")
+    alloc, res = row.get("allocated_gib"), row.get("reserved_gib")
+    ratio_a = e["allocated"] / alloc if alloc else None
+    ratio_r = e["reserved"] / res if res else None
+    tail = row.get("error") or (
+        f"{fmt(alloc, '8.2f')} {fmt(res, '8.2f')} {fmt(ratio_a, '7.2f')} {fmt(ratio_r, '7.2f')} "
+        f"{fmt(row.get('tokens_per_s'), '9.0f')} {fmt(row.get('offloaded_gib'), '8.2f')}"
+    )
+    return f"{row['method']:6} {mode:16} {row['seq']:6d} {e['allocated']:8.2f} {e['reserved']:8.2f} {e['offloaded']:8.2f} {tail}"
+
+
+HEADER = (
+    f"{'method':6} {'mode':16} {'seq':>6} {'est.alloc':>8} {'est.res':>8} {'est.host':>8} "
+    f"{'alloc':>8} {'reserved':>8} {'e/alloc':>7} {'e/res':>7} {'tokens/s':>9} {'host GiB':>8}"
+)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="tiny Llama on CPU (CI)")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--steps", type=int, default=3, help="optimizer steps per row (the first is left out of tokens/s)")
+    ap.add_argument(
+        "--seqs", type=int, nargs="+", default=None, help="sequence lengths (default 2048 4096; tiny 64 128)"
+    )
+    ap.add_argument("--longest", action="store_true", help="search the longest sequence for 8B QLoRA r32 instead")
+    ap.add_argument("--longest-cap", type=int, default=524_288, help="do not try sequences longer than this")
+    args = ap.parse_args(argv)
+    args.seqs = args.seqs or ([64, 128] if args.tiny else [2048, 4096])
+    if args.tiny:
+        args.longest_cap = min(args.longest_cap, 512)
+    if not args.tiny and not torch.cuda.is_available():
+        ap.error("no CUDA device: run on a GPU machine, or pass --tiny for the CPU smoke run")
+    result: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_model(Path(tmp), args.tiny)
+        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+        if args.longest:
+            result["longest"] = found = longest(path, args, vocab)
+            print(
+                f"{result['device']}: longest 8B QLoRA r32 sequence (checkpointing + offloading, one row): "
+                f"measured {found['measured_longest']}, estimated {found['estimated_longest']}, "
+                f"published target {PUBLISHED_LONGEST}"
+            )
+        else:
+            print(f"{result['device']}  torch {torch.__version__}  (GiB; goal: estimate/reserved 0.90-1.10)")
+            print(HEADER)
+            result["memory_table"] = memory_table(path, args, vocab)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""benchmarks/gpu_memory.py keeps working: its --tiny CPU runs print the memory table and the
+longest-sequence search, and write the JSON the README's figures are made from."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(tmp_path: Path, *extra: str) -> tuple[dict, str]:
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "benchmarks/gpu_memory.py", "--tiny", "--json", str(out), *extra]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the CPU path even on a GPU runner
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text()), done.stdout
+
+
+def test_memory_table_tiny_run(tmp_path: Path) -> None:
+    result, stdout = _run(tmp_path, "--steps", "2", "--seqs", "64")
+    rows = result["memory_table"]
+    # LoRA and QLoRA x (no checkpointing, checkpointing, checkpointing + offloading) x one length.
+    assert [(r["method"], r["checkpointing"], r["offload"]) for r in rows] == [
+        (m, c, o) for m in ("lora", "qlora") for c, o in ((False, False), (True, False), (True, True))
+    ]
+    for r in rows:
+        assert r["estimate"]["reserved"] >= r["estimate"]["allocated"] > 0 and r["tokens_per_s"] > 0
+        assert r["allocated_gib"] is None  # CPU: no caching allocator to read
+        assert (r["offloaded_gib"] > 0) == r["offload"]  # the hooks ran where offloading is on
+    assert "e/res" in stdout and stdout.count("ckpt+offload") == 2
+
+
+def test_longest_search_tiny_run(tmp_path: Path) -> None:
+    result, stdout = _run(tmp_path, "--longest")
+    found = result["longest"]
+    assert found["measured_longest"] == 512  # the tiny run's cap
+    assert found["estimated_longest"] > 512 and found["published_target"] == 342_000
+    assert "longest 8B QLoRA r32 sequence" in stdout

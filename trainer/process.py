@@ -1,0 +1,107 @@
+"""The training process's resources, opened in order and closed on every exit path.
+
+`start` builds the accelerator (device, autocast, process group), chooses DDP or FSDP, connects
+the run's store (a fresh machine fetches the run's history before writing anything), and
+installs the stop paths (signals, the cloud notice watcher). Each registers its close on the
+caller's `ExitStack`, so an exception anywhere in `train()` closes the same things as a clean end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer import config as C
+from trainer import distributed, gpu_probe
+from trainer.restart import notice, preemption
+from trainer.restart.ledger import timed
+from trainer.restart.remote import RemoteRun
+
+
+@dataclass
+class Process:
+    accelerator: Any
+    sharding: distributed.Sharding
+    remote: RemoteRun
+    stop: preemption.Preemption
+    out: Path
+
+    @property
+    def rank(self) -> int:
+        return int(self.accelerator.process_index)
+
+    @property
+    def world(self) -> int:
+        return int(self.accelerator.num_processes)
+
+    @property
+    def is_main(self) -> bool:
+        return bool(self.accelerator.is_main_process)
+
+
+def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitStack) -> Process:
+    accelerator = make_accelerator(cfg)
+    t, ck = cfg.train, cfg.checkpoint
+    # DDP, or FSDP from the recipe or an accelerate FSDP config; refuses DeepSpeed and the like.
+    sharding = distributed.choose(t.distributed, t.fsdp_cpu_offload, accelerator)
+    out = Path(cfg.output_dir)
+    remote = RemoteRun(
+        ck.remote,
+        ck.storage_options,
+        out,
+        keep_last=ck.keep_last,
+        is_main=accelerator.is_main_process,
+        is_local_main=accelerator.is_local_main_process,
+    )
+    closing.callback(remote.stop)
+    with timed(phases, "store"):
+        remote.connect()  # first: a fresh machine fetches the run's config, ledger and metrics before writing any
+    stop = preemption.Preemption().install()
+    closing.callback(stop.uninstall)
+    # A cloud notice sets the same flag as SIGTERM; one poller per machine.
+    watcher = notice.NoticeWatcher(ck.preemption_notice, stop.request, ck.notice_endpoint, ck.notice_poll_seconds)
+    if accelerator.is_local_main_process:
+        watcher.start()
+        closing.callback(watcher.stop)
+    return Process(accelerator, sharding, remote, stop, out)
+
+
+def make_accelerator(cfg: C.RunConfig) -> Any:
+    """Accelerate owns device placement, autocast (+ fp16 grad scaler) and DDP wrapping; FSDP
+    sharding is ours (trainer/distributed.py says why).
+
+    Gradient accumulation stays ours (loop.py counts tokens over the whole step), so the
+    accelerator runs with gradient_accumulation_steps=1. Under `torchrun` on a CPU-only
+    machine, `cpu=True` still gives one gloo rank per process.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    cuda = torch.cuda.is_available()
+    unusable = gpu_probe.unusable_gpu_reason()
+    if unusable:
+        raise C.ConfigError([unusable])
+    if cfg.train.mixed_precision == "fp16" and not cuda:
+        raise C.ConfigError(["train.mixed_precision: fp16 needs a CUDA GPU; use bf16 or no on CPU"])
+    trackers = list(cfg.metrics.trackers)
+    missing = [t for t in trackers if importlib.util.find_spec(t) is None]
+    if missing:  # accelerate would only log a warning and drop the tracker
+        raise C.ConfigError(
+            [
+                f"metrics.trackers: {', '.join(missing)} is not installed; pip install {' '.join(missing)} "
+                "(or pip install 'spotune[trackers]'), or remove it from metrics.trackers"
+            ]
+        )
+    backend = distributed.process_group_backend(cfg.train.distributed, cfg.train.fsdp_cpu_offload, cuda)
+    return Accelerator(
+        cpu=not cuda,
+        mixed_precision=cfg.train.mixed_precision,
+        log_with=trackers or None,
+        project_dir=cfg.output_dir,
+        kwargs_handlers=[InitProcessGroupKwargs(backend=backend)] if backend else None,
+    )

@@ -1,0 +1,69 @@
+"""The one save the loop calls (`Hooks.save`): a crash-consistent checkpoint of every rank's state.
+
+Collective: every rank's RNG is gathered and, under FSDP, the adapter and optimizer state are
+gathered whole; rank 0 commits them (trainer/restart/checkpoint.py) and hands the directory to
+the background uploader; every rank then waits, so nobody runs ahead of a checkpoint that is
+not committed yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.restart import preemption
+from trainer.restart.checkpoint import CheckpointManager
+from trainer.restart.rng import gather_rng
+from trainer.restart.state import Counters, TrainState, snapshot, write_training_state
+
+
+@dataclass
+class Saver:
+    model: Any
+    optimizer: Any
+    accelerator: Any
+    state: TrainState
+    """What every checkpoint of this run shares (structure, fingerprints, config); counters are added per save."""
+    position: Callable[[int], tuple[int, int]]
+    """(epoch, cursor) of the sampler after a number of steps."""
+    manager: CheckpointManager
+    remote: Any
+    """The run's store (`RemoteRun`): a committed checkpoint is submitted for upload."""
+    ledger_totals: Callable[[], dict[str, Any]]
+    notice_seconds: float
+    message: Callable[[str], None]
+    on_saved: Callable[[int, float], None]
+    """(step, seconds) once every rank has the checkpoint."""
+
+    def __call__(self, counters: Counters) -> float:
+        started = time.monotonic()
+        is_main = self.accelerator.is_main_process
+        rng = gather_rng(self.accelerator.num_processes)  # collective: every rank's generators
+        tensors = snapshot(self.model, self.optimizer, keep=is_main)  # collective under FSDP
+        state = dataclasses.replace(self.state, **vars(counters.counters()), ledger=self.ledger_totals(), scaler=None)
+        state.epoch, state.cursor = self.position(counters.step)
+        if is_main:
+            result = self.manager.save(
+                counters.step,
+                lambda tmp: write_training_state(
+                    tmp,
+                    model=self.model,
+                    optimizer=self.optimizer,
+                    state=state,
+                    rng=rng,
+                    scaler=self.accelerator.scaler,
+                    tensors=tensors,
+                ),
+            )
+            if not result.skipped:
+                self.remote.submit(counters.step, result.path)  # returns at once; uploads in the background
+            warning = preemption.save_fits_notice(result.seconds, self.notice_seconds)
+            if warning:
+                self.message(f"spotune: {warning}")
+        self.accelerator.wait_for_everyone()  # nobody runs ahead of a checkpoint that is not committed yet
+        seconds = time.monotonic() - started
+        self.on_saved(counters.step, seconds)
+        return seconds
