@@ -214,7 +214,12 @@ def test_two_process_ddp_sigterm_on_one_rank_then_resume(tmp_path: Path, tiny_ll
     out = tmp_path / "stopped"
     p = _torchrun(procs, recipes["stopped"], tmp_path / "stopped1.log")
     assert _wait(p, lambda: bool(_metric_rows(out)), timeout=300), (tmp_path / "stopped1.log").read_text()
-    workers = [c for c in psutil.Process(p.pid).children(recursive=True) if c.environ().get("RANK") == "1"]
+    # Rank 1 itself, not its DataLoader worker (a child that inherits RANK=1; the drill runs with one).
+    workers = [
+        c
+        for c in psutil.Process(p.pid).children(recursive=True)
+        if c.environ().get("RANK") == "1" and c.parent().environ().get("RANK") != "1"
+    ]
     assert len(workers) == 1
     workers[0].send_signal(signal.SIGTERM)
     p.wait(timeout=120)
