@@ -379,10 +379,9 @@ def _flops_fn(hf_config: Any, trainable: int) -> metrics.FlopsFn | None:
         shape = flops.model_shape(hf_config)
     except ValueError:
         return None  # an architecture the FLOP model does not know: MFU stays null
-    frozen = shape.matmul_params()
 
     def fn(tokens: float, doc_sq: float, head_tokens: float) -> float:
-        # trainer.loss applies the head to labelled positions only: head_tokens = trainable tokens.
-        return flops.train_flops(shape, tokens, doc_sq, frozen, trainable, head_tokens=head_tokens)
+        # The meter's `mfu` is the published count (trainer/flops.py MFU); the others sit beside it there.
+        return flops.mfu_flops(shape, tokens, doc_sq, trainable, head_tokens)[flops.MFU]
 
     return fn
