@@ -34,7 +34,9 @@ its figures mean nothing).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import importlib.metadata
 import json
 import math
 import random
@@ -215,9 +217,6 @@ def hf_liger(path: Path, steps: list[list[Row]], args: argparse.Namespace, peak:
     return measure(lambda *a, **k: gpu_hf.run_hf(*a, **k, liger=True), path, steps, args, peak)
 
 
-LEVERS = {"compile": "regional torch.compile of each decoder layer", "mbsN": "N rows per micro-batch"}
-
-
 def levers(path: Path, steps: list[list[Row]], args: argparse.Namespace, peak: float | None) -> dict:
     """spotune with each lever of `--levers` on, alone (the main spotune run is the 'off' side)."""
     out = {}
@@ -228,7 +227,7 @@ def levers(path: Path, steps: list[list[Row]], args: argparse.Namespace, peak: f
         elif lever.startswith("mbs") and lever[3:].isdigit():
             on.mbs = int(lever[3:])  # the same rows per step, in fewer micro-batches
         else:
-            raise SystemExit(f"--levers: unknown lever {lever!r}; known: {', '.join(LEVERS)}")
+            raise SystemExit(f"--levers: unknown lever {lever!r}; known: compile, mbsN (N rows per micro-batch)")
         out[lever] = measure(run_spotune, path, steps, on, peak)
     return out
 
@@ -337,12 +336,21 @@ def _versions() -> dict[str, str]:
     import peft
     import transformers
 
-    return {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "peft": peft.__version__,
-        "accelerate": accelerate.__version__,
-    }
+    out = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
+    out["accelerate"] = accelerate.__version__
+    for name in ("liger-kernel", "bitsandbytes", "triton"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            out[name] = importlib.metadata.version(name)
+    if torch.cuda.is_available():
+        out["cuda"] = str(torch.version.cuda)
+        try:
+            import pynvml  # nvidia-ml-py, the `gpu` extra
+
+            pynvml.nvmlInit()
+            out["driver"] = str(pynvml.nvmlSystemGetDriverVersion())
+        except Exception as e:  # noqa: BLE001 (the driver is reported, never required)
+            out["driver"] = f"unknown ({type(e).__name__})"
+    return out
 
 
 def table(result: dict[str, Any]) -> str:

@@ -38,7 +38,7 @@ class ModelConfig:
     ] = "auto"
     """`auto`: on CUDA flash_attention_3/2 if installed, else spotune_varlen (torch's varlen kernel), else flex_attention; sdpa on CPU."""
     compile: bool = False
-    """torch.compile each decoder layer (first steps are slower while it compiles)."""
+    """torch.compile each decoder layer after peft wraps it; the first steps are slower while it compiles (the run's last words say how long; the pilot counts it as warm-up)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (non-reentrant) to save memory."""
     trust_remote_code: bool = False

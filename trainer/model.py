@@ -252,6 +252,23 @@ def compile_layers(model: torch.nn.Module) -> int:
     return len(layers)
 
 
+def compile_seconds() -> float:
+    """Seconds torch.compile has spent compiling in this process (0.0 when nothing was compiled).
+
+    Read from dynamo's own timers, which are not a public API: anything unexpected there reads
+    as 0.0 rather than failing a run. The compile happens in the first steps, which the meter
+    leaves out of sustained tokens/s and the forecast counts as warm-up (trainer/plan/pilot.py).
+    """
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+
+        # Forward graphs (dynamo + the AOT forward) and, compiled lazily at the first backward, backward graphs.
+        keys = ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler")
+        return float(sum(sum(compilation_time_metrics.get(k, [])) for k in keys))
+    except Exception:  # noqa: BLE001 (a private timer table: its absence must not fail a run)
+        return 0.0
+
+
 def decoder_layers(model: torch.nn.Module, key: str, fix: str) -> torch.nn.ModuleList:
     """The decoder's list of layers (`layers`, or `h` for GPT-2); a ConfigError naming `key` and `fix` if none."""
     from trainer.loss import causal_lm
