@@ -3,7 +3,7 @@
 One command on a CUDA machine (about 10 minutes on one H100, no downloads):
     .venv/bin/python benchmarks/gpu.py --json runs/bench-gpu.json
 Where one step's time goes, and the speed levers each on and off (issue 22):
-    .venv/bin/python benchmarks/gpu.py --profile --levers compile,mbs2 --json runs/bench-gpu.json
+    .venv/bin/python benchmarks/gpu.py --profile --levers compile,fused,mbs2 --json runs/bench-gpu.json
 
 What it runs, in one process, on the same packed rows:
 - the Llama-3.1-8B architecture (benchmarks/configs/llama-3.1-8b.json) with random bf16
@@ -25,8 +25,8 @@ For each: real tokens/s, MFU by the three counts of trainer/flops.py (`mfu`: the
 LoRA count, 4*N + attention, which NVIDIA's 40.6% uses; `mfu_lora`: LoRA-aware useful work;
 `mfu_6n`), peak memory, step time, and the first step's time (compile time with `--compile`).
 `--profile`: one more spotune step under torch.profiler, its time in buckets (gpu_profile.py).
-`--levers a,b`: spotune again with each lever on (`compile`: regional torch.compile, `mbsN`:
-N rows per micro-batch, the same rows per step), each beside the run without it.
+`--levers a,b`: spotune again with each lever on (`compile`: regional torch.compile, `fused`: LoRA
+A matmuls of q/k/v and gate/up fused, `mbsN`: N rows per micro-batch, the same rows per step).
 `--tiny` runs the same code on CPU with a tiny Llama and a few steps (CI keeps it working;
 its figures mean nothing).
 """
@@ -146,7 +146,7 @@ def run_spotune(path: Path, steps: list[list[Row]], args: argparse.Namespace, ql
         gradient_checkpointing=qlora or args.gradient_checkpointing,
         compile=args.compile,
     )
-    adapter = AdapterConfig(method="qlora" if qlora else "lora", r=16, alpha=32, dropout=0.0)
+    adapter = AdapterConfig(method="qlora" if qlora else "lora", r=16, alpha=32, dropout=0.0, fused=args.fused)
     autocast = device.type == "cuda"
     model = build(model_cfg, adapter, device=device, autocast=autocast)
     if not qlora:  # a 4-bit model is placed while it loads and cannot be moved
@@ -222,12 +222,12 @@ def levers(path: Path, steps: list[list[Row]], args: argparse.Namespace, peak: f
     out = {}
     for lever in filter(None, args.levers.split(",")):
         on = argparse.Namespace(**{**vars(args), "profile": False})
-        if lever == "compile":
-            on.compile = True
+        if lever in ("compile", "fused"):
+            setattr(on, lever, True)
         elif lever.startswith("mbs") and lever[3:].isdigit():
             on.mbs = int(lever[3:])  # the same rows per step, in fewer micro-batches
         else:
-            raise SystemExit(f"--levers: unknown lever {lever!r}; known: compile, mbsN (N rows per micro-batch)")
+            raise SystemExit(f"--levers: unknown lever {lever!r}; known: compile, fused, mbsN (N rows per micro-batch)")
         out[lever] = measure(run_spotune, path, steps, on, peak)
     return out
 
@@ -281,7 +281,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--compile", action="store_true", help="spotune: torch.compile each decoder layer")
     ap.add_argument("--profile", action="store_true", help="profile one more spotune step (torch.profiler)")
     ap.add_argument("--trace", help="with --profile: write its Chrome trace here")
-    ap.add_argument("--levers", default="", help="spotune again with each lever on: compile, mbs2, ...")
+    ap.add_argument("--fused", action="store_true", help="spotune: adapter.fused (q/k/v, gate/up A as one matmul)")
+    ap.add_argument("--levers", default="", help="spotune again with each lever on: compile, fused, mbs2, ...")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-qlora", action="store_true")
     args = ap.parse_args(argv)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
 
-from trainer import attention
+from trainer import attention, lora_fused
 from trainer.config import AdapterConfig, ConfigError, ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -220,6 +220,8 @@ def build(
         ) from e
     if autocast:
         compute_adapters_in_autocast_dtype(model)
+    if adapter_cfg.fused:  # before compile: the compiled layers trace the fused view
+        lora_fused.fuse(model)
     if model_cfg.compile:
         compile_layers(model)
     return model  # accelerate.prepare places a non-quantised model on its device
