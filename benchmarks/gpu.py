@@ -3,11 +3,10 @@
 One command on a CUDA machine (about 10 minutes on one H100, no downloads):
     .venv/bin/python benchmarks/gpu.py --json runs/bench-gpu.json
 Where one step's time goes, and the speed levers each on and off (issue 22):
-    .venv/bin/python benchmarks/gpu.py --profile --levers compile,fused,mbs2 --json runs/bench-gpu.json
+    .venv/bin/python benchmarks/gpu.py --profile --levers compile,fused,mbs2,liger --json runs/bench-gpu.json
 
 What it runs, in one process, on the same packed rows:
-- the Llama-3.1-8B architecture (benchmarks/configs/llama-3.1-8b.json) with random bf16
-  weights, saved once to a temp directory so both sides load the same checkpoint;
+- the Llama-3.1-8B architecture (configs/llama-3.1-8b.json), random bf16 weights saved once for both sides;
 - LoRA r16 on every linear layer, bf16 autocast, seq 4096; rows best-fit-decreasing packed
   from a real length distribution (benchmarks/configs/lengths-gpteacher-roleplay.json: token
   lengths of ../shared/data/gpteacher-roleplay.json, prompt masked);
@@ -17,18 +16,15 @@ What it runs, in one process, on the same packed rows:
   (padding-free, position_ids), sdpa, the model's own head and loss; then again with
   `use_liger_kernel=True` (skipped, with the reason printed, without liger-kernel or CUDA);
 - then QLoRA (bitsandbytes NF4, bf16 compute, gradient checkpointing) peak memory for both;
-- `spotune estimate`'s per-device peak (trainer/plan/memory.py, without the CUDA context and
-  allocator slack that max_memory_allocated does not see) beside spotune's measured
-  torch.cuda.max_memory_allocated, for LoRA and QLoRA (goal: within 10%).
+- `spotune estimate`'s per-device peak (trainer/plan/memory.py, less CUDA context and allocator
+  slack) beside spotune's max_memory_allocated, for LoRA and QLoRA (goal: within 10%).
 
-For each: real tokens/s, MFU by the three counts of trainer/flops.py (`mfu`: the published
-LoRA count, 4*N + attention, which NVIDIA's 40.6% uses; `mfu_lora`: LoRA-aware useful work;
-`mfu_6n`), peak memory, step time, and the first step's time (compile time with `--compile`).
+For each: real tokens/s, MFU by trainer/flops.py's three counts (`mfu`: the published LoRA count,
+4*N + attention, NVIDIA's 40.6%; `mfu_lora`; `mfu_6n`), peak memory, step time, first step (compile).
 `--profile`: one more spotune step under torch.profiler, its time in buckets (gpu_profile.py).
 `--levers a,b`: spotune again with each lever on (`compile`: regional torch.compile, `fused`: LoRA
-A matmuls of q/k/v and gate/up fused, `mbsN`: N rows per micro-batch, the same rows per step).
-`--tiny` runs the same code on CPU with a tiny Llama and a few steps (CI keeps it working;
-its figures mean nothing).
+A matmuls of q/k/v and gate/up fused, `liger`: Liger's RMSNorm, SwiGLU and rotary, `mbsN`: N
+rows per micro-batch, the same rows per step). `--tiny`: the same code on CPU, a tiny Llama.
 """
 
 from __future__ import annotations
@@ -149,6 +145,8 @@ def run_spotune(path: Path, steps: list[list[Row]], args: argparse.Namespace, ql
     adapter = AdapterConfig(method="qlora" if qlora else "lora", r=16, alpha=32, dropout=0.0, fused=args.fused)
     autocast = device.type == "cuda"
     model = build(model_cfg, adapter, device=device, autocast=autocast)
+    if getattr(args, "liger", False):  # the `liger` lever: a benchmark-only trial so far
+        gpu_hf.apply_liger(model.get_base_model())
     if not qlora:  # a 4-bit model is placed while it loads and cannot be moved
         model = model.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -220,14 +218,17 @@ def hf_liger(path: Path, steps: list[list[Row]], args: argparse.Namespace, peak:
 def levers(path: Path, steps: list[list[Row]], args: argparse.Namespace, peak: float | None) -> dict:
     """spotune with each lever of `--levers` on, alone (the main spotune run is the 'off' side)."""
     out = {}
-    for lever in filter(None, args.levers.split(",")):
+    for lever in sorted(filter(None, args.levers.split(",")), key=lambda name: name == "liger"):
         on = argparse.Namespace(**{**vars(args), "profile": False})
-        if lever in ("compile", "fused"):
+        if lever in ("compile", "fused", "liger"):
             setattr(on, lever, True)
+            if lever == "liger" and gpu_hf.liger_skip_reason():
+                out[lever] = {"skipped": gpu_hf.liger_skip_reason()}
+                continue
         elif lever.startswith("mbs") and lever[3:].isdigit():
             on.mbs = int(lever[3:])  # the same rows per step, in fewer micro-batches
         else:
-            raise SystemExit(f"--levers: unknown lever {lever!r}; known: compile, fused, mbsN (N rows per micro-batch)")
+            raise SystemExit(f"--levers: unknown lever {lever!r}; known: compile, fused, liger, mbsN")
         out[lever] = measure(run_spotune, path, steps, on, peak)
     return out
 
@@ -307,8 +308,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "setup": {k: getattr(args, k) for k in ("tiny", "steps", "warmup", "seq", "mbs", "grad_accum")},
             "spotune": measure(run_spotune, path, steps, args, peak),
             "hf_peft": None if args.skip_hf else measure(gpu_hf.run_hf, path, steps, args, peak),
+            "levers": levers(path, steps, args, peak),  # before Liger, which patches rotary module-wide
             "hf_peft_liger": hf_liger(path, steps, args, peak),
-            "levers": levers(path, steps, args, peak),
         }
         skip_q = args.skip_qlora or device.type != "cuda"
         result["qlora_peak_memory_gib"] = {

@@ -1,4 +1,4 @@
-"""The HF Trainer + PEFT side of benchmarks/gpu.py, with and without Liger Kernel."""
+"""The HF Trainer + PEFT side of benchmarks/gpu.py, with and without Liger Kernel, and Liger for spotune's lever."""
 
 from __future__ import annotations
 
@@ -18,6 +18,14 @@ def liger_skip_reason() -> str | None:
     if not torch.cuda.is_available():
         return "Liger Kernel's Triton kernels need CUDA"
     return None
+
+
+def apply_liger(model: Any) -> None:
+    """Liger's RMSNorm, SwiGLU and rotary on a transformers model (the instance HF's Trainer patches
+    for `use_liger_kernel`); spotune's own head and loss stay, so no Liger loss is patched in."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    _apply_liger_kernel_to_instance(model=model, cross_entropy=False, fused_linear_cross_entropy=False)
 
 
 def sync() -> None:
