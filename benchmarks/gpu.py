@@ -11,7 +11,7 @@ What it runs, in one process, on the same packed rows:
   from a real length distribution (benchmarks/configs/lengths-gpteacher-roleplay.json: token
   lengths of ../shared/data/gpteacher-roleplay.json, prompt masked);
 - spotune: trainer.model.build + trainer.loss.token_loss_sum (our head and fused loss,
-  document bounds to the attention kernel `auto` picks) + fused AdamW;
+  document bounds to the attention kernel `auto` picks) + fused AdamW (`--model` another shape);
 - HF Trainer + PEFT: the same rows flattened by transformers' DataCollatorWithFlattening
   (padding-free, position_ids), sdpa, the model's own head and loss; then again with
   `use_liger_kernel=True` (skipped, with the reason printed, without liger-kernel or CUDA);
@@ -64,11 +64,11 @@ CONFIGS = REPO / "benchmarks" / "configs"
 Row = list[tuple[list[int], list[int]]]  # a packed row: its documents as (input_ids, labels)
 
 
-def make_model(root: Path, tiny: bool) -> Path:
-    """Random weights of the 8B shape (or a tiny Llama), saved once for both sides."""
+def make_model(root: Path, tiny: bool, shape: Path) -> Path:
+    """Random weights of `shape` (a Llama config.json; or a tiny Llama), saved once for both sides."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig.from_pretrained(CONFIGS / "llama-3.1-8b.json")
+    config = LlamaConfig.from_pretrained(shape)
     if tiny:
         config.update(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4))
         config.update(dict(num_key_value_heads=2, head_dim=16, vocab_size=512, bos_token_id=1, eos_token_id=2))
@@ -129,11 +129,6 @@ def free() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def run_spotune(path: Path, steps: list[list[Row]], args: argparse.Namespace, qlora: bool = False) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model_cfg = ModelConfig(
@@ -161,12 +156,12 @@ def run_spotune(path: Path, steps: list[list[Row]], args: argparse.Namespace, ql
             (loss / n).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        sync()
+        gpu_hf.sync()
 
     times = []
     for rows in steps:
         micros = [to_device(to_micro(rows[i : i + args.mbs], args.seq), device) for i in range(0, len(rows), args.mbs)]
-        sync()
+        gpu_hf.sync()
         start = time.perf_counter()
         step(micros)
         times.append(time.perf_counter() - start)
@@ -272,6 +267,7 @@ def estimated_peak_gib(path: Path, args: argparse.Namespace, qlora: bool) -> flo
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny Llama on CPU, a few steps (CI)")
+    ap.add_argument("--model", type=Path, default=CONFIGS / "llama-3.1-8b.json", help="a Llama config.json")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per side (default 12, tiny 3)")
     ap.add_argument("--warmup", type=int, default=None, help="steps left out of the figures (default 3, tiny 1)")
@@ -297,7 +293,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows_per_step = args.mbs * args.grad_accum
     with tempfile.TemporaryDirectory() as tmp:
         args.work = Path(tmp)
-        path = make_model(args.work, args.tiny)
+        path = make_model(args.work, args.tiny, args.model)
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
         rows = packed_rows(args.seq, args.steps * rows_per_step, vocab)
         steps = [rows[i : i + rows_per_step] for i in range(0, len(rows), rows_per_step)]
@@ -305,7 +301,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "date": time.strftime("%Y-%m-%d"),
             "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
             "versions": _versions(),
-            "setup": {k: getattr(args, k) for k in ("tiny", "steps", "warmup", "seq", "mbs", "grad_accum")},
+            "setup": {k: getattr(args, k) for k in ("tiny", "steps", "warmup", "seq", "mbs", "grad_accum")}
+            | {"model": args.model.name},
             "spotune": measure(run_spotune, path, steps, args, peak),
             "hf_peft": None if args.skip_hf else measure(gpu_hf.run_hf, path, steps, args, peak),
             "levers": levers(path, steps, args, peak),  # before Liger, which patches rotary module-wide
