@@ -169,7 +169,9 @@ def run_spotune(path: Path, steps: list[list[Row]], args: argparse.Namespace, ql
     result["trainable_params"] = count_params(model).trainable
     if getattr(args, "profile", False) and not qlora:
         vocab = model.get_base_model().config.vocab_size
-        result["profile"] = gpu_profile.profile_step(lambda: step(micros), 16, vocab, args.trace)
+        result["profile"] = gpu_profile.profile_step(
+            lambda: step(micros), gpu_profile.lora_widths(16, args.fused), vocab, args.trace
+        )
     del model, opt
     return result
 

@@ -8,7 +8,7 @@ ops that launched it (innermost first) and the input shapes of the nearest matmu
     head_loss      cross-entropy / log-softmax / Liger's loss kernels; matmuls with a vocab-sized dim
     attention      the attention kernels and everything under them (sdpa, flash, varlen, flex)
     lora_matmul    matmuls with a dim equal to the LoRA rank (A: [T, in] x [in, r], B: [T, r] x [r, out],
-                   and their gradients)
+                   and their gradients), or to 2r / 3r under adapter.fused (`lora_widths`)
     base_matmul    every other matmul: the frozen q/k/v/o and MLP projections
     cast_copy      dtype casts, copies, fills, memcpy/memset, concatenation and gathers
     norm_act_rope  the remaining elementwise maths: RMSNorm, SwiGLU, rotary, residual adds, LoRA scaling
@@ -19,8 +19,8 @@ On CUDA the times are kernel times and `idle` is the step's span on the device t
 the union of its kernels. On CPU (the `--tiny` smoke run, and the tests) each op's own time
 (less its children's) stands for a kernel, and `idle` is host time between top-level ops. Buckets plus idle sum to the span.
 
-Limits of a name rule: a base projection whose token count equals the LoRA rank would be
-counted as LoRA; LoRA's scaling multiply and its add into the base output are elementwise
+Limits of a name rule: a base matmul with a dim equal to a LoRA width would be counted as LoRA
+(a token count of r; under adapter.fused a projection 2r or 3r wide, which only tiny models have); LoRA's scaling multiply and its add into the base output are elementwise
 ops and land in norm_act_rope. Both are small against what the buckets are for.
 """
 
@@ -75,7 +75,12 @@ class Kernel:
     us: float
 
 
-def bucket(kernel: Kernel, rank: int, vocab: int) -> str:
+def lora_widths(rank: int, fused: bool) -> frozenset[int]:
+    """The matmul widths that mark LoRA work: r, and under `adapter.fused` the 2r / 3r of the fused A."""
+    return frozenset({rank, 2 * rank, 3 * rank} if fused else {rank})
+
+
+def bucket(kernel: Kernel, lora: frozenset[int], vocab: int) -> str:
     """The bucket of one kernel (see the module docstring for the rules, first match wins)."""
     names = [kernel.name.lower(), *(op.lower() for op in kernel.ops)]
 
@@ -91,7 +96,7 @@ def bucket(kernel: Kernel, rank: int, vocab: int) -> str:
     if any(op in _MATMUL_OPS for op in kernel.ops) or any_has(_MATMUL_KERNEL, names[:1]):
         if vocab in kernel.dims:
             return "head_loss"
-        return "lora_matmul" if rank in kernel.dims else "base_matmul"
+        return "lora_matmul" if lora & kernel.dims else "base_matmul"
     leaf = names[:2]  # the kernel and the op that launched it decide what elementwise work it is
     if any_has(_CAST_COPY, leaf):
         return "cast_copy"
@@ -111,7 +116,9 @@ def union_us(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
-def breakdown(kernels: list[Kernel], intervals: list[tuple[float, float]], rank: int, vocab: int) -> dict[str, float]:
+def breakdown(
+    kernels: list[Kernel], intervals: list[tuple[float, float]], lora: frozenset[int], vocab: int
+) -> dict[str, float]:
     """Microseconds per bucket plus `idle` and `total` (the span of `intervals`).
 
     Where kernels overlap (several streams) their summed time exceeds the busy time; buckets are
@@ -119,7 +126,7 @@ def breakdown(kernels: list[Kernel], intervals: list[tuple[float, float]], rank:
     """
     out = dict.fromkeys(BUCKETS, 0.0)
     for k in kernels:
-        out[bucket(k, rank, vocab)] += k.us
+        out[bucket(k, lora, vocab)] += k.us
     span = max(e for _, e in intervals) - min(s for s, _ in intervals) if intervals else 0.0
     busy = union_us(intervals)
     summed = sum(out.values())
@@ -164,7 +171,9 @@ def kernels_of(prof: Any, cuda: bool) -> tuple[list[Kernel], list[tuple[float, f
     return kernels, [(e.time_range.start, e.time_range.end) for e in ops if e.cpu_parent is None]
 
 
-def profile_step(step: Callable[[], None], rank: int, vocab: int, trace: str | None = None) -> dict[str, Any]:
+def profile_step(
+    step: Callable[[], None], lora: frozenset[int], vocab: int, trace: str | None = None
+) -> dict[str, Any]:
     """Run `step` (one optimizer step, synchronised at its end) under torch.profiler: ms and share
     per bucket, idle, and the ten kernels that took longest with their buckets."""
     from torch.profiler import ProfilerActivity, profile
@@ -176,11 +185,11 @@ def profile_step(step: Callable[[], None], rank: int, vocab: int, trace: str | N
     if trace:
         prof.export_chrome_trace(trace)
     kernels, intervals = kernels_of(prof, cuda)
-    us = breakdown(kernels, intervals, rank, vocab)
+    us = breakdown(kernels, intervals, lora, vocab)
     total = us["total"] or 1.0
     by_name: dict[tuple[str, str], float] = {}
     for k in kernels:
-        key = (k.name[:80], bucket(k, rank, vocab))
+        key = (k.name[:80], bucket(k, lora, vocab))
         by_name[key] = by_name.get(key, 0.0) + k.us
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:10]
     return {
