@@ -122,7 +122,8 @@ def breakdown(
     """Microseconds per bucket plus `idle` and `total` (the span of `intervals`).
 
     Where kernels overlap (several streams) their summed time exceeds the busy time; buckets are
-    scaled by busy / summed so that buckets + idle = total always.
+    then scaled by busy / summed. Busy time no op launched (kernels the profiler links to no op)
+    goes to `other`. Either way buckets + idle = total.
     """
     out = dict.fromkeys(BUCKETS, 0.0)
     for k in kernels:
@@ -130,8 +131,10 @@ def breakdown(
     span = max(e for _, e in intervals) - min(s for s, _ in intervals) if intervals else 0.0
     busy = union_us(intervals)
     summed = sum(out.values())
-    if summed > 0:
+    if summed > busy:
         out = {b: t * busy / summed for b, t in out.items()}
+    else:
+        out["other"] += busy - summed
     out[IDLE] = span - busy
     out["total"] = span
     return out

@@ -56,6 +56,9 @@ def test_breakdown_sums_to_the_span_and_counts_gaps_as_idle() -> None:
     assert sum(out[b] for b in gp.BUCKETS) + out[gp.IDLE] == pytest.approx(12.0)
     assert out["base_matmul"] == pytest.approx(4.0 * 8 / 10)  # scaled: 10 µs of kernels in 8 busy µs
     assert gp.union_us([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4.0
+    # Busy time no kernel record covers (linked to no op) is `other`, not spread over the buckets.
+    part = gp.breakdown(kernels[:1], intervals, LORA, V)
+    assert part["base_matmul"] == 4.0 and part["other"] == 4.0 and part[gp.IDLE] == 4.0
 
 
 def test_cpu_profile_of_one_tiny_step_fills_the_buckets(tiny_llama: Path) -> None:
