@@ -1,33 +1,38 @@
-"""spotune's GPU fast path against HF Trainer + PEFT on the Llama-3.1-8B shape (issue 12).
+"""spotune's GPU fast path against HF Trainer + PEFT on the Llama-3.1-8B shape (issues 12, 22).
 
 One command on a CUDA machine (about 10 minutes on one H100, no downloads):
     .venv/bin/python benchmarks/gpu.py --json runs/bench-gpu.json
+Where one step's time goes, and the speed levers each on and off (issue 22):
+    .venv/bin/python benchmarks/gpu.py --profile --levers compile,fused,mbs2,liger --json runs/bench-gpu.json
 
 What it runs, in one process, on the same packed rows:
-- the Llama-3.1-8B architecture (benchmarks/configs/llama-3.1-8b.json) with random bf16
-  weights, saved once to a temp directory so both sides load the same checkpoint;
+- the Llama-3.1-8B architecture (configs/llama-3.1-8b.json), random bf16 weights saved once for both sides;
 - LoRA r16 on every linear layer, bf16 autocast, seq 4096; rows best-fit-decreasing packed
   from a real length distribution (benchmarks/configs/lengths-gpteacher-roleplay.json: token
   lengths of ../shared/data/gpteacher-roleplay.json, prompt masked);
 - spotune: trainer.model.build + trainer.loss.token_loss_sum (our head and fused loss,
-  document bounds to the attention kernel `auto` picks) + fused AdamW;
+  document bounds to the attention kernel `auto` picks) + fused AdamW (`--model` another shape);
 - HF Trainer + PEFT: the same rows flattened by transformers' DataCollatorWithFlattening
-  (padding-free, position_ids), sdpa, the model's own head and loss;
+  (padding-free, position_ids), sdpa, the model's own head and loss; then again with
+  `use_liger_kernel=True` (skipped, with the reason printed, without liger-kernel or CUDA);
 - then QLoRA (bitsandbytes NF4, bf16 compute, gradient checkpointing) peak memory for both;
-- `spotune estimate`'s per-device peak (trainer/plan/memory.py, without the CUDA context and
-  allocator slack that max_memory_allocated does not see) beside spotune's measured
-  torch.cuda.max_memory_allocated, for LoRA and QLoRA (goal: within 10%).
+- `spotune estimate`'s per-device peak (trainer/plan/memory.py, less CUDA context and allocator
+  slack) beside spotune's max_memory_allocated, for LoRA and QLoRA (goal: within 10%).
 
-For each: real tokens/s, MFU by spotune's LoRA-aware count (trainer/flops.py: useful work,
-head at labelled positions) and by 6*N*tokens, peak memory, step time.
-`--tiny` runs the same code on CPU with a tiny Llama and a few steps (CI keeps it working;
-its figures mean nothing).
+For each: real tokens/s, MFU by trainer/flops.py's three counts (`mfu`: the published LoRA count,
+4*N + attention, NVIDIA's 40.6%; `mfu_lora`; `mfu_6n`), peak memory, step time, first step (compile).
+`--profile`: one more spotune step under torch.profiler, its time in buckets (gpu_profile.py).
+`--levers a,b`: spotune again with each lever on (`compile`: regional torch.compile, `fused`: LoRA
+A matmuls of q/k/v and gate/up fused, `liger`: Liger's RMSNorm, SwiGLU and rotary, `mbsN`: N
+rows per micro-batch, the same rows per step). `--tiny`: the same code on CPU, a tiny Llama.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import importlib.metadata
 import json
 import math
 import random
@@ -41,6 +46,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import gpu_hf  # noqa: E402
+import gpu_profile  # noqa: E402
 
 from trainer import flops, metrics  # noqa: E402
 from trainer.batches import micro_batch, to_device  # noqa: E402
@@ -55,11 +64,11 @@ CONFIGS = REPO / "benchmarks" / "configs"
 Row = list[tuple[list[int], list[int]]]  # a packed row: its documents as (input_ids, labels)
 
 
-def make_model(root: Path, tiny: bool) -> Path:
-    """Random weights of the 8B shape (or a tiny Llama), saved once for both sides."""
+def make_model(root: Path, tiny: bool, shape: Path) -> Path:
+    """Random weights of `shape` (a Llama config.json; or a tiny Llama), saved once for both sides."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig.from_pretrained(CONFIGS / "llama-3.1-8b.json")
+    config = LlamaConfig.from_pretrained(shape)
     if tiny:
         config.update(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4))
         config.update(dict(num_key_value_heads=2, head_dim=16, vocab_size=512, bos_token_id=1, eos_token_id=2))
@@ -120,11 +129,6 @@ def free() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def run_spotune(path: Path, steps: list[list[Row]], args: argparse.Namespace, qlora: bool = False) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model_cfg = ModelConfig(
@@ -133,102 +137,43 @@ def run_spotune(path: Path, steps: list[list[Row]], args: argparse.Namespace, ql
         gradient_checkpointing=qlora or args.gradient_checkpointing,
         compile=args.compile,
     )
-    adapter = AdapterConfig(method="qlora" if qlora else "lora", r=16, alpha=32, dropout=0.0)
+    adapter = AdapterConfig(method="qlora" if qlora else "lora", r=16, alpha=32, dropout=0.0, fused=args.fused)
     autocast = device.type == "cuda"
     model = build(model_cfg, adapter, device=device, autocast=autocast)
+    if getattr(args, "liger", False):  # the `liger` lever: a benchmark-only trial so far
+        gpu_hf.apply_liger(model.get_base_model())
     if not qlora:  # a 4-bit model is placed while it loads and cannot be moved
         model = model.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
     model.train()
-    times = []
-    for rows in steps:
-        micros = [to_device(to_micro(rows[i : i + args.mbs], args.seq), device) for i in range(0, len(rows), args.mbs)]
+
+    def step(micros: list[dict[str, Any]], model: Any = model, opt: Any = opt) -> None:
         n = sum(len(m["label_index"]) for m in micros)
-        sync()
-        start = time.perf_counter()
         for micro in micros:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                 loss = token_loss_sum(model, micro)
             (loss / n).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        sync()
+        gpu_hf.sync()
+
+    times = []
+    for rows in steps:
+        micros = [to_device(to_micro(rows[i : i + args.mbs], args.seq), device) for i in range(0, len(rows), args.mbs)]
+        gpu_hf.sync()
+        start = time.perf_counter()
+        step(micros)
         times.append(time.perf_counter() - start)
     result = {"attn_implementation": model.get_base_model().config._attn_implementation, "step_seconds": times}
     result["trainable_params"] = count_params(model).trainable
+    if getattr(args, "profile", False) and not qlora:
+        vocab = model.get_base_model().config.vocab_size
+        result["profile"] = gpu_profile.profile_step(
+            lambda: step(micros), gpu_profile.lora_widths(16, args.fused), vocab, args.trace
+        )
     del model, opt
     return result
-
-
-def run_hf(path: Path, steps: list[list[Row]], args: argparse.Namespace, qlora: bool = False) -> dict[str, Any]:
-    """HF Trainer + PEFT as its docs show it: padding-free DataCollatorWithFlattening, sdpa."""
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import (
-        AutoModelForCausalLM,
-        BitsAndBytesConfig,
-        DataCollatorWithFlattening,
-        Trainer,
-        TrainerCallback,
-        TrainingArguments,
-    )
-
-    cuda = torch.cuda.is_available()
-    kwargs: dict[str, Any] = dict(dtype=torch.float32 if args.tiny else torch.bfloat16, attn_implementation="sdpa")
-    if qlora:
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16,
-        )
-        kwargs["device_map"] = {"": 0}
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    gc_on = qlora or args.gradient_checkpointing
-    if qlora:
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
-    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-    model = get_peft_model(model, lora)
-    flatten = DataCollatorWithFlattening()
-    items = [{"docs": row} for rows in steps for row in rows]
-
-    def collate(batch: list[dict[str, Any]]) -> dict[str, Any]:
-        return flatten([{"input_ids": i, "labels": y} for item in batch for i, y in item["docs"]])
-
-    times: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_begin(self, *a: Any, **k: Any) -> None:
-            sync()
-            self.start = time.perf_counter()
-
-        def on_step_end(self, *a: Any, **k: Any) -> None:
-            sync()
-            times.append(time.perf_counter() - self.start)
-
-    rows_per_step = len(steps[0])
-    targs = TrainingArguments(
-        output_dir=str(args.work / "hf"),
-        per_device_train_batch_size=args.mbs,
-        gradient_accumulation_steps=rows_per_step // args.mbs,
-        max_steps=len(steps),
-        learning_rate=1e-5,
-        bf16=cuda,
-        use_cpu=not cuda,
-        gradient_checkpointing=gc_on,
-        gradient_checkpointing_kwargs={"use_reentrant": False} if gc_on else None,
-        logging_steps=10_000,
-        save_strategy="no",
-        report_to=[],
-        remove_unused_columns=False,
-        dataloader_drop_last=True,
-        optim="adamw_torch_fused" if cuda else "adamw_torch",
-        disable_tqdm=True,
-    )
-    trainer = Trainer(model=model, args=targs, train_dataset=items, data_collator=collate, callbacks=[Clock()])
-    trainer.train()
-    del trainer, model
-    return {"attn_implementation": "sdpa", "step_seconds": times}
 
 
 def summarise(raw: dict[str, Any], steps: list[list[Row]], args: argparse.Namespace, peak: float | None) -> dict:
@@ -238,24 +183,50 @@ def summarise(raw: dict[str, Any], steps: list[list[Row]], args: argparse.Namesp
     kept = list(zip(raw["step_seconds"], steps, strict=False))[args.warmup :]
     seconds = sum(t for t, _ in kept)
     real, doc_sq, labelled = (sum(c) for c in zip(*(row_counts(rows) for _, rows in kept), strict=True))
-    lora = flops.lora_params(shape, 16)
-    useful = flops.train_flops(shape, real, doc_sq, shape.matmul_params(), lora, head_tokens=labelled)
-    six_n = 6.0 * shape.total_params() * real
+    counts = flops.mfu_flops(shape, real, doc_sq, flops.lora_params(shape, 16), head_tokens=labelled)
     mem = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
-    return {
+    out = {
         "attn_implementation": raw["attn_implementation"],
         "tokens_per_s": real / seconds,
         "step_seconds": seconds / len(kept),
-        "mfu_lora": useful / seconds / peak if peak else None,
-        "mfu_6n": six_n / seconds / peak if peak else None,
+        **{name: n / seconds / peak if peak else None for name, n in counts.items()},
         "peak_memory_gib": mem,
+        "first_step_seconds": raw["step_seconds"][0],  # includes compile time under --compile
     }
+    return out | ({"profile": raw["profile"]} if "profile" in raw else {})
 
 
 def measure(fn: Any, path: Path, steps: list[list[Row]], args: argparse.Namespace, peak: float | None) -> dict:
     free()
     out = summarise(fn(path, steps, args), steps, args, peak)
     free()
+    return out
+
+
+def hf_liger(path: Path, steps: list[list[Row]], args: argparse.Namespace, peak: float | None) -> dict:
+    """HF Trainer + PEFT with use_liger_kernel=True, or why it was skipped."""
+    reason = gpu_hf.liger_skip_reason()
+    if args.skip_hf or reason:
+        print(f"HF+PEFT+Liger skipped: {reason or '--skip-hf'}")
+        return {"skipped": reason or "--skip-hf"}
+    return measure(lambda *a, **k: gpu_hf.run_hf(*a, **k, liger=True), path, steps, args, peak)
+
+
+def levers(path: Path, steps: list[list[Row]], args: argparse.Namespace, peak: float | None) -> dict:
+    """spotune with each lever of `--levers` on, alone (the main spotune run is the 'off' side)."""
+    out = {}
+    for lever in sorted(filter(None, args.levers.split(",")), key=lambda name: name == "liger"):
+        on = argparse.Namespace(**{**vars(args), "profile": False})
+        if lever in ("compile", "fused", "liger"):
+            setattr(on, lever, True)
+            if lever == "liger" and gpu_hf.liger_skip_reason():
+                out[lever] = {"skipped": gpu_hf.liger_skip_reason()}
+                continue
+        elif lever.startswith("mbs") and lever[3:].isdigit():
+            on.mbs = int(lever[3:])  # the same rows per step, in fewer micro-batches
+        else:
+            raise SystemExit(f"--levers: unknown lever {lever!r}; known: compile, fused, liger, mbsN")
+        out[lever] = measure(run_spotune, path, steps, on, peak)
     return out
 
 
@@ -298,6 +269,7 @@ def estimated_peak_gib(path: Path, args: argparse.Namespace, qlora: bool) -> flo
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny Llama on CPU, a few steps (CI)")
+    ap.add_argument("--model", type=Path, default=CONFIGS / "llama-3.1-8b.json", help="a Llama config.json")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per side (default 12, tiny 3)")
     ap.add_argument("--warmup", type=int, default=None, help="steps left out of the figures (default 3, tiny 1)")
@@ -306,6 +278,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--grad-accum", type=int, default=4, help="micro-batches per optimizer step")
     ap.add_argument("--gradient-checkpointing", action="store_true", help="for the LoRA runs too (QLoRA always)")
     ap.add_argument("--compile", action="store_true", help="spotune: torch.compile each decoder layer")
+    ap.add_argument("--profile", action="store_true", help="profile one more spotune step (torch.profiler)")
+    ap.add_argument("--trace", help="with --profile: write its Chrome trace here")
+    ap.add_argument("--fused", action="store_true", help="spotune: adapter.fused (q/k/v, gate/up A as one matmul)")
+    ap.add_argument("--levers", default="", help="spotune again with each lever on: compile, fused, mbs2, ...")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-qlora", action="store_true")
     args = ap.parse_args(argv)
@@ -319,7 +295,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows_per_step = args.mbs * args.grad_accum
     with tempfile.TemporaryDirectory() as tmp:
         args.work = Path(tmp)
-        path = make_model(args.work, args.tiny)
+        path = make_model(args.work, args.tiny, args.model)
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
         rows = packed_rows(args.seq, args.steps * rows_per_step, vocab)
         steps = [rows[i : i + rows_per_step] for i in range(0, len(rows), rows_per_step)]
@@ -327,14 +303,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "date": time.strftime("%Y-%m-%d"),
             "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
             "versions": _versions(),
-            "setup": {k: getattr(args, k) for k in ("tiny", "steps", "warmup", "seq", "mbs", "grad_accum")},
+            "setup": {k: getattr(args, k) for k in ("tiny", "steps", "warmup", "seq", "mbs", "grad_accum")}
+            | {"model": args.model.name},
             "spotune": measure(run_spotune, path, steps, args, peak),
-            "hf_peft": None if args.skip_hf else measure(run_hf, path, steps, args, peak),
+            "hf_peft": None if args.skip_hf else measure(gpu_hf.run_hf, path, steps, args, peak),
+            "levers": levers(path, steps, args, peak),  # before Liger, which patches rotary module-wide
+            "hf_peft_liger": hf_liger(path, steps, args, peak),
         }
         skip_q = args.skip_qlora or device.type != "cuda"
         result["qlora_peak_memory_gib"] = {
             "spotune": None if skip_q else qlora_peak(run_spotune, path, steps, args),
-            "hf_peft": None if skip_q or args.skip_hf else qlora_peak(run_hf, path, steps, args),
+            "hf_peft": None if skip_q or args.skip_hf else qlora_peak(gpu_hf.run_hf, path, steps, args),
         }
         result["memory_estimate_gib"] = {
             "lora": {
@@ -358,12 +337,21 @@ def _versions() -> dict[str, str]:
     import peft
     import transformers
 
-    return {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "peft": peft.__version__,
-        "accelerate": accelerate.__version__,
-    }
+    out = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__}
+    out["accelerate"] = accelerate.__version__
+    for name in ("liger-kernel", "bitsandbytes", "triton"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            out[name] = importlib.metadata.version(name)
+    if torch.cuda.is_available():
+        out["cuda"] = str(torch.version.cuda)
+        try:
+            import pynvml  # nvidia-ml-py, the `gpu` extra
+
+            pynvml.nvmlInit()
+            out["driver"] = str(pynvml.nvmlSystemGetDriverVersion())
+        except Exception as e:  # noqa: BLE001 (the driver is reported, never required)
+            out["driver"] = f"unknown ({type(e).__name__})"
+    return out
 
 
 def table(result: dict[str, Any]) -> str:
@@ -375,15 +363,18 @@ def table(result: dict[str, Any]) -> str:
 
     lines = [
         f"{result['device']}  {result['versions']}  {result['setup']}",
-        f"{'':10} {'attention':>16} {'tokens/s':>10} {'step s':>8} {'MFU lora':>9} {'MFU 6N':>7} {'peak GiB':>9}",
+        f"{'':16} {'attention':>16} {'tokens/s':>10} {'step s':>8} {'MFU':>6} {'MFU lora':>9} {'MFU 6N':>7} "
+        f"{'peak GiB':>9} {'1st step s':>10}",
     ]
-    for name in ("spotune", "hf_peft"):
-        r = result[name]
-        if r is None:
+    sides = {"spotune": result["spotune"], "hf_peft": result["hf_peft"], "hf_peft_liger": result["hf_peft_liger"]}
+    sides |= {f"spotune+{k}": v for k, v in result["levers"].items()}
+    for name, r in sides.items():
+        if r is None or "skipped" in r:
             continue
         lines.append(
-            f"{name:10} {r['attn_implementation']:>16} {fmt(r['tokens_per_s'], '10.0f')} {fmt(r['step_seconds'], '8.3f')} "
-            f"{fmt(r['mfu_lora'], '9.1%')} {fmt(r['mfu_6n'], '7.1%')} {fmt(r['peak_memory_gib'], '9.1f')}"
+            f"{name:16} {r['attn_implementation']:>16} {fmt(r['tokens_per_s'], '10.0f')} {fmt(r['step_seconds'], '8.3f')} "
+            f"{fmt(r['mfu'], '6.1%')} {fmt(r['mfu_lora'], '9.1%')} {fmt(r['mfu_6n'], '7.1%')} "
+            f"{fmt(r['peak_memory_gib'], '9.1f')} {fmt(r['first_step_seconds'], '10.2f')}"
         )
     q = result["qlora_peak_memory_gib"]
     lines.append(f"QLoRA peak memory GiB: spotune {fmt(q['spotune'], '.1f')}, HF+PEFT {fmt(q['hf_peft'], '.1f')}")
@@ -393,10 +384,14 @@ def table(result: dict[str, Any]) -> str:
             f"{name} peak memory GiB: estimate {m['estimate']:.1f}, measured {fmt(m['measured'], '.1f')} "
             f"(estimate/measured {fmt(ratio, '.2f')}; goal 0.90-1.10)"
         )
-    if result["hf_peft"]:
-        lines.append(
-            f"tokens/s ratio spotune / HF+PEFT: {result['spotune']['tokens_per_s'] / result['hf_peft']['tokens_per_s']:.2f}"
-        )
+    for name in ("hf_peft", "hf_peft_liger"):
+        if sides[name] and "skipped" not in sides[name]:
+            ratio = result["spotune"]["tokens_per_s"] / sides[name]["tokens_per_s"]
+            lines.append(
+                f"tokens/s ratio spotune / {name.replace('hf_peft', 'HF+PEFT').replace('_liger', '+Liger')}: {ratio:.2f}"
+            )
+    if "profile" in result["spotune"]:
+        lines.append(gpu_profile.summary(result["spotune"]["profile"]))
     return "\n".join(lines)
 
 

@@ -121,3 +121,52 @@ def test_unknown_target_module_names_the_fix() -> None:
     s = flops.model_shape(_config("llama"))
     with pytest.raises(ValueError, match="adapter.target_modules"):
         flops.lora_params(s, 8, ("c_attn",))
+
+
+def _llama_3_1_8b() -> flops.ModelShape:
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "configs" / "llama-3.1-8b.json"
+    return flops.model_shape(transformers.LlamaConfig(**json.loads(path.read_text())))
+
+
+def test_published_count_reproduces_nvidias_8b_lora_mfu() -> None:
+    """NeMo AutoModel, Llama3 8B LoRA, one H100, seq 4096 full rows: 12,472.87 tokens/s at
+    "402 TFLOPs/sec/GPU", 40.6% of 989 TFLOP/s. One second of it, rows of one document each."""
+    shape = _llama_3_1_8b()
+    assert shape.matmul_params() == 7_504_658_432 and shape.total_params() == 8_030_261_248
+    tokens, seq, peak = 12_472.87, 4096, 989e12
+    lora = flops.lora_params(shape, 16)
+    counts = flops.mfu_flops(shape, tokens, tokens * seq, lora, head_tokens=tokens)
+    assert set(counts) == set(flops.MFU_COUNTS)
+    assert round(counts[flops.MFU] / peak, 3) == 0.406
+    assert abs(counts[flops.MFU] / 402e12 - 1) < 0.005  # their TFLOPs/sec figure, within its rounding
+    # NeMo's llama3 pre-training formula, written out, x 2/3: the same number.
+    h, layers, ffn, vocab = 4096, 32, 14336, 128256
+    nemo = seq * layers * h * h * (12 + 12 * 8 / 32 + 18 * ffn / h + 12 * seq / h * 0.5 + 6 * vocab / (layers * h))
+    assert counts[flops.MFU] / tokens == pytest.approx(nemo / seq * 2 / 3, rel=1e-4)  # (S+1)/2 vs S/2 keys
+    # Controls: the other counts do not give NVIDIA's figure.
+    assert round(counts[flops.MFU_6N] / peak, 3) == 0.608
+    assert round(counts[flops.MFU_LORA] / peak, 3) == 0.422
+    assert round(flops.six_n_flops(shape, tokens) / peak, 3) != 0.406
+
+
+def test_published_count_by_hand_and_packing() -> None:
+    s = flops.ModelShape(
+        arch="llama",
+        layers=1,
+        hidden=8,
+        intermediate=16,
+        heads=2,
+        kv_heads=1,
+        head_dim=4,
+        vocab=10,
+        tied_embeddings=False,
+    )
+    # Two documents of 3 and 5 tokens (21 causal pairs): 4 per matmul weight per token + 2/3 attention.
+    tokens, sq = 8, 3 * 3 + 5 * 5
+    attention = 3 * (2 * 2 * 4 * 2) * 21
+    assert flops.frozen_base_flops(s, tokens, sq) == 4 * s.matmul_params() * 8 + attention * 2 / 3
+    # Control: one document of 8 tokens (36 pairs) counts more attention than the packed two.
+    assert flops.frozen_base_flops(s, tokens, 64) > flops.frozen_base_flops(s, tokens, sq)

@@ -38,7 +38,7 @@ class ModelConfig:
     ] = "auto"
     """`auto`: on CUDA flash_attention_3/2 if installed, else spotune_varlen (torch's varlen kernel), else flex_attention; sdpa on CPU."""
     compile: bool = False
-    """torch.compile each decoder layer (first steps are slower while it compiles)."""
+    """torch.compile each decoder layer after peft wraps it; the first steps are slower while it compiles (the run's last words say how long; the pilot counts it as warm-up)."""
     gradient_checkpointing: bool | Literal["auto"] = False
     """Recompute activations in backward (non-reentrant) to save memory; `auto`: only when the memory estimate says the run would not fit without it (trainer/autofit.py)."""
     activation_offload: Literal["off", "on", "auto"] = "off"
@@ -61,6 +61,8 @@ class AdapterConfig:
     """Dropout on the LoRA input."""
     target_modules: tuple[str, ...] = ("all-linear",)
     """Module names to adapt; `all-linear` adapts every linear layer but the output head."""
+    fused: bool = False
+    """Compute the LoRA A matmuls of q/k/v, and of gate/up, as one wider matmul each (with dropout 0); checkpoints stay plain peft files."""
 
 
 @dataclass(frozen=True)

@@ -206,6 +206,65 @@ def train_flops(
     return linear + attention_flops(shape, pairs)
 
 
+# --- MFU counts --------------------------------------------------------------------------------
+# Three counts of the same training work; each is defined here once and nowhere else.
+#
+# `MFU` (what the meter logs as `mfu` and the README calls MFU) is the count published LoRA
+# figures use, so a tokens/s figure converts to the MFU they print. NVIDIA's NeMo AutoModel
+# table (Llama3 8B LoRA, one H100, seq 4096, full rows) gives 12,472.87 tokens/s, "402
+# TFLOPs/sec/GPU", i.e. 40.6% of the H100's 989 TFLOP/s dense bf16. Their llama3 formula
+# is the pre-training count, 6 FLOPs per matmul weight per token (N = 7.50e9 matmul weights:
+# blocks + head, no embedding lookup) plus causal attention over the row (6*S*hidden per
+# token per layer, S/2 keys on average), scaled by 2/3 for a frozen base (no weight
+# gradient). Per token: 4 * 7.50e9 + 4 * 4096 * 4096 * 32 = 32.17e9 FLOPs; x 12,473 = 401.2
+# TFLOP/s = 40.57% of 989 TFLOP/s. tests/test_flops.py checks that arithmetic, and that
+# 6*N (60.8%) or the LoRA-aware count (42.2%) would not reproduce it.
+#
+# `MFU_LORA`: `train_flops` above with the LoRA weights' own 6 FLOPs, attention's full 3x
+#   backward and the head only where the loop applies it: the work spotune's step must do.
+# `MFU_6N`: 6 x every parameter of the model (embeddings included) per token, the count of
+#   full fine-tuning that some LoRA write-ups quote; it credits weight gradients LoRA never computes.
+MFU = "mfu"
+MFU_LORA = "mfu_lora"
+MFU_6N = "mfu_6n"
+MFU_COUNTS = (MFU, MFU_LORA, MFU_6N)
+
+
+def frozen_base_flops(shape: ModelShape, tokens: float, doc_len_sq_sum: float) -> float:
+    """The published LoRA count (`MFU`): 4 FLOPs per matmul weight per token (head included,
+    at every token) plus 2/3 of causal attention inside each document.
+
+    For rows that are one document each of S tokens (what the published figures train on),
+    `doc_len_sq_sum` = rows * S**2 and this is NeMo's llama3 formula x 2/3. With packed
+    documents the attention term counts only the pairs inside a document, as `train_flops` does.
+    """
+    attention = attention_flops(shape, causal_pairs(tokens, doc_len_sq_sum))
+    return 4.0 * shape.matmul_params() * tokens + attention * 2.0 / 3.0
+
+
+def six_n_flops(shape: ModelShape, tokens: float) -> float:
+    """`MFU_6N`: 6 FLOPs per parameter of the whole model per token, attention not counted."""
+    return 6.0 * shape.total_params() * tokens
+
+
+def mfu_flops(
+    shape: ModelShape, tokens: float, doc_len_sq_sum: float, trainable_params: float, head_tokens: float
+) -> dict[str, float]:
+    """Every count of the same work: {MFU: ..., MFU_LORA: ..., MFU_6N: ...} FLOPs.
+
+    `trainable_params`: the LoRA weights (`lora_params`); `head_tokens`: positions whose logits
+    the loop computes (spotune: the labelled ones), read by the LoRA-aware count only.
+    """
+    lora_aware = train_flops(
+        shape, tokens, doc_len_sq_sum, shape.matmul_params(), trainable_params, head_tokens=head_tokens
+    )
+    return {
+        MFU: frozen_base_flops(shape, tokens, doc_len_sq_sum),
+        MFU_LORA: lora_aware,
+        MFU_6N: six_n_flops(shape, tokens),
+    }
+
+
 def meter_flops_fn(hf_config: Any, trainable: int) -> Callable[[float, float, float], float] | None:
     """The meter's FLOPs of a step (tokens, sum of squared document lengths, head tokens) for this
     model with `trainable` LoRA parameters, or None for an architecture the FLOP model does not know."""
@@ -213,10 +272,9 @@ def meter_flops_fn(hf_config: Any, trainable: int) -> Callable[[float, float, fl
         shape = model_shape(hf_config)
     except ValueError:
         return None  # an architecture the FLOP model does not know: MFU stays null
-    frozen = shape.matmul_params()
 
     def fn(tokens: float, doc_sq: float, head_tokens: float) -> float:
-        # trainer.loss applies the head to labelled positions only: head_tokens = trainable tokens.
-        return train_flops(shape, tokens, doc_sq, frozen, trainable, head_tokens=head_tokens)
+        # The meter's `mfu` is the published count (MFU below); the others sit beside it here.
+        return mfu_flops(shape, tokens, doc_sq, trainable, head_tokens)[MFU]
 
     return fn

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
 
-from trainer import attention, offload
+from trainer import attention, lora_fused, offload
 from trainer.config import AdapterConfig, ConfigError, ModelConfig, TrainConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -226,6 +226,8 @@ def build(
         ) from e
     if autocast:
         compute_adapters_in_autocast_dtype(model)
+    if adapter_cfg.fused:  # before compile: the compiled layers trace the fused view
+        lora_fused.fuse(model)
     if model_cfg.compile:
         compile_layers(model)
     if model_cfg.activation_offload == "on":
@@ -258,6 +260,23 @@ def compile_layers(model: torch.nn.Module) -> int:
     for layer in layers:
         layer.compile(dynamic=True)  # the packed row's document count changes every step
     return len(layers)
+
+
+def compile_seconds() -> float:
+    """Seconds torch.compile has spent compiling in this process (0.0 when nothing was compiled).
+
+    Read from dynamo's own timers, which are not a public API: anything unexpected there reads
+    as 0.0 rather than failing a run. The compile happens in the first steps, which the meter
+    leaves out of sustained tokens/s and the forecast counts as warm-up (trainer/plan/pilot.py).
+    """
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+
+        # Forward graphs (dynamo + the AOT forward) and, compiled lazily at the first backward, backward graphs.
+        keys = ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler")
+        return float(sum(sum(compilation_time_metrics.get(k, [])) for k in keys))
+    except Exception:  # noqa: BLE001 (a private timer table: its absence must not fail a run)
+        return 0.0
 
 
 def decoder_layers(model: torch.nn.Module, key: str, fix: str) -> torch.nn.ModuleList:

@@ -136,6 +136,10 @@ class Telemetry:
             f"{summary['device_hours']:.4f} GPU-hours (devices x wall time, all attempts); "
             f"cost {'n/a (set metrics.price_per_hour)' if cost is None else f'{cost:.4f}'}",
         ]
+        from trainer.model import compile_seconds
+
+        if compiled := compile_seconds():  # model.compile: what the first steps spent compiling
+            lines.append(f"  torch.compile: {compiled:.1f} s compiling in the first steps (counted as warm-up)")
         if (out / "final").is_dir():
             lines.append(f"  adapter: {out / 'final'}")
         if (out / "report.html").is_file():
