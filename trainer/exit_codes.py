@@ -12,6 +12,10 @@ What a supervisor should do with each:
   checkpoint. Raise the budget and rerun the same command to continue.
 - `EXIT_BAD_STEPS = 4`: `train.max_bad_steps` consecutive non-finite steps; fix the run
   (learning rate, data) before rerunning.
+- `EXIT_BUSY = 75` (EX_TEMPFAIL): another attempt holds the run (its directory's lock, or the
+  lease in `checkpoint.remote`): refused at start, or this attempt lost the lease mid-run and
+  stopped without writing more. Do not restart now: the holder is training. `spotune status`
+  names it; `spotune train --wait SECONDS` resumes after it.
 - `EXIT_ABORTED = 130`: a second SIGINT; no checkpoint was saved for the step in flight.
   Rerunning resumes from the last committed checkpoint.
 - `EXIT_PREEMPTED = 143` (128 + SIGTERM): stopped by a signal after saving a checkpoint.
@@ -27,6 +31,7 @@ EXIT_ERROR = 1
 EXIT_BAD_INPUT = 2
 EXIT_BUDGET = 3
 EXIT_BAD_STEPS = 4
+EXIT_BUSY = 75
 EXIT_ABORTED = 130
 EXIT_PREEMPTED = 143
 

@@ -23,7 +23,7 @@ from trainer.data.cache import data_cache_root, in_turns
 from trainer.exit_codes import StopReason
 from trainer.export import write_final
 from trainer.model import build, count_params
-from trainer.restart import notice, preemption
+from trainer.restart import notice, owner, preemption
 from trainer.restart.checkpoint import CheckpointManager
 from trainer.restart.ledger import Ledger, timed
 from trainer.restart.remote import RemoteRun
@@ -108,8 +108,15 @@ def build_optimizer(
     return cls(params, **kwargs)
 
 
-def train(cfg: C.RunConfig) -> int:
-    """Train (resuming when a checkpoint verifies) and return the process exit code."""
+def train(cfg: C.RunConfig, wait: float | None = None) -> int:
+    """Train (resuming when a checkpoint verifies) and return the process exit code. One writer per
+    run: holds the directory's lock and the remote's lease throughout (raises RunBusy, after `wait`s)."""
+    ck = cfg.checkpoint
+    with owner.hold(cfg.output_dir, ck.remote, ck.storage_options, ck.lease_seconds, wait) as holding:
+        return _train(cfg, holding)
+
+
+def _train(cfg: C.RunConfig, holding: owner.Holding) -> int:
     entered = time.time()
     phases: dict[str, float] = {}  # fixed costs for the ledger, timed before it can open
     with timed(phases, "imports"):  # the rest of the libraries train() needs (the ledger adds the time before)
@@ -130,6 +137,7 @@ def train(cfg: C.RunConfig) -> int:
         is_main=is_main,
         is_local_main=accelerator.is_local_main_process,
     )
+    remote.fence = holding.lease  # every write to the store asks the lease first
     with timed(phases, "store"):
         remote.connect()  # first: a fresh machine fetches the run's config, ledger and metrics before writing any
     stop = preemption.Preemption().install()
@@ -203,6 +211,7 @@ def train(cfg: C.RunConfig) -> int:
         carried_totals=saved.ledger if saved is not None else None,
         enabled=is_main,
         phases=phases,
+        process_start=holding.clock_start(),  # after a --wait: from when this attempt got the run
     )
     ledger.data_reused = bool(prepared.reused)
     ledger.phases["imports"] += entered - ledger.start  # interpreter, CLI and config before train()
