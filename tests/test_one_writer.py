@@ -191,3 +191,34 @@ def test_lease_request_cost(tmp_path: Path, s3_remote: str) -> None:
     lease.release()
     assert 5 <= renewals <= 7  # every 0.5 s for 3.2 s
     assert LEASE_FILE in {p.rsplit("/", 1)[-1] for p in store.fs.ls(store.root, detail=False)}
+
+
+def test_store_without_conditional_writes_rereads_the_lease_around_a_commit(tmp_path: Path) -> None:
+    remote = f"file://{tmp_path / 'bucket'}"
+    (tmp_path / "bucket").mkdir()
+    a, a_lost = _lease(remote, tmp_path / "a")
+    a.acquire()
+    b, _ = _lease(remote, tmp_path / "b")
+    with pytest.raises(RunBusy):
+        b.acquire()
+    wrote: list[int] = []
+    a.commit(lambda: wrote.append(1))  # the lease read before and after still names a
+    assert wrote == [1]
+    break_lease(remote)
+    with pytest.raises(LeaseLost):
+        a.commit(lambda: wrote.append(2))
+    assert wrote == [1] and a_lost
+    b.acquire()
+    assert b.generation == 3
+
+
+def test_a_released_lease_is_never_taken_again_by_a_late_upload(tmp_path: Path, s3_remote: str) -> None:
+    a, a_lost = _lease(s3_remote, tmp_path / "a")
+    a.acquire()
+    a.release()
+    with pytest.raises(LeaseLost):
+        a.commit(lambda: None)
+    with pytest.raises(LeaseLost):
+        a.check()
+    lease, _ = read_lease(Store(s3_remote))
+    assert lease is not None and lease["released"] and lease["generation"] == 1 and not a_lost

@@ -31,7 +31,7 @@ from test_kill_anywhere import REPO, STEPS, _metric_rows, _recipe, _wait
 from trainer import config as C
 from trainer import run, tiny
 from trainer.exit_codes import EXIT_BUSY
-from trainer.restart.checkpoint import PAUSE_ENV
+from trainer.restart.checkpoint import PAUSE_ENV, CheckpointManager
 from trainer.restart.lease import read_lease
 from trainer.restart.ledger import read_rows
 from trainer.restart.lock import holder
@@ -143,7 +143,8 @@ def test_sigkill_the_holder_then_rerun_at_once_resumes_without_waiting(
     out = tmp_path / "run"
     recipe = m.recipe(out)
     a = m.start(recipe, pause=0.5)
-    assert _wait(a, lambda: any((out / "checkpoints").glob("step-*[0-9]")), timeout=300), m.log(a)
+    committed = CheckpointManager(out / "checkpoints").committed
+    assert _wait(a, lambda: bool(committed()), timeout=300), m.log(a)
     a.kill()
     a.wait()
     b = m.start(recipe)  # no --wait: the kernel dropped the lock with the process

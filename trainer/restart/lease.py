@@ -132,6 +132,8 @@ class Lease(Fence):
         """Requests this lease made (reads and writes): its cost on the store's bill."""
         self.on_lost: Callable[[str], None] = _exit_lost
         self.lost: str | None = None
+        self.released = False
+        """After `release`: an upload thread still running at exit must not take the lease again."""
         self._lock = threading.RLock()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -188,13 +190,16 @@ class Lease(Fence):
                 return  # on_lost already ran
             except Exception as e:  # a network blip: the next renewal (or the deadline) decides
                 self.message(f"spotune: renewing the lease of {self.store.shown} failed ({_short(e)}); retrying")
-                self._check_deadline()
+                try:
+                    self._check_deadline()
+                except LeaseLost:
+                    return
 
     def renew(self) -> None:
         """Extend the lease by `ttl`, conditional on nobody having replaced it; raises LeaseLost."""
         with self._lock:
-            if self.lost is not None:
-                raise LeaseLost(self.lost)
+            if self.lost is not None or self.released:
+                raise LeaseLost(self.lost or "this attempt released the lease")
             if not self.held:
                 return self.acquire_late()
             self._check_deadline()
@@ -216,8 +221,8 @@ class Lease(Fence):
     def check(self) -> None:
         """Raise LeaseLost (after on_lost) unless this attempt may still write; no request when held."""
         with self._lock:
-            if self.lost is not None:
-                raise LeaseLost(self.lost)
+            if self.lost is not None or self.released:
+                raise LeaseLost(self.lost or "this attempt released the lease")
             if not self.held:
                 self.acquire_late()
             self._check_deadline()
@@ -228,6 +233,7 @@ class Lease(Fence):
             if conditional(self.store):
                 self.renew()  # conditional: proves the lease is ours and gives the write a full ttl
             else:
+                self.check()
                 self._confirm()
             result = write()
             if conditional(self.store):
@@ -273,6 +279,8 @@ class Lease(Fence):
     def release(self) -> None:
         """Stop renewing and mark the lease released (conditional), so the next attempt starts at once."""
         self._stopping.set()
+        with self._lock:
+            self.released = True
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
         with self._lock:
