@@ -11,9 +11,14 @@ EXIT_FINISHED=0      # done: final/ holds the adapter; do not restart
 EXIT_BAD_INPUT=2     # bad configuration or data: fix it, restarting fails the same way
 EXIT_OUT_OF_MEMORY=5 # does not fit the GPU: change what the message says, restarting fails the same way
 EXIT_PREEMPTED=143   # SIGTERM/SIGUSR1 or a cloud notice: checkpoint saved, restart to resume
+EXIT_BUSY=75         # another attempt holds the run (its lock or lease): do not restart now
 # Kubernetes (podFailurePolicy), SLURM and SkyPilot can tell these apart (scripts/launch/);
 # Docker's `--restart on-failure` restarts on every non-zero code, hence the retry cap
 # `:5`, which bounds the loop a configuration error would cause (it fails in seconds).
+# A replacement that finds the run held (the old VM still draining, or a lease not yet expired
+# after a kill) waits up to SPOTUNE_WAIT seconds (default 300: the default lease of 180 s,
+# plus margin) and then resumes; $EXIT_BUSY after that means a live writer elsewhere. Docker's
+# on-failure restart then waits again, so it never trains beside the holder.
 # `docker stop` sends SIGTERM: spotune saves and exits $EXIT_PREEMPTED, and Docker does not
 # restart a container you stopped; give it time to save: `docker stop -t 120`.
 # Single process: spotune replaces this shell (exec), so it receives the signals itself.
@@ -23,13 +28,14 @@ EXIT_PREEMPTED=143   # SIGTERM/SIGUSR1 or a cloud notice: checkpoint saved, rest
 set -uo pipefail
 if [ "${1:-}" = "spotune" ]; then shift; fi
 case "${1:-}" in
-  prepare|inspect|estimate|pilot|export|config|train) exec spotune "$@" ;;
+  prepare|inspect|estimate|pilot|export|config|status|report) exec spotune "$@" ;;
+  train) shift; exec spotune train --wait "${SPOTUNE_WAIT:-300}" "$@" ;;
 esac
 nproc=$(python -c "import torch; print(max(torch.cuda.device_count(), 1))")
 if [ "$nproc" -gt 1 ]; then
   SPOTUNE_EXIT_FILE=$(mktemp)
   export SPOTUNE_EXIT_FILE
-  torchrun --standalone --nproc_per_node "$nproc" -m trainer train "$@" &
+  torchrun --standalone --nproc_per_node "$nproc" -m trainer train --wait "${SPOTUNE_WAIT:-300}" "$@" &
   launcher=$!
   trap 'kill -TERM "$launcher" 2>/dev/null' TERM INT USR1
   wait "$launcher"
@@ -42,4 +48,4 @@ if [ "$nproc" -gt 1 ]; then
   rm -f "$SPOTUNE_EXIT_FILE"
   exit "$rc"
 fi
-exec spotune train "$@"
+exec spotune train --wait "${SPOTUNE_WAIT:-300}" "$@"

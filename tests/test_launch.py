@@ -53,7 +53,8 @@ def template_code_problems(texts: dict[Path, str]) -> list[str]:
             problems.append(f"{where.name}: {what} is {got}, trainer/exit_codes.py says {want}")
 
     want = {
-        name: getattr(E, name) for name in ("EXIT_FINISHED", "EXIT_BAD_INPUT", "EXIT_OUT_OF_MEMORY", "EXIT_PREEMPTED")
+        name: getattr(E, name)
+        for name in ("EXIT_FINISHED", "EXIT_BAD_INPUT", "EXIT_OUT_OF_MEMORY", "EXIT_PREEMPTED", "EXIT_BUSY")
     }
     for path in (SLURM, SLURM_NODES, ENTRYPOINT):
         same(path, "EXIT_* assignments", _shell_codes(texts[path]), want)
@@ -61,7 +62,7 @@ def template_code_problems(texts: dict[Path, str]) -> list[str]:
     same(SKYPILOT, "recover_on_exit_codes", recovery["recover_on_exit_codes"], [E.EXIT_PREEMPTED])
     same(SKYPILOT, "max_restarts_on_errors", recovery["max_restarts_on_errors"], 0)
     rules = _k8s_rules(yaml.safe_load(texts[K8S]))
-    same(K8S, "FailJob exit codes", rules.get("FailJob"), [E.EXIT_BAD_INPUT, E.EXIT_OUT_OF_MEMORY])
+    same(K8S, "FailJob exit codes", rules.get("FailJob"), [E.EXIT_BAD_INPUT, E.EXIT_OUT_OF_MEMORY, E.EXIT_BUSY])
     same(K8S, "Ignore (restart) exit codes", rules.get("Ignore"), [E.EXIT_PREEMPTED])
     return problems
 
@@ -81,6 +82,19 @@ def test_template_exit_code_drift_is_caught(path: Path) -> None:
     assert drifted != texts[path], f"{path.name} names no 143"
     problems = template_code_problems({**texts, path: drifted})
     assert problems and all(p.startswith(path.name) and "142" in p for p in problems), problems
+
+
+def test_every_template_treats_busy_as_do_not_restart_now() -> None:
+    """EXIT_BUSY (another attempt holds the run): never requeued or restarted at once; the ones that start
+    replacement machines wait for a dead holder's lease first (--wait)."""
+    for path in (SLURM, SLURM_NODES):
+        branch = re.search(r'^  "\$EXIT_BUSY"\)\n(.*?;;)', path.read_text(), re.MULTILINE | re.DOTALL)
+        assert branch and "requeue" in branch.group(1) and "scontrol" not in branch.group(1), path.name
+    recovery = yaml.safe_load(SKYPILOT.read_text())["resources"]["job_recovery"]
+    assert E.EXIT_BUSY not in recovery["recover_on_exit_codes"] and recovery["max_restarts_on_errors"] == 0
+    assert "spotune train --wait" in yaml.safe_load(SKYPILOT.read_text())["run"]
+    assert E.EXIT_BUSY in _k8s_rules(yaml.safe_load(K8S.read_text()))["FailJob"]
+    assert ENTRYPOINT.read_text().count('train --wait "${SPOTUNE_WAIT:-300}"') == 3
 
 
 # ---------------------------------------------------------------------------- SkyPilot
@@ -125,7 +139,7 @@ def test_skypilot_task_loads_with_skypilot(tmp_path: Path) -> None:
     assert task["job_recovery"]["strategy"] == "EAGER_NEXT_REGION"
     assert task["envs"]["CHECKPOINT_URL"].startswith("s3://")
     assert "spotune prepare $RECIPE" in task["setup"]
-    assert "spotune train $RECIPE" in task["run"] and "checkpoint.remote=$CHECKPOINT_URL" in task["run"]
+    assert "spotune train --wait 300 $RECIPE" in task["run"] and "checkpoint.remote=$CHECKPOINT_URL" in task["run"]
     # control: SkyPilot's loader rejects what its schema does not know
     bad = tmp_path / "bad.yaml"
     bad.write_text(SKYPILOT.read_text().replace("use_spot:", "use_spott:"))
@@ -182,7 +196,7 @@ def test_docker_run_restarts_on_failure_with_the_image_entrypoint(tmp_path: Path
     assert "COPY docker/entrypoint.sh /usr/local/bin/spotune-entrypoint" in dockerfile
 
 
-@pytest.mark.parametrize("code", [E.EXIT_FINISHED, E.EXIT_BAD_INPUT, E.EXIT_BUDGET, E.EXIT_PREEMPTED])
+@pytest.mark.parametrize("code", [E.EXIT_FINISHED, E.EXIT_BAD_INPUT, E.EXIT_BUDGET, E.EXIT_PREEMPTED, E.EXIT_BUSY])
 def test_entrypoint_passes_the_trainers_exit_code_through(tmp_path: Path, code: int) -> None:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -191,7 +205,7 @@ def test_entrypoint_passes_the_trainers_exit_code_through(tmp_path: Path, code: 
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     done = subprocess.run(["bash", str(ENTRYPOINT), "recipes/tiny-cpu.yaml", "seed=3"], env=env)
     assert done.returncode == code
-    assert (tmp_path / "argv").read_text().splitlines() == ["train", "recipes/tiny-cpu.yaml", "seed=3"]
+    assert (tmp_path / "argv").read_text().splitlines() == ["train", "--wait", "300", "recipes/tiny-cpu.yaml", "seed=3"]
 
 
 @pytest.mark.parametrize("code", [E.EXIT_BAD_INPUT, E.EXIT_PREEMPTED])

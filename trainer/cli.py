@@ -2,7 +2,7 @@
 
 Exit codes are defined and documented once, in trainer/exit_codes.py: 0 finished,
 143 preempted after saving (requeue), 3 budget reached, 4 too many non-finite steps,
-130 aborted, 2 bad configuration or input, 1 anything else.
+130 aborted, 2 bad configuration or input, 75 the run is held by another attempt, 1 anything else.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from trainer import config as C
-from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_FILE_ENV
+from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_BUSY, EXIT_FILE_ENV
 
 
 def _add_recipe(p: argparse.ArgumentParser) -> None:
@@ -32,6 +32,12 @@ def _parser() -> argparse.ArgumentParser:
     _add_recipe(p)
     p = sub.add_parser("train", help="train; the same command resumes from the newest good checkpoint")
     _add_recipe(p)
+    p.add_argument(
+        "--wait", type=float, metavar="SECONDS", help="if another attempt holds the run, wait this long for it"
+    )
+    p = sub.add_parser("status", help="who holds a run now (its directory's lock, the remote's lease)")
+    p.add_argument("run", help="the run's output_dir, or its checkpoint.remote URL")
+    p.add_argument("--break-lease", action="store_true", help="release the remote lease by hand (its holder is gone)")
 
     p = sub.add_parser("estimate", help="memory fit, GPU-hours and cost, on-demand against spot")
     p.add_argument("recipe", nargs="?", help="YAML recipe, or a hub model id such as meta-llama/Llama-3.1-8B")
@@ -115,9 +121,13 @@ def _main(argv: Sequence[str] | None) -> int:
     from trainer.plan import PlanError
     from trainer.report import ReportError
     from trainer.restart.checkpoint import CheckpointError
+    from trainer.restart.lock import RunBusy
 
     try:
         return _dispatch(args)
+    except RunBusy as e:  # one writer per run: the message names the holder
+        print(f"spotune: {e}", file=sys.stderr)
+        return EXIT_BUSY
     except (C.ConfigError, DataError, CheckpointError, PlanError, CatalogError, ReportError) as e:
         # Each carries complete sentences naming the key, file or line to fix; a traceback
         # would only bury them. CheckpointError covers "none verifies" and ResumeMismatch.
@@ -132,6 +142,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         out = export(args.run_dir, args.out, merge=args.merge)
         print(f"spotune: wrote {out}")
         return 0
+    if args.command == "status":
+        from trainer.restart.owner import status_command
+
+        return status_command(args.run, args.break_lease)
     if args.command == "report":
         from trainer.report import write_report
 
@@ -165,7 +179,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                 print(f"length plot: {plot}")
         return 0
     if args.command == "train":
-        return run.train(cfg)
+        return run.train(cfg, wait=args.wait)
     if args.command == "estimate":
         from trainer.plan_cli import estimate_command
 

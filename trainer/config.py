@@ -181,6 +181,9 @@ class CheckpointConfig:
     """Seconds between preemption-notice polls (AWS recommends 5)."""
     remote: str | None = None
     """fsspec URL (`s3://bucket/prefix`, `gs://`, `az://`, `file://`) that every checkpoint is uploaded to in the background; resume also looks there. Credentials come from the cloud's standard chain."""
+    lease_seconds: float = 180.0
+    """With `checkpoint.remote`: how long the run's lease lasts unrenewed (renewed every third of it). A replacement
+    machine takes over a silent holder's run after this; the holder stops writing a little before."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Extra fsspec options for `checkpoint.remote` (e.g. `{client_kwargs: {region_name: eu-west-1}}`); never credentials."""
 

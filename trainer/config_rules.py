@@ -175,6 +175,8 @@ def cross_checks(cfg: RunConfig) -> list[str]:
             )
     if ck.notice_poll_seconds <= 0:
         p.append(f"checkpoint.notice_poll_seconds: must be above 0, got {ck.notice_poll_seconds}")
+    if ck.lease_seconds < 1:  # renewed every third of it: shorter would be all renewals
+        p.append(f"checkpoint.lease_seconds: must be at least 1, got {ck.lease_seconds}")
     if cfg.train.max_cost is not None and cfg.metrics.price_per_hour is None:
         p.append(
             "train.max_cost: needs metrics.price_per_hour to turn device-hours into cost; set metrics.price_per_hour"

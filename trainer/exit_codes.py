@@ -15,6 +15,10 @@ What a supervisor should do with each:
 - `EXIT_OUT_OF_MEMORY = 5`: the GPU ran out of memory; the message names the step, the
   estimate's peak and what to change (micro-batch, gradient checkpointing, seq_len, QLoRA).
   Rerunning unchanged fails the same way on the same GPU: do not restart it.
+- `EXIT_BUSY = 75` (EX_TEMPFAIL): another attempt holds the run (its directory's lock, or the
+  lease in `checkpoint.remote`): refused at start, or this attempt lost the lease mid-run and
+  stopped without writing more. Do not restart now: the holder is training. `spotune status`
+  names it; `spotune train --wait SECONDS` resumes after it.
 - `EXIT_ABORTED = 130`: a second SIGINT; no checkpoint was saved for the step in flight.
   Rerunning resumes from the last committed checkpoint.
 - `EXIT_PREEMPTED = 143` (128 + SIGTERM): stopped by a signal after saving a checkpoint.
@@ -31,6 +35,7 @@ EXIT_BAD_INPUT = 2
 EXIT_BUDGET = 3
 EXIT_BAD_STEPS = 4
 EXIT_OUT_OF_MEMORY = 5
+EXIT_BUSY = 75
 EXIT_ABORTED = 130
 EXIT_PREEMPTED = 143
 

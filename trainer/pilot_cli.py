@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer import exit_codes, run
+from trainer.atomic import write_text
 from trainer.config import RunConfig, to_yaml
 from trainer.data.cache import MANIFEST, data_cache_root
 from trainer.plan import PlanError, pilot
@@ -114,7 +115,7 @@ def run_pilot(
     fp = fingerprint(pcfg)
     if fp is not None:
         result["data_manifest"] = str(data_cache_root(pcfg.data.cache_dir, pcfg.output_dir) / fp / MANIFEST)
-    (out / "pilot.json").write_text(json.dumps(result, indent=2))
+    write_text(out / "pilot.json", json.dumps(result, indent=2))  # atomic: a train may read the run dir meanwhile
     return result
 
 

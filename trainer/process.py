@@ -44,7 +44,8 @@ class Process:
         return bool(self.accelerator.is_main_process)
 
 
-def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitStack) -> Process:
+def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitStack, fence: Any = None) -> Process:
+    """`fence`: the run's lease (trainer/restart/lease.py), which every write to the store asks first."""
     accelerator = make_accelerator(cfg)
     t, ck = cfg.train, cfg.checkpoint
     # DDP, or FSDP from the recipe or an accelerate FSDP config; refuses DeepSpeed and the like.
@@ -59,6 +60,8 @@ def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitSt
         is_local_main=accelerator.is_local_main_process,
     )
     closing.callback(remote.stop)
+    if fence is not None:
+        remote.fence = fence
     with timed(phases, "store"):
         remote.connect()  # first: a fresh machine fetches the run's config, ledger and metrics before writing any
     stop = preemption.Preemption().install()

@@ -26,6 +26,7 @@ from trainer.data.cache import data_cache_root, in_turns
 from trainer.exit_codes import StopReason
 from trainer.export import write_final
 from trainer.model import build, build_optimizer, count_params
+from trainer.restart import owner
 from trainer.restart.checkpoint import CheckpointManager
 from trainer.restart.ledger import Ledger, timed
 from trainer.restart.saving import Saver
@@ -35,16 +36,22 @@ from trainer.shutdown import OutOfMemory
 from trainer.telemetry import Budget, Telemetry
 
 
-def train(cfg: C.RunConfig) -> int:
-    """Train (resuming when a checkpoint verifies) and return the process exit code."""
+def train(cfg: C.RunConfig, wait: float | None = None) -> int:
+    """Train (resuming when a checkpoint verifies) and return the process exit code. One writer per
+    run: holds the directory's lock and the remote's lease throughout (raises RunBusy, after `wait`s)."""
     entered = time.time()
     phases: dict[str, float] = {}  # fixed costs for the ledger, timed before it can open
     with timed(phases, "imports"):  # the rest of the libraries train() needs (the ledger adds the time before)
         from accelerate.utils import set_seed
         from datasets import load_from_disk
 
+    ck = cfg.checkpoint
     with determinism.kernels(cfg.train.deterministic) as notes, contextlib.ExitStack() as closing:
-        proc = process.start(cfg, phases, closing)  # accelerator, DDP/FSDP, the store, the stop paths
+        # One writer per run, before anything touches output_dir or the store (trainer/restart/owner.py).
+        holding = closing.enter_context(
+            owner.hold(cfg.output_dir, ck.remote, ck.storage_options, ck.lease_seconds, wait)
+        )
+        proc = process.start(cfg, phases, closing, fence=holding.lease)  # accelerator, DDP/FSDP, store, stop paths
         device = proc.accelerator.device
         with timed(phases, "data"):
             prepared = _prepare_once_per_node(cfg, proc)
@@ -66,7 +73,10 @@ def train(cfg: C.RunConfig) -> int:
         )
         set_seed(cfg.seed + proc.rank)  # distinct dropout streams per rank from here on
 
-        books = _open_books(cfg, proc, sched, model, counts.trainable, peak_flops, phases, entered, closing)
+        books = _open_books(
+            cfg, proc, sched, model, counts.trainable, peak_flops, phases, closing, holding.clock_start()
+        )
+        books.ledger.phases["imports"] += entered - books.ledger.start  # interpreter, CLI and config before train()
         books.ledger.data_reused = bool(prepared.reused)
         for note in [*notes, *proc.sharding.notes, *auto_notes, *resume_notes, *sched.notes]:
             books.console.message(f"spotune: {note}")
@@ -176,8 +186,8 @@ def _open_books(
     trainable: int,
     peak_flops: float | None,
     phases: dict[str, float],
-    entered: float,
     closing: contextlib.ExitStack,
+    process_start: float | None = None,
 ) -> Books:
     saved = sched.saved
     ledger = Ledger.open(
@@ -187,9 +197,9 @@ def _open_books(
         carried_totals=saved.ledger if saved is not None else None,
         enabled=proc.is_main,
         phases=phases,
+        process_start=process_start,  # after a --wait: from when this attempt got the run
     )
     closing.push(_ledger_row_on_error(ledger))
-    ledger.phases["imports"] += entered - ledger.start  # interpreter, CLI and config before train()
     console = metrics.Console(sched.steps, 0, enabled=cfg.metrics.progress, is_main=proc.is_main)
     closing.callback(console.close)
     proc.remote.message = console.message

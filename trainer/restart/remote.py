@@ -20,7 +20,7 @@ import torch
 from trainer.atomic import write_bytes
 from trainer.restart.checkpoint import MANIFEST, CheckpointError, CheckpointManager, resolve_resume
 from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, read_rows
-from trainer.restart.storage import Store, StoreError, _short, redact
+from trainer.restart.storage import Fence, Store, StoreError, _short, redact
 from trainer.restart.uploader import RUN_FILES, Uploader
 
 T = TypeVar("T")
@@ -57,6 +57,7 @@ class RemoteRun:
         self.reachable = False
         self.uploader: Uploader | None = None
         self.flushed = False
+        self.fence: Fence | None = None  # the run's lease (trainer/restart/lease.py), set by run.py
 
     # ------------------------------------------------------------------ start
 
@@ -69,6 +70,8 @@ class RemoteRun:
         if self.url is None or not self.is_main:
             return
         self.store = Store(self.url, self.options)
+        if self.fence is not None:
+            self.store.fence = self.fence
         try:
             self.store.check()
         except StoreError as e:

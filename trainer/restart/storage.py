@@ -23,14 +23,16 @@ import posixpath
 import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from trainer.atomic import files_below, fsync_tree, publish_dir, temp_sibling
 from trainer.restart.checkpoint import MANIFEST, CheckpointError, file_digest
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CHECKPOINTS = "checkpoints"
 RETIRED = "RETIRED-" + MANIFEST
@@ -111,6 +113,26 @@ def install_hint(url: str) -> str:
     return f"pip install 'spotune[{extra}]'" if extra else "install the fsspec backend for this URL"
 
 
+class Fence:
+    """What every write to the store asks first. This one lets everything through; a run's
+    `restart.lease.Lease` refuses once another machine holds the run (one writer per run)."""
+
+    def check(self) -> None:
+        """Raise when this process may no longer write to the store."""
+
+    def commit(self, write: Callable[[], T]) -> T:
+        """Run a write that commits something (a manifest, the ledger) under the fence."""
+        return write()
+
+    def put_new(self, store: Store, local: Path, path: str) -> None:
+        """Upload a manifest (a lease makes it conditional on the object not existing yet)."""
+        store.fs.put_file(str(local), path)
+
+
+COMMITTED_RUN_FILES = ("ledger.jsonl",)
+"""Run files whose upload is a commit (the run's history): written under `Fence.commit`."""
+
+
 class Store:
     """Checkpoints and run files under one remote root."""
 
@@ -128,6 +150,7 @@ class Store:
                 f"checkpoint.remote={self.shown}: the backend for this URL is not installed ({e}); {install_hint(url)}"
             ) from e
         self.root = self.root.rstrip("/")
+        self.fence = Fence()  # a Lease while a training attempt holds the run (trainer/restart/lease.py)
 
     # ------------------------------------------------------------------ paths
 
@@ -188,6 +211,7 @@ class Store:
         """Delete remote step directories that have no manifest (uploads killed midway)."""
         doomed = [s for s, names in self._step_dirs().items() if MANIFEST not in names and RETIRED not in names]
         for step in doomed:
+            self.fence.check()
             self.fs.rm(self.step_path(step), recursive=True)
         return doomed
 
@@ -195,6 +219,7 @@ class Store:
         """Set aside remote checkpoints above `after_step` (their manifest renamed; data kept)."""
         moved = [s for s in self.committed() if s > after_step]
         for step in moved:
+            self.fence.check()
             self.fs.mv(self.step_path(step, MANIFEST), self.step_path(step, RETIRED))
         return moved
 
@@ -203,6 +228,7 @@ class Store:
         committed = self.committed()
         doomed = committed[: max(0, len(committed) - keep_last)]
         for step in doomed:
+            self.fence.check()
             self.fs.rm_file(self.step_path(step, MANIFEST))  # from here on it does not exist
             self.fs.rm(self.step_path(step), recursive=True)
         return doomed
@@ -215,6 +241,7 @@ class Store:
         files = [f for f in files_below(local) if f.name != MANIFEST or f.parent != local]
         pause = float(os.environ.get(UPLOAD_PAUSE_ENV, "0") or 0)
         self.fs.invalidate_cache()
+        self.fence.check()
         if self.fs.exists(self.step_path(step, MANIFEST)):  # the same step again (a redone step after a
             self.fs.rm_file(self.step_path(step, MANIFEST))  # resume): uncommit it before any file changes
         if not _is_object_store(self.fs):
@@ -226,6 +253,7 @@ class Store:
             rel = f.relative_to(local).as_posix()
             if "/" in rel and not _is_object_store(self.fs):
                 self.fs.makedirs(posixpath.dirname(self.step_path(step, rel)), exist_ok=True)
+            self.fence.check()
             self.fs.put_file(str(f), self.step_path(step, rel))
             sent += f.stat().st_size
         # What arrived is checked by size before the manifest makes it real (S3's ETag is no sha256;
@@ -235,14 +263,18 @@ class Store:
             size = self.fs.size(self.step_path(step, rel))
             if size != want["size"]:
                 raise StoreError(f"{self.show(step, rel)}: {size} bytes arrived, {want['size']} were sent")
-        self.fs.put_file(str(local / MANIFEST), self.step_path(step, MANIFEST))
+        self.fence.commit(lambda: self.fence.put_new(self, local / MANIFEST, self.step_path(step, MANIFEST)))
         return sent + (local / MANIFEST).stat().st_size
 
     def put(self, local: Path, rel: str) -> int:
         """Upload one run file (config.yaml, ledger.jsonl, ...) to `<remote>/<rel>`; 0 if absent."""
         if not local.is_file():
             return 0
-        self.fs.put_file(str(local), self.path(rel))
+        if rel in COMMITTED_RUN_FILES:
+            self.fence.commit(lambda: self.fs.put_file(str(local), self.path(rel)))
+        else:
+            self.fence.check()
+            self.fs.put_file(str(local), self.path(rel))
         return local.stat().st_size
 
     def get(self, rel: str, local: Path) -> bool:

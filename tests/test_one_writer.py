@@ -1,0 +1,224 @@
+"""One writer per run, the pieces: the run directory's kernel lock (trainer/restart/lock.py) and
+the remote lease with its fencing (trainer/restart/lease.py) against moto's S3, plus `spotune
+status`. The multi-process drills (the same command twice, two machines, SIGSTOP past expiry)
+are in test_one_writer_drill.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer import cli
+from trainer.exit_codes import EXIT_BUSY
+from trainer.restart.lease import LEASE_FILE, Lease, LeaseLost, read_lease
+from trainer.restart.lock import LOCK_FILE, RunBusy, RunLock, holder
+from trainer.restart.owner import break_lease, hold, status_lines
+from trainer.restart.storage import Store
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_second_lock_refuses_at_once_naming_the_holder(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    with RunLock.take(run, "train"):
+        (run / "ledger.current.json").write_text(json.dumps({"last_step": 7}))
+        started = time.monotonic()
+        with pytest.raises(RunBusy) as e:
+            RunLock.take(run, "train")
+        assert time.monotonic() - started < 3
+        text = str(e.value)
+        assert f"pid {os.getpid()}" in text and "step 7" in text and "--wait" in text and "since " in text
+        assert holder(run)["pid"] == os.getpid()  # a reader probe does not block the holder
+    assert holder(run) is None and (run / LOCK_FILE).exists()
+    with RunLock.take(run, "train"):  # released: the next one takes it
+        pass
+
+
+def test_a_sigkilled_holder_leaves_no_stale_lock(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    code = f"from trainer.restart.lock import RunLock; RunLock.take({str(run)!r}, 'train'); print('held', flush=True); import time; time.sleep(60)"
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "held"
+        assert holder(run)["pid"] == p.pid
+        with pytest.raises(RunBusy):
+            RunLock.take(run, "train")
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        started = time.monotonic()
+        with RunLock.take(run, "train") as lock:
+            assert lock.waited == 0.0
+        assert time.monotonic() - started < 1.5
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_wait_takes_the_lock_once_the_holder_ends(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    first = RunLock.take(run, "train")
+    import threading
+
+    threading.Timer(1.5, first.release).start()
+    with RunLock.take(run, "train", wait=30) as second:
+        assert second.waited >= 1.0 and second.clock_start() == second.acquired_at
+
+
+def _lease(s3_remote: str, run: Path, ttl: float = 30.0) -> tuple[Lease, list[str]]:
+    lost: list[str] = []
+    lease = Lease(Store(s3_remote), ttl, run, message=lambda m: None)
+    lease.on_lost = lost.append  # instead of exiting the process
+    return lease, lost
+
+
+def test_lease_live_refuses_expired_is_taken_with_a_higher_generation(tmp_path: Path, s3_remote: str) -> None:
+    a, a_lost = _lease(s3_remote, tmp_path / "a", ttl=2.0)
+    a.acquire()
+    assert a.generation == 1
+    b, _ = _lease(s3_remote, tmp_path / "b")
+    with pytest.raises(RunBusy) as e:
+        b.acquire()
+    assert f"pid {os.getpid()}" in str(e.value) and "generation 1" in str(e.value) and "--break-lease" in str(e.value)
+    b.acquire(wait=10)  # a never renews: expired after 2 s
+    assert b.generation == 2 and 1.0 < b.waited < 10
+    # The old holder finds out at its next renewal, and its local deadline had passed anyway.
+    with pytest.raises(LeaseLost):
+        a.renew()
+    assert a_lost and "paused" in a_lost[0]
+    with pytest.raises(LeaseLost):
+        a.check()
+    # Its commits are refused before any byte is written.
+    store = Store(s3_remote)
+    store.fence = a
+    local = tmp_path / "ledger.jsonl"
+    local.write_text("{}\n")
+    with pytest.raises(LeaseLost):
+        store.put(local, "ledger.jsonl")
+    assert not store.fs.exists(store.path("ledger.jsonl"))
+    b.release()
+    lease, _ = read_lease(Store(s3_remote))
+    assert lease is not None and lease["released"] and lease["generation"] == 2
+
+
+def test_conditional_renewal_fences_a_holder_whose_lease_was_replaced(tmp_path: Path, s3_remote: str) -> None:
+    """The holder's clock says it still holds the lease, but the object names someone else (broken
+    by hand): the conditional renewal before a commit refuses it; no manifest is written."""
+    a, a_lost = _lease(s3_remote, tmp_path / "a")
+    a.acquire()
+    assert "broke the lease" in break_lease(s3_remote)
+    store = Store(s3_remote)
+    store.fence = a
+    manifest = tmp_path / "MANIFEST.json"
+    manifest.write_text("{}")
+    with pytest.raises(LeaseLost):
+        store.fence.commit(lambda: store.fence.put_new(store, manifest, store.path("m.json")))
+    assert a_lost and not store.fs.exists(store.path("m.json"))
+    b, _ = _lease(s3_remote, tmp_path / "b")
+    b.acquire()  # a broken lease is free at once, with a higher generation
+    assert b.generation == 3
+
+
+def test_manifest_never_overwrites_another_writers(tmp_path: Path, s3_remote: str) -> None:
+    a, a_lost = _lease(s3_remote, tmp_path / "a")
+    a.acquire()
+    store = Store(s3_remote)
+    store.fs.pipe_file(store.path("m.json"), b"theirs")
+    mine = tmp_path / "m.json"
+    mine.write_text("mine")
+    with pytest.raises(LeaseLost):
+        a.put_new(store, mine, store.path("m.json"))
+    assert store.fs.cat_file(store.path("m.json")) == b"theirs" and a_lost
+
+
+def test_same_directory_same_host_takes_over_a_dead_holders_live_lease(tmp_path: Path, s3_remote: str) -> None:
+    """A SIGKILLed holder's lease is still live, but this process holds the directory's kernel lock
+    that the holder held: it is dead, so the rerun does not wait for the expiry."""
+    run = tmp_path / "run"
+    dead, _ = _lease(s3_remote, run, ttl=600)
+    dead.acquire()
+    with hold(run, s3_remote, {}, 600.0) as holding:
+        assert holding.lease is not None and holding.lease.generation == 2
+        with pytest.raises(RunBusy):  # another directory (another machine) is refused
+            with hold(tmp_path / "other", s3_remote, {}, 600.0):
+                pass
+    lease, _ = read_lease(Store(s3_remote))
+    assert lease is not None and lease["released"]
+
+
+def test_status_names_the_holder_and_never_blocks(
+    tmp_path: Path, s3_remote: str, capsys: pytest.CaptureFixture
+) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(f"checkpoint:\n  remote: {s3_remote}\n")
+    with hold(run, s3_remote, {}, 120.0):
+        lines = status_lines(str(run))
+        assert f"held by pid {os.getpid()}" in lines[0] and "spotune train" in lines[0]
+        assert "lease held by" in lines[1] and "generation 1" in lines[1] and "expires in" in lines[1]
+        assert cli.main(["status", s3_remote]) == 0
+        assert "lease held by" in capsys.readouterr().out
+    assert "not held" in status_lines(str(run))[0] and "released" in status_lines(str(run))[1]
+    assert "no lease" in status_lines(s3_remote.rsplit("/", 1)[0] + "/elsewhere")[0]
+
+
+def test_train_refused_exits_busy_with_the_message(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    run = tmp_path / "run"
+    with RunLock.take(run, "train"):
+        assert cli.main(["train", f"output_dir={run}"]) == EXIT_BUSY
+    err = capsys.readouterr().err
+    assert f"is in use by pid {os.getpid()}" in err and "one writer per run" in err
+    assert sorted(p.name for p in run.iterdir()) == [LOCK_FILE]  # it touched nothing
+
+
+def test_lease_request_cost(tmp_path: Path, s3_remote: str) -> None:
+    """Requests per hour: one conditional PUT per renewal (every ttl/3), nothing per step."""
+    lease, _ = _lease(s3_remote, tmp_path / "a", ttl=1.5)
+    lease.acquire()
+    lease.start()
+    time.sleep(3.2)
+    store = Store(s3_remote)
+    store.fence = lease
+    for _ in range(5):
+        lease.check()  # each store write asks this: no request
+    renewals = lease.requests - 2  # the first read and the creating write
+    lease.release()
+    assert 5 <= renewals <= 7  # every 0.5 s for 3.2 s
+    assert LEASE_FILE in {p.rsplit("/", 1)[-1] for p in store.fs.ls(store.root, detail=False)}
+
+
+def test_store_without_conditional_writes_rereads_the_lease_around_a_commit(tmp_path: Path) -> None:
+    remote = f"file://{tmp_path / 'bucket'}"
+    (tmp_path / "bucket").mkdir()
+    a, a_lost = _lease(remote, tmp_path / "a")
+    a.acquire()
+    b, _ = _lease(remote, tmp_path / "b")
+    with pytest.raises(RunBusy):
+        b.acquire()
+    wrote: list[int] = []
+    a.commit(lambda: wrote.append(1))  # the lease read before and after still names a
+    assert wrote == [1]
+    break_lease(remote)
+    with pytest.raises(LeaseLost):
+        a.commit(lambda: wrote.append(2))
+    assert wrote == [1] and a_lost
+    b.acquire()
+    assert b.generation == 3
+
+
+def test_a_released_lease_is_never_taken_again_by_a_late_upload(tmp_path: Path, s3_remote: str) -> None:
+    a, a_lost = _lease(s3_remote, tmp_path / "a")
+    a.acquire()
+    a.release()
+    with pytest.raises(LeaseLost):
+        a.commit(lambda: None)
+    with pytest.raises(LeaseLost):
+        a.check()
+    lease, _ = read_lease(Store(s3_remote))
+    assert lease is not None and lease["released"] and lease["generation"] == 1 and not a_lost

@@ -1,0 +1,155 @@
+"""Who may write a run: `spotune train` holds its directory's lock and (with `checkpoint.remote`)
+the remote's lease for its whole life; `spotune status` says who holds a run now and can break
+a lease by hand.
+
+`hold` is what `run.train` wraps itself in: the local lock first (trainer/restart/lock.py),
+then the lease (trainer/restart/lease.py), both before the attempt touches the directory or
+the store, both released when it returns or raises. Only the job's main process (RANK 0, or
+no torchrun) takes them: the other ranks write nothing the main rank does not coordinate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.restart.lease import Lease, _Refused, describe_lease, read_lease, write_object
+from trainer.restart.lock import RunBusy, RunLock, describe, holder
+from trainer.restart.storage import Store, _short
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+@dataclass
+class Holding:
+    """What `hold` took: nothing on ranks other than the main one."""
+
+    lock: RunLock | None = None
+    lease: Lease | None = None
+
+    def clock_start(self) -> float | None:
+        """Where this attempt's ledger clock starts: when it got the run, if it had to wait for it
+        (the waiting overlapped the previous holder, whose own row counts that time)."""
+        starts = [
+            t
+            for t in (
+                self.lock.clock_start() if self.lock else None,
+                self.lease.acquired_at if self.lease and self.lease.waited > 1.0 else None,
+            )
+            if t is not None
+        ]
+        return max(starts) if starts else None
+
+
+@contextlib.contextmanager
+def hold(
+    run_dir: str | Path,
+    remote: str | None,
+    storage_options: dict[str, Any],
+    lease_seconds: float,
+    wait: float | None = None,
+    command: str = "train",
+) -> Iterator[Holding]:
+    """Hold `run_dir` (and the lease of `remote`) for the block; raises RunBusy naming the holder."""
+    if os.environ.get("RANK", "0") != "0":
+        yield Holding()
+        return
+    started = time.monotonic()
+    with RunLock.take(run_dir, command, wait) as lock:
+        lease = None
+        if remote is not None:
+            lease = Lease(Store(remote, storage_options), lease_seconds, Path(run_dir), message=_say)
+            left = None if wait is None else max(0.0, wait - (time.monotonic() - started))
+            try:
+                lease.acquire(left)
+                lease.start()
+            except RunBusy:
+                raise
+            except Exception as e:
+                # Unreachable now: RemoteRun.connect decides whether training may start; if it does,
+                # the first write to the store takes the lease (or stops the run).
+                _say(f"spotune: the lease of {lease.store.shown} could not be read ({_short(e)}); taken later")
+        try:
+            yield Holding(lock, lease)
+        finally:
+            if lease is not None:
+                lease.release()
+
+
+# ---------------------------------------------------------------------------- spotune status
+
+
+def status_lines(run: str) -> list[str]:
+    """Who holds `run` (a run directory, or a checkpoint.remote URL) now; never blocks, writes nothing."""
+    lines: list[str] = []
+    remote: str | None = run if "://" in run else None
+    options: dict[str, Any] = {}
+    if remote is None:
+        run_dir = Path(run)
+        who = holder(run_dir)
+        lines.append(f"{run_dir}: held by {describe(who)}" if who else f"{run_dir}: not held on this machine")
+        remote, options = _remote_of(run_dir)
+    if remote is not None:
+        store = Store(remote, options)
+        lease, _ = read_lease(store)
+        if lease is None:
+            lines.append(f"{store.shown}: no lease (no attempt has trained against it with a lease)")
+        else:
+            lines.append(f"{store.shown}: lease held by {describe_lease(lease)}")
+    return lines
+
+
+def _remote_of(run_dir: Path) -> tuple[str | None, dict[str, Any]]:
+    """The checkpoint.remote this run directory's config.yaml names, if any."""
+    import yaml
+
+    try:
+        ck = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("checkpoint") or {}
+    except (OSError, ValueError, AttributeError):
+        return None, {}
+    return ck.get("remote"), dict(ck.get("storage_options") or {})
+
+
+def break_lease(remote: str, storage_options: dict[str, Any] | None = None) -> str:
+    """Mark the lease of `remote` released with a higher generation (conditional on the lease read),
+    so the next attempt takes it at once; a live holder then fails its next renewal and exits."""
+    store = Store(remote, storage_options or {})
+    lease, etag = read_lease(store)
+    if lease is None:
+        return f"{store.shown}: no lease to break"
+    broken = {
+        **lease,
+        "generation": int(lease.get("generation", 0)) + 1,
+        "released": True,
+        "expires_at": time.time(),
+        "broken_by": f"pid {os.getpid()} on {socket.gethostname()} (spotune status --break-lease)",
+    }
+
+    try:
+        write_object(store, store.path("lease.json"), json.dumps(broken).encode(), if_match=etag)
+    except _Refused:
+        return f"{store.shown}: the lease changed while breaking it (renewed?); run `spotune status` again"
+    return f"{store.shown}: broke the lease of {describe_lease(lease)}"
+
+
+def status_command(run: str, break_it: bool = False) -> int:
+    """`spotune status RUN [--break-lease]`: prints who holds RUN; 0 (2 when there is nothing to break)."""
+    remote = run if "://" in run else _remote_of(Path(run))[0]
+    if break_it:
+        if remote is None:
+            _say(f"spotune: {run} has no checkpoint.remote: nothing to break (a local lock dies with its process)")
+            return 2
+        print(f"spotune: {break_lease(remote, {} if '://' in run else _remote_of(Path(run))[1])}")
+    for line in status_lines(run):
+        print(line)
+    return 0
