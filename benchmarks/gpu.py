@@ -9,7 +9,7 @@ What it runs, in one process, on the same packed rows:
 - LoRA r16 on every linear layer, bf16 autocast, seq 4096; rows best-fit-decreasing packed
   from a real length distribution (benchmarks/configs/lengths-gpteacher-roleplay.json: token
   lengths of ../shared/data/gpteacher-roleplay.json, prompt masked);
-- spotune: trainer.model.build + trainer.loss.token_loss_sum (our head and fused loss,
+- spotune: trainer.model.load.build + trainer.model.loss.token_loss_sum (our head and fused loss,
   document bounds to the attention kernel `auto` picks) + fused AdamW;
 - HF Trainer + PEFT: the same rows flattened by transformers' DataCollatorWithFlattening
   (padding-free, position_ids), sdpa, the model's own head and loss;
@@ -18,7 +18,7 @@ What it runs, in one process, on the same packed rows:
   allocator slack that max_memory_allocated does not see) beside spotune's measured
   torch.cuda.max_memory_allocated, for LoRA and QLoRA (goal: within 10%).
 
-For each: real tokens/s, MFU by spotune's LoRA-aware count (trainer/flops.py: useful work,
+For each: real tokens/s, MFU by spotune's LoRA-aware count (trainer/model/flops.py: useful work,
 head at labelled positions) and by 6*N*tokens, peak memory, step time.
 `--tiny` runs the same code on CPU with a tiny Llama and a few steps (CI keeps it working;
 its figures mean nothing).
@@ -42,14 +42,15 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from trainer import flops, metrics  # noqa: E402
-from trainer.batches import micro_batch, to_device  # noqa: E402
 from trainer.config import AdapterConfig, ModelConfig  # noqa: E402
 from trainer.data.pack import pack_lengths  # noqa: E402
 from trainer.data.template import IGNORE_INDEX  # noqa: E402
-from trainer.loss import token_loss_sum  # noqa: E402
-from trainer.model import build, count_params  # noqa: E402
+from trainer.model import flops  # noqa: E402
+from trainer.model.load import build, count_params  # noqa: E402
+from trainer.model.loss import token_loss_sum  # noqa: E402
 from trainer.plan import memory  # noqa: E402
+from trainer.training import metrics  # noqa: E402
+from trainer.training.batches import micro_batch, to_device  # noqa: E402
 
 CONFIGS = REPO / "benchmarks" / "configs"
 Row = list[tuple[list[int], list[int]]]  # a packed row: its documents as (input_ids, labels)

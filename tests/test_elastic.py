@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from trainer.restart.checkpoint import MANIFEST, CheckpointManager
-from trainer.sampler import StepSampler
+from trainer.training.sampler import StepSampler
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 6

@@ -17,15 +17,15 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from trainer import batches as step_data
 from trainer import config as C
-from trainer import loop, run
-from trainer import loss as micro_loss
 from trainer.config import AdapterConfig, ModelConfig
 from trainer.export import export
-from trainer.model import build
+from trainer.model import loss as micro_loss
+from trainer.model.load import build
 from trainer.restart.state import Counters
-from trainer.sampler import StepSampler
+from trainer.training import batches as step_data
+from trainer.training import loop, run
+from trainer.training.sampler import StepSampler
 
 
 def make_cfg(out: Path, **dotted: Any) -> C.RunConfig:

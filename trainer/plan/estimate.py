@@ -3,7 +3,7 @@
 The pieces: workload.py counts the tokens, flops.py the FLOPs per token, memory.py the
 bytes per GPU, throughput.py the rate, forecast.py the hours and money, table.py the text.
 This module takes numbers and config sections, never the run: the CLI glue in
-trainer/plan_cli.py reads the model config, the data and pilot.json and builds a `Job`.
+trainer/plan/world.py reads the model config, the data and pilot.json and builds a `Job`.
 `estimate` works in three parts: the run's totals, one option per GPU and pricing, and the
 JSON document.
 
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer import catalog as cat
-from trainer import flops
 from trainer.config import CheckpointConfig, batch_split
+from trainer.model import flops
 from trainer.plan import PlanError
 from trainer.plan import forecast as fc
 from trainer.plan import memory as mem
@@ -47,7 +47,7 @@ from trainer.plan import timeline as tl
 from trainer.plan import workload as wl
 from trainer.plan.job import Constraints, Job, Measured, Totals
 from trainer.plan.throughput import GIVEN_SPREAD, MFU_SPREAD, Throughput, machine_cv, measured_sd, rate_on
-from trainer.sampler import run_steps
+from trainer.training.sampler import run_steps
 
 SCHEMA = "spotune.estimate/1"
 MULTI_GPU_EFFICIENCY = 0.9  # data-parallel scaling from the measured device count to more GPUs

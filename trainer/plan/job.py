@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trainer import flops
 from trainer.config import AdapterConfig, CheckpointConfig, ModelConfig, TrainConfig
+from trainer.model import flops
 from trainer.plan import memory as mem
 
 

@@ -48,7 +48,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from trainer.flops import ModelShape, adapted_linears
+from trainer.model.flops import ModelShape, adapted_linears
 
 GIB = 1024**3
 WeightFormat = Literal["float32", "bfloat16", "float16", "int8", "nf4"]

@@ -42,7 +42,7 @@ class Item:
 
 @dataclass(frozen=True)
 class Target:
-    """What the machine and directory the run will use already hold (read by trainer/plan_cli.py)."""
+    """What the machine and directory the run will use already hold (read by trainer/plan/world.py)."""
 
     data_cached: bool = False
     """The target's data cache holds this data's fingerprint: a cache hit, no preparation."""
@@ -156,7 +156,7 @@ def as_dicts(items: Sequence[Item]) -> list[dict[str, Any]]:
 
 def save_count(steps: int, every_steps: int | None, every_minutes: float | None, step_seconds: float) -> int:
     """Checkpoints the loop writes: at each `every_steps` step, when `every_minutes` passed since
-    the last save, and at the end (trainer/loop.py decides the same way)."""
+    the last save, and at the end (trainer/training/loop.py decides the same way)."""
     saves, since = 0, 0.0
     for step in range(1, steps + 1):
         since += step_seconds

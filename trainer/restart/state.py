@@ -34,7 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trainer.config import diff_structural
-from trainer.distributed import full_tensor, is_sharded, shard_like
+from trainer.model.distributed import full_tensor, is_sharded, shard_like
 from trainer.restart.checkpoint import ResumeMismatch
 from trainer.restart.rng import rank_rng, reseed, restore_rng
 

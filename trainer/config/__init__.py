@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 import yaml
 
-from trainer import config_rules
-from trainer.config_rules import build, cross_checks, plain
+from trainer.config import rules as config_rules
+from trainer.config.rules import build, cross_checks, plain
 
 BUILTIN_TINY_MODEL = "builtin:tiny-llama"
 BUILTIN_TINY_DATA = "builtin:tiny-instruct"

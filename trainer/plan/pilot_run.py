@@ -2,7 +2,7 @@
 
 The pilot is a real training run (trainer/plan/pilot.py says what it measures); this module
 starts it: as child `spotune train` processes timed from outside, or in-process under
-torchrun. trainer/plan_cli.py reads the world for the estimate that follows.
+torchrun. trainer/plan/world.py reads the world for the estimate that follows.
 """
 
 from __future__ import annotations
@@ -17,15 +17,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer import exit_codes, run
+from trainer import exit_codes
 from trainer.config import RunConfig, to_yaml
 from trainer.data.cache import MANIFEST, data_cache_root
 from trainer.plan import PlanError, pilot
 from trainer.plan.pilot import DEFAULT_STEPS
 from trainer.plan.table import format_estimate
-from trainer.plan_cli import estimate_for_run, fingerprint, pilot_dir
+from trainer.plan.world import estimate_for_run, fingerprint, pilot_dir
 from trainer.restart.ledger import seconds_since_process_start
 from trainer.restart.preemption import STOP_AFTER_ENV
+from trainer.training import run
 
 
 def pilot_config(

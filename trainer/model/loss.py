@@ -2,12 +2,12 @@
 
 Convention (what must stay true):
 - labels are aligned with input_ids; the hidden state at p predicts labels[p+1]; IGNORE_INDEX
-  (-100) is never predicted. trainer.batches.micro_batch builds, on the host, the flat index
+  (-100) is never predicted. trainer.training.batches.micro_batch builds, on the host, the flat index
   of those positions over the whole micro-batch (`label_index`) and their labels.
 - the result is a *sum* over the micro-batch's trainable tokens; the loop divides by the
   step's trainable tokens over every micro-batch and rank.
 - the model gets the document bounds in the form its attention implementation reads
-  (trainer/attention.py), so none attends across documents whatever the micro-batch size.
+  (trainer/model/attention.py), so none attends across documents whatever the micro-batch size.
 
 The head and the loss are ours, not the model's: only labelled positions reach the vocabulary
 projection, and the chunked fused linear cross-entropy below never holds [tokens x vocab]
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trainer.attention import model_inputs
+from trainer.model.attention import model_inputs
 
 CHUNK_ELEMENTS = 1 << 25
 """Logits computed at once by the pure-torch fused loss: 32M fp32 values (128 MB, plus as much

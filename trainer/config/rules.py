@@ -1,5 +1,5 @@
 """How raw YAML becomes a RunConfig: building the dataclasses with type checks, the rules that
-span fields, and the walk that documents every key. The schema itself is trainer/config.py.
+span fields, and the walk that documents every key. The schema itself is trainer/config/__init__.py.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def cross_checks(cfg: RunConfig) -> list[str]:
 
 
 def _fsdp_checks(cfg: RunConfig) -> list[str]:
-    """What FSDP sharding cannot take (trainer/distributed.py shards)."""
+    """What FSDP sharding cannot take (trainer/model/distributed.py shards)."""
     t = cfg.train
     if t.distributed != "fsdp":
         if t.fsdp_cpu_offload:

@@ -150,7 +150,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             print(C.to_yaml(cfg), end="")
         return 0
 
-    from trainer import run
+    from trainer.training import run
 
     if args.command in ("prepare", "inspect"):
         prepared = run.prepare_data(cfg, progress=True)
@@ -162,11 +162,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "train":
         return run.train(cfg)
     if args.command == "estimate":
-        from trainer.plan_cli import estimate_command
+        from trainer.plan.world import estimate_command
 
         return estimate_command(cfg, args)
     if args.command == "pilot":
-        from trainer.pilot_cli import pilot_command
+        from trainer.plan.pilot_run import pilot_command
 
         return pilot_command(cfg, steps=args.steps, minutes=args.minutes)
     raise AssertionError(args.command)

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
 
-from trainer import attention
 from trainer.config import AdapterConfig, ConfigError, ModelConfig
+from trainer.model import attention
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -84,7 +84,7 @@ def resolve_attn_implementation(choice: str, device: torch.device) -> str:
     flex_attention (transformers builds a document block mask from position_ids). sdpa with a
     packed mask falls off torch's fast kernels, so on CUDA it is only used when asked for;
     benchmarks/gpu.py measures the choices. On CPU: sdpa. Every choice keeps packed documents
-    apart (trainer/attention.py), so the choice changes speed, never the maths.
+    apart (trainer/model/attention.py), so the choice changes speed, never the maths.
     """
     if choice == attention.VARLEN:
         attention.register()
@@ -184,7 +184,7 @@ def build(
 
     `autocast`: the loop runs under mixed precision (accelerate's autocast), so the LoRA layers
     may take the bf16/fp16 activation as it is (see the module docstring). `sharded`: the model
-    will be sharded by FSDP (trainer/distributed.py), which changes how 4-bit weights are stored.
+    will be sharded by FSDP (trainer/model/distributed.py), which changes how 4-bit weights are stored.
 
     For `qlora` we deliberately do not call peft's `prepare_model_for_kbit_training`: it
     casts every parameter that is not 4-bit (embeddings, lm_head, norms) to fp32, which for
@@ -254,7 +254,7 @@ def compile_layers(model: torch.nn.Module) -> int:
 
 def decoder_layers(model: torch.nn.Module, key: str, fix: str) -> torch.nn.ModuleList:
     """The decoder's list of layers (`layers`, or `h` for GPT-2); a ConfigError naming `key` and `fix` if none."""
-    from trainer.loss import causal_lm
+    from trainer.model.loss import causal_lm
 
     decoder = causal_lm(model).get_decoder()
     layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)

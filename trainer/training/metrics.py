@@ -7,7 +7,7 @@ Definitions (one place, see DESIGN.md):
   those steps; checkpoint and evaluation time are excluded (they are not training).
 - sustained tokens/s: the same over every step after `metrics.warmup_steps` of this attempt.
 - data-stall share: time the loop was blocked waiting for the next batch / step time.
-- MFU: model FLOPs (trainer/flops.py: LoRA-aware, attention per packed document, no
+- MFU: model FLOPs (trainer/model/flops.py: LoRA-aware, attention per packed document, no
   recompute) / (seconds x devices x peak FLOP/s of one device).
 - time: wall-clock seconds (Unix) when the row was written.
 - device-hours: wall time x devices, summed over every attempt (earlier attempts come in

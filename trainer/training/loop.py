@@ -5,7 +5,7 @@ from the step, count the step's trainable tokens over every micro-batch and rank
 micro-batches (gradient sync only on the last), clip, refuse a non-finite step, step, log,
 maybe evaluate, maybe checkpoint, maybe stop.
 
-Loss convention (what must stay true; the per-token side is in trainer/loss.py):
+Loss convention (what must stay true; the per-token side is in trainer/model/loss.py):
 - the step's loss is sum(per-token loss) / N, N = trainable tokens of the whole optimizer
   step over all micro-batches and ranks. Each micro-batch backpropagates
   loss_sum_local / (N / world_size); DDP (or FSDP's reduce-scatter) then averages gradients
@@ -24,12 +24,12 @@ from typing import Any, Literal
 
 import torch
 
-from trainer import distributed
-from trainer.batches import StepBatch, count_trainable, eval_micro_batches, to_device
 from trainer.exit_codes import StopReason
-from trainer.loss import token_loss_sum
+from trainer.model import distributed
+from trainer.model.loss import token_loss_sum
 from trainer.restart.preemption import agree_all
 from trainer.restart.state import Counters
+from trainer.training.batches import StepBatch, count_trainable, eval_micro_batches, to_device
 
 # ---------------------------------------------------------------------------- schedule
 

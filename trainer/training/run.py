@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
+from trainer import builtin_assets, exit_codes
 from trainer import config as C
-from trainer import distributed, exit_codes, flops, loop, metrics, tiny
-from trainer.batches import StepDataset, step_loader
 from trainer.data.cache import data_cache_root, in_turns
 from trainer.exit_codes import StopReason
 from trainer.export import write_final
-from trainer.model import build, count_params
+from trainer.model import distributed, flops
+from trainer.model.load import build, count_params
 from trainer.restart import notice, preemption
 from trainer.restart.checkpoint import CheckpointManager
 from trainer.restart.ledger import Ledger, timed
@@ -36,12 +36,14 @@ from trainer.restart.state import (
     snapshot,
     write_training_state,
 )
-from trainer.sampler import StepSampler, run_steps
-from trainer.telemetry import Budget, Telemetry
+from trainer.training import loop, metrics
+from trainer.training.batches import StepDataset, step_loader
+from trainer.training.sampler import StepSampler, run_steps
+from trainer.training.telemetry import Budget, Telemetry
 
 
 def model_path(cfg: C.RunConfig) -> str:
-    return tiny.resolve_model(cfg.model.name_or_path)
+    return builtin_assets.resolve_model(cfg.model.name_or_path)
 
 
 def tokenizer_path(cfg: C.RunConfig) -> str:
@@ -52,7 +54,7 @@ def prepare_data(cfg: C.RunConfig, progress: bool = True) -> Any:
     """Prepare (or reuse) the packed dataset of `cfg` and print its summary."""
     from trainer import data
 
-    data_cfg = dataclasses.replace(cfg.data, path=tiny.resolve_data(cfg.data.path))
+    data_cfg = dataclasses.replace(cfg.data, path=builtin_assets.resolve_data(cfg.data.path))
     cache_root = data_cache_root(cfg.data.cache_dir, cfg.output_dir)
     prepared = data.prepare(data_cfg, tokenizer_path(cfg), cache_root, progress=progress, seed=cfg.seed)
     if progress:
