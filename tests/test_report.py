@@ -32,11 +32,12 @@ from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_FINISHED, EXIT_PREEMPTED
 from trainer.plan.pilot import summarise
 from trainer.plan.world import estimate_for_run
 from trainer.report import REPORT_FILE, report_after_train, write_report
-from trainer.report.load import load_run, shown
+from trainer.report.load import load_run
 from trainer.report.page import default_out
 from trainer.report.plots import FIGURES, uploads
 from trainer.report.totals import attempt_of
 from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, Ledger
+from trainer.urls import redact
 
 REPO = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -286,9 +287,9 @@ def test_report_goes_beside_a_local_run_and_into_the_current_directory_for_a_rem
 
 
 def test_shown_url_drops_credentials_and_signatures() -> None:
-    assert shown("s3://key:secret@bucket/runs/a?X-Amz-Signature=abc") == "s3://bucket/runs/a"
-    assert shown("https://host:8443/run?sig=1") == "https://host:8443/run"
-    assert shown("/local/run") == "/local/run"
+    assert redact("s3://key:secret@bucket/runs/a?X-Amz-Signature=abc") == "s3://bucket/runs/a"
+    assert redact("https://host:8443/run?sig=1") == "https://host:8443/run"
+    assert redact("/local/run") == "/local/run"
 
 
 def test_pilot_forecast_sits_beside_the_actual(real_run: dict[str, Any], tmp_path: Path) -> None:

@@ -16,6 +16,8 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal, Union
 
+from trainer.urls import remote_problems
+
 if TYPE_CHECKING:
     from trainer.config import RunConfig
 
@@ -151,8 +153,6 @@ def cross_checks(cfg: RunConfig) -> list[str]:
         )
     if cfg.checkpoint.every_minutes is not None and cfg.checkpoint.every_minutes <= 0:
         p.append(f"checkpoint.every_minutes: must be above 0 or null, got {cfg.checkpoint.every_minutes}")
-    from trainer.restart.storage import remote_problems  # the URL rules live with the store
-
     p += remote_problems(cfg.checkpoint.remote, cfg.checkpoint.storage_options)
     ck = cfg.checkpoint
     if ck.notice_endpoint is not None:

@@ -14,12 +14,12 @@ import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import fsspec
 import yaml
 
 from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, row_from_progress
+from trainer.urls import redact
 
 log = logging.getLogger(__name__)
 
@@ -109,21 +109,10 @@ class RunData:
         return int(steps) if steps is not None else None
 
 
-def shown(url: str) -> str:
-    """`url` without user:password or a query string (a signed URL's signature lives there)."""
-    parts = urlsplit(url)
-    if not parts.scheme or len(parts.scheme) == 1:  # a local path (or a Windows drive letter)
-        return url
-    host = parts.hostname or ""
-    if parts.port:
-        host += f":{parts.port}"
-    return urlunsplit((parts.scheme, host, parts.path, "", ""))
-
-
 def load_run(run_dir: str) -> RunData:
     """Read `run_dir`; ReportError when it holds neither metrics.jsonl nor a ledger."""
     base = run_dir.rstrip("/")
-    where = shown(base)
+    where = redact(base)
     texts = {name: _read(f"{base}/{name}") for name in (METRICS_FILE, LEDGER_FILE, HEARTBEAT_FILE)}
     if all(t is None for t in texts.values()):
         fs, path = fsspec.core.url_to_fs(base)
@@ -198,7 +187,7 @@ def _json(url: str, notes: list[str]) -> dict[str, Any] | None:
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
-        notes.append(f"{shown(url)} is not valid JSON ({e}); not shown")
+        notes.append(f"{redact(url)} is not valid JSON ({e}); not shown")
         return None
     return doc if isinstance(doc, dict) else None
 
