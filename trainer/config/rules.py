@@ -1,5 +1,6 @@
 """How raw YAML becomes a RunConfig: building the dataclasses with type checks, the rules that
-span fields, and the walk that documents every key. The schema itself is trainer/config/__init__.py.
+span fields, and the walk that documents every key. The sections are
+trainer/config/schema.py; RunConfig and loading are trainer/config/__init__.py.
 """
 
 from __future__ import annotations
@@ -14,12 +15,27 @@ import types
 import typing
 import urllib.parse
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import Any, Literal, Protocol, Union
 
+from trainer.config.schema import AdapterConfig, CheckpointConfig, DataConfig, MetricsConfig, ModelConfig, TrainConfig
 from trainer.urls import remote_problems
 
-if TYPE_CHECKING:
-    from trainer.config import RunConfig
+
+class Sections(Protocol):
+    """What the cross-field rules read: the sections of a RunConfig (which imports this module)."""
+
+    @property
+    def model(self) -> ModelConfig: ...
+    @property
+    def adapter(self) -> AdapterConfig: ...
+    @property
+    def data(self) -> DataConfig: ...
+    @property
+    def train(self) -> TrainConfig: ...
+    @property
+    def checkpoint(self) -> CheckpointConfig: ...
+    @property
+    def metrics(self) -> MetricsConfig: ...
 
 
 def plain(value: Any) -> Any:
@@ -112,7 +128,7 @@ def _check(hint: Any, value: Any) -> tuple[bool, Any, str]:
     return isinstance(value, hint), value, getattr(hint, "__name__", str(hint))
 
 
-def cross_checks(cfg: RunConfig) -> list[str]:
+def cross_checks(cfg: Sections) -> list[str]:
     p: list[str] = []
     positive = {
         "data.seq_len": cfg.data.seq_len,
@@ -176,7 +192,7 @@ def cross_checks(cfg: RunConfig) -> list[str]:
     return p + _fsdp_checks(cfg)
 
 
-def _fsdp_checks(cfg: RunConfig) -> list[str]:
+def _fsdp_checks(cfg: Sections) -> list[str]:
     """What FSDP sharding cannot take (trainer/model/distributed.py shards)."""
     t = cfg.train
     if t.distributed != "fsdp":
@@ -208,15 +224,8 @@ def field_docs(root: type) -> list[tuple[str, str, str]]:
     """(dotted key, default, docstring) for every key under the dataclass `root`, read from the
     attribute docstrings of its module (the README reference and `spotune config`)."""
     docs: dict[tuple[str, str], str] = {}
-    tree = ast.parse(inspect.getsource(sys.modules[root.__module__]))
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef):
-            body = node.body
-            for i, stmt in enumerate(body):
-                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-                    nxt = body[i + 1] if i + 1 < len(body) else None
-                    if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-                        docs[(node.name, stmt.target.id)] = " ".join(str(nxt.value.value).split())
+    for module in {root.__module__} | {_section_module(root)}:
+        docs.update(_attribute_docs(module))
     rows: list[tuple[str, str, str]] = []
 
     def walk(cls: type, prefix: str) -> None:
@@ -230,3 +239,25 @@ def field_docs(root: type) -> list[tuple[str, str, str]]:
 
     walk(root, "")
     return rows
+
+
+def _section_module(root: type) -> str:
+    """The module the sections of `root` are defined in (the schema), read for their docstrings."""
+    hints = typing.get_type_hints(root)
+    nested = [hints[f.name] for f in dataclasses.fields(root) if dataclasses.is_dataclass(hints[f.name])]
+    return nested[0].__module__ if nested else root.__module__
+
+
+def _attribute_docs(module: str) -> dict[tuple[str, str], str]:
+    """(class name, attribute) -> the docstring under that attribute, for every class of `module`."""
+    docs: dict[tuple[str, str], str] = {}
+    tree = ast.parse(inspect.getsource(sys.modules[module]))
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            body = node.body
+            for i, stmt in enumerate(body):
+                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                    nxt = body[i + 1] if i + 1 < len(body) else None
+                    if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                        docs[(node.name, stmt.target.id)] = " ".join(str(nxt.value.value).split())
+    return docs
