@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from trainer import config
+from trainer.cli.estimate import estimate_command
 from trainer.plan import PlanError, pilot, pilot_run, world
 from trainer.restart.ledger import seconds_since_process_start
 from trainer.training import run
@@ -192,7 +193,7 @@ def test_tiny_pilot_end_to_end(cfg: config.RunConfig, capsys: pytest.CaptureFixt
         gpu=None,
         mfu=None,
     )
-    assert world.estimate_command(cfg, args) == 0
+    assert estimate_command(cfg, args) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["throughput"]["source"] == "pilot" and doc["data"]["exact"]
     row = next(o for o in doc["options"] if o["gpu"] == result["device"])

@@ -1,6 +1,7 @@
-"""The `estimate` command: glue between the command line, the run and trainer/plan/.
+"""Where planning meets the run: the estimate of a RunConfig (`estimate_for_run`, what
+`spotune estimate` prints, trainer/cli/estimate.py).
 
-trainer/plan/ takes numbers and config sections; this module is where the world is read for
+The rest of trainer/plan/ takes numbers and config sections; this module is where the world is read for
 it: the model's config.json, the data or its prepared manifest, pilot.json, the catalogue
 file, and what the run's output_dir and this machine already hold (a data cache, the model in
 the Hugging Face cache, the run's ledger of earlier attempts). trainer/plan/pilot_run.py starts
@@ -23,7 +24,6 @@ from trainer.plan import timeline as tl
 from trainer.plan import workload as wl
 from trainer.plan.estimate import estimate
 from trainer.plan.job import Constraints, Job, Measured
-from trainer.plan.table import format_estimate
 from trainer.plan.throughput import choose
 from trainer.restart.ledger import read_rows
 from trainer.training import run
@@ -74,29 +74,6 @@ def estimate_for_run(
     rate = choose(cfg.adapter.method, measured, throughput, cfg.metrics.gpu, mfu)
     target = _target(cfg, model, shape.total_params() * bytes_per_param, work, download_mb_s, vm_start_seconds)
     return estimate(job, work, rate, catalog, constraints, Measured(measured), target)
-
-
-def estimate_command(cfg: RunConfig, args: Any) -> int:
-    """`spotune estimate`: print the table (or JSON); exit 0."""
-    pilot_json = args.pilot
-    if pilot_json is None:
-        default = pilot_dir(cfg) / "pilot.json"
-        pilot_json = default if default.is_file() else None
-    result = estimate_for_run(
-        cfg,
-        throughput=args.throughput,
-        pilot_json=pilot_json,
-        gpus=args.gpus,
-        deadline_hours=args.deadline_hours,
-        budget=args.budget,
-        catalog_path=args.catalog,
-        gpu=args.gpu,
-        mfu=args.mfu,
-        download_mb_s=getattr(args, "download_mb_s", None),
-        vm_start_seconds=getattr(args, "vm_start_seconds", None),
-    )
-    print(json.dumps(result, indent=2) if args.json else format_estimate(result))
-    return 0
 
 
 def pilot_dir(cfg: RunConfig) -> Path:
