@@ -20,7 +20,8 @@ import torch
 from trainer.atomic import fsync_tree, publish_dir, remove_temp_siblings, temp_sibling
 from trainer.config import ConfigError, ModelConfig, load
 from trainer.model import distributed
-from trainer.restart.state import adapter_state, unwrap_peft
+from trainer.model.wrappers import unwrap_peft
+from trainer.restart.state import adapter_state
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 TOKENIZER_FILES = (

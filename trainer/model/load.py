@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedMod
 
 from trainer.config import AdapterConfig, ConfigError, ModelConfig
 from trainer.model import attention
+from trainer.model.wrappers import causal_lm
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -254,8 +255,6 @@ def compile_layers(model: torch.nn.Module) -> int:
 
 def decoder_layers(model: torch.nn.Module, key: str, fix: str) -> torch.nn.ModuleList:
     """The decoder's list of layers (`layers`, or `h` for GPT-2); a ConfigError naming `key` and `fix` if none."""
-    from trainer.model.loss import causal_lm
-
     decoder = causal_lm(model).get_decoder()
     layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
     if layers is None:
