@@ -27,6 +27,7 @@ import torch
 from trainer.exit_codes import StopReason
 from trainer.model import distributed
 from trainer.model.loss import token_loss_sum
+from trainer.restart.checkpoint import save_step_due, save_time_due
 from trainer.restart.preemption import agree_all
 from trainer.restart.state import Counters
 from trainer.training.batches import StepBatch, count_trainable, eval_micro_batches, to_device
@@ -214,15 +215,13 @@ def train_loop(
             model.train()
 
         # Every rank must take the same branch: each decision is reduced over ranks.
-        time_due = plan.save_every_minutes is not None and time.monotonic() - last_save >= 60 * plan.save_every_minutes
+        time_due = save_time_due(time.monotonic() - last_save, plan.save_every_minutes)
         budget_note = hooks.over_budget()
         preempted, over_budget, time_due = agree_all(
             [hooks.stop_requested(), budget_note is not None, time_due], accelerator
         )
-        every = plan.save_every_steps
-        step_due = bool(every and counters.step % every == 0)
-        finished = counters.step >= plan.total_steps
-        if preempted or over_budget or time_due or step_due or finished:
+        step_due = save_step_due(counters.step, plan.save_every_steps, plan.total_steps)  # or the last step
+        if preempted or over_budget or time_due or step_due:
             hooks.save(counters)
             last_save = time.monotonic()
         if preempted:
