@@ -18,6 +18,7 @@ from typing import Any
 import fsspec
 import yaml
 
+from trainer.config import ConfigError, RunConfig, from_dict
 from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, row_from_progress
 from trainer.urls import redact
 
@@ -87,7 +88,8 @@ class RunData:
 
     source: str
     """The run directory as shown to people (credentials and query strings removed)."""
-    config: dict[str, Any]
+    config: RunConfig | None
+    """The run's config.yaml, loaded as the run loaded it (None when missing or unreadable)."""
     train_rows: list[dict[str, Any]]
     """metrics rows of optimizer steps (they have `loss`), in file order; redone steps repeat."""
     eval_rows: list[dict[str, Any]]
@@ -100,12 +102,12 @@ class RunData:
 
     @property
     def price_per_hour(self) -> float | None:
-        price = (self.config.get("metrics") or {}).get("price_per_hour")
+        price = self.config.metrics.price_per_hour if self.config is not None else None
         return float(price) if price is not None else None
 
     @property
     def total_steps(self) -> int | None:
-        steps = (self.config.get("train") or {}).get("max_steps")
+        steps = self.config.train.max_steps if self.config is not None else None
         return int(steps) if steps is not None else None
 
 
@@ -138,11 +140,9 @@ def load_run(run_dir: str) -> RunData:
                 attempts.append(live)
         except (ValueError, KeyError, TypeError) as e:
             notes.append(f"{where}/{HEARTBEAT_FILE} is unreadable ({e}); the open attempt is not shown")
-    config_text = _read(f"{base}/{CONFIG_FILE}")
-    config = yaml.safe_load(config_text) if config_text else {}
     return RunData(
         source=where,
-        config=config if isinstance(config, dict) else {},
+        config=_config(_read(f"{base}/{CONFIG_FILE}"), f"{where}/{CONFIG_FILE}", notes),
         train_rows=[_floats(r) for r in metrics if "loss" in r and "step" in r],
         eval_rows=[_floats(r) for r in metrics if "eval_loss" in r and "step" in r],
         attempts=sorted(attempts, key=lambda a: a.attempt),
@@ -154,6 +154,18 @@ def load_run(run_dir: str) -> RunData:
 
 
 # ---------------------------------------------------------------------------- readers
+
+
+def _config(text: str | None, where: str, notes: list[str]) -> RunConfig | None:
+    """config.yaml through the config loader, so its defaults and types are the run's own."""
+    if not text:
+        return None
+    try:
+        raw = yaml.safe_load(text)
+        return from_dict(raw if isinstance(raw, dict) else {}, source=where)
+    except (yaml.YAMLError, ConfigError) as e:
+        notes.append(f"{where} does not load ({str(e).splitlines()[0]}); price and total steps are not shown")
+        return None
 
 
 def _read(url: str) -> str | None:
