@@ -37,4 +37,5 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   pip install -e ".[$EXTRAS]"
   touch "$stamp"
 fi
-"$VENV/bin/python" -c "import torch, transformers, peft, accelerate, datasets; print(f'setup: torch {torch.__version__} (cuda={torch.cuda.is_available()}), transformers {transformers.__version__}, peft {peft.__version__}')"
+# trainer first: it quiets bitsandbytes' optional kernels-community notice that `import peft` triggers
+"$VENV/bin/python" -c "import trainer, torch, transformers, peft, accelerate, datasets; print(f'setup: torch {torch.__version__} (cuda={torch.cuda.is_available()}), transformers {transformers.__version__}, peft {peft.__version__}')"

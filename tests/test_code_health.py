@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import trainer
@@ -221,3 +223,23 @@ def test_the_function_check_can_fail(tmp_path: Path) -> None:
     body = "".join(f"    x{i} = {i}\n" for i in range(79))
     (tmp_path / "f.py").write_text(f"def ok():\n{body}\n\ndef long():\n{body}    return 1\n")
     assert long_functions(tmp_path / "f.py") == {"f.py:long": 81}
+
+
+# ---------------------------------------------------------------------------- first screen
+BNB_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
+
+
+def test_bitsandbytes_hub_kernel_fallback_is_quiet_after_import_trainer() -> None:
+    """`import peft` imports bitsandbytes, whose CPU backend warns (on AVX512-BF16 CPUs) that the
+    kernels-community build is missing; importing trainer first drops that line, and only that one."""
+    script = (
+        "import logging, trainer\n"
+        f"log = logging.getLogger({BNB_CPU_LOGGER!r})\n"
+        "log.warning('Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure', 'x')\n"
+        "log.warning('another bitsandbytes warning')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert "kernels-community" not in out.stderr
+    assert "another bitsandbytes warning" in out.stderr  # control: the logger still speaks
+    bare = subprocess.run([sys.executable, "-c", script.replace(", trainer", "")], capture_output=True, text=True)
+    assert "kernels-community" in bare.stderr  # control: without trainer's filter the line shows
