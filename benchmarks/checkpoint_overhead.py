@@ -34,8 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from trainer import config as C  # noqa: E402
-from trainer import run  # noqa: E402
 from trainer.restart.ledger import read_rows  # noqa: E402
+from trainer.training import run  # noqa: E402
 
 
 def moto_server() -> tuple[subprocess.Popen, str]:

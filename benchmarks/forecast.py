@@ -34,8 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from trainer import config  # noqa: E402
+from trainer.cli.world import estimate_for_run  # noqa: E402
 from trainer.plan.pilot import summarise  # noqa: E402
-from trainer.plan_cli import estimate_for_run  # noqa: E402
 from trainer.restart.ledger import read_rows  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data" / "gpteacher-roleplay.json"

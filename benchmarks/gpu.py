@@ -10,7 +10,7 @@ What it runs, in one process, on the same packed rows:
 - LoRA r16 on every linear layer, bf16 autocast, seq 4096; rows best-fit-decreasing packed
   from a real length distribution (benchmarks/configs/lengths-gpteacher-roleplay.json: token
   lengths of ../shared/data/gpteacher-roleplay.json, prompt masked);
-- spotune: trainer.model.build + trainer.loss.token_loss_sum (our head and fused loss,
+- spotune: trainer.model.load.build + trainer.model.loss.token_loss_sum (our head and fused loss,
   document bounds to the attention kernel `auto` picks) + fused AdamW (`--model` another shape);
 - HF Trainer + PEFT: the same rows flattened by transformers' DataCollatorWithFlattening
   (padding-free, position_ids), sdpa, the model's own head and loss; then again with
@@ -19,7 +19,7 @@ What it runs, in one process, on the same packed rows:
 - `spotune estimate`'s per-device peak (trainer/plan/memory.py, less CUDA context and allocator
   slack) beside spotune's max_memory_allocated, for LoRA and QLoRA (goal: within 10%).
 
-For each: real tokens/s, MFU by trainer/flops.py's three counts (`mfu`: the published LoRA count,
+For each: real tokens/s, MFU by trainer/model/flops.py's three counts (`mfu`: the published LoRA count,
 4*N + attention, NVIDIA's 40.6%; `mfu_lora`; `mfu_6n`), peak memory, step time, first step (compile).
 `--profile`: one more spotune step under torch.profiler, its time in buckets (gpu_profile.py).
 `--levers a,b`: spotune again with each lever on (`compile`: regional torch.compile, `fused`: LoRA
@@ -51,14 +51,15 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_hf  # noqa: E402
 import gpu_profile  # noqa: E402
 
-from trainer import flops, metrics  # noqa: E402
-from trainer.batches import micro_batch, to_device  # noqa: E402
 from trainer.config import AdapterConfig, ModelConfig  # noqa: E402
 from trainer.data.pack import pack_lengths  # noqa: E402
 from trainer.data.template import IGNORE_INDEX  # noqa: E402
-from trainer.loss import token_loss_sum  # noqa: E402
-from trainer.model import build, count_params  # noqa: E402
+from trainer.model import flops  # noqa: E402
+from trainer.model.load import build, count_params  # noqa: E402
+from trainer.model.loss import token_loss_sum  # noqa: E402
 from trainer.plan import memory  # noqa: E402
+from trainer.training import metrics  # noqa: E402
+from trainer.training.batches import micro_batch, to_device  # noqa: E402
 
 CONFIGS = REPO / "benchmarks" / "configs"
 Row = list[tuple[list[int], list[int]]]  # a packed row: its documents as (input_ids, labels)

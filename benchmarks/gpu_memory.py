@@ -6,7 +6,7 @@ One command on a CUDA machine (no downloads; random weights of the Llama-3.1-8B 
 
 The table: LoRA and QLoRA (NF4) x {no checkpointing, checkpointing, checkpointing + activation
 offloading} x seq 2048 and 4096, one packed row per micro-batch, r16 on every linear layer, bf16
-autocast, spotune's own step (trainer.model.build + trainer.loss.token_loss_sum + fused AdamW).
+autocast, spotune's own step (trainer.model.build + trainer.model.loss.token_loss_sum + fused AdamW).
 Each row: trainer/plan/memory.py's estimate (allocated, and reserved = allocated + the
 allocator's headroom) beside torch.cuda.max_memory_allocated and max_memory_reserved, their
 ratios (goal 0.90-1.10 on reserved), and tokens/s (the offloading rows' cost is the gap to the
@@ -37,14 +37,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from gpu import free, make_model, packed_rows, sync, to_micro  # noqa: E402
+from gpu import CONFIGS, free, make_model, packed_rows, to_micro  # noqa: E402
+from gpu_hf import sync  # noqa: E402
 
-from trainer import flops  # noqa: E402
-from trainer.batches import to_device  # noqa: E402
 from trainer.config import AdapterConfig, ModelConfig  # noqa: E402
-from trainer.loss import token_loss_sum  # noqa: E402
-from trainer.model import build  # noqa: E402
+from trainer.model import flops  # noqa: E402
+from trainer.model.load import build  # noqa: E402
+from trainer.model.loss import token_loss_sum  # noqa: E402
 from trainer.plan import memory  # noqa: E402
+from trainer.training.batches import to_device  # noqa: E402
 
 GIB = memory.GIB
 PUBLISHED_LONGEST = 342_000  # the issue's best published figure: 8B QLoRA on one 80 GB GPU
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
     }
     with tempfile.TemporaryDirectory() as tmp:
-        path = make_model(Path(tmp), args.tiny)
+        path = make_model(Path(tmp), args.tiny, CONFIGS / "llama-3.1-8b.json")
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
         if args.longest:
             result["longest"] = found = longest(path, args, vocab)

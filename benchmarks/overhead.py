@@ -34,12 +34,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from trainer import batches as step_data  # noqa: E402
+from trainer import builtin_assets  # noqa: E402
 from trainer import config as C  # noqa: E402
-from trainer import loss as micro_loss  # noqa: E402
-from trainer import run, tiny  # noqa: E402
-from trainer.model import build  # noqa: E402
-from trainer.sampler import StepSampler  # noqa: E402
+from trainer.data.sampler import StepSampler  # noqa: E402
+from trainer.model import loss as micro_loss  # noqa: E402
+from trainer.model.load import build  # noqa: E402
+from trainer.training import batches as step_data  # noqa: E402
+from trainer.training import run  # noqa: E402
 
 SHARED = REPO.parent / "shared" / "data"
 DATA = SHARED / "gpteacher-roleplay.json"
@@ -47,7 +48,7 @@ TOKENIZER = SHARED / "llama2-tokenizer"
 
 
 def make_model(root: Path) -> Path:
-    return tiny.build_model(
+    return builtin_assets.build_model(
         root / "model",
         "llama",
         tokenizer_dir=TOKENIZER,

@@ -38,12 +38,13 @@ sys.path.insert(0, str(REPO))
 
 from safetensors.torch import save_file  # noqa: E402
 
+from trainer import builtin_assets  # noqa: E402
 from trainer import config as C  # noqa: E402
-from trainer import run, tiny  # noqa: E402
+from trainer.data.sampler import StepSampler  # noqa: E402
 from trainer.restart.checkpoint import CheckpointManager  # noqa: E402
 from trainer.restart.rng import gather_rng  # noqa: E402
 from trainer.restart.state import TrainState, optimizer_to_tensors, write_training_state  # noqa: E402
-from trainer.sampler import StepSampler  # noqa: E402
+from trainer.training import run  # noqa: E402
 
 FAR = 10_000
 NEAR = 10
@@ -92,9 +93,9 @@ def _reseal_at(src: Path, root: Path, step: int, rows: int, seed: int) -> Path:
 
 
 def startup_benchmark(work: Path, examples: int, repeats: int) -> dict[str, Any]:
-    tok = tiny.build_tokenizer(work / "tok")
-    model = tiny.build_model(work / "model", "llama", tokenizer_dir=tok)
-    data = tiny.write_dataset(work / "train.jsonl", n=examples)
+    tok = builtin_assets.build_tokenizer(work / "tok")
+    model = builtin_assets.build_model(work / "model", "llama", tokenizer_dir=tok)
+    data = builtin_assets.write_dataset(work / "train.jsonl", n=examples)
     raw = _recipe(work, model, data)
     recipe = work / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(raw))
@@ -142,7 +143,7 @@ def _timed_saves(root: Path, write, n: int) -> tuple[float, int, float]:
 
 
 def tiny_recipe_save(work: Path, repeats: int = 5) -> dict[str, Any]:
-    from trainer.model import build, build_optimizer
+    from trainer.model.load import build, build_optimizer
 
     cfg = C.load(REPO / "recipes" / "tiny-cpu.yaml", [f"output_dir={work / 'tiny-run'}"])
     model = build(cfg.model, cfg.adapter, name_or_path=run.model_path(cfg), device=torch.device("cpu"))

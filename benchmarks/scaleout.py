@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from resume import NEAR, _recipe, _train  # noqa: E402  (benchmarks/resume.py: the seed-run recipe, the launcher)
 
-from trainer import tiny  # noqa: E402
+from trainer import builtin_assets  # noqa: E402
 from trainer.restart.ledger import read_rows  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -46,9 +46,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 def _setup(work: Path, examples: int) -> Path:
     """The tiny model, a dataset and a recipe (resume.py's, with a global batch of 2 rows)."""
-    tok = tiny.build_tokenizer(work / "tok")
-    model = tiny.build_model(work / "model", "llama", tokenizer_dir=tok)
-    data = tiny.write_dataset(work / "train.jsonl", n=examples)
+    tok = builtin_assets.build_tokenizer(work / "tok")
+    model = builtin_assets.build_model(work / "model", "llama", tokenizer_dir=tok)
+    data = builtin_assets.write_dataset(work / "train.jsonl", n=examples)
     raw = _recipe(work, model, data)
     raw["train"].update(global_batch_size=2, grad_accum=None)
     recipe = work / "recipe.yaml"

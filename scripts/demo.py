@@ -61,10 +61,10 @@ def main() -> int:
     print(packing_comparison(newest_manifest()))
 
     banner("2. before training: the base model on held-out questions")
-    from trainer import tiny
+    from trainer import builtin_assets
     from trainer.config import BUILTIN_TINY_MODEL
 
-    before = score(tiny.resolve_model(BUILTIN_TINY_MODEL), adapter=None)
+    before = score(builtin_assets.resolve_model(BUILTIN_TINY_MODEL), adapter=None)
     print(f"base model: {before.correct}/{before.total} held-out questions answered exactly")
 
     banner("3. train, and interrupt it with SIGTERM after the first checkpoint")
@@ -94,7 +94,7 @@ def main() -> int:
         return code
 
     banner("5. what it learnt, what it cost")
-    after = score(tiny.resolve_model(BUILTIN_TINY_MODEL), adapter=RUN_DIR / "final")
+    after = score(builtin_assets.resolve_model(BUILTIN_TINY_MODEL), adapter=RUN_DIR / "final")
     print(f"held-out questions answered exactly: {before.correct}/{before.total} -> {after.correct}/{after.total}")
     for (prompt, answer), was, now in list(zip(after.cases, before.answers, after.answers, strict=True))[:2]:
         print(f"  {prompt!r} (answer {answer!r}): base {was!r} -> trained {now!r}")
@@ -138,9 +138,9 @@ def score(base: str, adapter: Path | None) -> Score:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer import tiny
+    from trainer import builtin_assets
     from trainer.data.template import alpaca_prompt
-    from trainer.model import peft_wrapping, quiet_hf_progress
+    from trainer.model.load import peft_wrapping, quiet_hf_progress
 
     tok = AutoTokenizer.from_pretrained(base)
     with quiet_hf_progress():
@@ -151,7 +151,7 @@ def score(base: str, adapter: Path | None) -> Score:
         with peft_wrapping():
             model = PeftModel.from_pretrained(model, adapter)
     model.eval()
-    held_out = tiny.held_out_examples()
+    held_out = builtin_assets.held_out_examples()
     cases = [(f"{ex['instruction']} {ex['input']}", ex["output"]) for ex in held_out]
     answers = []
     for ex in held_out:

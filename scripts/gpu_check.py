@@ -94,7 +94,7 @@ ENV_PROBE = """
 import json, subprocess, warnings
 import torch, transformers, peft, accelerate
 from importlib.metadata import PackageNotFoundError, version
-from trainer import attention, model
+from trainer.model import attention, load as model
 def v(name):
     try:
         return version(name)

@@ -58,10 +58,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   fi
   touch "$stamp"
 fi
-# The version line imports peft, which imports bitsandbytes: its optional-kernel notice is not ours to show.
+# trainer first: it quiets bitsandbytes' optional kernels-community notice that `import peft` triggers.
 "$VENV/bin/python" - <<'PYEOF'
 import logging, shutil, subprocess, sys
-logging.disable(logging.WARNING)
+import trainer  # noqa: F401
 import torch, transformers, peft, accelerate, datasets  # noqa: E401,F401
 print(f"setup: torch {torch.__version__} (cuda={torch.cuda.is_available()}), transformers {transformers.__version__}, peft {peft.__version__}")
 smi = shutil.which("nvidia-smi")

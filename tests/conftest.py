@@ -11,7 +11,7 @@ import pytest
 # A real S3 API on localhost (moto's server) for the remote-checkpoint tests.
 from moto_fixture import moto_endpoint, s3_remote  # noqa: E402,F401  (fixtures)
 
-from trainer import tiny
+from trainer import builtin_assets
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -26,7 +26,7 @@ def _isolated_spotune_home(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny.build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+    return builtin_assets.build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 @pytest.fixture(scope="session")
@@ -34,9 +34,11 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: Path) -
     """Factory: `tiny_model("qwen2")` -> directory with a tiny random model and tokenizer (cached per arch)."""
     built: dict[str, Path] = {}
 
-    def make(arch: tiny.Arch = "llama") -> Path:
+    def make(arch: builtin_assets.Arch = "llama") -> Path:
         if arch not in built:
-            built[arch] = tiny.build_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, tokenizer_dir=tiny_tokenizer)
+            built[arch] = builtin_assets.build_model(
+                tmp_path_factory.mktemp(f"tiny-{arch}"), arch, tokenizer_dir=tiny_tokenizer
+            )
         return built[arch]
 
     return make
@@ -49,4 +51,4 @@ def tiny_llama(tiny_model: Callable[..., Path]) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny.write_dataset(tmp_path_factory.mktemp("tiny-data") / "train.jsonl", n=400)
+    return builtin_assets.write_dataset(tmp_path_factory.mktemp("tiny-data") / "train.jsonl", n=400)

@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer import attention
-from trainer import batches as step_data
-from trainer import loss as micro_loss
 from trainer.data.template import IGNORE_INDEX
+from trainer.model import attention
+from trainer.model import loss as micro_loss
+from trainer.training import batches as step_data
 
 # Two rows of 20 tokens: row 0 holds documents of 9 and 7 tokens and 4 of padding, row 1 of 12 and 8.
 DOCS = [[9, 7, 4], [12, 8]]

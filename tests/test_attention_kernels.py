@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer import attention, model
+from trainer.model import attention
+from trainer.model import load as model
 
 DOCS = [5, 9, 3, 7]
 HQ, HKV, D = 8, 2, 16

@@ -1,4 +1,4 @@
-"""trainer/autofit.py: `auto` micro-batch / checkpointing / offloading, chosen from the estimate."""
+"""trainer/training/autofit.py: `auto` micro-batch / checkpointing / offloading, chosen from the estimate."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import transformers
 
-from trainer import autofit, config, flops
+from trainer import config
 from trainer.config import ConfigError, batch_split
+from trainer.model import flops
 from trainer.plan.memory import GIB
+from trainer.training import autofit
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -108,7 +110,7 @@ def test_auto_micro_batch_needs_the_global_batch() -> None:
 def test_a_run_with_auto_settings_logs_its_choice_and_keeps_the_global_batch(
     tmp_path: Path, tiny_llama: Path, tiny_data: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from trainer import run
+    from trainer.training import run
 
     out = tmp_path / "auto"
     cfg = config.RunConfig().replace(
@@ -140,7 +142,7 @@ def test_a_run_with_auto_settings_logs_its_choice_and_keeps_the_global_batch(
 
 
 def test_estimate_takes_a_recipe_with_auto_settings(tiny_llama: Path, tiny_data: Path, tmp_path: Path) -> None:
-    from trainer import plan_cli
+    from trainer.cli import world as plan_cli
     from trainer.plan import table
 
     cfg = _cfg(

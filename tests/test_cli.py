@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.cli import main
+from trainer.cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
 

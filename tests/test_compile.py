@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from trainer import model as model_lib
-from trainer.batches import micro_batch
 from trainer.config import AdapterConfig, ModelConfig
-from trainer.loss import token_loss_sum
+from trainer.model import load as model_lib
+from trainer.model.loss import token_loss_sum
+from trainer.training.batches import micro_batch
 
 # fp32 on CPU: inductor fuses and reorders the norms' and activations' reductions, so the
 # results agree to rounding, not bit for bit: each gradient to 1e-5 of its largest entry
@@ -61,7 +61,7 @@ def test_compiled_layers_give_the_eager_loss_and_grads(tiny_llama: Path, attn: s
     assert model_lib.compile_seconds() > 0  # it did compile; the run's last words say for how long
     from types import SimpleNamespace
 
-    from trainer.telemetry import Telemetry
+    from trainer.training.telemetry import Telemetry
 
     run = SimpleNamespace(last=None, final_loss=1.0)
     summary = {"cost": None, "sustained_tokens_per_s": 1.0, "device_hours": 0.0}

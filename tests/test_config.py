@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from trainer import config as C
-from trainer.cli import main
+from trainer.cli.main import main
 
 
 def test_public_keys_exist_with_their_names() -> None:

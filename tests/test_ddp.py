@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from trainer import config as C
-from trainer import run
+from trainer.training import run
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer import tiny
+from trainer import builtin_assets
 from trainer.config import DataConfig
 from trainer.data import prepare
 from trainer.data.stats import ascii_histogram, histogram_edges, length_stats
@@ -28,7 +28,7 @@ def _demo_module():  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module")
 def demo_manifest(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:  # type: ignore[type-arg]
     """The built-in data prepared with the demo's settings (2,000 examples, 512-token rows)."""
-    data = tiny.write_dataset(tmp_path_factory.mktemp("demo-data") / "train.jsonl")
+    data = builtin_assets.write_dataset(tmp_path_factory.mktemp("demo-data") / "train.jsonl")
     prepared = prepare(
         DataConfig(path=str(data), seq_len=512), str(tiny_llama), tmp_path_factory.mktemp("c"), progress=False
     )

@@ -10,9 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from trainer import builtin_assets as tiny
 from trainer import config as C
-from trainer import determinism, run, tiny
 from trainer.restart.preemption import STOP_AFTER_ENV
+from trainer.training import determinism, run
 
 
 def test_the_switches_are_on_inside_and_put_back_after(monkeypatch: pytest.MonkeyPatch) -> None:

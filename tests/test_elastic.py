@@ -24,8 +24,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from trainer.data.sampler import StepSampler
 from trainer.restart.checkpoint import MANIFEST, CheckpointManager
-from trainer.sampler import StepSampler
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 6

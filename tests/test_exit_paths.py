@@ -3,7 +3,7 @@ child process of it is left behind.
 
 These run with one DataLoader worker, CUDA's setting (`data.loader_workers`): on an H100 a
 failed run printed its traceback and then never exited, because `multiprocessing`'s exit
-handler joined a worker that ignores SIGTERM (trainer/shutdown.py). Each failure is injected
+handler joined a worker that ignores SIGTERM (trainer/training/shutdown.py). Each failure is injected
 into a real `spotune train` process by replacing one function before the CLI runs.
 """
 
@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from trainer import exit_codes as E
-from trainer import shutdown
+from trainer.training import shutdown
 
 REPO = Path(__file__).resolve().parents[1]
 BOUND_S = 20.0
@@ -47,10 +47,10 @@ def failing(*args, **kwargs):
     return original(*args, **kwargs)
 setattr(module, attr, failing)
 if os.environ.get("DISABLE_SHUTDOWN"):  # the control: the code before this fix
-    import trainer.batches, trainer.shutdown
-    trainer.batches.close_loader = lambda iterator: None
-    trainer.shutdown.end_child_processes = lambda grace_seconds=2.0: []
-from trainer.cli import main
+    import trainer.training.batches, trainer.training.shutdown
+    trainer.training.batches.close_loader = lambda iterator: None
+    trainer.training.shutdown.end_child_processes = lambda grace_seconds=2.0: []
+from trainer.cli.main import main
 sys.exit(main(sys.argv[5:]))
 """
 
@@ -123,9 +123,9 @@ def _wait_failed(proc: subprocess.Popen, tmp_path: Path) -> float:
 @pytest.mark.parametrize(
     "target, after, code",
     [
-        ("trainer.loop.token_loss_sum", 3, E.EXIT_ERROR),  # the forward of step 1
+        ("trainer.training.loop.token_loss_sum", 3, E.EXIT_ERROR),  # the forward of step 1
         # A failed save is reported as such (CheckpointError: disk full, permissions), without a traceback.
-        pytest.param("trainer.run.write_training_state", 0, E.EXIT_BAD_INPUT, marks=pytest.mark.slow),
+        pytest.param("trainer.restart.saving.write_training_state", 0, E.EXIT_BAD_INPUT, marks=pytest.mark.slow),
         # the report page after the last step
         pytest.param("trainer.report.report_after_train", 0, E.EXIT_ERROR, marks=pytest.mark.slow),
     ],
@@ -154,7 +154,7 @@ def test_control_without_the_shutdown_a_failed_run_never_exits(
 ) -> None:
     """The code before the fix (no loader close, no kill of leftover children) hangs, as on the H100."""
     recipe = _recipe(tmp_path, tiny_llama, tiny_data)
-    proc = _inject(tmp_path, recipe, "trainer.loop.token_loss_sum", 3, DISABLE_SHUTDOWN="1")
+    proc = _inject(tmp_path, recipe, "trainer.training.loop.token_loss_sum", 3, DISABLE_SHUTDOWN="1")
     try:
         failed_at = _wait_failed(proc, tmp_path)
         with pytest.raises(subprocess.TimeoutExpired):
@@ -167,7 +167,7 @@ def test_control_without_the_shutdown_a_failed_run_never_exits(
 def test_out_of_memory_says_where_and_what_to_change_and_exits_do_not_restart(
     tmp_path: Path, tiny_llama: Path, tiny_data: Path
 ) -> None:
-    proc = _inject(tmp_path, _recipe(tmp_path, tiny_llama, tiny_data), "trainer.loop.token_loss_sum", 5, "oom")
+    proc = _inject(tmp_path, _recipe(tmp_path, tiny_llama, tiny_data), "trainer.training.loop.token_loss_sum", 5, "oom")
     try:
         code = proc.wait(timeout=240)
         log = (tmp_path / "train.log").read_text()

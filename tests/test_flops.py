@@ -13,7 +13,7 @@ import torch
 import transformers
 from torch.utils.flop_counter import FlopCounterMode
 
-from trainer import flops
+from trainer.model import flops
 
 VOCAB = 300
 

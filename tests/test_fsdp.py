@@ -2,7 +2,7 @@
 keep the one on-disk contract, so a run moves between FSDP and DDP on any world size.
 
 On CPU, two gloo ranks started by torchrun run the very path a GPU run takes (spotune calls
-`fully_shard` itself; trainer/distributed.py). What needs CUDA (bitsandbytes 4-bit weights
+`fully_shard` itself; trainer/model/distributed.py). What needs CUDA (bitsandbytes 4-bit weights
 stored in bf16 shards, CPU offload beside NCCL) is marked `gpu` and skips without one.
 """
 
@@ -22,8 +22,9 @@ import torch
 from safetensors.torch import load_file
 
 from trainer import config as C
-from trainer import distributed, run
-from trainer.model import peft_wrapping, quantization_config
+from trainer.model import distributed
+from trainer.model.load import peft_wrapping, quantization_config
+from trainer.training import run
 
 REPO = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-5  # of the largest weight: tests/test_elastic.py's bound for fp32 summation order
@@ -170,7 +171,7 @@ def test_the_gathered_adapter_is_what_peft_saves(tmp_path: Path, tiny_llama: Pat
     whole under FSDP): exactly the trainable LoRA tensors, none of the frozen base."""
     from peft.utils import get_peft_model_state_dict
 
-    from trainer.model import build
+    from trainer.model.load import build
     from trainer.restart.state import adapter_state
 
     model = build(C.ModelConfig(dtype="float32"), C.AdapterConfig(), name_or_path=str(tiny_llama))

@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from trainer import exit_codes as E
-from trainer import metrics
+from trainer.training import metrics
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_fused_linear_cross_entropy_equals_the_plain_computation_in_bf16() -> None:
-    from trainer import loss
+    from trainer.model import loss
 
     if loss._liger() is None:
         pytest.skip("liger-kernel is not installed (pip install 'spotune[gpu]')")
@@ -51,10 +51,10 @@ def test_fused_linear_cross_entropy_equals_the_plain_computation_in_bf16() -> No
 
 def test_a_qlora_step_trains_and_the_base_stays_4_bit(tiny_llama: Path) -> None:
     pytest.importorskip("bitsandbytes")
-    from trainer import batches
     from trainer.config import AdapterConfig, ModelConfig
-    from trainer.loss import token_loss_sum
-    from trainer.model import build
+    from trainer.model.load import build
+    from trainer.model.loss import token_loss_sum
+    from trainer.training import batches
 
     model = build(
         ModelConfig(dtype="bfloat16"),

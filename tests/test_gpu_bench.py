@@ -36,7 +36,7 @@ def test_gpu_benchmark_tiny_run_writes_its_json(tmp_path: Path) -> None:
     assert result["memory_estimate_gib"]["lora"]["estimate"] > 0  # measured on CUDA only
     assert "lora peak memory GiB: estimate" in done.stdout
     side_keys = {"attn_implementation", "tokens_per_s", "step_seconds", "peak_memory_gib", "first_step_seconds"}
-    side_keys |= {"mfu", "mfu_lora", "mfu_6n"}  # trainer/flops.py MFU_COUNTS
+    side_keys |= {"mfu", "mfu_lora", "mfu_6n"}  # trainer/model/flops.py MFU_COUNTS
     assert set(result["spotune"]) == side_keys | {"profile"} and set(result["hf_peft"]) == side_keys
     for side in ("spotune", "hf_peft"):
         assert result[side]["tokens_per_s"] > 0 and result[side]["step_seconds"] > 0

@@ -62,10 +62,10 @@ def test_breakdown_sums_to_the_span_and_counts_gaps_as_idle() -> None:
 
 
 def test_cpu_profile_of_one_tiny_step_fills_the_buckets(tiny_llama: Path) -> None:
-    from trainer import model as model_lib
-    from trainer.batches import micro_batch
     from trainer.config import AdapterConfig, ModelConfig
-    from trainer.loss import token_loss_sum
+    from trainer.model import load as model_lib
+    from trainer.model.loss import token_loss_sum
+    from trainer.training.batches import micro_batch
 
     torch.manual_seed(0)
     model = model_lib.build(ModelConfig(name_or_path=str(tiny_llama), dtype="float32"), AdapterConfig(r=R, dropout=0.0))

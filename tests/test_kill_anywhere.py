@@ -21,11 +21,12 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from trainer import builtin_assets
 from trainer import config as C
-from trainer import run, tiny
 from trainer.exit_codes import EXIT_PREEMPTED
 from trainer.restart.checkpoint import CheckpointManager
 from trainer.restart.state import TrainState
+from trainer.training import run
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 8
@@ -93,7 +94,7 @@ def test_kill_anywhere_then_finish_equals_uninterrupted(tmp_path: Path, tiny_lla
     seed = random.randrange(1 << 30)
     rnd = random.Random(seed)
     print(f"kill schedule seed {seed}")
-    data = tiny.write_dataset(tmp_path / "train.jsonl", n=16)
+    data = builtin_assets.write_dataset(tmp_path / "train.jsonl", n=16)
     cache = tmp_path / "cache"
     ref_out, out = tmp_path / "reference", tmp_path / "killed"
     assert run.train(C.from_dict(_recipe(ref_out, tiny_llama, data, cache))) == 0
@@ -199,7 +200,7 @@ def test_two_process_ddp_sigterm_on_one_rank_then_resume(tmp_path: Path, tiny_ll
     two-process run ends with the same adapter as an uninterrupted two-process run."""
     import psutil
 
-    data = tiny.write_dataset(tmp_path / "train.jsonl", n=16)
+    data = builtin_assets.write_dataset(tmp_path / "train.jsonl", n=16)
     recipes = {}
     for name in ("straight", "stopped"):
         raw = _recipe(tmp_path / name, tiny_llama, data, tmp_path / "cache")

@@ -219,7 +219,7 @@ def test_entrypoint_on_several_gpus_exits_with_the_main_ranks_code(tmp_path: Pat
     _stub(
         bin_dir,
         "torchrun",
-        f'RANK=0 PYTHONPATH={REPO} {real_python} -c "from trainer import cli; cli._record_exit_code({code})"\nexit 1\n',
+        f'RANK=0 PYTHONPATH={REPO} {real_python} -c "from trainer.cli import main; main._record_exit_code({code})"\nexit 1\n',
     )
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     done = subprocess.run(["bash", str(ENTRYPOINT), "recipes/tiny-cpu.yaml"], env=env)
@@ -239,7 +239,7 @@ def test_cli_writes_its_exit_code_for_a_launcher(tmp_path: Path) -> None:
     exit_file.unlink()
     subprocess.run([sys.executable, "-m", "trainer", "train", "train.no_such_key=1"], env={**env, "RANK": "1"})
     assert not exit_file.exists(), "only the main rank writes it"
-    assert "trainer.cli:main" in (REPO / "pyproject.toml").read_text()  # the console script records it too
+    assert "trainer.cli.main:main" in (REPO / "pyproject.toml").read_text()  # the console script records it too
 
 
 # ---------------------------------------------------------------------------- SLURM

@@ -9,11 +9,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from trainer import lora_fused
-from trainer import model as model_lib
-from trainer.batches import micro_batch
 from trainer.config import AdapterConfig, ModelConfig
-from trainer.loss import token_loss_sum
+from trainer.model import load as model_lib
+from trainer.model import lora_fused
+from trainer.model.loss import token_loss_sum
+from trainer.training.batches import micro_batch
 
 # fp32 on CPU: one [T x 3r] matmul against three [T x r] ones, whose sums BLAS blocks differently
 # (measured: at most 8e-7 of a gradient's largest entry). Each gradient must agree to 1e-5 of it.

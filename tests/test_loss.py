@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import loss as micro_loss
-from trainer import model as model_lib
 from trainer.config import AdapterConfig, ModelConfig
+from trainer.model import load as model_lib
+from trainer.model import loss as micro_loss
 
 T, H, V = 37, 16, 50
 
@@ -83,7 +83,7 @@ def _peft(path: Path, **adapter: object) -> torch.nn.Module:
 
 
 def test_heads_the_fused_loss_cannot_compute_are_refused(tiny_llama: Path) -> None:
-    from trainer.batches import micro_batch
+    from trainer.training.batches import micro_batch
 
     ids = torch.randint(4, 100, (1, 12))
     micro = micro_batch(ids, ids.clone(), torch.arange(12)[None])
@@ -129,11 +129,11 @@ def test_attention_choice_is_explicit() -> None:
 
 
 def test_meter_mfu_is_the_published_count() -> None:
-    """run.py's FLOP count is trainer/flops.py's `MFU` count (what published LoRA figures use:
+    """run.py's FLOP count is trainer/model/flops.py's `MFU` count (what published LoRA figures use:
     head at every token); the LoRA-aware count (head at labelled tokens only) sits beside it."""
     from transformers import LlamaConfig
 
-    from trainer import flops
+    from trainer.model import flops
 
     config = LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=500

@@ -1,4 +1,4 @@
-"""trainer/metrics.py: the meter's arithmetic and the sinks."""
+"""trainer/training/metrics.py: the meter's arithmetic and the sinks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import metrics
+from trainer.training import metrics
 
 
 def _meter(**kw) -> metrics.Meter:

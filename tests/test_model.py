@@ -1,4 +1,4 @@
-"""trainer/model.py: LoRA over a frozen base, QLoRA 4-bit on CPU, activation checkpointing."""
+"""trainer/model/load.py: LoRA over a frozen base, QLoRA 4-bit on CPU, activation checkpointing."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trainer.config import AdapterConfig, ModelConfig
-from trainer.model import build, count_params, resolve_attn_implementation
+from trainer.model.load import build, count_params, resolve_attn_implementation
 
 
 def _ids() -> torch.Tensor:

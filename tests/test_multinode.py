@@ -31,12 +31,12 @@ from safetensors.torch import load_file, save_file
 from test_elastic import REPO, STEPS, _adapter, _args, _assert_close, _digests, _free_port
 
 from trainer import config as C
-from trainer import run
 from trainer.data.cache import in_turns
 from trainer.restart.checkpoint import MANIFEST, PAUSE_ENV, CheckpointManager
 from trainer.restart.ledger import Ledger, read_rows
 from trainer.restart.remote import fetch_run_files
 from trainer.restart.storage import Store
+from trainer.training import run
 
 GLOBAL_BATCH = 2  # one row per rank per step on two nodes; two micro-batches in one process
 

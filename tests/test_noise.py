@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.model import peft_wrapping
+from trainer.model.load import peft_wrapping
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""trainer/offload.py: with activation offloading on, loss and gradients are bit-identical to off.
+"""trainer/model/offload.py: with activation offloading on, loss and gradients are bit-identical to off.
 
 CPU runs the same saved-tensor hooks as CUDA (copies into separate host tensors instead of
 pinned memory on a side stream), so these tests exercise the code path the GPU uses.
@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-from trainer import offload
-from trainer.batches import micro_batch, to_device
 from trainer.config import AdapterConfig, ModelConfig
-from trainer.loss import token_loss_sum
-from trainer.model import build
+from trainer.model import offload
+from trainer.model.load import build
+from trainer.model.loss import token_loss_sum
+from trainer.training.batches import micro_batch, to_device
 
 
 def _micro() -> dict[str, Any]:

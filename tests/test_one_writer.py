@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer import cli
+from trainer.cli import main as cli
 from trainer.exit_codes import EXIT_BUSY
 from trainer.restart.lease import LEASE_FILE, Lease, LeaseLost, read_lease
 from trainer.restart.lock import LOCK_FILE, RunBusy, RunLock, holder

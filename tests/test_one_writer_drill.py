@@ -28,14 +28,15 @@ from moto_fixture import s3_env
 from safetensors.torch import load_file
 from test_kill_anywhere import REPO, STEPS, _metric_rows, _recipe, _wait
 
+from trainer import builtin_assets as tiny
 from trainer import config as C
-from trainer import run, tiny
 from trainer.exit_codes import EXIT_BUSY
 from trainer.restart.checkpoint import PAUSE_ENV, CheckpointManager
 from trainer.restart.lease import read_lease
 from trainer.restart.ledger import read_rows
 from trainer.restart.lock import holder
 from trainer.restart.storage import Store
+from trainer.training import run
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from trainer import config, exit_codes, run
+from trainer import config, exit_codes
 from trainer.restart.ledger import read_rows
+from trainer.training import run
 
 
 def test_max_cost_stops_with_a_checkpoint_and_a_rerun_continues(

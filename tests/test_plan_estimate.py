@@ -10,8 +10,11 @@ from typing import Any
 import pytest
 from pilot_fixture import FIXED, RESTART
 
-from trainer import cli, config, plan_cli, run
+from trainer import config
+from trainer.cli import world
+from trainer.cli.main import main as spotune
 from trainer.plan import PlanError, estimate, table
+from trainer.training import run
 
 OPTION_KEYS = {
     "gpu",
@@ -100,10 +103,10 @@ def _pilot(tmp_path: Path, device: str, tokens_per_s: float = 10_000.0) -> Path:
 
 def test_sampled_counts_match_the_manifest_and_extrapolate(cfg: config.RunConfig) -> None:
     # 400 examples: a sample of 2000 holds them all, so the "estimate" must equal the exact counts.
-    sampled = plan_cli.estimate_for_run(cfg, throughput=1000.0)
+    sampled = world.estimate_for_run(cfg, throughput=1000.0)
     assert sampled["data"]["source"] == "sample" and not sampled["data"]["exact"]
     prepared = run.prepare_data(cfg, progress=False)
-    exact = plan_cli.estimate_for_run(cfg, throughput=1000.0)
+    exact = world.estimate_for_run(cfg, throughput=1000.0)
     train = prepared.manifest["train"]
     assert exact["data"]["source"] == "manifest" and exact["data"]["exact"]
     assert exact["data"]["rows_per_epoch"] == train["rows"]
@@ -113,7 +116,7 @@ def test_sampled_counts_match_the_manifest_and_extrapolate(cfg: config.RunConfig
         assert sampled["data"][key] == exact["data"][key]
     # A quarter of the examples, scaled up: close to the exact counts, but not identical.
     cfg_other = cfg.replace(**{"data.cache_dir": str(Path(cfg.output_dir) / "elsewhere")})
-    quarter = plan_cli.estimate_for_run(cfg_other, throughput=1000.0, sample_size=100)
+    quarter = world.estimate_for_run(cfg_other, throughput=1000.0, sample_size=100)
     assert quarter["data"]["sampled_examples"] == 100
     assert quarter["data"]["real_tokens_per_epoch"] == pytest.approx(train["real_tokens"], rel=0.15)
     # Steps follow the sampler's rule: whole steps per epoch, times epochs.
@@ -124,14 +127,14 @@ def test_sampled_counts_match_the_manifest_and_extrapolate(cfg: config.RunConfig
 
 
 def test_given_throughput_sets_the_hours(cfg: config.RunConfig) -> None:
-    r = plan_cli.estimate_for_run(cfg, throughput=500.0, gpu="L4")
+    r = world.estimate_for_run(cfg, throughput=500.0, gpu="L4")
     assert {o["gpu"] for o in r["options"]} == {"L4"} and len(r["options"]) == 2
     od = next(o for o in r["options"] if o["pricing"] == "on-demand")
     assert od["compute_hours"]["expected"] == pytest.approx(r["run"]["real_tokens"] / 500.0 / 3600)
     assert od["compute_hours"]["low"] < od["compute_hours"]["expected"] < od["compute_hours"]["high"]
     assert od["cost"]["expected"] == pytest.approx(od["wall_hours"]["expected"] * od["price_per_gpu_hour"])
     # Four GPUs: 4 x 500 tokens/s at 90% data-parallel efficiency, a quarter of the steps.
-    r4 = plan_cli.estimate_for_run(cfg, throughput=500.0, gpu="L4", gpus=4)
+    r4 = world.estimate_for_run(cfg, throughput=500.0, gpu="L4", gpus=4)
     od4 = next(o for o in r4["options"] if o["pricing"] == "on-demand")
     assert od4["tokens_per_s"] == pytest.approx(4 * 500.0 * estimate.MULTI_GPU_EFFICIENCY)
     assert r4["run"]["global_batch_rows"] == 32 and r4["run"]["steps"] == 2 * (r4["data"]["rows_per_epoch"] // 32)
@@ -139,7 +142,7 @@ def test_given_throughput_sets_the_hours(cfg: config.RunConfig) -> None:
 
 def test_evaluation_overhead(cfg: config.RunConfig) -> None:
     with_eval = cfg.replace(**{"data.eval_fraction": 0.1, "train.eval_every": 10})
-    r = plan_cli.estimate_for_run(with_eval, throughput=500.0, gpu="L4")
+    r = world.estimate_for_run(with_eval, throughput=500.0, gpu="L4")
     prepared = run.prepare_data(with_eval, progress=False)
     eval_tokens = prepared.manifest["eval"]["real_tokens"]
     od = next(o for o in r["options"] if o["pricing"] == "on-demand")
@@ -147,11 +150,11 @@ def test_evaluation_overhead(cfg: config.RunConfig) -> None:
     assert evals >= 1
     # Each evaluation is a forward pass over the eval split: a third of a training token's cost.
     assert od["eval_hours"] == pytest.approx(evals * eval_tokens / 3 / 500.0 / 3600, rel=0.02)  # sampled vs exact
-    assert plan_cli.estimate_for_run(cfg, throughput=500.0, gpu="L4")["options"][0]["eval_hours"] == 0.0
+    assert world.estimate_for_run(cfg, throughput=500.0, gpu="L4")["options"][0]["eval_hours"] == 0.0
 
 
 def test_pilot_on_a_catalogue_gpu_scales_to_the_others(cfg: config.RunConfig, tmp_path: Path) -> None:
-    r = plan_cli.estimate_for_run(cfg, pilot_json=_pilot(tmp_path, "NVIDIA H100 80GB HBM3"))
+    r = world.estimate_for_run(cfg, pilot_json=_pilot(tmp_path, "NVIDIA H100 80GB HBM3"))
     by = {(o["gpu"], o["pricing"]): o for o in r["options"]}
     h100, a100 = by[("H100-SXM", "on-demand")], by[("A100-80GB", "on-demand")]
     assert h100["tokens_per_s"] == 10_000.0 and h100["throughput_basis"] == "measured"
@@ -193,22 +196,22 @@ def test_memory_fit_and_constraints_drive_the_recommendation(cfg: config.RunConf
     small.write_text(
         "gpus:\n  - name: Tiny\n    memory_gib: 0.5\n    peak_bf16_flops: 1.0e15\n    on_demand_price: 0.01\n"
     )
-    r = plan_cli.estimate_for_run(cfg, catalog_path=small)
+    r = world.estimate_for_run(cfg, catalog_path=small)
     tiny = next(o for o in r["options"] if o["gpu"] == "Tiny")
     assert not tiny["fits"]  # 1 GiB of CUDA context alone does not fit in 0.5 GiB
     rec = r["recommendation"]
     assert rec is not None and rec["gpu"] != "Tiny"
     fitting = [o for o in r["options"] if o["fits"]]
     assert rec["cost"] == min(o["cost"]["expected"] for o in fitting)
-    assert plan_cli.estimate_for_run(cfg, deadline_hours=1e-6)["recommendation"] is None
-    fast = plan_cli.estimate_for_run(cfg, budget=1e6)["recommendation"]
+    assert world.estimate_for_run(cfg, deadline_hours=1e-6)["recommendation"] is None
+    fast = world.estimate_for_run(cfg, budget=1e6)["recommendation"]
     assert fast["wall_hours"] == min(o["wall_hours"]["expected"] for o in fitting)
 
 
 def test_json_schema_via_the_cli(cfg: config.RunConfig, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(config.to_yaml(cfg))
-    assert cli.main(["estimate", str(recipe), "--json", "--gpus", "2", "--deadline-hours", "100"]) == 0
+    assert spotune(["estimate", str(recipe), "--json", "--gpus", "2", "--deadline-hours", "100"]) == 0
     doc: dict[str, Any] = json.loads(capsys.readouterr().out)
     assert set(doc) == TOP_KEYS and doc["schema"] == estimate.SCHEMA
     assert doc["run"]["gpus"] == 2 and doc["run"]["global_batch_rows"] == 16
@@ -229,11 +232,11 @@ def test_json_schema_via_the_cli(cfg: config.RunConfig, capsys: pytest.CaptureFi
 
 def test_bad_flags_name_the_fix(cfg: config.RunConfig) -> None:
     with pytest.raises(PlanError, match="--mfu"):
-        plan_cli.estimate_for_run(cfg, mfu=1.5)
+        world.estimate_for_run(cfg, mfu=1.5)
     with pytest.raises(PlanError, match="--gpus"):
-        plan_cli.estimate_for_run(cfg, gpus=0)
+        world.estimate_for_run(cfg, gpus=0)
     with pytest.raises(PlanError, match="not in the catalogue"):
-        plan_cli.estimate_for_run(cfg, gpu="Voodoo5")
+        world.estimate_for_run(cfg, gpu="Voodoo5")
 
 
 def test_fsdp_memory_is_per_device_and_names_the_smallest_count(cfg: config.RunConfig) -> None:
@@ -248,15 +251,15 @@ def test_fsdp_memory_is_per_device_and_names_the_smallest_count(cfg: config.RunC
             "model.gradient_checkpointing": True,
         }
     )
-    ddp = plan_cli.estimate_for_run(big, throughput=100.0)
+    ddp = world.estimate_for_run(big, throughput=100.0)
     by = {o["gpu"]: o for o in ddp["options"] if o["pricing"] == "on-demand"}
     assert by["H100-SXM"]["fits"] and by["H100-SXM"]["fsdp_gpus"] is None
     assert (by["A100-40GB"]["fits"], by["A100-40GB"]["fsdp_gpus"]) == (False, 2)
     assert (by["RTX-4090"]["fits"], by["RTX-4090"]["fsdp_gpus"]) == (False, 4)  # the fused head: a chunk of logits
     assert "train.distributed=fsdp (--gpus N) on: A100-40GB x2" in table.format_estimate(ddp)
     # Under DDP every GPU holds a whole copy: more GPUs do not lower the per-device peak (control).
-    assert plan_cli.estimate_for_run(big, throughput=100.0, gpus=2)["memory_gib"]["total"] == ddp["memory_gib"]["total"]
-    sharded = plan_cli.estimate_for_run(big.replace(**{"train.distributed": "fsdp"}), throughput=100.0, gpus=2)
+    assert world.estimate_for_run(big, throughput=100.0, gpus=2)["memory_gib"]["total"] == ddp["memory_gib"]["total"]
+    sharded = world.estimate_for_run(big.replace(**{"train.distributed": "fsdp"}), throughput=100.0, gpus=2)
     assert sharded["memory_gib"]["sharded_over"] == 2 and sharded["memory_gib"]["total"] < ddp["memory_gib"]["total"]
     fits = {o["gpu"]: o["fits"] for o in sharded["options"]}
     assert fits["A100-40GB"] and not fits["RTX-4090"]

@@ -25,7 +25,7 @@ import torch
 import transformers
 from torch.profiler import ProfilerActivity, profile
 
-from trainer import flops
+from trainer.model import flops
 from trainer.plan import memory
 
 MIB = 2**20
@@ -185,11 +185,12 @@ def test_estimate_holds_for_the_tiny_recipe_on_its_training_path(
     from datasets import load_from_disk
     from transformers import AutoConfig
 
-    from trainer import config, run
-    from trainer.batches import StepDataset
-    from trainer.loss import token_loss_sum
-    from trainer.model import build
-    from trainer.sampler import StepSampler
+    from trainer import config
+    from trainer.data.sampler import StepSampler
+    from trainer.model.load import build
+    from trainer.model.loss import token_loss_sum
+    from trainer.training import run
+    from trainer.training.batches import StepDataset
 
     cfg = config.load(
         str(Path(__file__).parents[1] / "recipes" / "tiny-cpu.yaml"),

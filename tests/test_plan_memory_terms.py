@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import transformers
 
-from trainer import flops, loss
+from trainer.model import flops, loss
 from trainer.plan import memory
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer import flops
+from trainer.model import flops
 from trainer.plan import PlanError
 from trainer.plan.models import load_config, looks_like_model_id, shipped_config, shipped_ids
 

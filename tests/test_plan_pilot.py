@@ -13,9 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer import config, pilot_cli, plan_cli, run
+from trainer import config
+from trainer.cli import pilot_run, world
+from trainer.cli.estimate import estimate_command
 from trainer.plan import PlanError, pilot
 from trainer.restart.ledger import seconds_since_process_start
+from trainer.training import run
 
 
 @pytest.fixture()
@@ -33,7 +36,7 @@ def cfg(tmp_path: Path, tiny_llama: Path, tiny_data: Path) -> config.RunConfig:
 
 
 def test_pilot_config_changes_only_what_it_must(cfg: config.RunConfig) -> None:
-    p = pilot_cli.pilot_config(cfg, steps=7)
+    p = pilot_run.pilot_config(cfg, steps=7)
     assert p.output_dir == str(Path(cfg.output_dir) / "pilot")
     assert p.data.cache_dir == str(Path(cfg.output_dir) / "data")  # the run's own cache: prepared once
     assert (p.train.max_steps, p.checkpoint.resume, p.checkpoint.every_steps, p.metrics.log_every) == (
@@ -44,7 +47,7 @@ def test_pilot_config_changes_only_what_it_must(cfg: config.RunConfig) -> None:
     )
     assert p.train.eval_every == 7 and p.train.max_gpu_hours is None  # one evaluation, at the end, timed
     assert p.checkpoint.remote is None
-    remote = pilot_cli.pilot_config(cfg.replace(**{"checkpoint.remote": "s3://bucket/run/"}), steps=7)
+    remote = pilot_run.pilot_config(cfg.replace(**{"checkpoint.remote": "s3://bucket/run/"}), steps=7)
     assert remote.checkpoint.remote == "s3://bucket/run/pilot"  # never where the real run resumes from
     assert (p.model, p.adapter, p.data.seq_len, p.train.micro_batch_size, p.train.lr) == (
         cfg.model,
@@ -53,15 +56,15 @@ def test_pilot_config_changes_only_what_it_must(cfg: config.RunConfig) -> None:
         cfg.train.micro_batch_size,
         cfg.train.lr,
     )
-    timed = pilot_cli.pilot_config(cfg, minutes=3)
+    timed = pilot_run.pilot_config(cfg, minutes=3)
     used = seconds_since_process_start()  # the budget guard's clock already ran this long
     assert timed.train.max_gpu_hours == pytest.approx(0.05 + used / 3600, abs=2 / 3600)
-    assert pilot_cli.pilot_config(cfg, minutes=3, used_seconds=0.0).train.max_gpu_hours == pytest.approx(0.05)
+    assert pilot_run.pilot_config(cfg, minutes=3, used_seconds=0.0).train.max_gpu_hours == pytest.approx(0.05)
     assert timed.train.max_steps == 40
     with pytest.raises(PlanError, match="metrics.warmup_steps=2"):
-        pilot_cli.pilot_config(cfg, steps=4)
+        pilot_run.pilot_config(cfg, steps=4)
     with pytest.raises(PlanError, match="not both"):
-        pilot_cli.pilot_config(cfg, steps=10, minutes=1)
+        pilot_run.pilot_config(cfg, steps=10, minutes=1)
 
 
 def _attempt_log(tmp_path: Path) -> None:
@@ -163,13 +166,13 @@ def test_a_cold_first_process_is_a_restarts_cost_not_the_next_runs(tmp_path: Pat
 def test_timed_pilot_stops_by_the_clock(cfg: config.RunConfig) -> None:
     run.prepare_data(cfg, progress=False)  # shared with the pilot: its clock then goes to model load and steps
     started = time.monotonic()
-    result = pilot_cli.run_pilot(cfg.replace(**{"train.max_steps": 10**6}), minutes=0.3, fresh_process=False)
+    result = pilot_run.run_pilot(cfg.replace(**{"train.max_steps": 10**6}), minutes=0.3, fresh_process=False)
     assert result["exit_reason"] == "budget" and result["steps"] > 5
     assert 0.3 * 60 <= time.monotonic() - started < 0.3 * 60 + 15  # stops at the first step past the budget
 
 
 def test_tiny_pilot_end_to_end(cfg: config.RunConfig, capsys: pytest.CaptureFixture[str]) -> None:
-    result = pilot_cli.run_pilot(cfg, steps=6, fresh_process=False)
+    result = pilot_run.run_pilot(cfg, steps=6, fresh_process=False)
     out = Path(cfg.output_dir) / "pilot"
     assert json.loads((out / "pilot.json").read_text()) == result
     assert (result["steps"], result["warmup_steps"], result["exit_reason"]) == (6, 2, "finished")
@@ -191,7 +194,7 @@ def test_tiny_pilot_end_to_end(cfg: config.RunConfig, capsys: pytest.CaptureFixt
         gpu=None,
         mfu=None,
     )
-    assert plan_cli.estimate_command(cfg, args) == 0
+    assert estimate_command(cfg, args) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["throughput"]["source"] == "pilot" and doc["data"]["exact"]
     row = next(o for o in doc["options"] if o["gpu"] == result["device"])
@@ -228,16 +231,16 @@ def test_cli_pilot_times_two_processes_and_a_restart(cfg: config.RunConfig, tmp_
     assert p["step_time_s"]["between_sd"] is not None and p["fixed"]["sd"] is not None
     # The forecast for a new directory: every fixed cost measured, the data prepared there.
     fresh = cfg.replace(output_dir=str(tmp_path / "elsewhere"))
-    doc = plan_cli.estimate_for_run(fresh, pilot_json=Path(cfg.output_dir) / "pilot" / "pilot.json")
+    doc = world.estimate_for_run(fresh, pilot_json=Path(cfg.output_dir) / "pilot" / "pilot.json")
     items = {i["name"]: i for i in doc["timeline"]["attempt"]}
     assert items["data: prepare (no cache in the target directory)"]["source"] == "pilot"
     assert items["interpreter exit"]["source"] == "pilot" and items["interpreter exit"]["seconds"] > 0
     assert doc["data"]["exact"]  # counted from the pilot's manifest, though `elsewhere` has no cache
     # ... and for the run's own directory, which shares the pilot's cache: a hit.
-    own = {i["name"] for i in plan_cli.estimate_for_run(cfg, pilot_json=None)["timeline"]["attempt"]}
+    own = {i["name"] for i in world.estimate_for_run(cfg, pilot_json=None)["timeline"]["attempt"]}
     assert "data: cache hit" in {
         i["name"]
-        for i in plan_cli.estimate_for_run(cfg, pilot_json=Path(cfg.output_dir) / "pilot" / "pilot.json")["timeline"][
+        for i in world.estimate_for_run(cfg, pilot_json=Path(cfg.output_dir) / "pilot" / "pilot.json")["timeline"][
             "attempt"
         ]
     }

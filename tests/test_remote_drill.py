@@ -24,12 +24,13 @@ from moto_fixture import SECRET, s3_env
 from safetensors.torch import load_file
 from test_kill_anywhere import REPO, STEPS, _metric_rows, _recipe, _wait, procs  # noqa: F401 (procs: a fixture)
 
+from trainer import builtin_assets
 from trainer import config as C
-from trainer import run, tiny
 from trainer.exit_codes import EXIT_PREEMPTED
 from trainer.restart.checkpoint import MANIFEST, PAUSE_ENV
 from trainer.restart.ledger import read_rows
 from trainer.restart.storage import UPLOAD_PAUSE_ENV, Store
+from trainer.training import run
 
 
 @pytest.mark.slow
@@ -43,7 +44,7 @@ def test_kill_delete_output_dir_rerun_from_the_bucket(
     seed = random.randrange(1 << 30)
     rnd = random.Random(seed)
     print(f"kill schedule seed {seed}")
-    data = tiny.write_dataset(tmp_path / "train.jsonl", n=16)
+    data = builtin_assets.write_dataset(tmp_path / "train.jsonl", n=16)
     cache = tmp_path / "cache"
     ref_out, out = tmp_path / "reference", tmp_path / "vm"
     assert run.train(C.from_dict(_recipe(ref_out, tiny_llama, data, cache))) == 0

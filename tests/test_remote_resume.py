@@ -25,12 +25,13 @@ import torch
 from moto_fixture import SECRET, free_port
 from safetensors.torch import load_file
 
+from trainer import builtin_assets
 from trainer import config as C
-from trainer import run, tiny
 from trainer.exit_codes import EXIT_PREEMPTED
 from trainer.restart.checkpoint import CheckpointError, CheckpointManager
 from trainer.restart.ledger import read_rows
 from trainer.restart.storage import UPLOAD_PAUSE_ENV, Store, StoreError
+from trainer.training import run
 
 K = 3
 
@@ -63,7 +64,7 @@ def _rows(out: Path) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny.write_dataset(tmp_path_factory.mktemp("remote-data") / "train.jsonl", n=16)
+    return builtin_assets.write_dataset(tmp_path_factory.mktemp("remote-data") / "train.jsonl", n=16)
 
 
 @pytest.fixture(scope="module")

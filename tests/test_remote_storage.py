@@ -17,8 +17,9 @@ from moto_fixture import SECRET, free_port, s3_env
 from trainer import config as C
 from trainer.restart.checkpoint import MANIFEST, CheckpointManager
 from trainer.restart.remote import RemoteRun, fetch_run_files
-from trainer.restart.storage import UPLOAD_PAUSE_ENV, Store, StoreError, redact
+from trainer.restart.storage import UPLOAD_PAUSE_ENV, Store, StoreError
 from trainer.restart.uploader import Uploader
+from trainer.urls import redact
 
 
 def _commit(manager: CheckpointManager, step: int) -> Path:

@@ -25,17 +25,19 @@ import pytest
 import yaml
 from PIL import Image
 
-from trainer import cli, tiny
+from trainer import builtin_assets
 from trainer import config as C
+from trainer.cli.main import main as spotune
+from trainer.cli.world import estimate_for_run
 from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_FINISHED, EXIT_PREEMPTED
 from trainer.plan.pilot import summarise
-from trainer.plan_cli import estimate_for_run
 from trainer.report import REPORT_FILE, report_after_train, write_report
-from trainer.report.load import load_run, shown
+from trainer.report.load import load_run
 from trainer.report.page import default_out
 from trainer.report.plots import FIGURES, uploads
 from trainer.report.totals import attempt_of
 from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, Ledger
+from trainer.urls import redact
 
 REPO = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -78,7 +80,7 @@ def real_run(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> dict
     """Three attempts of one run: SIGKILL inside the first save, SIGTERM, then to the end."""
     tmp = tmp_path_factory.mktemp("report")
     out, snapshot = tmp / "run", tmp / "in-progress"
-    data = tiny.write_dataset(tmp / "train.jsonl", n=40)
+    data = builtin_assets.write_dataset(tmp / "train.jsonl", n=40)
     recipe = tmp / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(_recipe(out, tiny_llama, data, tmp / "cache")))
 
@@ -111,10 +113,10 @@ def real_run(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> dict
     try:
         sender = threading.Thread(target=preempt, daemon=True)
         sender.start()
-        code2 = cli.main(["train", str(recipe)])
+        code2 = spotune(["train", str(recipe)])
         sender.join(timeout=60)
         # Attempt 3: the same command, to the end; it writes report.html.
-        code3 = cli.main(["train", str(recipe)])
+        code3 = spotune(["train", str(recipe)])
     finally:
         signal.signal(signal.SIGTERM, previous)
     return {"out": out, "snapshot": snapshot, "codes": (code2, code3)}
@@ -235,7 +237,7 @@ def test_cli_report_of_a_run_in_progress_with_a_torn_line(
     torn_at = len((run / "metrics.jsonl").read_text().splitlines()) + 1
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 99, "loss": 1.0, "tok')  # the row being written when we read
-    assert cli.main(["report", str(run), "--out", str(tmp_path / "page")]) == 0
+    assert spotune(["report", str(run), "--out", str(tmp_path / "page")]) == 0
     printed = capsys.readouterr().out
     assert f"run report: {tmp_path / 'page' / REPORT_FILE}" in printed and "In progress at step" in printed
     page = _parse(tmp_path / "page" / REPORT_FILE)
@@ -285,9 +287,9 @@ def test_report_goes_beside_a_local_run_and_into_the_current_directory_for_a_rem
 
 
 def test_shown_url_drops_credentials_and_signatures() -> None:
-    assert shown("s3://key:secret@bucket/runs/a?X-Amz-Signature=abc") == "s3://bucket/runs/a"
-    assert shown("https://host:8443/run?sig=1") == "https://host:8443/run"
-    assert shown("/local/run") == "/local/run"
+    assert redact("s3://key:secret@bucket/runs/a?X-Amz-Signature=abc") == "s3://bucket/runs/a"
+    assert redact("https://host:8443/run?sig=1") == "https://host:8443/run"
+    assert redact("/local/run") == "/local/run"
 
 
 def test_pilot_forecast_sits_beside_the_actual(real_run: dict[str, Any], tmp_path: Path) -> None:
@@ -314,11 +316,11 @@ def test_pilot_forecast_sits_beside_the_actual(real_run: dict[str, Any], tmp_pat
 
 def test_bad_run_dir_exits_2_naming_the_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "no-such-run"
-    assert cli.main(["report", str(missing)]) == EXIT_BAD_INPUT
+    assert spotune(["report", str(missing)]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert f"{missing} does not exist" in err and "output_dir" in err
     (tmp_path / "empty").mkdir()
-    assert cli.main(["report", str(tmp_path / "empty")]) == EXIT_BAD_INPUT
+    assert spotune(["report", str(tmp_path / "empty")]) == EXIT_BAD_INPUT
     assert f"{tmp_path / 'empty'} exists but holds no metrics.jsonl" in capsys.readouterr().err
 
 

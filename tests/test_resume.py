@@ -19,10 +19,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from trainer import builtin_assets
 from trainer import config as C
-from trainer import run, sampler, tiny
+from trainer.data import sampler
 from trainer.restart import state
 from trainer.restart.checkpoint import CheckpointManager
+from trainer.training import run
 
 K = 4
 
@@ -60,7 +62,7 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("resume")
-    data = tiny.write_dataset(root / "train.jsonl", n=30)
+    data = builtin_assets.write_dataset(root / "train.jsonl", n=30)
     make = lambda name, steps: _cfg(root / name, tiny_llama, data, root / "cache", steps)  # noqa: E731
 
     assert run.train(make("straight", 2 * K)) == 0

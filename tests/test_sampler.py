@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from trainer.sampler import StepSampler
+from trainer.data.sampler import StepSampler
 
 
 def test_order_is_a_pure_function_of_seed_and_epoch() -> None:

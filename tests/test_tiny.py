@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trainer import tiny
+from trainer import builtin_assets
 from trainer.config import BUILTIN_TINY_DATA, BUILTIN_TINY_MODEL
 
 
@@ -35,32 +35,40 @@ def test_every_arch_loads_and_runs(tiny_model: Callable[..., Path], arch: str) -
 
 
 def test_model_build_is_deterministic(tmp_path: Path, tiny_tokenizer: Path) -> None:
-    a = load_file(tiny.build_model(tmp_path / "a", tokenizer_dir=tiny_tokenizer, seed=3) / "model.safetensors")
-    b = load_file(tiny.build_model(tmp_path / "b", tokenizer_dir=tiny_tokenizer, seed=3) / "model.safetensors")
-    c = load_file(tiny.build_model(tmp_path / "c", tokenizer_dir=tiny_tokenizer, seed=4) / "model.safetensors")
+    a = load_file(
+        builtin_assets.build_model(tmp_path / "a", tokenizer_dir=tiny_tokenizer, seed=3) / "model.safetensors"
+    )
+    b = load_file(
+        builtin_assets.build_model(tmp_path / "b", tokenizer_dir=tiny_tokenizer, seed=3) / "model.safetensors"
+    )
+    c = load_file(
+        builtin_assets.build_model(tmp_path / "c", tokenizer_dir=tiny_tokenizer, seed=4) / "model.safetensors"
+    )
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], c[k]) for k in a)  # control: the seed matters
 
 
 def test_builtin_names_resolve_to_real_files(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("SPOTUNE_HOME", str(tmp_path))
-    model_dir = Path(tiny.resolve_model(BUILTIN_TINY_MODEL))
+    model_dir = Path(builtin_assets.resolve_model(BUILTIN_TINY_MODEL))
     assert (model_dir / "config.json").exists() and (model_dir / "tokenizer.json").exists()
-    assert tiny.resolve_model(BUILTIN_TINY_MODEL) == str(model_dir)  # built once, then reused
+    assert builtin_assets.resolve_model(BUILTIN_TINY_MODEL) == str(model_dir)  # built once, then reused
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]  # no leftovers
-    assert tiny.resolve_model("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
-    rows = [json.loads(line) for line in Path(tiny.resolve_data(BUILTIN_TINY_DATA)).read_text().splitlines()]
+    assert builtin_assets.resolve_model("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
+    rows = [json.loads(line) for line in Path(builtin_assets.resolve_data(BUILTIN_TINY_DATA)).read_text().splitlines()]
     assert len(rows) == 2000 and set(rows[0]) == {"instruction", "input", "output"}
 
 
 def test_synthetic_answers_are_correct() -> None:
-    rows = tiny.make_examples(600, seed=7)
-    assert rows == tiny.make_examples(600, seed=7)
-    assert rows != tiny.make_examples(600, seed=8)  # control: the seed matters
+    rows = builtin_assets.make_examples(600, seed=7)
+    assert rows == builtin_assets.make_examples(600, seed=7)
+    assert rows != builtin_assets.make_examples(600, seed=8)  # control: the seed matters
     capitals = [r for r in rows if "capital" in r["instruction"]]
-    assert capitals and all(r["output"] == tiny._CAPITALS[r["input"]] for r in capitals)
+    assert capitals and all(r["output"] == builtin_assets._CAPITALS[r["input"]] for r in capitals)
     days = [r for r in rows if "after" in r["instruction"] or "follows" in r["instruction"]]
-    assert days and all(tiny._DAYS[(tiny._DAYS.index(r["input"]) + 1) % 7] == r["output"] for r in days)
+    assert days and all(
+        builtin_assets._DAYS[(builtin_assets._DAYS.index(r["input"]) + 1) % 7] == r["output"] for r in days
+    )
     plans = [r for r in rows if r["instruction"].startswith("Plan ")]
     assert plans
     for r in plans:
@@ -72,9 +80,9 @@ def test_synthetic_answers_are_correct() -> None:
 def test_held_out_questions_are_never_trained_on() -> None:
     """Held-out prompts belong to the task family (each key is trained in other phrasings) but never
     appear in the built-in data; a question that is trained on is found (the check can fail)."""
-    held = {(h["instruction"], h["input"]) for h in tiny.held_out_examples()}
+    held = {(h["instruction"], h["input"]) for h in builtin_assets.held_out_examples()}
     assert len(held) == 8
-    rows = tiny.make_examples()
+    rows = builtin_assets.make_examples()
     trained = {(r["instruction"], r["input"]) for r in rows}
     assert not trained & held
     assert {k for _, k in held} <= {r["input"] for r in rows}  # every held-out key is trained in other phrasings

@@ -17,15 +17,15 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from trainer import batches as step_data
 from trainer import config as C
-from trainer import loop, run
-from trainer import loss as micro_loss
 from trainer.config import AdapterConfig, ModelConfig
+from trainer.data.sampler import StepSampler
 from trainer.export import export
-from trainer.model import build
+from trainer.model import loss as micro_loss
+from trainer.model.load import build
 from trainer.restart.state import Counters
-from trainer.sampler import StepSampler
+from trainer.training import batches as step_data
+from trainer.training import loop, run
 
 
 def make_cfg(out: Path, **dotted: Any) -> C.RunConfig:
@@ -319,7 +319,7 @@ def test_non_finite_step_is_skipped_and_weights_untouched(tiny_llama: Path) -> N
         return output * float("nan") if current["step"] in poison else output
 
     current = {"step": 0}
-    # The embeddings, not the output head: trainer.loss applies the head weight itself.
+    # The embeddings, not the output head: trainer.model.loss applies the head weight itself.
     embed = accelerator.unwrap_model(model).get_input_embeddings()
     embed.register_forward_hook(nan_hook)
     snapshots: dict[int, dict[str, torch.Tensor]] = {0: _lora_state(model)}

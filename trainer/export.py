@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 
-from trainer import distributed
 from trainer.atomic import fsync_tree, publish_dir, remove_temp_siblings, temp_sibling
 from trainer.config import ConfigError, ModelConfig, load
-from trainer.restart.state import adapter_state, unwrap_peft
+from trainer.model import distributed
+from trainer.model.wrappers import unwrap_peft
+from trainer.restart.state import adapter_state
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 TOKENIZER_FILES = (
@@ -79,7 +80,7 @@ def merge_adapter(adapter_dir: Path, out: Path, model_cfg: ModelConfig) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.model import peft_wrapping, quiet_hf_progress
+    from trainer.model.load import peft_wrapping, quiet_hf_progress
 
     base_path = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if not base_path:

@@ -3,7 +3,7 @@
 The pieces: workload.py counts the tokens, flops.py the FLOPs per token, memory.py the
 bytes per GPU, throughput.py the rate, forecast.py the hours and money, table.py the text.
 This module takes numbers and config sections, never the run: the CLI glue in
-trainer/plan_cli.py reads the model config, the data and pilot.json and builds a `Job`.
+trainer/cli/world.py reads the model config, the data and pilot.json and builds a `Job`.
 `estimate` works in three parts: the run's totals, one option per GPU and pricing, and the
 JSON document.
 
@@ -39,16 +39,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer import catalog as cat
-from trainer import flops
 from trainer.config import CheckpointConfig, batch_split
+from trainer.data.sampler import run_steps
+from trainer.model import flops
 from trainer.plan import PlanError, lacks
 from trainer.plan import forecast as fc
 from trainer.plan import memory as mem
 from trainer.plan import timeline as tl
 from trainer.plan import workload as wl
 from trainer.plan.job import Constraints, Job, Measured, Totals
-from trainer.plan.throughput import GIVEN_SPREAD, MFU_SPREAD, Throughput, machine_cv, measured_sd, rate_on
-from trainer.sampler import run_steps
+from trainer.plan.throughput import GIVEN_SPREAD, MFU_SPREAD, Rate, Throughput, machine_cv, measured_sd, rate_on
 
 SCHEMA = "spotune.estimate/1"
 MULTI_GPU_EFFICIENCY = 0.9  # data-parallel scaling from the measured device count to more GPUs
@@ -86,27 +86,38 @@ def estimate(
     sd_s = math.hypot(measured.fixed_sd, machine_cv(measured.get("step_time_s")) * tl.total(attempt))
     fixed = Fixed(tl.total(attempt), tl.total(restart), sd_s, save_s)
     options, rows = _options(job, work, totals, rate, gpus, catalog, constraints, memory.total, fixed, measured)
-    fitting = [o for o, r in zip(options, rows, strict=True) if r["fits"] and not math.isnan(o.price_per_gpu_hour)]
-    best = fc.cheapest(fitting, constraints.deadline_hours, constraints.budget)
-    recommendation = None
-    if best is not None:
-        recommendation = {
-            "index": options.index(best),
-            "gpu": best.gpu,
-            "pricing": best.pricing,
-            "wall_hours": best.wall_hours.expected,
-            "cost": best.cost.expected,
-            "why": _why(constraints.deadline_hours, constraints.budget),
-            "next_cheaper": lacks.next_cheaper(  # what the option just cheaper than this one lacks
-                rows,
-                options.index(best),
-                memory.total / mem.GIB,
-                lacks.frugal_gib(job, constraints.gpus),
-                constraints.deadline_hours,
-            ),
-        }
     return {
         "schema": SCHEMA,
+        **_described(job, work, totals, constraints),
+        "memory_gib": memory.as_gib()
+        | {"pilot_measured_peak": measured.get("peak_memory_gib"), "sharded_over": constraints.gpus if job.fsdp else 1},
+        "throughput": rate.as_dict() | {"flops_per_token": totals.flops_per_token},
+        "checkpoint": {
+            "save_seconds": save_s,
+            "every_minutes": job.checkpoint.every_minutes,
+            "every_steps": job.checkpoint.every_steps,
+            "restart_seconds": fixed.restart_s,
+        },
+        "timeline": {
+            "attempt": tl.as_dicts(attempt),
+            "attempt_seconds": fixed.attempt_s,
+            "restart": tl.as_dicts(restart),
+            "restart_seconds": fixed.restart_s,
+            "fixed_sd_seconds": fixed.sd_s,
+            "interval": f"expected -/+ {INTERVAL_SIGMAS:g} standard deviations of the pilot's measured variation"
+            if rate.source == "pilot"
+            else "the throughput's assumed range",
+        },
+        "constraints": {"deadline_hours": constraints.deadline_hours, "budget": constraints.budget},
+        "options": rows,
+        "recommendation": _recommendation(options, rows, constraints, memory.total / mem.GIB, job),
+        "assumptions": _assumptions(rate, work, constraints.gpus, {r["throughput_basis"] for r in rows}),
+    }
+
+
+def _described(job: Job, work: wl.Workload, totals: Totals, constraints: Constraints) -> dict[str, Any]:
+    """The estimate's model, data and run sections: what is being forecast."""
+    return {
         "model": {
             "name_or_path": job.name_or_path,
             "arch": job.shape.arch,
@@ -136,29 +147,28 @@ def estimate(
             "trainable_tokens": totals.trainable,
             "train_flops": totals.train_flops,
         },
-        "memory_gib": memory.as_gib()
-        | {"pilot_measured_peak": measured.get("peak_memory_gib"), "sharded_over": constraints.gpus if job.fsdp else 1},
-        "throughput": rate.as_dict() | {"flops_per_token": totals.flops_per_token},
-        "checkpoint": {
-            "save_seconds": save_s,
-            "every_minutes": job.checkpoint.every_minutes,
-            "every_steps": job.checkpoint.every_steps,
-            "restart_seconds": fixed.restart_s,
-        },
-        "timeline": {
-            "attempt": tl.as_dicts(attempt),
-            "attempt_seconds": fixed.attempt_s,
-            "restart": tl.as_dicts(restart),
-            "restart_seconds": fixed.restart_s,
-            "fixed_sd_seconds": fixed.sd_s,
-            "interval": f"expected -/+ {INTERVAL_SIGMAS:g} standard deviations of the pilot's measured variation"
-            if rate.source == "pilot"
-            else "the throughput's assumed range",
-        },
-        "constraints": {"deadline_hours": constraints.deadline_hours, "budget": constraints.budget},
-        "options": rows,
-        "recommendation": recommendation,
-        "assumptions": _assumptions(rate, work, constraints.gpus, {r["throughput_basis"] for r in rows}),
+    }
+
+
+def _recommendation(
+    options: list[Any], rows: list[dict[str, Any]], constraints: Constraints, needs_gib: float, job: Job
+) -> dict[str, Any] | None:
+    """The cheapest fitting option within the deadline (or the fastest within the budget), or None;
+    with what the option just cheaper than it lacks."""
+    fitting = [o for o, r in zip(options, rows, strict=True) if r["fits"] and not math.isnan(o.price_per_gpu_hour)]
+    best = fc.cheapest(fitting, constraints.deadline_hours, constraints.budget)
+    if best is None:
+        return None
+    return {
+        "index": options.index(best),
+        "gpu": best.gpu,
+        "pricing": best.pricing,
+        "wall_hours": best.wall_hours.expected,
+        "cost": best.cost.expected,
+        "why": _why(constraints.deadline_hours, constraints.budget),
+        "next_cheaper": lacks.next_cheaper(
+            rows, options.index(best), needs_gib, lacks.frugal_gib(job, constraints.gpus), constraints.deadline_hours
+        ),
     }
 
 
@@ -206,15 +216,7 @@ def _options(
     for name, g in targets:
         on = rate_on(rate, g, catalog, totals.flops_per_token)
         speed = on.tokens_per_s_per_gpu * n * (MULTI_GPU_EFFICIENCY if n > rate.measured_gpus else 1.0)
-        t = totals.tokens
-        expected = fc.hours_for(t, speed)
-        step = measured.get("step_time_s")
-        if on.basis == "measured" and step and step.get("sd") is not None and n == rate.measured_gpus:
-            # Where the pilot ran: the spread it measured.
-            half = INTERVAL_SIGMAS * measured_sd(step) * expected
-            compute = fc.Range(max(0.0, expected - half), expected, expected + half)
-        else:
-            compute = fc.Range(fc.hours_for(t, speed * on.fast), expected, fc.hours_for(t, speed * on.slow))
+        compute = _compute_hours(totals.tokens, speed, on, measured, pilot_gpus=n == rate.measured_gpus)
         step_hours = compute.expected / totals.steps
         interval = _interval_hours(job.checkpoint, step_hours)
         eval_each = measured.get("eval_seconds") if on.basis == "measured" else None
@@ -263,6 +265,18 @@ def _options(
             )
             rows.append(row)
     return options, rows
+
+
+def _compute_hours(tokens: float, speed: float, on: Rate, measured: Measured, pilot_gpus: bool) -> fc.Range:
+    """Hours of training compute: the pilot's measured spread where it ran (same device and GPU
+    count), else the throughput's assumed range."""
+    expected = fc.hours_for(tokens, speed)
+    step = measured.get("step_time_s")
+    if on.basis == "measured" and step and step.get("sd") is not None and pilot_gpus:
+        # Where the pilot ran: the spread it measured.
+        half = INTERVAL_SIGMAS * measured_sd(step) * expected
+        return fc.Range(max(0.0, expected - half), expected, expected + half)
+    return fc.Range(fc.hours_for(tokens, speed * on.fast), expected, fc.hours_for(tokens, speed * on.slow))
 
 
 @dataclass(frozen=True)

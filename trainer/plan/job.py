@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trainer import flops
 from trainer.config import AdapterConfig, CheckpointConfig, ModelConfig, TrainConfig
+from trainer.model import flops
 from trainer.plan import memory as mem
 
 
@@ -44,7 +44,7 @@ class Job:
         """Peak bytes per device on `devices` GPUs: sharded under FSDP (`fsdp`, default the
         recipe's `train.distributed`), a whole copy on each under DDP. An `auto` memory setting
         counts as its most frugal choice (micro-batch 1, checkpointing and offloading on): whether
-        the run fits at all (trainer/autofit.py picks the fastest that fits on the device)."""
+        the run fits at all (trainer/training/autofit.py picks the fastest that fits on the device)."""
         sharded = self.fsdp if fsdp is None else fsdp
         return mem.estimate_memory(
             self.shape,

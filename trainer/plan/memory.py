@@ -25,10 +25,10 @@ internal input) and LayerNorms.
 
 With gradient checkpointing each layer keeps only its input (a*h per token) and one layer
 is recomputed at a time, so one layer's full activations join the backward temporaries.
-With activation offloading (trainer/offload.py) all but two layers' saved tensors (the one in
+With activation offloading (trainer/model/offload.py) all but two layers' saved tensors (the one in
 use, the one being fetched) sit in pinned host memory instead.
 
-Head and loss: spotune's fused head (trainer/loss.py) holds one chunk of logits at a time (a*V,
+Head and loss: spotune's fused head (trainer/model/loss.py) holds one chunk of logits at a time (a*V,
 fp32 softmax and gradient, per token of the chunk) and the hidden states' gradient; a model's
 own loss (`fused_head=False`) holds every logit and its gradient, often the largest term. Only
 labelled positions reach the head (`head_tokens`); the default assumes every position does,
@@ -63,7 +63,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from trainer.flops import ModelShape, adapted_linears
+from trainer.model.flops import ModelShape, adapted_linears
 
 GIB = 1024**3
 WeightFormat = Literal["float32", "bfloat16", "float16", "int8", "nf4"]
@@ -73,7 +73,7 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 # LLM.int8: one byte per weight plus an fp32 scale per output row (added per linear below).
 INT8_BYTES = 1.0
-# trainer/loss.py's CHUNK_ELEMENTS (logits per chunk of the pure-torch fused loss); a test keeps them equal.
+# trainer/model/loss.py's CHUNK_ELEMENTS (logits per chunk of the pure-torch fused loss); a test keeps them equal.
 CHUNK_ELEMENTS = 1 << 25
 # CUDA context and cuBLAS workspace, outside the caching allocator (not in max_memory_reserved).
 CUDA_OVERHEAD_BYTES = 1.0 * GIB
@@ -203,7 +203,7 @@ def layer_activation_bytes_per_token(
 def head_working_bytes(shape: ModelShape, a: int, tokens: int, head_tokens: int, fused: bool) -> float:
     """The head and loss at their largest (see `MemoryEstimate.logits`).
 
-    Fused (trainer/loss.py: Liger's kernel on CUDA, else the chunked torch version): one chunk's
+    Fused (trainer/model/loss.py: Liger's kernel on CUDA, else the chunked torch version): one chunk's
     logits in the compute dtype, their fp32 softmax and gradient, at most max(Liger's chunk,
     `loss.CHUNK_ELEMENTS / vocab`) tokens at once; the head's input gradient (head tokens x
     hidden) kept for backward, and its scatter back to every position. Unfused (a model's own
@@ -249,7 +249,7 @@ def estimate_memory(
     """Peak bytes per GPU for one optimizer step (adapter kept in fp32, as peft does by default);
     `shards`/`offload`: FSDP over that many devices, the frozen base offloaded to CPU;
     `activation_offload`: saved decoder tensors in host memory, two layers' worth in flight
-    (trainer/offload.py); `fused_head`: spotune's fused head and loss (False: the model's own);
+    (trainer/model/offload.py); `fused_head`: spotune's fused head and loss (False: the model's own);
     `head_tokens`: positions that reach the head (default: all, the safe side for SFT data)."""
     if shards < 1:
         raise ValueError(f"shards must be at least 1, got {shards}")

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from trainer.restart.checkpoint import save_step_due, save_time_due
+
 DEFAULT_DOWNLOAD_MB_S = 200.0
 """A cloud VM pulling from the Hugging Face Hub or an object store in its region (measure
 yours: `--download-mb-s`)."""
@@ -42,7 +44,7 @@ class Item:
 
 @dataclass(frozen=True)
 class Target:
-    """What the machine and directory the run will use already hold (read by trainer/plan_cli.py)."""
+    """What the machine and directory the run will use already hold (read by trainer/cli/world.py)."""
 
     data_cached: bool = False
     """The target's data cache holds this data's fingerprint: a cache hit, no preparation."""
@@ -156,13 +158,11 @@ def as_dicts(items: Sequence[Item]) -> list[dict[str, Any]]:
 
 def save_count(steps: int, every_steps: int | None, every_minutes: float | None, step_seconds: float) -> int:
     """Checkpoints the loop writes: at each `every_steps` step, when `every_minutes` passed since
-    the last save, and at the end (trainer/loop.py decides the same way)."""
+    the last save, and at the end: the loop's own rules (restart.checkpoint.save_step_due / save_time_due)."""
     saves, since = 0, 0.0
     for step in range(1, steps + 1):
         since += step_seconds
-        due = bool(every_steps and step % every_steps == 0)
-        due = due or (every_minutes is not None and since >= 60 * every_minutes) or step == steps
-        if due:
+        if save_step_due(step, every_steps, steps) or save_time_due(since, every_minutes):
             saves, since = saves + 1, 0.0
     return saves
 

@@ -14,12 +14,13 @@ import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import fsspec
 import yaml
 
+from trainer.config import ConfigError, RunConfig, from_dict
 from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, row_from_progress
+from trainer.urls import redact
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,8 @@ class RunData:
 
     source: str
     """The run directory as shown to people (credentials and query strings removed)."""
-    config: dict[str, Any]
+    config: RunConfig | None
+    """The run's config.yaml, loaded as the run loaded it (None when missing or unreadable)."""
     train_rows: list[dict[str, Any]]
     """metrics rows of optimizer steps (they have `loss`), in file order; redone steps repeat."""
     eval_rows: list[dict[str, Any]]
@@ -100,30 +102,19 @@ class RunData:
 
     @property
     def price_per_hour(self) -> float | None:
-        price = (self.config.get("metrics") or {}).get("price_per_hour")
+        price = self.config.metrics.price_per_hour if self.config is not None else None
         return float(price) if price is not None else None
 
     @property
     def total_steps(self) -> int | None:
-        steps = (self.config.get("train") or {}).get("max_steps")
+        steps = self.config.train.max_steps if self.config is not None else None
         return int(steps) if steps is not None else None
-
-
-def shown(url: str) -> str:
-    """`url` without user:password or a query string (a signed URL's signature lives there)."""
-    parts = urlsplit(url)
-    if not parts.scheme or len(parts.scheme) == 1:  # a local path (or a Windows drive letter)
-        return url
-    host = parts.hostname or ""
-    if parts.port:
-        host += f":{parts.port}"
-    return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
 def load_run(run_dir: str) -> RunData:
     """Read `run_dir`; ReportError when it holds neither metrics.jsonl nor a ledger."""
     base = run_dir.rstrip("/")
-    where = shown(base)
+    where = redact(base)
     texts = {name: _read(f"{base}/{name}") for name in (METRICS_FILE, LEDGER_FILE, HEARTBEAT_FILE)}
     if all(t is None for t in texts.values()):
         fs, path = fsspec.core.url_to_fs(base)
@@ -149,11 +140,9 @@ def load_run(run_dir: str) -> RunData:
                 attempts.append(live)
         except (ValueError, KeyError, TypeError) as e:
             notes.append(f"{where}/{HEARTBEAT_FILE} is unreadable ({e}); the open attempt is not shown")
-    config_text = _read(f"{base}/{CONFIG_FILE}")
-    config = yaml.safe_load(config_text) if config_text else {}
     return RunData(
         source=where,
-        config=config if isinstance(config, dict) else {},
+        config=_config(_read(f"{base}/{CONFIG_FILE}"), f"{where}/{CONFIG_FILE}", notes),
         train_rows=[_floats(r) for r in metrics if "loss" in r and "step" in r],
         eval_rows=[_floats(r) for r in metrics if "eval_loss" in r and "step" in r],
         attempts=sorted(attempts, key=lambda a: a.attempt),
@@ -165,6 +154,18 @@ def load_run(run_dir: str) -> RunData:
 
 
 # ---------------------------------------------------------------------------- readers
+
+
+def _config(text: str | None, where: str, notes: list[str]) -> RunConfig | None:
+    """config.yaml through the config loader, so its defaults and types are the run's own."""
+    if not text:
+        return None
+    try:
+        raw = yaml.safe_load(text)
+        return from_dict(raw if isinstance(raw, dict) else {}, source=where)
+    except (yaml.YAMLError, ConfigError) as e:
+        notes.append(f"{where} does not load ({str(e).splitlines()[0]}); price and total steps are not shown")
+        return None
 
 
 def _read(url: str) -> str | None:
@@ -198,7 +199,7 @@ def _json(url: str, notes: list[str]) -> dict[str, Any] | None:
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
-        notes.append(f"{shown(url)} is not valid JSON ({e}); not shown")
+        notes.append(f"{redact(url)} is not valid JSON ({e}); not shown")
         return None
     return doc if isinstance(doc, dict) else None
 

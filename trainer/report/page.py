@@ -164,7 +164,7 @@ def _estimate_option(estimate: dict[str, Any], run: RunData) -> dict[str, Any]:
     """The estimate's option for this run's machine (metrics.gpu, or the device the pilot
     measured), else its recommendation, else its first option."""
     options = estimate["options"]
-    ours = {(run.config.get("metrics") or {}).get("gpu"), (run.pilot or {}).get("device")} - {None}
+    ours = {run.config.metrics.gpu if run.config else None, (run.pilot or {}).get("device")} - {None}
     for option in options:
         if option.get("gpu") in ours:
             return dict(option)

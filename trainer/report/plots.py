@@ -100,6 +100,18 @@ def timeline(run: RunData) -> bytes:
     """Processes (one lane per attempt), steps reached and cost so far, on one wall-clock axis."""
     fig = Figure(figsize=(11, 6.6), layout="constrained")
     ax_p, ax_s, ax_c = fig.subplots(3, 1, sharex=True, height_ratios=[1.4, 1.2, 1.0])
+    _processes(ax_p, run)
+    _steps(ax_s, run)
+    _cost(ax_c, run)
+    ax_c.xaxis.set_major_formatter(mdates.ConciseDateFormatter(ax_c.xaxis.get_major_locator()))
+    ax_c.set_xlabel("wall clock (UTC)")
+    for ax in (ax_p, ax_s, ax_c):
+        ax.grid(alpha=0.3)
+    return _png(fig)
+
+
+def _processes(ax_p: Any, run: RunData) -> None:
+    """The timeline's top panel: one lane per attempt, start-up then training, how it ended, uploads."""
     attempts = run.attempts
     redone = redone_by_attempt(run)
     sent = uploads(run)
@@ -144,6 +156,9 @@ def timeline(run: RunData) -> bytes:
     ax_p.set_ylim(len(attempts) - 0.5, -0.85)  # first attempt on top; room for each lane's label
     ax_p.set_title("Processes: grey start-up, blue training; ▼ preempted, ✕ killed/error, ● finished, ▲ upload")
 
+
+def _steps(ax_s: Any, run: RunData) -> None:
+    """The timeline's middle panel: each logged step, steps trained again, checkpoints."""
     seen: set[int] = set()
     ok: list[tuple[datetime, float]] = []
     again: list[tuple[datetime, float]] = []
@@ -163,24 +178,22 @@ def timeline(run: RunData) -> bytes:
     if ok:
         ax_s.legend(loc="upper left", fontsize=8)
 
+
+def _cost(ax_c: Any, run: RunData) -> None:
+    """The timeline's bottom panel: cost (or GPU-hours) so far, per log step and per attempt."""
     xs, ys = _series(run.train_rows, "time", "cost")
     label, key = ("cost so far ($)", "cost") if xs else ("GPU-hours so far", "device_hours")
     xs, ys = _series(run.train_rows, "time", key)
     if xs:
         ax_c.plot([_dt(x) for x in xs], ys, ".-", color=COLORS["cost"], markersize=3, label="at each log step")
     ends, running = [], 0.0
-    for a in attempts:
+    for a in run.attempts:
         running += (a.cost or 0.0) if key == "cost" else a.device_seconds / 3600.0
         ends.append((_dt(a.end), running))
     if ends:
         ax_c.plot(*zip(*ends, strict=True), "D", color="black", markersize=5, label="ledger, end of attempt")
         ax_c.legend(loc="upper left", fontsize=8)
     ax_c.set_ylabel(label)
-    ax_c.xaxis.set_major_formatter(mdates.ConciseDateFormatter(ax_c.xaxis.get_major_locator()))
-    ax_c.set_xlabel("wall clock (UTC)")
-    for ax in (ax_p, ax_s, ax_c):
-        ax.grid(alpha=0.3)
-    return _png(fig)
 
 
 def _saves(run: RunData) -> list[tuple[datetime, float]]:

@@ -53,6 +53,17 @@ class SaveResult:
     """True when this step was already committed and verified, so nothing was written."""
 
 
+def save_step_due(step: int, every_steps: int | None, total_steps: int) -> bool:
+    """When a save is due by steps: at each `checkpoint.every_steps` step, and at the run's last.
+    The loop saves by this and `save_time_due` (and on a stop); the planner counts saves by both."""
+    return bool(every_steps and step % every_steps == 0) or step >= total_steps
+
+
+def save_time_due(seconds_since_save: float, every_minutes: float | None) -> bool:
+    """When a save is due by time: `checkpoint.every_minutes` have passed since the last save."""
+    return every_minutes is not None and seconds_since_save >= 60 * every_minutes
+
+
 def file_digest(path: Path, fsync: bool) -> tuple[int, str]:
     """(size, sha256) of a file; with `fsync`, also force its data to disk (one pass over it)."""
     h = hashlib.sha256()

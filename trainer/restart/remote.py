@@ -20,8 +20,9 @@ import torch
 from trainer.atomic import write_bytes
 from trainer.restart.checkpoint import MANIFEST, CheckpointError, CheckpointManager, resolve_resume
 from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, read_rows
-from trainer.restart.storage import Fence, Store, StoreError, _short, redact
+from trainer.restart.storage import Fence, Store, StoreError, _short
 from trainer.restart.uploader import RUN_FILES, Uploader
+from trainer.urls import redact
 
 T = TypeVar("T")
 

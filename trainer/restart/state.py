@@ -34,7 +34,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trainer.config import diff_structural
-from trainer.distributed import full_tensor, is_sharded, shard_like
+from trainer.model.distributed import full_tensor, is_sharded, shard_like
+from trainer.model.wrappers import unwrap_peft
 from trainer.restart.checkpoint import ResumeMismatch
 from trainer.restart.rng import rank_rng, reseed, restore_rng
 
@@ -223,15 +224,6 @@ def optimizer_from_tensors(
 
 
 # ---------------------------------------------------------------------------- whole checkpoint
-
-
-def unwrap_peft(model: torch.nn.Module) -> Any:
-    """The peft model inside DDP / accelerate wrappers."""
-    while hasattr(model, "module"):  # DDP / accelerate wrappers
-        model = model.module  # type: ignore[assignment]
-    if not hasattr(model, "peft_config"):
-        raise TypeError(f"expected a peft model, got {type(model).__name__}")
-    return model
 
 
 @dataclass

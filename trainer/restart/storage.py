@@ -26,10 +26,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from trainer.atomic import files_below, fsync_tree, publish_dir, temp_sibling
 from trainer.restart.checkpoint import MANIFEST, CheckpointError, file_digest
+from trainer.urls import redact
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -45,67 +46,6 @@ _EXTRA = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "ab
 
 class StoreError(CheckpointError):
     """The remote store cannot be reached, or it holds something that cannot be trusted."""
-
-
-def redact(url: str) -> str:
-    """`url` without user:password@ and without a query string (signed URLs, SAS tokens)."""
-    parts = urlsplit(url)
-    if not parts.scheme or parts.scheme == "file" and not parts.netloc:
-        return url.split("?", 1)[0]
-    host = parts.hostname or ""
-    if parts.port:
-        host += f":{parts.port}"
-    return urlunsplit((parts.scheme, host, parts.path, "", ""))
-
-
-def known_protocol(url: str) -> str | None:
-    """None when fsspec knows the URL's scheme (a plain path is a local directory), else the problem."""
-    from fsspec.registry import known_implementations, registry
-
-    scheme = urlsplit(url).scheme
-    if not scheme or len(scheme) == 1:  # a relative path, or a Windows drive letter
-        return None
-    if scheme in known_implementations or scheme in registry:
-        return None
-    return f"unknown URL scheme {scheme!r}; use s3://, gs://, az://, file:// or a local directory"
-
-
-_SECRET_KEY = re.compile(r"(^|_)(key|secret|token|password|credentials?|connection_string|sas_token)$", re.I)
-
-
-def remote_problems(remote: str | None, storage_options: dict[str, Any]) -> list[str]:
-    """Config problems of `checkpoint.remote` / `checkpoint.storage_options`, one per line.
-
-    No credential may sit in the recipe: the resolved config is saved in config.yaml and in
-    every checkpoint, local and remote.
-    """
-    p: list[str] = []
-    if remote is not None:
-        problem = known_protocol(remote)
-        if problem:
-            p.append(f"checkpoint.remote: {problem}")
-        parts = urlsplit(remote)
-        if parts.username or parts.password or parts.query:
-            p.append(
-                "checkpoint.remote: the URL carries credentials or a query string (a signed URL?); give the plain "
-                "URL and let the cloud's credential chain (env vars, profile, instance role) sign requests"
-            )
-    for key in _flat_keys(storage_options):
-        if _SECRET_KEY.search(key.rsplit(".", 1)[-1]):
-            p.append(
-                f"checkpoint.storage_options.{key}: credentials do not belong in the recipe (it is saved with every "
-                "checkpoint); use the cloud's standard chain, e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
-            )
-    return p
-
-
-def _flat_keys(options: Any, prefix: str = "") -> list[str]:
-    if not isinstance(options, dict):
-        return []
-    keys: list[str] = []
-    for k, v in options.items():
-        keys += _flat_keys(v, f"{prefix}{k}.") if isinstance(v, dict) and v else [f"{prefix}{k}"]
-    return keys
 
 
 def install_hint(url: str) -> str:

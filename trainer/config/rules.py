@@ -1,5 +1,6 @@
 """How raw YAML becomes a RunConfig: building the dataclasses with type checks, the rules that
-span fields, and the walk that documents every key. The schema itself is trainer/config.py.
+span fields, and the walk that documents every key. The sections are
+trainer/config/schema.py; RunConfig and loading are trainer/config/__init__.py.
 """
 
 from __future__ import annotations
@@ -14,10 +15,27 @@ import types
 import typing
 import urllib.parse
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import Any, Literal, Protocol, Union
 
-if TYPE_CHECKING:
-    from trainer.config import RunConfig
+from trainer.config.schema import AdapterConfig, CheckpointConfig, DataConfig, MetricsConfig, ModelConfig, TrainConfig
+from trainer.urls import remote_problems
+
+
+class Sections(Protocol):
+    """What the cross-field rules read: the sections of a RunConfig (which imports this module)."""
+
+    @property
+    def model(self) -> ModelConfig: ...
+    @property
+    def adapter(self) -> AdapterConfig: ...
+    @property
+    def data(self) -> DataConfig: ...
+    @property
+    def train(self) -> TrainConfig: ...
+    @property
+    def checkpoint(self) -> CheckpointConfig: ...
+    @property
+    def metrics(self) -> MetricsConfig: ...
 
 
 def plain(value: Any) -> Any:
@@ -110,7 +128,7 @@ def _check(hint: Any, value: Any) -> tuple[bool, Any, str]:
     return isinstance(value, hint), value, getattr(hint, "__name__", str(hint))
 
 
-def cross_checks(cfg: RunConfig) -> list[str]:
+def cross_checks(cfg: Sections) -> list[str]:
     p: list[str] = []
     positive = {
         "data.seq_len": cfg.data.seq_len,
@@ -158,12 +176,12 @@ def cross_checks(cfg: RunConfig) -> list[str]:
         )
     if cfg.checkpoint.every_minutes is not None and cfg.checkpoint.every_minutes <= 0:
         p.append(f"checkpoint.every_minutes: must be above 0 or null, got {cfg.checkpoint.every_minutes}")
-    from trainer.determinism import problems as determinism_problems
-    from trainer.restart.storage import remote_problems  # the URL rules live with the store
-
-    p += determinism_problems(deterministic=cfg.train.deterministic, compile=cfg.model.compile)
-
     p += remote_problems(cfg.checkpoint.remote, cfg.checkpoint.storage_options)
+    if cfg.train.deterministic and cfg.model.compile:  # trainer/training/determinism.py says what the mode sets
+        p.append(
+            "train.deterministic: model.compile=true cannot be deterministic (torch.compile chooses kernel "
+            "configurations by timing them); set model.compile=false or train.deterministic=false"
+        )
     ck = cfg.checkpoint
     if ck.notice_endpoint is not None:
         url = urllib.parse.urlsplit(ck.notice_endpoint)
@@ -188,8 +206,8 @@ def cross_checks(cfg: RunConfig) -> list[str]:
     return p + _fsdp_checks(cfg)
 
 
-def _fsdp_checks(cfg: RunConfig) -> list[str]:
-    """What FSDP sharding cannot take (trainer/distributed.py shards)."""
+def _fsdp_checks(cfg: Sections) -> list[str]:
+    """What FSDP sharding cannot take (trainer/model/distributed.py shards)."""
     t = cfg.train
     if t.distributed != "fsdp":
         if t.fsdp_cpu_offload:
@@ -220,15 +238,8 @@ def field_docs(root: type) -> list[tuple[str, str, str]]:
     """(dotted key, default, docstring) for every key under the dataclass `root`, read from the
     attribute docstrings of its module (the README reference and `spotune config`)."""
     docs: dict[tuple[str, str], str] = {}
-    tree = ast.parse(inspect.getsource(sys.modules[root.__module__]))
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef):
-            body = node.body
-            for i, stmt in enumerate(body):
-                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-                    nxt = body[i + 1] if i + 1 < len(body) else None
-                    if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-                        docs[(node.name, stmt.target.id)] = " ".join(str(nxt.value.value).split())
+    for module in {root.__module__} | {_section_module(root)}:
+        docs.update(_attribute_docs(module))
     rows: list[tuple[str, str, str]] = []
 
     def walk(cls: type, prefix: str) -> None:
@@ -242,3 +253,25 @@ def field_docs(root: type) -> list[tuple[str, str, str]]:
 
     walk(root, "")
     return rows
+
+
+def _section_module(root: type) -> str:
+    """The module the sections of `root` are defined in (the schema), read for their docstrings."""
+    hints = typing.get_type_hints(root)
+    nested = [hints[f.name] for f in dataclasses.fields(root) if dataclasses.is_dataclass(hints[f.name])]
+    return nested[0].__module__ if nested else root.__module__
+
+
+def _attribute_docs(module: str) -> dict[tuple[str, str], str]:
+    """(class name, attribute) -> the docstring under that attribute, for every class of `module`."""
+    docs: dict[tuple[str, str], str] = {}
+    tree = ast.parse(inspect.getsource(sys.modules[module]))
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            body = node.body
+            for i, stmt in enumerate(body):
+                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                    nxt = body[i + 1] if i + 1 < len(body) else None
+                    if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                        docs[(node.name, stmt.target.id)] = " ".join(str(nxt.value.value).split())
+    return docs

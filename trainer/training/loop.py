@@ -5,7 +5,7 @@ from the step, count the step's trainable tokens over every micro-batch and rank
 micro-batches (gradient sync only on the last), clip, refuse a non-finite step, step, log,
 maybe evaluate, maybe checkpoint, maybe stop.
 
-Loss convention (what must stay true; the per-token side is in trainer/loss.py):
+Loss convention (what must stay true; the per-token side is in trainer/model/loss.py):
 - the step's loss is sum(per-token loss) / N, N = trainable tokens of the whole optimizer
   step over all micro-batches and ranks. Each micro-batch backpropagates
   loss_sum_local / (N / world_size); DDP (or FSDP's reduce-scatter) then averages gradients
@@ -24,13 +24,14 @@ from typing import Any, Literal
 
 import torch
 
-from trainer import distributed
-from trainer.batches import StepBatch, count_trainable, eval_micro_batches, to_device
 from trainer.exit_codes import StopReason
-from trainer.loss import token_loss_sum
+from trainer.model import distributed
+from trainer.model.loss import token_loss_sum
+from trainer.restart.checkpoint import save_step_due, save_time_due
 from trainer.restart.preemption import agree_all
 from trainer.restart.state import Counters
-from trainer.shutdown import OOM_ERRORS, OutOfMemory
+from trainer.training.batches import StepBatch, count_trainable, eval_micro_batches, to_device
+from trainer.training.shutdown import OOM_ERRORS, OutOfMemory
 
 # ---------------------------------------------------------------------------- schedule
 
@@ -216,15 +217,13 @@ def train_loop(
             model.train()
 
         # Every rank must take the same branch: each decision is reduced over ranks.
-        time_due = plan.save_every_minutes is not None and time.monotonic() - last_save >= 60 * plan.save_every_minutes
+        time_due = save_time_due(time.monotonic() - last_save, plan.save_every_minutes)
         budget_note = hooks.over_budget()
         preempted, over_budget, time_due = agree_all(
             [hooks.stop_requested(), budget_note is not None, time_due], accelerator
         )
-        every = plan.save_every_steps
-        step_due = bool(every and counters.step % every == 0)
-        finished = counters.step >= plan.total_steps
-        if preempted or over_budget or time_due or step_due or finished:
+        step_due = save_step_due(counters.step, plan.save_every_steps, plan.total_steps)  # or the last step
+        if preempted or over_budget or time_due or step_due:
             hooks.save(counters)
             last_save = time.monotonic()
         if preempted:

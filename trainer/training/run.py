@@ -1,9 +1,9 @@
 """Wiring for `spotune train`: the only module that sees the whole RunConfig.
 
 `train(cfg)` reads top to bottom in the order the README tells it: the process and its store
-(trainer/process.py), the data, the model and its optimizer, the resume, the loop
-(trainer/loop.py), then the final adapter, the upload flush and the report. One `ExitStack`
-closes what each step opened, on every exit path (trainer/shutdown.py says why that matters).
+(trainer/training/process.py), the data, the model and its optimizer, the resume, the loop
+(trainer/training/loop.py), then the final adapter, the upload flush and the report. One `ExitStack`
+closes what each step opened, on every exit path (trainer/training/shutdown.py says why that matters).
 """
 
 from __future__ import annotations
@@ -19,21 +19,24 @@ from typing import Any
 
 import torch
 
-from trainer import autofit, determinism, distributed, exit_codes, flops, loop, metrics, process, shutdown, tiny
 from trainer import config as C
-from trainer.batches import StepDataset, prefetching, step_loader
-from trainer.data.cache import data_cache_root, in_turns
+from trainer import exit_codes
+from trainer.data.cache import in_turns
+from trainer.data.sampler import StepSampler, run_steps
 from trainer.exit_codes import StopReason
 from trainer.export import write_final
-from trainer.model import build, build_optimizer, count_params
+from trainer.model import distributed, flops
+from trainer.model.load import build, build_optimizer, count_params
 from trainer.restart import owner
 from trainer.restart.checkpoint import CheckpointManager
 from trainer.restart.ledger import Ledger, timed
 from trainer.restart.saving import Saver
 from trainer.restart.state import Counters, TrainState, check_compatible, restore_training_state
-from trainer.sampler import StepSampler, run_steps
-from trainer.shutdown import OutOfMemory
-from trainer.telemetry import Budget, Telemetry
+from trainer.training import autofit, determinism, loop, metrics, process, shutdown
+from trainer.training.batches import StepDataset, prefetching, step_loader
+from trainer.training.inputs import model_path, prepare_data, tokenizer_path
+from trainer.training.shutdown import OutOfMemory
+from trainer.training.telemetry import Budget, Telemetry
 
 
 def train(cfg: C.RunConfig, wait: float | None = None) -> int:
@@ -92,10 +95,7 @@ def train(cfg: C.RunConfig, wait: float | None = None) -> int:
         try:
             reason = _train_steps(cfg, proc, sched, rows, prepared, model, optimizer, counters, saver, books)
         except OutOfMemory as e:  # a run that does not fit: one message with the figures, no restart
-            books.ledger.close("out_of_memory")
-            figures = autofit.out_of_memory_figures(cfg, proc.accelerator.unwrap_model(model).config, proc.accelerator)
-            print(shutdown.out_of_memory_message(e, **figures), file=sys.stderr, flush=True)
-            return exit_codes.EXIT_OUT_OF_MEMORY
+            return _out_of_memory(e, cfg, proc, model, books)
         return _finish(cfg, proc, sched, model, reason, books)
 
 
@@ -148,7 +148,7 @@ class Schedule:
 def _schedule(cfg: C.RunConfig, proc: process.Process, prepared: Any, n_rows: int, resume_dir: Path | None) -> Schedule:
     saved = TrainState.from_json((resume_dir / "trainer_state.json").read_text()) if resume_dir is not None else None
     # The run is defined by its global batch: a resume on another device count keeps it and only
-    # the per-device split changes (trainer/sampler.py: the same rows every step).
+    # the per-device split changes (trainer/data/sampler.py: the same rows every step).
     split = C.batch_split(cfg.train, proc.world, saved.structural.get("global_batch_rows") if saved else None)
     structural = C.structural_fields(cfg, proc.world, split.global_rows)
     notes: list[str] = []
@@ -346,24 +346,11 @@ def _finish(
 # ---------------------------------------------------------------------------- pieces
 
 
-def model_path(cfg: C.RunConfig) -> str:
-    return tiny.resolve_model(cfg.model.name_or_path)
-
-
-def tokenizer_path(cfg: C.RunConfig) -> str:
-    return cfg.data.tokenizer or model_path(cfg)
-
-
-def prepare_data(cfg: C.RunConfig, progress: bool = True) -> Any:
-    """Prepare (or reuse) the packed dataset of `cfg` and print its summary."""
-    from trainer import data
-
-    data_cfg = dataclasses.replace(cfg.data, path=tiny.resolve_data(cfg.data.path))
-    cache_root = data_cache_root(cfg.data.cache_dir, cfg.output_dir)
-    prepared = data.prepare(data_cfg, tokenizer_path(cfg), cache_root, progress=progress, seed=cfg.seed)
-    if progress:
-        print(prepared.summary(), flush=True)
-    return prepared
+def _out_of_memory(err: OutOfMemory, cfg: C.RunConfig, proc: process.Process, model: Any, books: Books) -> int:
+    books.ledger.close("out_of_memory")
+    figures = autofit.out_of_memory_figures(cfg, proc.accelerator.unwrap_model(model).config, proc.accelerator)
+    print(shutdown.out_of_memory_message(err, **figures), file=sys.stderr, flush=True)
+    return exit_codes.EXIT_OUT_OF_MEMORY
 
 
 def _restore(resume_dir: Path, model: torch.nn.Module, optimizer: Any, accelerator: Any) -> Counters:

@@ -22,7 +22,7 @@ import torch
 
 from trainer.data.template import IGNORE_INDEX
 from trainer.restart.preemption import SIGNALS
-from trainer.shutdown import close_loader
+from trainer.training.shutdown import close_loader
 
 COLUMNS = ("input_ids", "labels", "position_ids")
 """The columns of a packed row that a forward pass needs."""
@@ -173,7 +173,7 @@ def step_loader(
 @contextlib.contextmanager
 def prefetching(loader: torch.utils.data.DataLoader) -> Iterator[Iterator[StepBatch]]:
     """The loader's iterator, whose workers end when the block does, on every path (an
-    exception's traceback would otherwise keep them alive until exit: trainer/shutdown.py)."""
+    exception's traceback would otherwise keep them alive until exit: trainer/training/shutdown.py)."""
     iterator = iter(loader)
     try:
         yield iterator

@@ -1,9 +1,10 @@
-"""The `estimate` command: glue between the command line, the run and trainer/plan/.
+"""Where planning meets the run: the estimate of a RunConfig (`estimate_for_run`, what
+`spotune estimate` prints, trainer/cli/estimate.py).
 
-trainer/plan/ takes numbers and config sections; this module is where the world is read for
+The rest of trainer/plan/ takes numbers and config sections; this module is where the world is read for
 it: the model's config.json, the data or its prepared manifest, pilot.json, the catalogue
 file, and what the run's output_dir and this machine already hold (a data cache, the model in
-the Hugging Face cache, the run's ledger of earlier attempts). trainer/pilot_cli.py starts
+the Hugging Face cache, the run's ledger of earlier attempts). trainer/cli/pilot_run.py starts
 the pilot, which is a real training run.
 """
 
@@ -13,18 +14,19 @@ import json
 from pathlib import Path
 from typing import Any
 
+from trainer import builtin_assets
 from trainer import catalog as cat
-from trainer import flops, run, tiny
 from trainer.config import BUILTIN_TINY_DATA, BUILTIN_TINY_MODEL, RunConfig
 from trainer.data.cache import data_cache_root
+from trainer.model import flops
 from trainer.plan import PlanError, pilot
 from trainer.plan import timeline as tl
 from trainer.plan import workload as wl
 from trainer.plan.estimate import estimate
 from trainer.plan.job import Constraints, Job, Measured
-from trainer.plan.table import format_estimate
 from trainer.plan.throughput import choose
 from trainer.restart.ledger import read_rows
+from trainer.training.inputs import tokenizer_path
 
 
 def estimate_for_run(
@@ -52,7 +54,7 @@ def estimate_for_run(
         catalog = cat.load_catalog(catalog_path)
     except cat.CatalogError as e:
         raise PlanError(str(e)) from None
-    model = tiny.resolve_model(cfg.model.name_or_path)
+    model = builtin_assets.resolve_model(cfg.model.name_or_path)
     shape, hf_name, bytes_per_param = _shape(cfg, model)
     job = Job(
         name_or_path=cfg.model.name_or_path,
@@ -72,29 +74,6 @@ def estimate_for_run(
     rate = choose(cfg.adapter.method, measured, throughput, cfg.metrics.gpu, mfu)
     target = _target(cfg, model, shape.total_params() * bytes_per_param, work, download_mb_s, vm_start_seconds)
     return estimate(job, work, rate, catalog, constraints, Measured(measured), target)
-
-
-def estimate_command(cfg: RunConfig, args: Any) -> int:
-    """`spotune estimate`: print the table (or JSON); exit 0."""
-    pilot_json = args.pilot
-    if pilot_json is None:
-        default = pilot_dir(cfg) / "pilot.json"
-        pilot_json = default if default.is_file() else None
-    result = estimate_for_run(
-        cfg,
-        throughput=args.throughput,
-        pilot_json=pilot_json,
-        gpus=args.gpus,
-        deadline_hours=args.deadline_hours,
-        budget=args.budget,
-        catalog_path=args.catalog,
-        gpu=args.gpu,
-        mfu=args.mfu,
-        download_mb_s=getattr(args, "download_mb_s", None),
-        vm_start_seconds=getattr(args, "vm_start_seconds", None),
-    )
-    print(json.dumps(result, indent=2) if args.json else format_estimate(result))
-    return 0
 
 
 def pilot_dir(cfg: RunConfig) -> Path:
@@ -171,9 +150,9 @@ def fingerprint(cfg: RunConfig) -> str | None:
 
     from trainer.data.prepare import data_fingerprint
 
-    data = dataclasses.replace(cfg.data, path=tiny.resolve_data(cfg.data.path))
+    data = dataclasses.replace(cfg.data, path=builtin_assets.resolve_data(cfg.data.path))
     try:
-        return data_fingerprint(data, run.tokenizer_path(cfg), cfg.seed)
+        return data_fingerprint(data, tokenizer_path(cfg), cfg.seed)
     except Exception:  # the data is not there yet: nothing can be cached
         return None
 
@@ -217,13 +196,13 @@ def _unix(iso: str) -> float:
 def _workload(cfg: RunConfig, manifest: dict[str, Any] | None, sample_size: int) -> wl.Workload:
     if manifest is not None:
         return wl.from_manifest(manifest)
-    data_path = tiny.resolve_data(cfg.data.path)
+    data_path = builtin_assets.resolve_data(cfg.data.path)
     found = wl.find_manifest(cfg.data, data_path, data_cache_root(cfg.data.cache_dir, cfg.output_dir))
     if found is not None:
         return wl.from_manifest(*found)
-    tok = cfg.data.tokenizer or tiny.resolve_model(cfg.model.name_or_path)
+    tok = cfg.data.tokenizer or builtin_assets.resolve_model(cfg.model.name_or_path)
     if cfg.data.tokenizer is None and cfg.data.path == BUILTIN_TINY_DATA and not Path(tok).exists():
         # `spotune estimate <hub id>` plans on the built-in demo data: count it with the demo
         # tokenizer it was made with, so planning needs no tokenizer download either.
-        tok = tiny.resolve_model(BUILTIN_TINY_MODEL)
+        tok = builtin_assets.resolve_model(BUILTIN_TINY_MODEL)
     return wl.from_sample(cfg.data, data_path, tok, sample_size=sample_size, seed=cfg.seed)

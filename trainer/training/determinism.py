@@ -14,7 +14,7 @@ split-K workspaces sum in whatever order the hardware finishes. Deterministic mo
   transformers passes on for flash_attention_2/3;
 - cuDNN deterministic and without benchmark autotuning (a data-dependent kernel choice).
 
-Refused, with the reason: `model.compile` (Inductor picks Triton kernel configurations by
+Refused, with the reason, by the config rules (trainer/config/rules.py): `model.compile` (Inductor picks Triton kernel configurations by
 timing them, so the reduction order can change from one run to the next). What stays true only
 for the same device count: a resume on another GPU count reduces in another order.
 """
@@ -28,19 +28,6 @@ from collections.abc import Iterator
 import torch
 
 CUBLAS_WORKSPACE = ":4096:8"
-
-
-def problems(*, deterministic: bool, compile: bool) -> list[str]:
-    """Settings that cannot be deterministic beside `train.deterministic`, each with its fix."""
-    if not deterministic:
-        return []
-    found = []
-    if compile:
-        found.append(
-            "train.deterministic: model.compile=true cannot be deterministic (torch.compile chooses kernel "
-            "configurations by timing them); set model.compile=false or train.deterministic=false"
-        )
-    return found
 
 
 @contextlib.contextmanager

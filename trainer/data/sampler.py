@@ -103,7 +103,7 @@ class StepSampler:
         slice of B of them, so every rank sees a fresh slice every micro-step. When the global
         batch G does not divide by W*B, the last micro-step's slices are short or empty: ranks
         take uneven shares, and every rank still runs the same number of micro-steps (an empty
-        slice becomes a filler micro-batch that carries no loss; see trainer/batches.py). The
+        slice becomes a filler micro-batch that carries no loss; see trainer/training/batches.py). The
         step's rows are the same whatever W and B: only who computes which changes.
         """
         if not 0 <= rank < world_size:

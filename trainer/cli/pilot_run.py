@@ -1,8 +1,8 @@
-"""`spotune pilot`: the pilot's config, its processes, and the forecast it prints.
+"""The pilot of `spotune pilot` (trainer/cli/pilot.py): its config and its processes.
 
 The pilot is a real training run (trainer/plan/pilot.py says what it measures); this module
 starts it: as child `spotune train` processes timed from outside, or in-process under
-torchrun. trainer/plan_cli.py reads the world for the estimate that follows.
+torchrun. trainer/cli/world.py reads the world for the estimate that follows.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer import exit_codes, run
+from trainer import exit_codes
 from trainer.atomic import write_text
+from trainer.cli.world import fingerprint, pilot_dir
 from trainer.config import RunConfig, to_yaml
 from trainer.data.cache import MANIFEST, data_cache_root
 from trainer.plan import PlanError, pilot
 from trainer.plan.pilot import DEFAULT_STEPS
-from trainer.plan.table import format_estimate
-from trainer.plan_cli import estimate_for_run, fingerprint, pilot_dir
 from trainer.restart.ledger import seconds_since_process_start
 from trainer.restart.preemption import STOP_AFTER_ENV
+from trainer.training import run
 
 
 def pilot_config(
@@ -164,14 +164,3 @@ def _child(command: list[str], env: dict[str, str], stop_after: float | None) ->
         proc.kill()
         proc.wait()
         raise
-
-
-def pilot_command(cfg: RunConfig, steps: int | None = None, minutes: float | None = None) -> int:
-    """`spotune pilot`: measure, write pilot.json, print the measurement and the forecast."""
-    p = run_pilot(cfg, steps=steps, minutes=minutes)
-    if not p:
-        return 0  # not rank 0
-    print(pilot.format_pilot(p))
-    print(f"  written to {pilot_dir(cfg) / 'pilot.json'}\n")
-    print(format_estimate(estimate_for_run(cfg, pilot_json=pilot_dir(cfg) / "pilot.json", gpus=p["world_size"])))
-    return 0

@@ -159,7 +159,7 @@ def resolve_for_device(cfg: Any, name_or_path: str, device: Any, world: int, fsd
     import torch
     from transformers import AutoConfig
 
-    from trainer import flops
+    from trainer.model import flops
 
     hf = AutoConfig.from_pretrained(name_or_path, revision=m.revision, trust_remote_code=m.trust_remote_code)
     shape = flops.model_shape(hf.get_text_config())
@@ -176,7 +176,7 @@ def out_of_memory_figures(cfg: Any, hf_config: Any, accelerator: Any) -> dict[st
     held, and the estimate's reserved peak for the setting that ran out."""
     import torch
 
-    from trainer import flops
+    from trainer.model import flops
 
     device, m, t = accelerator.device, cfg.model, cfg.train
     cuda = device.type == "cuda"

@@ -7,7 +7,7 @@ Definitions (one place, see DESIGN.md):
   those steps; checkpoint and evaluation time are excluded (they are not training).
 - sustained tokens/s: the same over every step after `metrics.warmup_steps` of this attempt.
 - data-stall share: time the loop was blocked waiting for the next batch / step time.
-- MFU: model FLOPs (trainer/flops.py `MFU`: the published LoRA count, 4 per frozen matmul
+- MFU: model FLOPs (trainer/model/flops.py `MFU`: the published LoRA count, 4 per frozen matmul
   weight per token plus attention per packed document, no recompute; the other counts are
   defined beside it) / (seconds x devices x peak FLOP/s of one device).
 - time: wall-clock seconds (Unix) when the row was written.

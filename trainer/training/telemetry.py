@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.loop import StepRecord
-from trainer.metrics import Console, JsonlSink, Meter
 from trainer.restart.ledger import Ledger
+from trainer.training.loop import StepRecord
+from trainer.training.metrics import Console, JsonlSink, Meter
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class Telemetry:
         """Account one finished optimizer step; write a metrics row every `log_every` steps."""
         self.last = record
         self.ledger.add_productive(record.seconds)
-        # Logits are computed only where a label is (trainer/loss.py), so the head's FLOPs
+        # Logits are computed only where a label is (trainer/model/loss.py), so the head's FLOPs
         # count the trainable tokens, not every real one.
         self.meter.step(
             record.counters.step - 1,
@@ -136,7 +136,7 @@ class Telemetry:
             f"{summary['device_hours']:.4f} GPU-hours (devices x wall time, all attempts); "
             f"cost {'n/a (set metrics.price_per_hour)' if cost is None else f'{cost:.4f}'}",
         ]
-        from trainer.model import compile_seconds
+        from trainer.model.load import compile_seconds
 
         if compiled := compile_seconds():  # model.compile: what the first steps spent compiling
             lines.append(f"  torch.compile: {compiled:.1f} s compiling in the first steps (counted as warm-up)")

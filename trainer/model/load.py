@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
 
-from trainer import attention, lora_fused, offload
 from trainer.config import AdapterConfig, ConfigError, ModelConfig, TrainConfig
+from trainer.model import attention, lora_fused, offload
+from trainer.model.wrappers import causal_lm
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -85,7 +86,7 @@ def resolve_attn_implementation(choice: str, device: torch.device) -> str:
     flex_attention (transformers builds a document block mask from position_ids). sdpa with a
     packed mask falls off torch's fast kernels, so on CUDA it is only used when asked for;
     benchmarks/gpu.py measures the choices. On CPU: sdpa. Every choice keeps packed documents
-    apart (trainer/attention.py), so the choice changes speed, never the maths.
+    apart (trainer/model/attention.py), so the choice changes speed, never the maths.
     """
     if choice == attention.VARLEN:
         attention.register()
@@ -190,7 +191,7 @@ def build(
 
     `autocast`: the loop runs under mixed precision (accelerate's autocast), so the LoRA layers
     may take the bf16/fp16 activation as it is (see the module docstring). `sharded`: the model
-    will be sharded by FSDP (trainer/distributed.py), which changes how 4-bit weights are stored.
+    will be sharded by FSDP (trainer/model/distributed.py), which changes how 4-bit weights are stored.
 
     For `qlora` we deliberately do not call peft's `prepare_model_for_kbit_training`: it
     casts every parameter that is not 4-bit (embeddings, lm_head, norms) to fp32, which for
@@ -203,7 +204,7 @@ def build(
 
     base = load_base(model_cfg, adapter_cfg, name_or_path=name_or_path, device=device, sharded=sharded)
     base.config.use_cache = False  # training never uses the KV cache; avoids warnings with checkpointing
-    if model_cfg.gradient_checkpointing is True:  # `auto` is resolved by trainer/autofit.py before build
+    if model_cfg.gradient_checkpointing is True:  # `auto` is resolved by trainer/training/autofit.py before build
         enable_activation_checkpointing(base)
     targets = list(adapter_cfg.target_modules)
     lora = LoraConfig(
@@ -281,8 +282,6 @@ def compile_seconds() -> float:
 
 def decoder_layers(model: torch.nn.Module, key: str, fix: str) -> torch.nn.ModuleList:
     """The decoder's list of layers (`layers`, or `h` for GPT-2); a ConfigError naming `key` and `fix` if none."""
-    from trainer.loss import causal_lm
-
     decoder = causal_lm(model).get_decoder()
     layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
     if layers is None:

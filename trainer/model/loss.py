@@ -2,12 +2,12 @@
 
 Convention (what must stay true):
 - labels are aligned with input_ids; the hidden state at p predicts labels[p+1]; IGNORE_INDEX
-  (-100) is never predicted. trainer.batches.micro_batch builds, on the host, the flat index
+  (-100) is never predicted. trainer.training.batches.micro_batch builds, on the host, the flat index
   of those positions over the whole micro-batch (`label_index`) and their labels.
 - the result is a *sum* over the micro-batch's trainable tokens; the loop divides by the
   step's trainable tokens over every micro-batch and rank.
 - the model gets the document bounds in the form its attention implementation reads
-  (trainer/attention.py), so none attends across documents whatever the micro-batch size.
+  (trainer/model/attention.py), so none attends across documents whatever the micro-batch size.
 
 The head and the loss are ours, not the model's: only labelled positions reach the vocabulary
 projection, and the chunked fused linear cross-entropy below never holds [tokens x vocab]
@@ -23,7 +23,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trainer.attention import model_inputs
+from trainer.data.template import IGNORE_INDEX
+from trainer.model.attention import model_inputs
+from trainer.model.wrappers import causal_lm
 
 CHUNK_ELEMENTS = 1 << 25
 """Logits computed at once by the pure-torch fused loss: 32M fp32 values (128 MB, plus as much
@@ -73,15 +75,6 @@ def token_loss_sum(model: torch.nn.Module, micro: dict[str, Any]) -> torch.Tenso
     return linear_cross_entropy(hidden, head.weight, micro["label_targets"], getattr(head, "bias", None))
 
 
-def causal_lm(model: torch.nn.Module) -> Any:
-    """The transformers causal LM inside DDP/compile wrappers and a PeftModel."""
-    inner: Any = model
-    while hasattr(inner, "module"):
-        inner = inner.module
-    inner = getattr(inner, "_orig_mod", inner)
-    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-
-
 def check_head(lm: Any, head: Any) -> None:
     """Refuse heads the fused loss would compute differently from the model."""
     if not isinstance(head, torch.nn.Linear) or type(head) is not torch.nn.Linear:
@@ -113,7 +106,7 @@ def linear_cross_entropy(
     """
     hidden = hidden.to(weight.dtype)
     if hidden.is_cuda and _liger() is not None and hidden.size(0) > 0:
-        loss_fn = _liger()(ignore_index=-100, reduction="sum")
+        loss_fn = _liger()(ignore_index=IGNORE_INDEX, reduction="sum")
         return loss_fn(weight, hidden, targets, bias).float()
     chunk = max(1, CHUNK_ELEMENTS // weight.size(0))
     return ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, chunk, torch.is_grad_enabled())

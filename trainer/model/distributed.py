@@ -141,7 +141,7 @@ def shard(model: torch.nn.Module, device: torch.device, cpu_offload: bool) -> to
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    from trainer.model import decoder_layers
+    from trainer.model.load import decoder_layers
 
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()

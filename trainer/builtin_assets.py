@@ -284,7 +284,7 @@ def build_model(
             initializer_range=init_std,
             **ids,
         )
-    from trainer.model import quiet_hf_progress
+    from trainer.model.load import quiet_hf_progress
 
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -150,11 +150,11 @@ class ActivationOffload:
 def attach(model: torch.nn.Module, min_bytes: int = MIN_BYTES) -> ActivationOffload:
     """Offload what the decoder body of `model` saves for backward; returns the offloader.
 
-    Hooks on the decoder body, not on the whole model: the head and fused loss (trainer/loss.py)
+    Hooks on the decoder body, not on the whole model: the head and fused loss (trainer/model/loss.py)
     keep their small working set on the device. The forward hook runs even when the forward
     raises (`always_call`), so the saved-tensor hooks never leak into later code.
     """
-    from trainer.loss import causal_lm
+    from trainer.model.loss import causal_lm
 
     decoder = causal_lm(model).get_decoder()
     offload = ActivationOffload(decoder, min_bytes)

@@ -17,10 +17,11 @@ from typing import Any
 import torch
 
 from trainer import config as C
-from trainer import distributed, gpu_probe
+from trainer.model import distributed
 from trainer.restart import notice, preemption
 from trainer.restart.ledger import timed
 from trainer.restart.remote import RemoteRun
+from trainer.training import gpu_probe
 
 
 @dataclass
@@ -76,7 +77,7 @@ def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitSt
 
 def make_accelerator(cfg: C.RunConfig) -> Any:
     """Accelerate owns device placement, autocast (+ fp16 grad scaler) and DDP wrapping; FSDP
-    sharding is ours (trainer/distributed.py says why).
+    sharding is ours (trainer/model/distributed.py says why).
 
     Gradient accumulation stays ours (loop.py counts tokens over the whole step), so the
     accelerator runs with gradient_accumulation_steps=1. Under `torchrun` on a CPU-only

@@ -1,6 +1,6 @@
 """Attention over packed documents: the bounds every kernel gets, and spotune's varlen kernel.
 
-The loss (trainer/loss.py) hands every attention implementation the document bounds of a
+The loss (trainer/model/loss.py) hands every attention implementation the document bounds of a
 micro-batch of B packed rows, whatever B is (`model_inputs`):
 
 - sdpa, eager and flex_attention get [B, S] with position_ids restarting at 0 per document:
@@ -52,7 +52,7 @@ def model_inputs(micro: dict[str, Any], implementation: str) -> tuple[dict[str, 
 
 
 def bounds_kwargs(micro: dict[str, Any]) -> dict[str, Any]:
-    """The FlashAttentionKwargs of a micro-batch (see trainer.batches.micro_batch)."""
+    """The FlashAttentionKwargs of a micro-batch (see trainer.training.batches.micro_batch)."""
     cu, longest = micro["cu_seq_lens"], micro["max_length"]
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
@@ -77,7 +77,7 @@ def varlen_attention(
         raise ValueError(
             f"attention '{VARLEN}' needs one packed row with cu_seq_lens_q and max_length_q (got batch "
             f"{query.size(0)}, cu_seq_lens_q={'set' if cu is not None else 'missing'}); call it through "
-            "trainer.loss.token_loss_sum, or set model.attn_implementation=sdpa"
+            "trainer.model.loss.token_loss_sum, or set model.attn_implementation=sdpa"
         )
     if sliding_window is not None and int(longest) > sliding_window:
         raise ValueError(

@@ -1,0 +1,80 @@
+"""`spotune estimate`: memory fit, GPU-hours and cost, on-demand against spot.
+
+A thin layer over `trainer.cli.world.estimate_for_run`, which reads the world for trainer/plan/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from trainer import config as C
+from trainer.cli import recipe
+
+HELP = "memory fit, GPU-hours and cost, on-demand against spot"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", nargs="?", help="YAML recipe, or a hub model id such as meta-llama/Llama-3.1-8B")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=100 data.seq_len=1024")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--throughput", type=float, help="sustained tokens/s per GPU, if known")
+    p.add_argument(
+        "--pilot", type=Path, help="pilot.json from `spotune pilot` (default: <output_dir>/pilot/pilot.json if present)"
+    )
+    p.add_argument("--gpus", type=int, default=1, help="GPUs per run")
+    p.add_argument("--gpu", help="forecast for this catalogue GPU only")
+    p.add_argument("--deadline-hours", type=float, help="recommend the cheapest option finishing within this")
+    p.add_argument("--budget", type=float, help="recommend the fastest option costing at most this")
+    p.add_argument("--catalog", type=Path, help="YAML that overrides or extends the GPU catalogue (prices especially)")
+    p.add_argument("--mfu", type=float, help="assumed MFU when no throughput is measured")
+    p.add_argument(
+        "--download-mb-s",
+        type=float,
+        help="download speed of the machine the run will use, MB/s: base model and checkpoint "
+        "downloads on a fresh or replacement VM (default: an assumed 200)",
+    )
+    p.add_argument(
+        "--vm-start-seconds",
+        type=float,
+        help="seconds to get a replacement spot VM running (default: an assumed 180; "
+        "the run's ledger replaces it once it has interruptions)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    path, overrides = recipe.split(args.recipe, args.overrides)
+    if path is not None:
+        from trainer.plan.models import looks_like_model_id
+
+        if looks_like_model_id(path):  # `spotune estimate meta-llama/Llama-3.1-8B`: built-in defaults otherwise
+            path, overrides = None, [f"model.name_or_path={path}", *overrides]
+    return estimate_command(C.load(path, overrides), args)
+
+
+def estimate_command(cfg: C.RunConfig, args: Any) -> int:
+    """Print the table (or JSON); exit 0."""
+    from trainer.cli.world import estimate_for_run, pilot_dir
+    from trainer.plan.table import format_estimate
+
+    pilot_json = args.pilot
+    if pilot_json is None:
+        default = pilot_dir(cfg) / "pilot.json"
+        pilot_json = default if default.is_file() else None
+    result = estimate_for_run(
+        cfg,
+        throughput=args.throughput,
+        pilot_json=pilot_json,
+        gpus=args.gpus,
+        deadline_hours=args.deadline_hours,
+        budget=args.budget,
+        catalog_path=args.catalog,
+        gpu=args.gpu,
+        mfu=args.mfu,
+        download_mb_s=getattr(args, "download_mb_s", None),
+        vm_start_seconds=getattr(args, "vm_start_seconds", None),
+    )
+    print(json.dumps(result, indent=2) if args.json else format_estimate(result))
+    return 0

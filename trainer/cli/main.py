@@ -1,0 +1,93 @@
+"""`spotune` command line: parse argv, hand the command to its module (trainer/cli/<command>.py),
+turn user errors into exit code 2.
+
+Exit codes are defined and documented once, in trainer/exit_codes.py: 0 finished,
+143 preempted after saving (requeue), 3 budget reached, 4 too many non-finite steps,
+130 aborted, 2 bad configuration or input, 5 out of GPU memory, 75 the run is held by another
+attempt, 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+from trainer import config as C
+from trainer.cli import config, estimate, export, pilot, prepare, report, status, train
+from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_BUSY, EXIT_FILE_ENV
+
+# Every command, in the order `spotune --help` lists them: its module has HELP, add_arguments
+# and run(args) -> exit code. Command modules never import one another.
+COMMANDS: dict[str, ModuleType] = {
+    "prepare": prepare,
+    "inspect": prepare,
+    "train": train,
+    "status": status,
+    "estimate": estimate,
+    "pilot": pilot,
+    "export": export,
+    "report": report,
+    "config": config,
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="spotune", description="Restart-safe LoRA/QLoRA fine-tuning.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    for name, module in COMMANDS.items():
+        help_text = module.HELP[name] if isinstance(module.HELP, dict) else module.HELP
+        module.add_arguments(sub.add_parser(name, help=help_text))
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+    finally:  # whatever ended the command, no child of ours may hold the process open
+        from trainer.training.shutdown import end_child_processes
+
+        end_child_processes()
+    _record_exit_code(code)
+    return code
+
+
+def _record_exit_code(code: int) -> None:
+    """Under a launcher that sets SPOTUNE_EXIT_FILE, the main rank writes its code there too."""
+    path = os.environ.get(EXIT_FILE_ENV)
+    if path and os.environ.get("RANK", "0") == "0":
+        from trainer.atomic import write_text
+
+        write_text(Path(path), f"{code}\n")
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args = _parser().parse_args(argv)
+    from trainer.catalog import CatalogError
+    from trainer.data import DataError
+    from trainer.plan import PlanError
+    from trainer.report import ReportError
+    from trainer.restart.checkpoint import CheckpointError
+    from trainer.restart.lock import RunBusy
+
+    try:
+        return _dispatch(args)
+    except RunBusy as e:  # one writer per run: the message names the holder
+        print(f"spotune: {e}", file=sys.stderr)
+        return EXIT_BUSY
+    except (C.ConfigError, DataError, CheckpointError, PlanError, CatalogError, ReportError) as e:
+        # Each carries complete sentences naming the key, file or line to fix; a traceback
+        # would only bury them. CheckpointError covers "none verifies" and ResumeMismatch.
+        print(f"spotune: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    return int(COMMANDS[args.command].run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

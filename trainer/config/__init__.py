@@ -1,0 +1,259 @@
+"""The run configuration: `RunConfig`, YAML recipes, dotted overrides, the global-batch rule
+and the fingerprint a resumed run must match.
+
+The sections and their defaults are trainer/config/schema.py (defaults live there and nowhere
+else); building with type checks and the cross-field rules are rules.py, which reads the
+sections and never this module, so the three import one way. `load(recipe, overrides)` reads a
+YAML recipe, applies `key.sub=value` overrides, checks every key and type, and raises one
+`ConfigError` that lists every problem, each naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trainer.config import rules
+from trainer.config.rules import build, cross_checks, plain
+from trainer.config.schema import (
+    BUILTIN_TINY_DATA,
+    BUILTIN_TINY_MODEL,
+    AdapterConfig,
+    CheckpointConfig,
+    DataConfig,
+    MetricsConfig,
+    ModelConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "BUILTIN_TINY_DATA",
+    "BUILTIN_TINY_MODEL",
+    "AdapterConfig",
+    "BatchSplit",
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "MetricsConfig",
+    "ModelConfig",
+    "RunConfig",
+    "TrainConfig",
+    "batch_split",
+    "diff_structural",
+    "field_docs",
+    "fingerprint",
+    "from_dict",
+    "load",
+    "structural_fields",
+    "to_yaml",
+]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    output_dir: str = "runs/default"
+    """Run directory: checkpoints, metrics, ledger, final adapter."""
+    seed: int = 0
+    """Seed for initialisation, LoRA dropout and the data order."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return plain(dataclasses.asdict(self))
+
+    def replace(self, **dotted: Any) -> RunConfig:
+        """A copy with dotted keys changed, validated like overrides: `cfg.replace(**{"train.max_steps": 5})`."""
+        return from_dict(_apply_overrides(self.to_dict(), dotted, source="replace()"))
+
+
+class ConfigError(ValueError):
+    """Every problem found in a config, one per line, each naming the key and the fix."""
+
+    def __init__(self, problems: Sequence[str], source: str = "config") -> None:
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{source}: {len(self.problems)} problem(s):\n{lines}")
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def load(recipe: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Read a YAML recipe (or the defaults when None) and apply `key.sub=value` overrides."""
+    source = str(recipe) if recipe is not None else "defaults"
+    raw: dict[str, Any] = {}
+    if recipe is not None:
+        path = Path(recipe)
+        if not path.is_file():
+            raise ConfigError([f"recipe file not found: {path} (give the path to a YAML recipe)"], source)
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError([f"invalid YAML{where}: {getattr(e, 'problem', e)}"], source) from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(["the recipe must be a YAML mapping of keys to values"], source)
+        raw = loaded
+    pairs: dict[str, Any] = {}
+    problems: list[str] = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            problems.append(f"override {item!r} is not of the form key.sub=value")
+            continue
+        try:
+            pairs[key.strip()] = yaml.safe_load(value) if value.strip() else None
+        except yaml.YAMLError:
+            pairs[key.strip()] = value
+    if problems:
+        raise ConfigError(problems, "command line")
+    return from_dict(_apply_overrides(raw, pairs, source="command line"), source=source)
+
+
+def from_dict(raw: Mapping[str, Any], source: str = "config") -> RunConfig:
+    """Build a RunConfig from nested plain data, collecting every problem before raising."""
+    problems: list[str] = []
+    cfg = build(RunConfig, raw, "", problems)
+    problems.extend(cross_checks(cfg))  # fields that failed their type check hold valid defaults here
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
+
+
+def _apply_overrides(raw: Mapping[str, Any], pairs: Mapping[str, Any], source: str) -> dict[str, Any]:
+    out = json.loads(json.dumps(raw, default=list))  # deep copy of plain data
+    problems: list[str] = []
+    for dotted, value in pairs.items():
+        parts = dotted.split(".")
+        node = out
+        for part in parts[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                problems.append(f"{dotted}: {part!r} is a value, not a section")
+                break
+            node = nxt
+        else:
+            node[parts[-1]] = value
+    if problems:
+        raise ConfigError(problems, source)
+    return out
+
+
+# ---------------------------------------------------------------------------- output
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def structural_fields(cfg: RunConfig, world_size: int = 1, global_rows: int | None = None) -> dict[str, Any]:
+    """The settings a resumed run must share with the run that wrote the checkpoint."""
+    a, d, t = cfg.adapter, cfg.data, cfg.train
+    if global_rows is None and t.micro_batch_size == "auto":
+        global_rows = t.global_batch_size  # set whenever the micro-batch is `auto` (config rules)
+    return {
+        "model.name_or_path": cfg.model.name_or_path,
+        "model.revision": cfg.model.revision,
+        "model.dtype": cfg.model.dtype,
+        "adapter.method": a.method,
+        "adapter.quant_bits": a.quant_bits if a.method == "qlora" else None,
+        "adapter.r": a.r,
+        "adapter.alpha": a.alpha,
+        "adapter.target_modules": list(a.target_modules),
+        "data.path": d.path,
+        "data.format": d.format,
+        "data.seq_len": d.seq_len,
+        "data.packing": d.packing,
+        # The global batch defines the run; world size, micro-batch and accumulation do not.
+        "global_batch_rows": global_rows if global_rows is not None else batch_split(t, world_size).global_rows,
+        "train.optimizer": t.optimizer,  # its saved state only loads into the same optimizer
+    }
+
+
+@dataclass(frozen=True)
+class BatchSplit:
+    """How an optimizer step's global batch is spread over `world` devices."""
+
+    global_rows: int
+    world: int
+    micro_batch_size: int
+
+    @property
+    def micro_steps(self) -> int:
+        """Micro-batches every rank runs per step (ranks with fewer rows run a filler micro-batch)."""
+        return -(-self.global_rows // (self.micro_batch_size * self.world))
+
+    def resume_note(self, saved_world: int, dropout: float) -> str:
+        """What a resume on another world size keeps, and what it cannot keep identical."""
+        same = (
+            "with adapter.dropout=0 the result equals a same-size run within floating-point summation order"
+            if dropout == 0
+            else f"dropout masks (adapter.dropout={dropout:g}) are drawn per rank, so the continuation is "
+            "statistically equivalent but not bitwise identical to an uninterrupted run"
+        )
+        return (
+            f"resuming a run checkpointed on {saved_world} process(es) with world size {self.world}: the global "
+            f"batch stays {self.global_rows} rows ({self.micro_steps} micro-step(s) of {self.micro_batch_size} "
+            f"row(s) per rank), every step trains on the same rows (sample_digest); {same}"
+        )
+
+
+def batch_split(train: TrainConfig, world: int, saved_global_rows: int | None = None) -> BatchSplit:
+    """The one rule for the global batch: `train.global_batch_size`, else the resumed run's own,
+    else `micro_batch_size x grad_accum x world`. Raises ConfigError when the pieces disagree."""
+    micro = train.micro_batch_size
+    if micro == "auto":  # trainer/training/autofit.py resolves it before anything splits the batch
+        raise ConfigError(["train.micro_batch_size: `auto` must be resolved first (trainer.training.autofit.resolve)"])
+    if train.global_batch_size is not None:
+        rows = train.global_batch_size
+        if train.grad_accum is not None and micro * train.grad_accum * world != rows:
+            raise ConfigError(
+                [
+                    f"train.global_batch_size={rows} but train.micro_batch_size={micro} x train.grad_accum="
+                    f"{train.grad_accum} x {world} device(s) = {micro * train.grad_accum * world}: remove "
+                    "train.grad_accum (it is derived from the global batch), or make them agree"
+                ]
+            )
+    elif saved_global_rows is not None:
+        rows = saved_global_rows  # a resume on another device count keeps the run's global batch
+    else:
+        rows = micro * (train.grad_accum or 1) * world
+    if world > rows:
+        raise ConfigError(
+            [
+                f"{world} devices but a global batch of {rows} rows: every device needs at least one row; "
+                f"run on at most {rows} devices or raise train.global_batch_size"
+            ]
+        )
+    return BatchSplit(rows, world, micro)
+
+
+def fingerprint(cfg: RunConfig, world_size: int = 1) -> str:
+    """sha256 over the structural fields; equal fingerprints mean a checkpoint fits this run."""
+    blob = json.dumps(structural_fields(cfg, world_size), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def diff_structural(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """Readable lines `key: old -> new` for every structural field that differs."""
+    keys = sorted(set(old) | set(new))
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+
+
+def field_docs() -> list[tuple[str, str, str]]:
+    """(dotted key, default, docstring) for every key, for the README reference and `spotune config`."""
+    return rules.field_docs(RunConfig)

@@ -1,0 +1,195 @@
+"""The sections of a recipe: frozen typed dataclasses, one per top-level key, and their defaults.
+
+Defaults live here and nowhere else; each field's docstring is its documentation
+(`spotune config --reference`, the README's key reference). `RunConfig`, which holds one of
+each, and the loading live in `trainer/config/__init__.py`; the rules in `rules.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+BUILTIN_TINY_MODEL = "builtin:tiny-llama"
+BUILTIN_TINY_DATA = "builtin:tiny-instruct"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name_or_path: str = BUILTIN_TINY_MODEL
+    """Local directory or hub model id of the base model (`builtin:tiny-llama` is built offline)."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) when `name_or_path` is a model id."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """Dtype of the frozen base weights (and the compute dtype of 4-bit layers)."""
+    attn_implementation: Literal[
+        "auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention", "spotune_varlen"
+    ] = "auto"
+    """`auto`: on CUDA flash_attention_3/2 if installed, else spotune_varlen (torch's varlen kernel), else flex_attention; sdpa on CPU."""
+    compile: bool = False
+    """torch.compile each decoder layer after peft wraps it; the first steps are slower while it compiles (the run's last words say how long; the pilot counts it as warm-up)."""
+    gradient_checkpointing: bool | Literal["auto"] = False
+    """Recompute activations in backward (non-reentrant) to save memory; `auto`: only when the memory estimate says the run would not fit without it (trainer/training/autofit.py)."""
+    activation_offload: Literal["off", "on", "auto"] = "off"
+    """Move what the decoder saves for backward (with checkpointing: each layer's input) to host memory during the forward, back ahead of the backward (trainer/model/offload.py); `auto`: only when the estimate says the run would not fit otherwise."""
+    trust_remote_code: bool = False
+    """Run modelling code shipped with the checkpoint. Off unless you trust its source."""
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    method: Literal["lora", "qlora"] = "lora"
+    """`lora` over a bf16/fp16/fp32 base, or `qlora` over a bitsandbytes-quantised base."""
+    quant_bits: Literal[4, 8] = 4
+    """For `qlora`: 4 (NF4 with double quantisation) or 8 (LLM.int8)."""
+    r: int = 16
+    """LoRA rank."""
+    alpha: float = 32.0
+    """LoRA alpha; the update is scaled by alpha / r."""
+    dropout: float = 0.05
+    """Dropout on the LoRA input."""
+    target_modules: tuple[str, ...] = ("all-linear",)
+    """Module names to adapt; `all-linear` adapts every linear layer but the output head."""
+    fused: bool = False
+    """Compute the LoRA A matmuls of q/k/v, and of gate/up, as one wider matmul each (with dropout 0); checkpoints stay plain peft files."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = BUILTIN_TINY_DATA
+    """JSONL, JSON array, Parquet, CSV file, or a saved `datasets` directory."""
+    format: Literal["alpaca", "chat", "text"] = "alpaca"
+    """`alpaca` (instruction/input/output), `chat` (messages), `text` (every token trained)."""
+    seq_len: int = 2048
+    """Tokens per packed row."""
+    packing: bool = True
+    """Best-fit-decreasing packing; false pads each example to `seq_len`."""
+    overlong: Literal["truncate", "drop"] = "truncate"
+    """What to do with examples longer than `seq_len`."""
+    tokenizer: str | None = None
+    """Tokenizer path or id; defaults to `model.name_or_path`."""
+    chat_template: str | None = None
+    """Jinja chat template for `chat` data when the tokenizer has none."""
+    instruction_field: str = "instruction"
+    """Field holding the alpaca instruction."""
+    input_field: str = "input"
+    """Field holding the optional alpaca input (may be missing or empty)."""
+    output_field: str = "output"
+    """Field holding the alpaca response (trained)."""
+    messages_field: str = "messages"
+    """Field holding chat messages (`role`/`content`); only assistant turns are trained."""
+    text_field: str = "text"
+    """Field holding raw text for `text` format."""
+    cache_dir: str | None = None
+    """Where packed datasets are cached; defaults to `<output_dir>/data`."""
+    num_proc: int = 1
+    """Processes for tokenisation (`datasets.map`)."""
+    eval_fraction: float = 0.0
+    """Share of examples held out for evaluation (ignored when `eval_path` is set)."""
+    eval_path: str | None = None
+    """A separate evaluation file, prepared like `path`."""
+    shuffle: bool = True
+    """Shuffle rows each epoch (order is a pure function of seed and epoch)."""
+    loader_workers: int | Literal["auto"] = "auto"
+    """DataLoader worker processes that prefetch whole steps: `auto` is 1 on CUDA (reading and collating hide behind the GPU's work) and 0 on CPU (a worker would only compete for the cores). Same batches either way."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    max_steps: int | None = None
+    """Optimizer steps to run; when unset, `epochs` decides."""
+    epochs: float = 1.0
+    """Passes over the packed rows when `max_steps` is unset."""
+    global_batch_size: int | None = None
+    """Packed rows per optimizer step over all devices: what defines the run (structural). Unset:
+    `micro_batch_size x grad_accum x devices` of the first start, kept when a resume has another device count."""
+    micro_batch_size: int | Literal["auto"] = 1
+    """Rows per forward pass per device: a memory choice, free to change between restarts. `auto`: the largest that the memory estimate fits on this device (needs `global_batch_size`; accumulation absorbs it)."""
+    grad_accum: int | None = None
+    """Micro-batches per optimizer step per device; derived from `global_batch_size` when unset (1 when both are)."""
+    lr: float = 2e-4
+    """Peak learning rate."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Learning-rate decay after warm-up."""
+    warmup_steps: int = 0
+    """Linear warm-up steps from 0 to `lr`."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a share of `lr` for cosine and linear schedules."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW first-moment decay."""
+    adam_beta2: float = 0.999
+    """AdamW second-moment decay."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = "adamw"
+    """`adamw` (fused on CUDA), or bitsandbytes 8-bit / paged 8-bit AdamW."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping)."""
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    """Autocast for the trainable path; fp16 adds a gradient scaler."""
+    max_bad_steps: int = 5
+    """Stop after this many consecutive steps with a non-finite loss or gradient norm."""
+    eval_every: int | None = None
+    """Evaluate on the held-out split every N steps."""
+    max_gpu_hours: float | None = None
+    """Stop with a checkpoint once the whole run (all attempts) used this many device-hours."""
+    max_cost: float | None = None
+    """Stop with a checkpoint once the whole run cost this much (needs `metrics.price_per_hour`)."""
+    distributed: Literal["ddp", "fsdp"] = "ddp"
+    """Several processes: `ddp` keeps a whole model on every device; `fsdp` shards it (FSDP2, per decoder layer) for a base that does not fit one GPU. An `accelerate launch` FSDP config also selects fsdp. A checkpoint resumes under either."""
+    deterministic: bool = False
+    """Deterministic kernels only, so that on a GPU two runs, and a stopped-and-resumed run, end bit-identical (on CPU in fp32 they already are). Costs GPU speed (README, Determinism); refuses model.compile."""
+    fsdp_cpu_offload: bool = False
+    """Under `fsdp`: keep the shards (and the optimizer step) in CPU memory, copied to the GPU a layer at a time; less GPU memory, slower steps."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every_steps: int | None = None
+    """Save every N optimizer steps."""
+    every_minutes: float | None = 30.0
+    """Save when this much wall time passed since the last save."""
+    keep_last: int = 3
+    """Committed checkpoints to keep (at least 2)."""
+    resume: str = "auto"
+    """`auto` (newest that verifies), `never`, or a checkpoint directory; `never` and a path set newer checkpoints aside."""
+    allow_config_change: bool = False
+    """Resume even if the dataset or a structural setting changed."""
+    notice_seconds: float = 30.0
+    """Preemption notice window: warn when a save takes longer; with checkpoint.remote, the time allowed to flush
+    the last upload before exit."""
+    preemption_notice: Literal["auto", "aws", "gcp", "azure", "off"] = "off"
+    """Poll the cloud's spot notice (AWS/GCP/Azure metadata) and save-and-exit like SIGTERM; `auto` detects the
+    provider. Off by default (no traffic to a metadata address off the cloud); the GPU recipes and launch templates
+    turn it on."""
+    notice_endpoint: str | None = None
+    """Base URL of the metadata service for `preemption_notice` (default http://169.254.169.254)."""
+    notice_poll_seconds: float = 5.0
+    """Seconds between preemption-notice polls (AWS recommends 5)."""
+    remote: str | None = None
+    """fsspec URL (`s3://bucket/prefix`, `gs://`, `az://`, `file://`) that every checkpoint is uploaded to in the background; resume also looks there. Credentials come from the cloud's standard chain."""
+    lease_seconds: float = 180.0
+    """With `checkpoint.remote`: how long the run's lease lasts unrenewed (renewed every third of it). A replacement
+    machine takes over a silent holder's run after this; the holder stops writing a little before."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """Extra fsspec options for `checkpoint.remote` (e.g. `{client_kwargs: {region_name: eu-west-1}}`); never credentials."""
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    log_every: int = 1
+    """Write a metrics row every N optimizer steps."""
+    warmup_steps: int = 2
+    """Steps excluded from sustained throughput."""
+    price_per_hour: float | None = None
+    """Price of one device-hour, for the cost ledger."""
+    gpu: str | None = None
+    """GPU name for the peak FLOP/s table (detected when unset)."""
+    peak_flops: float | None = None
+    """Peak FLOP/s of one device; overrides the table."""
+    trackers: tuple[Literal["tensorboard", "wandb"], ...] = ()
+    """Extra trackers through accelerate."""
+    progress: bool = True
+    """Show a progress bar on the console."""
