@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.training import metrics
+from trainer.training import metrics, telemetry
 
 
 def _meter(**kw) -> metrics.Meter:
@@ -96,7 +96,7 @@ def test_peak_memory_on_cpu_is_rss() -> None:
 
 
 def test_jsonl_sink_writes_non_finite_as_strings(tmp_path: Path) -> None:
-    sink = metrics.JsonlSink(tmp_path / "m" / "metrics.jsonl")
+    sink = telemetry.JsonlSink(tmp_path / "m" / "metrics.jsonl")
     sink.write({"step": 1, "loss": float("nan"), "grad_norm": float("inf"), "mfu": None})
     sink.write({"step": 2, "loss": 1.0})
     sink.close()

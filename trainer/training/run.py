@@ -36,7 +36,7 @@ from trainer.training import autofit, determinism, loop, metrics, process, shutd
 from trainer.training.batches import StepDataset, prefetching, step_loader
 from trainer.training.inputs import model_path, prepare_data, tokenizer_path
 from trainer.training.shutdown import OutOfMemory
-from trainer.training.telemetry import Budget, Telemetry
+from trainer.training.telemetry import Budget, Console, JsonlSink, Telemetry, flat_config
 
 
 def train(cfg: C.RunConfig, wait: float | None = None) -> int:
@@ -174,7 +174,7 @@ class Books:
 
     ledger: Ledger
     meter: metrics.Meter
-    console: metrics.Console
+    console: Console
     telemetry: Telemetry
 
 
@@ -200,7 +200,7 @@ def _open_books(
         process_start=process_start,  # after a --wait: from when this attempt got the run
     )
     closing.push(_ledger_row_on_error(ledger))
-    console = metrics.Console(sched.steps, 0, enabled=cfg.metrics.progress, is_main=proc.is_main)
+    console = Console(sched.steps, 0, enabled=cfg.metrics.progress, is_main=proc.is_main)
     closing.callback(console.close)
     proc.remote.message = console.message
     proc.remote.start_uploads()
@@ -214,8 +214,8 @@ def _open_books(
         device_seconds_fn=lambda: float(ledger.totals()["device_seconds"]),  # one source of truth: the ledger
     )
     if cfg.metrics.trackers:
-        proc.accelerator.init_trackers("spotune", config=metrics.flat_config(cfg.to_dict()))
-    sink = metrics.JsonlSink(proc.out / "metrics.jsonl") if proc.is_main else None
+        proc.accelerator.init_trackers("spotune", config=flat_config(cfg.to_dict()))
+    sink = JsonlSink(proc.out / "metrics.jsonl") if proc.is_main else None
     if sink is not None:
         closing.callback(sink.close)
     telemetry = Telemetry(

@@ -8,6 +8,9 @@ agreed on by the loop); only the main rank writes rows, trackers and the ledger.
 
 from __future__ import annotations
 
+import json
+import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +18,7 @@ from typing import Any
 
 from trainer.restart.ledger import Ledger
 from trainer.training.loop import StepRecord
-from trainer.training.metrics import Console, JsonlSink, Meter
+from trainer.training.metrics import Meter
 
 
 @dataclass(frozen=True)
@@ -145,3 +148,78 @@ class Telemetry:
         if (out / "report.html").is_file():
             lines.append(f"  report:  {out / 'report.html'}")
         return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- sinks
+
+
+class JsonlSink:
+    """Appends one JSON object per line and flushes, so a killed run keeps every row it logged."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(path, "a", encoding="utf-8")
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._f.write(json.dumps(_finite(row)) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _finite(row: dict[str, Any]) -> dict[str, Any]:
+    """JSON has no NaN/Infinity: write a non-finite float as its string ("nan", "inf")."""
+    return {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+
+
+class Console:
+    """A tqdm bar with ETA and a short postfix: loss, tokens/s, cost so far / projected total."""
+
+    def __init__(self, total_steps: int, initial: int, enabled: bool, is_main: bool = True) -> None:
+        self._bar = None
+        self._speak = is_main  # other ranks stay silent: one voice per run
+        if enabled and is_main:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=initial, unit="step", dynamic_ncols=True)
+
+    def update(self, steps: int, row: dict[str, Any] | None = None) -> None:
+        if self._bar is None:
+            return
+        self._bar.update(steps)
+        if row is not None:
+            post = {"loss": _fmt(row.get("loss"))}
+            if row.get("tokens_per_s") is not None:
+                post["tok/s"] = f"{row['tokens_per_s']:.0f}"
+            if row.get("cost") is not None:
+                projected = row.get("projected_cost")
+                post["$"] = f"{row['cost']:.2f}" + (f"/{projected:.2f}" if projected is not None else "")
+            self._bar.set_postfix(post, refresh=False)
+
+    def message(self, text: str) -> None:
+        if not self._speak:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _fmt(x: Any) -> str:
+    return f"{x:.4f}" if isinstance(x, float) else str(x)
+
+
+def flat_config(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config as the flat `a.b: scalar` mapping experiment trackers take."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flat_config(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out
