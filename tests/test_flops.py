@@ -18,6 +18,20 @@ from trainer.model import flops
 VOCAB = 300
 
 
+# hidden 8, 1 layer, 2 heads of 4, 1 kv head, ffn 16, vocab 10: small enough to count by hand.
+TINY = flops.ModelShape(
+    arch="llama",
+    layers=1,
+    hidden=8,
+    intermediate=16,
+    heads=2,
+    kv_heads=1,
+    head_dim=4,
+    vocab=10,
+    tied_embeddings=False,
+)
+
+
 def _config(arch: str) -> transformers.PretrainedConfig:
     if arch == "gpt2":
         return transformers.GPT2Config(
@@ -46,17 +60,7 @@ def _config(arch: str) -> transformers.PretrainedConfig:
 
 def test_hand_count_tiny_shape() -> None:
     # hidden 8, 1 layer, 2 heads of 4, 1 kv head, ffn 16, vocab 10, LoRA r=2 on q and v only.
-    s = flops.ModelShape(
-        arch="llama",
-        layers=1,
-        hidden=8,
-        intermediate=16,
-        heads=2,
-        kv_heads=1,
-        head_dim=4,
-        vocab=10,
-        tied_embeddings=False,
-    )
+    s = TINY
     block = 8 * 8 + 8 * 4 + 8 * 4 + 8 * 8 + 3 * 8 * 16  # q, k, v, o, gate/up/down = 576
     assert s.block_matmul_params() == block
     assert s.matmul_params() == block + 10 * 8
@@ -153,17 +157,7 @@ def test_published_count_reproduces_nvidias_8b_lora_mfu() -> None:
 
 
 def test_published_count_by_hand_and_packing() -> None:
-    s = flops.ModelShape(
-        arch="llama",
-        layers=1,
-        hidden=8,
-        intermediate=16,
-        heads=2,
-        kv_heads=1,
-        head_dim=4,
-        vocab=10,
-        tied_embeddings=False,
-    )
+    s = TINY
     # Two documents of 3 and 5 tokens (21 causal pairs): 4 per matmul weight per token + 2/3 attention.
     tokens, sq = 8, 3 * 3 + 5 * 5
     attention = 3 * (2 * 2 * 4 * 2) * 21
