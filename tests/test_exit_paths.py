@@ -49,7 +49,7 @@ setattr(module, attr, failing)
 if os.environ.get("DISABLE_SHUTDOWN"):  # the control: the code before this fix
     import trainer.training.batches, trainer.training.shutdown
     trainer.training.batches.close_loader = lambda iterator: None
-    trainer.training.shutdown.end_child_processes = lambda grace_seconds=2.0: []
+    trainer.training.shutdown.end_child_processes = lambda grace_seconds=2.0, keep=frozenset(): []
 from trainer.cli.main import main
 sys.exit(main(sys.argv[5:]))
 """
@@ -227,6 +227,9 @@ def test_end_child_processes_kills_a_child_that_ignores_sigterm() -> None:
     child.terminate()  # what multiprocessing's exit handler does: ignored
     child.join(timeout=0.5)
     assert child.is_alive()  # control: SIGTERM alone does not end it
+    assert child.pid is not None
+    assert shutdown.end_child_processes(grace_seconds=0.1, keep=frozenset({child.pid})) == []  # not ours to end
+    assert child.is_alive()
     assert shutdown.end_child_processes(grace_seconds=0.1) == [child.pid]
     assert not child.is_alive()
 

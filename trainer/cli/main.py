@@ -10,6 +10,7 @@ attempt, 1 anything else.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import sys
 from collections.abc import Sequence
@@ -45,12 +46,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    before = frozenset(c.pid for c in multiprocessing.active_children() if c.pid is not None)
     try:
         code = _main(argv)
-    finally:  # whatever ended the command, no child of ours may hold the process open
-        from trainer.training.shutdown import end_child_processes
+    finally:  # whatever ended the command, no child it started may hold the process open
+        if any(c.pid not in before for c in multiprocessing.active_children()):
+            from trainer.training.shutdown import end_child_processes  # torch: only when there is one
 
-        end_child_processes()
+            end_child_processes(keep=before)
     _record_exit_code(code)
     return code
 

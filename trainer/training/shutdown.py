@@ -38,17 +38,22 @@ def close_loader(iterator: Any) -> None:
         shutdown()
 
 
-def end_child_processes(grace_seconds: float = 2.0) -> list[int]:
-    """Kill every `multiprocessing` child still alive after `grace_seconds`; returns their pids.
+def end_child_processes(grace_seconds: float = 2.0, keep: frozenset[int] = frozenset()) -> list[int]:
+    """Kill every `multiprocessing` child still alive after `grace_seconds`, but those in `keep`
+    (children the caller had before the command began); returns the pids killed.
 
     Called last on the way out, after everything that owned a child closed it. torch's SIGCHLD
     handler would report a killed worker as an error in the middle of this, so it is reset first.
     """
-    children = multiprocessing.active_children()  # also reaps the ones that already ended
+
+    def ours() -> list[Any]:
+        return [c for c in multiprocessing.active_children() if c.pid not in keep]  # also reaps the ended
+
+    children = ours()
     deadline = time.monotonic() + grace_seconds
     while children and time.monotonic() < deadline:
         time.sleep(0.05)
-        children = multiprocessing.active_children()
+        children = ours()
     if not children:
         return []
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
