@@ -60,16 +60,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
 fi
 # trainer first: it quiets bitsandbytes' optional kernels-community notice that `import peft` triggers.
 "$VENV/bin/python" - <<'PYEOF'
-import logging, shutil, subprocess, sys
+import sys
 import trainer  # noqa: F401
 import torch, transformers, peft, accelerate, datasets  # noqa: E401,F401
+from trainer.training.gpu_probe import unusable_gpu_reason  # the rule `spotune train` applies too
 print(f"setup: torch {torch.__version__} (cuda={torch.cuda.is_available()}), transformers {transformers.__version__}, peft {peft.__version__}")
-smi = shutil.which("nvidia-smi")
-listed = subprocess.run([smi, "-L"], capture_output=True, text=True).stdout if smi else ""
-if "GPU " in listed and not torch.cuda.is_available():
-    sys.exit(
-        f"setup: nvidia-smi sees a GPU but torch {torch.__version__} (built for CUDA {torch.version.cuda}) does not: "
-        "the driver is too old for this build, or it is a CPU build. Fix: rm -rf .venv && make setup "
-        "(it picks the build your driver supports), or update the NVIDIA driver."
-    )
+if reason := unusable_gpu_reason():
+    sys.exit(f"setup: {reason}")
 PYEOF
