@@ -140,3 +140,44 @@ def test_phases_and_an_attempt_winding_down(tmp_path: Path, clock: Clock) -> Non
     assert row["phases"] == {"imports": 4.0, "model": 3.0, "report": 1.5}  # the page's 22 s + 1.5 = the row's
     assert row["data_reused"] is True and row["wall_seconds"] == 23.5  # from process start to after the report
     assert L.seconds_since_process_start() >= 0.0
+
+
+def test_a_start_that_reads_before_the_killed_attempts_end_is_rounding(tmp_path: Path, clock: Clock) -> None:
+    """A restart right after a SIGKILL may read its start up to a second before the killed
+    attempt's last heartbeat (clock rounding): the rows must still not overlap. A start earlier
+    than the slack (control) is left as it is: that is not rounding."""
+    clock.now = 1000.0
+    a = L.Ledger.open(tmp_path, world_size=1, process_start=1000.0)
+    clock.now = 1031.6
+    a.heartbeat(step=3)
+    del a  # SIGKILL
+    b = L.Ledger.open(tmp_path, world_size=1, process_start=1030.9)
+    killed = L.read_rows(tmp_path)[0]
+    assert killed["end"] == "1970-01-01T00:17:11+00:00"  # 1031.6 in whole seconds
+    assert b.start == 1031.0
+    clock.now = 1040.0
+    assert b.close("finished")["start"] == killed["end"]
+
+    other = tmp_path / "control"
+    clock.now = 1000.0
+    L.Ledger.open(other, world_size=1, process_start=1000.0).heartbeat(step=1)
+    clock.now = 1031.6
+    assert L.Ledger.open(other, world_size=1, process_start=1029.0).start == 1029.0
+
+
+def test_the_process_start_is_the_moment_the_process_began() -> None:
+    """Within interpreter start-up of the first statement, and never after it; psutil's reading
+    (an integer boot time plus the start tick) is up to a second earlier than this one."""
+    import subprocess
+    import sys
+
+    code = (
+        "import time; t = time.time()\n"
+        "import psutil\n"
+        "from trainer.restart.ledger import _process_start\n"
+        "print(t, _process_start(), psutil.Process().create_time())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    first_statement, start, by_psutil = map(float, out.split())
+    assert 0.0 <= first_statement - start < 5.0
+    assert -0.02 <= start - by_psutil < 1.02

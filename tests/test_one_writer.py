@@ -222,3 +222,48 @@ def test_a_released_lease_is_never_taken_again_by_a_late_upload(tmp_path: Path, 
         a.check()
     lease, _ = read_lease(Store(s3_remote))
     assert lease is not None and lease["released"] and lease["generation"] == 1 and not a_lost
+
+
+_FORKING_HOLDER = """
+import fcntl, os, sys, time
+from trainer.restart.lock import RunLock
+run = sys.argv[1]
+if sys.argv[2] == "runlock":
+    RunLock.take(run, "train")
+else:  # the control: the same flock without RunLock's fork rule
+    os.makedirs(run, exist_ok=True)
+    fd = os.open(os.path.join(run, ".spotune.lock"), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+if os.fork() == 0:  # a loader worker: outlives its parent for a while
+    time.sleep(30)
+    os._exit(0)
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("how", ["runlock", "bare flock"])
+def test_a_forked_worker_does_not_keep_a_sigkilled_holders_lock(tmp_path: Path, how: str) -> None:
+    """SIGKILL the holder while its forked child lives on: the run must be free at once.
+    The control (a bare flock, no fork rule) shows the child would keep it locked."""
+    run = tmp_path / "run"
+    p = subprocess.Popen(
+        [sys.executable, "-c", _FORKING_HOLDER, str(run), how.split()[0]],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "held"
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        if how == "runlock":
+            with RunLock.take(run, "train") as lock:
+                assert lock.waited == 0.0
+        else:
+            with pytest.raises(RunBusy):
+                RunLock.take(run, "train")
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)  # the orphaned child too
+        p.wait()

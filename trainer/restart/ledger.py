@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 LEDGER_FILE = "ledger.jsonl"
 HEARTBEAT_FILE = "ledger.current.json"
+START_SLACK_S = 1.0
+"""How much earlier than the previous attempt's end a start may read and still be the clocks' rounding."""
 ADDITIVE = ("attempts", "device_seconds", "productive_seconds", "checkpoint_seconds", "startup_seconds", "lost_seconds")
 
 
@@ -52,12 +54,33 @@ def _iso(t: float) -> str:
 
 
 def _process_start() -> float:
+    """When this process started, on the wall clock, to within a clock tick (10 ms) on Linux.
+
+    psutil's `create_time` adds the start tick to /proc/stat's `btime`, which is whole seconds, so
+    it reads up to 1 s early: a restart right after a SIGKILL then seemed to start before the killed
+    attempt's last heartbeat (CI caught the overlap). So on Linux: now minus the process's age, both
+    taken on the boot clock that /proc/self/stat's `starttime` counts on."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        return time.time() - max(0.0, age)
+    except (OSError, ValueError, IndexError, AttributeError):  # not Linux (no /proc, no CLOCK_BOOTTIME)
+        pass
     try:
         import psutil
 
         return float(psutil.Process().create_time())
     except Exception:  # psutil missing or the platform refuses: the ledger's own start is close enough
         return time.time()
+
+
+def _not_before_previous(start: float, rows: list[dict[str, Any]]) -> float:
+    """`start`, moved up to the latest earlier attempt's end when that end is at most
+    `START_SLACK_S` later: the lock ended that attempt before this one could open the ledger,
+    so such a gap is the clocks' rounding (a start tick, an integer `btime`), not an overlap."""
+    ends = [datetime.fromisoformat(r["end"]).timestamp() for r in rows if isinstance(r.get("end"), str)]
+    latest = max(ends, default=start)
+    return latest if start < latest <= start + START_SLACK_S else start
 
 
 def read_rows(run_dir: Path | str) -> list[dict[str, Any]]:
@@ -138,7 +161,7 @@ class Ledger:
             )
             for k in ADDITIVE
         }
-        start = process_start if process_start is not None else _process_start()
+        start = _not_before_previous(process_start if process_start is not None else _process_start(), rows)
         ledger = cls(
             run_dir, world_size, price_per_hour, base, enabled, start, attempt=int(base["attempts"]) + 1, phases=phases
         )

@@ -3,7 +3,9 @@
 `spotune train` takes it before it touches anything in the directory and holds it for its
 whole life. It is `fcntl.flock` on an open file, so the kernel drops it the moment the process
 dies, however it dies (SIGKILL, OOM killer): a stale lock cannot exist, and a rerun after a
-kill takes over at once. The file itself is never deleted (deleting it would let a second
+kill takes over at once. A forked child (a DataLoader worker) would share the lock's open file
+and keep it locked until it noticed its parent was gone (seconds: a rerun right after a SIGKILL
+exited busy), so every fork closes the child's copy at once (`_close_in_forked_child`). The file itself is never deleted (deleting it would let a second
 process lock a fresh inode while the first still holds the old one); its content only names
 the current holder, for the refusal message and `spotune status`.
 
@@ -14,6 +16,7 @@ retries for `PROBE_GRACE` seconds before it reports the directory busy.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -30,6 +33,22 @@ LOCK_FILE = ".spotune.lock"
 PROBE_GRACE = 1.0
 """Seconds `take` retries a refused lock: a `holder` probe (a shared lock) may hold it that long at most."""
 POLL_SECONDS = 0.5
+
+
+_HELD: set[int] = set()
+"""Descriptors of the locks this process holds now."""
+
+
+def _close_in_forked_child() -> None:
+    # Runs in the child of every os.fork (DataLoader and multiprocessing workers): the lock is this
+    # process's, and it must end with it. Closing the child's copy leaves the parent's lock held.
+    for fd in _HELD:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_forked_child)
 
 
 class RunBusy(Exception):
@@ -91,6 +110,7 @@ class RunLock:
         except BaseException:
             os.close(fd)
             raise
+        _HELD.add(fd)
         now = time.time()
         info = {"pid": os.getpid(), "host": socket.gethostname(), "command": command, "started": _iso(now)}
         os.ftruncate(fd, 0)  # rewritten in place: the inode must stay the one every process locks
@@ -106,6 +126,7 @@ class RunLock:
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
+        _HELD.discard(fd)
         try:
             os.ftruncate(fd, 0)  # nobody holds it now: `holder` reads an empty file
         finally:
