@@ -195,6 +195,9 @@ def cross_checks(cfg: Sections) -> list[str]:
         p.append(f"checkpoint.notice_poll_seconds: must be above 0, got {ck.notice_poll_seconds}")
     if ck.lease_seconds < 1:  # renewed every third of it: shorter would be all renewals
         p.append(f"checkpoint.lease_seconds: must be at least 1, got {ck.lease_seconds}")
+    timeout = cfg.train.collective_timeout_seconds
+    if timeout is not None and timeout < 10:  # a step's slowest rank must fit in it, and a save's barrier
+        p.append(f"train.collective_timeout_seconds: must be at least 10 (or null for torch's default), got {timeout}")
     if cfg.train.max_cost is not None and cfg.metrics.price_per_hour is None:
         p.append(
             "train.max_cost: needs metrics.price_per_hour to turn device-hours into cost; set metrics.price_per_hour"

@@ -143,6 +143,8 @@ class TrainConfig:
     """Deterministic kernels only, so that on a GPU two runs, and a stopped-and-resumed run, end bit-identical (on CPU in fp32 they already are). Costs GPU speed (README, Determinism); refuses model.compile."""
     fsdp_cpu_offload: bool = False
     """Under `fsdp`: keep the shards (and the optimizer step) in CPU memory, copied to the GPU a layer at a time; less GPU memory, slower steps."""
+    collective_timeout_seconds: float | None = 300.0
+    """Several processes: once the first step is done, a collective that waits this long for another rank (one that hung, or died unseen by NCCL) ends the run, so a supervisor restarts it from the last checkpoint. Start-up and the end of the run keep torch's default (10 min NCCL, 30 min gloo); null keeps it throughout."""
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,8 @@ from typing import Any
 import torch
 
 from trainer.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 FSDP_MIN_TORCH = (2, 6)
 """`torch.distributed.fsdp.fully_shard` (FSDP2) is public from torch 2.6."""
@@ -224,3 +227,76 @@ def _dtensor_class() -> Any:
     except ImportError:  # torch < 2.5 names it torch.distributed._tensor; FSDP needs 2.6 anyway
         return None
     return DTensor
+
+
+# ---------------------------------------------------------------------------- collective timeout
+
+
+class CollectiveTimeout:
+    """How long a collective may wait for the other ranks, once training runs.
+
+    torch waits 10 minutes (NCCL) or 30 (gloo) by default: a rank that hangs (a stuck GPU, a
+    deadlock) or dies without its peers noticing (NCCL cannot tell) keeps every other rank, and
+    the bill, running that long. Start-up keeps the default (rank 0 may prepare data or download
+    while the others wait); after the first optimizer step `arm()` sets `seconds`, after a barrier
+    so that no rank runs a collective under the short timeout while a slower one still ends its
+    first step under the long one (torchtitan's `set_pg_timeouts` does the same). `disarm()` puts
+    the default back for final/, the merge and the report, where the others may wait longer.
+
+    On a timeout gloo raises in the waiting rank, and NCCL's watchdog ends the process: either
+    way the run exits non-zero and a supervisor restarts it from the last checkpoint.
+    """
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+        self.armed = False
+
+    @staticmethod
+    def _group() -> Any:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return None
+        return dist.group.WORLD
+
+    def arm(self) -> None:
+        """Idempotent; a no-op in one process or without `seconds`."""
+        if self.armed or self.seconds is None:
+            return
+        self.armed = True
+        group = self._group()
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.barrier()
+            _set_timeout(group, self.seconds)
+
+    def disarm(self) -> None:
+        if not self.armed:
+            return
+        self.armed = False
+        group = self._group()
+        if group is not None:
+            import torch.distributed as dist
+            from torch.distributed import distributed_c10d as c10d
+
+            default = getattr(c10d, "_get_default_timeout", None)
+            if default is not None:
+                _set_timeout(group, default(dist.get_backend(group)).total_seconds())
+
+
+def _set_timeout(group: Any, seconds: float) -> None:
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d as c10d
+
+    # Private, but the one way to change a live group's timeout (torch >= 2.3; torchtitan uses it).
+    # A torch without it keeps the default: slower to end a hung run, never wrong.
+    set_timeout = getattr(c10d, "_set_pg_timeout", None)
+    if set_timeout is None:
+        log.warning(
+            "torch %s cannot change a process group's timeout: train.collective_timeout_seconds is not applied",
+            torch.__version__,
+        )
+        return
+    set_timeout(timedelta(seconds=seconds), group)

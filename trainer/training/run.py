@@ -295,9 +295,15 @@ def _train_steps(
     evaluate = (
         _evaluator(cfg, prepared, model, proc.accelerator, books.telemetry, counters) if plan.eval_every else None
     )
+    timeout = distributed.CollectiveTimeout(t.collective_timeout_seconds)
+
+    def on_step(record: loop.StepRecord) -> None:
+        timeout.arm()  # after the first step: start-up may keep the other ranks waiting longer
+        books.telemetry.on_step(record)
+
     hooks = loop.Hooks(
         save=saver,
-        on_step=books.telemetry.on_step,
+        on_step=on_step,
         message=books.console.message,
         stop_requested=lambda: proc.stop.due(counters.step),
         over_budget=books.telemetry.over_budget,
@@ -308,7 +314,9 @@ def _train_steps(
     loader = step_loader(dataset, counters.step, proc.accelerator.device, cfg.seed, workers)
     books.ledger.mark_first_step()
     with prefetching(loader) as batches:  # its workers end with the block, whatever ends it
-        return loop.train_loop(proc.accelerator, model, optimizer, batches, plan, counters, hooks)
+        reason = loop.train_loop(proc.accelerator, model, optimizer, batches, plan, counters, hooks)
+    timeout.disarm()  # final/, the merge and the report may keep the other ranks waiting longer
+    return reason
 
 
 def _finish(
