@@ -9,7 +9,6 @@ NCCL's watchdog enforces."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_ddp import _free_port
 
 from trainer import config as C
 from trainer.model.distributed import CollectiveTimeout
@@ -42,12 +42,6 @@ except RuntimeError as e:
     print(f"gave up after {time.monotonic() - started:.1f}s: {e}", flush=True)
     sys.exit(1)
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("seconds", ["3", "none"], ids=["armed", "control-default"])
