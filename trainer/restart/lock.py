@@ -5,9 +5,11 @@ whole life. It is `fcntl.flock` on an open file, so the kernel drops it the mome
 dies, however it dies (SIGKILL, OOM killer): a stale lock cannot exist, and a rerun after a
 kill takes over at once. A forked child (a DataLoader worker) would share the lock's open file
 and keep it locked until it noticed its parent was gone (seconds: a rerun right after a SIGKILL
-exited busy), so every fork closes the child's copy at once (`_close_in_forked_child`). The file itself is never deleted (deleting it would let a second
-process lock a fresh inode while the first still holds the old one); its content only names
-the current holder, for the refusal message and `spotune status`.
+exited busy), so every fork closes the child's copy at once (`_close_in_forked_child`).
+
+The file itself is never deleted (deleting it would let a second process lock a fresh inode
+while the first still holds the old one); its content only names the current holder, for the
+refusal message and `spotune status`.
 
 Readers (`holder`, i.e. `spotune status`) never block: they probe with a shared lock that
 fails at once when a writer holds the directory. Such a probe lasts microseconds, so `take`
