@@ -80,7 +80,13 @@ def environment(args: argparse.Namespace, part: Part) -> None:
     if code != 0:
         part.figure = "the environment probe failed"
         return
-    env = json.loads(out.strip().splitlines()[-1])
+    # Found by its marker: a library may log after it (bitsandbytes 0.50 names a missing optional
+    # package on stderr at import), and the output is stdout then stderr.
+    found = [line for line in out.splitlines() if line.startswith(ENV_MARKER)]
+    if not found:
+        part.figure = "the environment probe printed no result"
+        return
+    env = json.loads(found[-1].removeprefix(ENV_MARKER))
     part.figure = (
         f"{env['gpu']} (driver {env['driver']}), torch {env['torch']} (CUDA {env['cuda']}), transformers "
         f"{env['transformers']}, peft {env['peft']}, accelerate {env['accelerate']}, bitsandbytes "
@@ -90,6 +96,8 @@ def environment(args: argparse.Namespace, part: Part) -> None:
     part.status = "pass" if env["cuda_available"] or args.dry else "fail"
 
 
+ENV_MARKER = "gpu-check-environment: "
+"""Starts the probe's one result line."""
 ENV_PROBE = """
 import json, subprocess, warnings
 import torch, transformers, peft, accelerate
@@ -112,7 +120,7 @@ try:
                             capture_output=True, text=True, timeout=30).stdout.strip() or "none"
 except OSError:
     pass
-print(json.dumps({"gpu": torch.cuda.get_device_name(0) if cuda else "no GPU (CPU)", "driver": driver,
+print("gpu-check-environment:", json.dumps({"gpu": torch.cuda.get_device_name(0) if cuda else "no GPU (CPU)", "driver": driver,
     "torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": cuda,
     "transformers": transformers.__version__, "peft": peft.__version__, "accelerate": accelerate.__version__,
     "bitsandbytes": v("bitsandbytes"), "liger": v("liger-kernel"), "attention": f"{choice} ({why})"}))
