@@ -25,7 +25,7 @@ from trainer.plan import workload as wl
 from trainer.plan.estimate import estimate
 from trainer.plan.job import Constraints, Job, Measured
 from trainer.plan.throughput import choose
-from trainer.restart.ledger import read_rows
+from trainer.restart.ledger import read_rows, row_time
 from trainer.training.inputs import tokenizer_path
 
 
@@ -124,9 +124,9 @@ def _target(
         float(r["startup_seconds"]) / int(r.get("world_size", 1)) for r in rows if "restore" in (r.get("phases") or {})
     ]
     gaps = [
-        _unix(b["start"]) - _unix(a["end"])
+        row_time(b["start"]) - row_time(a["end"])
         for a, b in zip(rows, rows[1:], strict=False)
-        if a.get("exit_reason") in ("preempted", "killed") and _unix(b["start"]) > _unix(a["end"])
+        if a.get("exit_reason") in ("preempted", "killed") and row_time(b["start"]) > row_time(a["end"])
     ]
     return tl.Target(
         data_cached=_data_cached(cfg),
@@ -185,12 +185,6 @@ def _in_hf_cache(model: str, revision: str | None) -> bool:
     except Exception:  # not cached (or not a hub id)
         return False
     return any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))
-
-
-def _unix(iso: str) -> float:
-    from datetime import datetime
-
-    return datetime.fromisoformat(iso).timestamp()
 
 
 def _workload(cfg: RunConfig, manifest: dict[str, Any] | None, sample_size: int) -> wl.Workload:

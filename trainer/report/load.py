@@ -19,7 +19,7 @@ import fsspec
 import yaml
 
 from trainer.config import ConfigError, RunConfig, from_dict
-from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, row_from_progress
+from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, row_from_progress, row_time
 from trainer.urls import redact
 
 log = logging.getLogger(__name__)
@@ -68,8 +68,8 @@ class Attempt:
     def from_row(cls, row: dict[str, Any], exit_reason: str | None = None) -> Attempt:
         return cls(
             attempt=int(row["attempt"]),
-            start=_unix(row["start"]),
-            end=_unix(row["end"]),
+            start=row_time(row["start"]),
+            end=row_time(row["end"]),
             world_size=int(row.get("world_size", 1)),
             exit_reason=exit_reason or str(row.get("exit_reason", "unknown")),
             device_seconds=float(row["device_seconds"]),
@@ -211,12 +211,6 @@ def _floats(row: dict[str, Any]) -> dict[str, Any]:
         if isinstance(v, str) and v.lower() in ("nan", "inf", "-inf", "infinity", "-infinity"):
             out[k] = float(v)
     return out
-
-
-def _unix(iso: str) -> float:
-    from datetime import datetime
-
-    return datetime.fromisoformat(iso).timestamp()
 
 
 def finite(x: Any) -> bool:

@@ -53,6 +53,11 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, tz=timezone.utc).isoformat(timespec="seconds")
 
 
+def row_time(iso: str) -> float:
+    """A row's `start` or `end` (ISO 8601, whole seconds) as a Unix time."""
+    return datetime.fromisoformat(iso).timestamp()
+
+
 def _process_start() -> float:
     """When this process started, on the wall clock, to within a clock tick (10 ms) on Linux.
 
@@ -78,7 +83,7 @@ def _not_before_previous(start: float, rows: list[dict[str, Any]]) -> float:
     """`start`, moved up to the latest earlier attempt's end when that end is at most
     `START_SLACK_S` later: the lock ended that attempt before this one could open the ledger,
     so such a gap is the clocks' rounding (a start tick, an integer `btime`), not an overlap."""
-    ends = [datetime.fromisoformat(r["end"]).timestamp() for r in rows if isinstance(r.get("end"), str)]
+    ends = [row_time(r["end"]) for r in rows if isinstance(r.get("end"), str)]
     latest = max(ends, default=start)
     return latest if start < latest <= start + START_SLACK_S else start
 
