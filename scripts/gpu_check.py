@@ -75,7 +75,7 @@ def _pytest_figure(out: str) -> str:
 
 
 def environment(args: argparse.Namespace, part: Part) -> None:
-    code, out = _run([PY, "-c", ENV_PROBE], 120)
+    code, out = _run([PY, "-c", ENV_PROBE, ENV_MARKER], 120)
     part.log = out
     if code != 0:
         part.figure = "the environment probe failed"
@@ -97,9 +97,9 @@ def environment(args: argparse.Namespace, part: Part) -> None:
 
 
 ENV_MARKER = "gpu-check-environment: "
-"""Starts the probe's one result line."""
+"""Starts the probe's one result line (the probe is given it as its argument)."""
 ENV_PROBE = """
-import json, subprocess, warnings
+import json, subprocess, sys, warnings
 import torch, transformers, peft, accelerate
 from importlib.metadata import PackageNotFoundError, version
 from trainer.model import attention, load as model
@@ -120,7 +120,7 @@ try:
                             capture_output=True, text=True, timeout=30).stdout.strip() or "none"
 except OSError:
     pass
-print("gpu-check-environment:", json.dumps({"gpu": torch.cuda.get_device_name(0) if cuda else "no GPU (CPU)", "driver": driver,
+print(sys.argv[1] + json.dumps({"gpu": torch.cuda.get_device_name(0) if cuda else "no GPU (CPU)", "driver": driver,
     "torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": cuda,
     "transformers": transformers.__version__, "peft": peft.__version__, "accelerate": accelerate.__version__,
     "bitsandbytes": v("bitsandbytes"), "liger": v("liger-kernel"), "attention": f"{choice} ({why})"}))
