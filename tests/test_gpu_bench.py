@@ -1,4 +1,4 @@
-"""benchmarks/gpu.py keeps working: its --tiny CPU run writes the JSON the README's GPU table is made from."""
+"""benchmarks/gpu.py keeps working: its --tiny CPU run writes the JSON the GPU table (docs/gpu.md) is made from."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def test_gpu_benchmark_tiny_run_writes_its_json(tmp_path: Path) -> None:
     assert result["spotune"]["attn_implementation"] == "sdpa"  # `auto` on CPU
     assert set(result["qlora_peak_memory_gib"]) == {"spotune", "hf_peft"}
     assert "tokens/s ratio spotune / HF+PEFT" in done.stdout
-    # The profile: every bucket and idle, summing to the step's span; printed as the README summary.
+    # The profile: every bucket and idle, summing to the step's span; printed as the profile summary.
     profile = result["spotune"]["profile"]
     assert sum(profile["ms"].values()) == pytest.approx(profile["total_ms"]) and profile["ms"]["base_matmul"] > 0
     assert "profile of one step" in done.stdout

@@ -255,5 +255,5 @@ def diff_structural(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]
 
 
 def field_docs() -> list[tuple[str, str, str]]:
-    """(dotted key, default, docstring) for every key, for the README reference and `spotune config`."""
+    """(dotted key, default, docstring) for every key, for docs/config-reference.md and `spotune config`."""
     return rules.field_docs(RunConfig)

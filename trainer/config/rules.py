@@ -239,7 +239,7 @@ def _fsdp_checks(cfg: Sections) -> list[str]:
 
 def field_docs(root: type) -> list[tuple[str, str, str]]:
     """(dotted key, default, docstring) for every key under the dataclass `root`, read from the
-    attribute docstrings of its module (the README reference and `spotune config`)."""
+    attribute docstrings of its module (docs/config-reference.md and `spotune config`)."""
     docs: dict[tuple[str, str], str] = {}
     for module in {root.__module__} | {_section_module(root)}:
         docs.update(_attribute_docs(module))
