@@ -237,3 +237,11 @@ def test_invalid_yaml_and_a_non_mapping_name_the_line(tmp_path: Path) -> None:
     recipe.write_text("- a\n- b\n")
     with pytest.raises(C.ConfigError, match=rf"{recipe}:1: the recipe must be a YAML mapping"):
         C.load(recipe)
+
+
+def test_docs_name_every_alias_and_answer() -> None:
+    page = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
+    missing = [name for name in [*ALIASES, *ANSWERS] if f"`{name}`" not in page]
+    assert not missing, f"docs/config.md lacks {missing}"
+    for alias in ALIASES.values():
+        assert f"`{alias.key}`" in page

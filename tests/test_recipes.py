@@ -164,3 +164,13 @@ def test_readme_commands_match_ci() -> None:
     assert "make test" in (root / ".ci" / "run").read_text()
     readme = (root / "README.md").read_text()
     assert "make demo" in readme and "make test" in readme
+
+
+def test_docs_list_every_recipe() -> None:
+    page = (REPO / "docs" / "recipes.md").read_text()
+    missing = [
+        str(p.relative_to(REPO / "recipes")) for p in RECIPES if f"`{p.relative_to(REPO / 'recipes')}`" not in page
+    ]
+    assert not missing, f"docs/recipes.md lacks {missing}"
+    for path in GPU_RECIPES:
+        assert f"`{C.load(path).model.name_or_path}`" in page
