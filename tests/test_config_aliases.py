@@ -245,3 +245,16 @@ def test_docs_name_every_alias_and_answer() -> None:
     assert not missing, f"docs/config.md lacks {missing}"
     for alias in ALIASES.values():
         assert f"`{alias.key}`" in page
+
+
+def test_an_override_is_named_without_its_secrets() -> None:
+    with pytest.raises(C.ConfigError) as err:
+        C.load(None, ["checkpoint.remote=s3://AKIA:pw@bucket/run?X-Amz-Signature=1", "train.lr=-1"])
+    msg = str(err.value)
+    assert "override checkpoint.remote=s3://bucket/run: checkpoint.remote: the URL carries credentials" in msg
+    assert "pw@" not in msg and "Signature=1" not in msg
+    assert "override train.lr=-1: train.lr: must be above 0" in msg  # control: a plain value is shown
+    with pytest.raises(C.ConfigError) as err:
+        C.load(None, ["checkpoint.storage_options={key: AKIA, secret: hunter2}"])
+    assert "hunter2" not in str(err.value) and "AKIA" not in str(err.value)
+    assert "override checkpoint.storage_options=...: checkpoint.storage_options.secret:" in str(err.value)

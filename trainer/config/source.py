@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from trainer.urls import redact
+
 
 @dataclass(frozen=True)
 class Mark:
@@ -95,8 +97,21 @@ def read_overrides(overrides: Sequence[str]) -> tuple[dict[str, Any], Marks, lis
         except yaml.YAMLError:
             pairs[key] = value
         quoted = value.strip()[:1] in ("'", '"')
-        marks[key] = Mark(f"override {item}", None if quoted or not value.strip() else value.strip())
+        marks[key] = Mark(
+            f"override {key}={_shown(key, value)}", None if quoted or not value.strip() else value.strip()
+        )
     return pairs, marks, problems
+
+
+def _shown(key: str, value: str) -> str:
+    """The override's value as messages and the log may show it: never storage options (they sit next
+    to credentials), a URL without user, password or query (signed URLs: trainer/urls.py)."""
+    if "storage_options" in key:
+        return "..."
+    try:
+        return redact(value) if "://" in value else value
+    except ValueError:  # not a URL after all (urlsplit refuses it): nothing of it is shown
+        return "..."
 
 
 _KEY = re.compile(r"^([A-Za-z_][\w.]*):")
