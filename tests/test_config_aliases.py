@@ -258,3 +258,17 @@ def test_an_override_is_named_without_its_secrets() -> None:
         C.load(None, ["checkpoint.storage_options={key: AKIA, secret: hunter2}"])
     assert "hunter2" not in str(err.value) and "AKIA" not in str(err.value)
     assert "override checkpoint.storage_options=...: checkpoint.storage_options.secret:" in str(err.value)
+
+
+def test_a_key_given_twice_in_a_recipe_names_both_lines(tmp_path: Path) -> None:
+    """YAML keeps the last silently: a second `train:` would drop every key of the first."""
+    recipe = tmp_path / "twice.yaml"
+    recipe.write_text("train:\n  lr: 1e-4\nmodel:\n  dtype: float32\ntrain:\n  epochs: 2\n  epochs: 3\n")
+    with pytest.raises(C.ConfigError) as err:
+        C.load(recipe)
+    assert err.value.problems == [
+        f"{recipe}:5: train: given twice (also {recipe}:1); keep one",
+        f"{recipe}:7: train.epochs: given twice (also {recipe}:6); keep one",
+    ]
+    recipe.write_text("train:\n  lr: 1e-4\n  epochs: 3\n")  # control: once each
+    assert C.load(recipe).train.epochs == 3

@@ -103,7 +103,7 @@ def load(recipe: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
         try:
             raw, marks = read_recipe(Path(recipe))
         except SourceError as e:
-            raise ConfigError([e.problem], source) from None
+            raise ConfigError(e.problems, source) from None
     pairs, over_marks, problems = read_overrides(overrides)
     if problems:
         raise ConfigError(problems, "command line")

@@ -39,9 +39,9 @@ Marks = dict[str, Mark]
 class SourceError(ValueError):
     """The recipe cannot be read at all (missing file, invalid YAML, not a mapping)."""
 
-    def __init__(self, problem: str) -> None:
-        self.problem = problem
-        super().__init__(problem)
+    def __init__(self, problems: str | list[str]) -> None:
+        self.problems = [problems] if isinstance(problems, str) else problems
+        super().__init__("; ".join(self.problems))
 
 
 def read_recipe(path: Path) -> tuple[dict[str, Any], Marks]:
@@ -66,19 +66,25 @@ def read_recipe(path: Path) -> tuple[dict[str, Any], Marks]:
     if not isinstance(data, dict) or not isinstance(node, yaml.MappingNode):
         raise SourceError(f"{path}:1: the recipe must be a YAML mapping of keys to values")
     marks: Marks = {}
-    _walk(node, "", str(path), marks)
+    twice: list[str] = []
+    _walk(node, "", str(path), marks, twice)
+    if twice:  # YAML keeps the last silently: a second `train:` would drop the first one's keys
+        raise SourceError(twice)
     return data, marks
 
 
-def _walk(node: yaml.MappingNode, prefix: str, path: str, marks: Marks) -> None:
+def _walk(node: yaml.MappingNode, prefix: str, path: str, marks: Marks, twice: list[str]) -> None:
     for key_node, value_node in node.value:
         if not isinstance(key_node, yaml.ScalarNode):
             continue
         dotted = f"{prefix}{key_node.value}"
+        if dotted in marks:
+            line = key_node.start_mark.line + 1
+            twice.append(f"{path}:{line}: {dotted}: given twice (also {marks[dotted].where}); keep one")
         plain = isinstance(value_node, yaml.ScalarNode) and value_node.style is None
         marks[dotted] = Mark(f"{path}:{key_node.start_mark.line + 1}", value_node.value if plain else None)
         if isinstance(value_node, yaml.MappingNode):
-            _walk(value_node, f"{dotted}.", path, marks)
+            _walk(value_node, f"{dotted}.", path, marks, twice)
 
 
 def read_overrides(overrides: Sequence[str]) -> tuple[dict[str, Any], Marks, list[str]]:
