@@ -1,6 +1,7 @@
 """Keys people already know: the Hugging Face Trainer / TRL / Axolotl names, read as spotune's
 own where the meaning is the same, and answered with spotune's key and the conversion where it
-is not. One table, `ALIASES` and `ANSWERS`; docs/config.md renders both (tests keep them in sync).
+is not. One table, `ALIASES` and `ANSWERS`; scripts/config_reference.py renders both into
+docs/config-reference.md, and docs/config.md lists every name (tests keep both in sync).
 
 A known name is accepted in any section or at the top level (`learning_rate: 2e-4`,
 `train.learning_rate=2e-4`, `adapter.lora_r: 8`), as is a spotune key written in the wrong
