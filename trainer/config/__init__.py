@@ -30,6 +30,7 @@ from trainer.config.schema import (
     DataConfig,
     MetricsConfig,
     ModelConfig,
+    SourceConfig,
     TrainConfig,
 )
 
@@ -44,6 +45,7 @@ __all__ = [
     "MetricsConfig",
     "ModelConfig",
     "RunConfig",
+    "SourceConfig",
     "TrainConfig",
     "batch_split",
     "diff_structural",
