@@ -128,7 +128,7 @@ def _card_configs(card: Path) -> list[dict[str, Any]]:
     except Exception:  # a card whose YAML header does not parse names no configs; the folder rules apply
         return []
     configs = meta.get("configs")
-    return [c for c in configs if isinstance(c, Mapping)] if isinstance(configs, list) else []
+    return [dict(c) for c in configs if isinstance(c, Mapping)] if isinstance(configs, list) else []
 
 
 def _choose_config(configs: list[dict[str, Any]], subset: str | None, where: str, key: str) -> dict[str, Any]:

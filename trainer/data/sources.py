@@ -154,6 +154,13 @@ def read(loc: Located) -> datasets.Dataset:
     if len(parts) == 1:
         return parts[0]
     try:
+        # Files of one layout may still differ in storage types (Parquet's large_string, JSON's
+        # string): cast each to the first one's features when the columns are the same.
+        first = parts[0].features
+        parts = [
+            p.select_columns(list(first)).cast(first) if p.features != first and set(p.features) == set(first) else p
+            for p in parts
+        ]
         return datasets.concatenate_datasets(parts)
     except (ValueError, TypeError) as e:  # columns or types that differ between files
         names = ", ".join(f.name for f in loc.files[:5])
@@ -171,8 +178,7 @@ def choose(ds: datasets.Dataset, src: Source, seed: int, index: int) -> datasets
     want = src.rows if src.rows is not None else round(n * float(src.fraction or 0.0))
     if want > n:
         raise DataError(
-            f"{src.key}.rows: asks for {want} rows but the source has {n}; lower rows to at most {n} "
-            "(or use fraction)."
+            f"{src.key}.rows: asks for {want} rows but the source has {n}; lower rows to at most {n} (or use fraction)."
         )
     if want < 1:
         raise DataError(f"{src.key}.fraction: {src.fraction} of {n} rows is none; raise fraction or use rows.")
@@ -197,7 +203,11 @@ def pin_revisions(cfg: DataConfig, saved: DataConfig | None) -> tuple[DataConfig
         new = []
         for i, s in enumerate(cfg.sources):
             prior = old_sources[i] if i < len(old_sources) else None
-            kept = prior.revision if prior and (prior.path, prior.subset, prior.split) == (s.path, s.subset, s.split) else None
+            kept = (
+                prior.revision
+                if prior and (prior.path, prior.subset, prior.split) == (s.path, s.subset, s.split)
+                else None
+            )
             new.append(dataclasses.replace(s, revision=_pin(f"data.sources[{i}]", s.path, s.revision, kept, notes)))
         cfg = dataclasses.replace(cfg, sources=tuple(new))
     else:
@@ -208,7 +218,9 @@ def pin_revisions(cfg: DataConfig, saved: DataConfig | None) -> tuple[DataConfig
     if eval_id is not None and not (eval_id.revision and hub.COMMIT.match(eval_id.revision)):
         prior_id = hub.parse(saved.eval_path) if saved is not None and saved.eval_path else None
         kept = prior_id.revision if prior_id is not None and prior_id.repo_id == eval_id.repo_id else None
-        cfg = dataclasses.replace(cfg, eval_path=eval_id.url(_pin("data.eval_path", cfg.eval_path or "", None, kept, notes)))
+        cfg = dataclasses.replace(
+            cfg, eval_path=eval_id.url(_pin("data.eval_path", cfg.eval_path or "", None, kept, notes))
+        )
     return cfg, notes
 
 
