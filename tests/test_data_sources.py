@@ -7,6 +7,7 @@ A second commit pushed after the first prepare stands in for a dataset updated m
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -17,6 +18,7 @@ from typing import Any
 import datasets
 import pandas as pd
 import pytest
+import yaml
 
 from trainer import config as C
 from trainer.config import DataConfig, SourceConfig
@@ -236,6 +238,11 @@ def test_a_new_commit_never_changes_a_pinned_source(tmp_path: Path, tiny_tokeniz
     assert pin_revisions(other, pinned)[0].revision == COMMIT_B
     # An explicit commit is kept as given.
     assert pin_revisions(DataConfig(path="org/instruct", revision=COMMIT_B), pinned)[0].revision == COMMIT_B
+    # A hub eval_path is pinned by writing the commit into it.
+    with_eval = DataConfig(path="hf://datasets/org/instruct", eval_path="org/instruct")
+    saved_eval = dataclasses.replace(with_eval, eval_path=f"hf://datasets/org/instruct@{COMMIT_A}")
+    assert pin_revisions(with_eval, saved_eval)[0].eval_path == f"hf://datasets/org/instruct@{COMMIT_A}"
+    assert pin_revisions(with_eval, None)[0].eval_path == f"hf://datasets/org/instruct@{COMMIT_B}"
 
 
 def test_hub_errors_name_the_key_and_the_fix(tmp_path: Path, tiny_tokenizer: Path, fake_hub: FakeHub) -> None:
@@ -376,3 +383,52 @@ def test_a_hub_source_in_a_mix_is_pinned_by_its_own_entry(
     shutil.rmtree(fake_hub.cache)  # the cache is gone and offline: the error says what to do
     with pytest.raises(DataError, match=r"data\.sources\[1\]\.path.*HF_HUB_OFFLINE"):
         prepare(pinned, str(tiny_tokenizer), tmp_path / "cache", progress=False)
+
+
+# ----------------------------------------------------------------------------- a run on a new machine
+
+
+def test_a_new_machine_resumes_on_the_commit_of_the_first_start(
+    tmp_path: Path, tiny_llama: Path, fake_hub: FakeHub, s3_remote: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from trainer.restart.checkpoint import ResumeMismatch
+    from trainer.restart.storage import Store
+    from trainer.training import run
+
+    out = tmp_path / "run"
+    _hub_repo(fake_hub, COMMIT_A)
+
+    def cfg(steps: int) -> C.RunConfig:
+        raw = {
+            "output_dir": str(out),  # the data cache sits inside it: a new machine has none
+            "model": {"name_or_path": str(tiny_llama), "dtype": "float32"},
+            "adapter": {"r": 4, "alpha": 8},
+            "data": {"path": "hf://datasets/org/instruct", "seq_len": 128},
+            "train": {"max_steps": steps, "micro_batch_size": 2, "lr": 1e-2, "schedule": "constant"},
+            "checkpoint": {"every_steps": 1, "every_minutes": None, "remote": s3_remote},
+            "metrics": {"progress": False},
+        }
+        return C.from_dict(raw)
+
+    assert run.train(cfg(1)) == 0
+    saved = C.from_dict(yaml.safe_load((out / "config.yaml").read_text()))
+    assert saved.data.revision == COMMIT_A and saved.data.path == "hf://datasets/org/instruct"
+    state = json.loads((out / "checkpoints" / "step-000001" / "trainer_state.json").read_text())
+    assert state["config"]["data"]["revision"] == COMMIT_A  # every checkpoint carries the pin too
+
+    _hub_repo(fake_hub, COMMIT_B, rows=ALPACA[:8])  # the dataset moves on mid-run
+    shutil.rmtree(out)  # a new machine: an empty disk
+    capsys.readouterr()
+    assert run.train(cfg(2)) == 0
+    logs = "".join(capsys.readouterr())
+    assert "stays at commit aaaaaaaaaaaa" in logs and "at step 1 of 2" in logs
+    (manifest,) = [json.loads(m.read_text()) for m in (out / "data").glob("*/manifest.json")]
+    assert manifest["sources"]["mix"][0]["commit"] == COMMIT_A
+
+    # Control: without the pin (config.yaml gone here and in the store) the new commit is read,
+    # and the resume refuses to train on other data than its checkpoints did.
+    shutil.rmtree(out)
+    store = Store(s3_remote)
+    store.fs.rm(store.path("config.yaml"))
+    with pytest.raises(ResumeMismatch, match="dataset fingerprint"):
+        run.train(cfg(3))

@@ -251,9 +251,12 @@ class _Job:
 
 def _tokenize(loc: Located, raw: datasets.Dataset, job: _Job, j: int) -> datasets.Dataset:
     """One source's rows through its own template (format and fields)."""
-    src, cfg = loc.source, job.cfg
+    src = loc.source
     _check_fields(raw, src, loc.label)
-    tok = Tokenize(src.fmt, job.tokenizer, src.fields, cfg.seq_len, cfg.overlong, cfg.chat_template, source=loc.label)  # type: ignore[arg-type]  # src.fmt was checked against FORMAT_FIELDS
+    # The source's own DataConfig (its format and columns): built like a single-source prepare's.
+    cfg = src.data_config(job.cfg, FORMAT_FIELDS)
+    fields = {role: getattr(cfg, key) for key, role, _ in FORMAT_FIELDS[cfg.format]}
+    tok = Tokenize(cfg.format, job.tokenizer, fields, cfg.seq_len, cfg.overlong, cfg.chat_template, source=loc.label)
     return raw.map(
         tok,
         batched=True,

@@ -21,6 +21,7 @@ from typing import Any
 
 import datasets
 import numpy as np
+from datasets.utils import tqdm
 
 from trainer.config import DataConfig
 from trainer.data import hub, layout
@@ -44,6 +45,11 @@ class Source:
     fields: dict[str, str]
     rows: int | None = None
     fraction: float | None = None
+
+    def data_config(self, cfg: DataConfig, format_fields: FormatFields) -> DataConfig:
+        """`cfg` as this source alone would set it: its format, and each role's data.*_field its column."""
+        columns = {key: self.fields[role] for key, role, _ in format_fields[self.fmt] if role in self.fields}
+        return dataclasses.replace(cfg, format=self.fmt, sources=(), **columns)  # type: ignore[arg-type]  # fmt is a key of format_fields
 
 
 @dataclass(frozen=True)
@@ -150,7 +156,9 @@ def local_files(located: list[Located]) -> list[Path]:
 def read(loc: Located) -> datasets.Dataset:
     """Every raw row of `loc`, its files concatenated in order."""
     key = _path_key(loc.source.key)
-    parts = [read_rows(f, key=key, split=loc.source.split) for f in loc.files]
+    # datasets' tqdm follows its global progress switch (prepare's `progress`): a bar on a terminal.
+    files = tqdm(loc.files, desc=f"read {loc.source.key}", unit="file", disable=len(loc.files) < 2)
+    parts = [read_rows(f, key=key, split=loc.source.split) for f in files]
     if len(parts) == 1:
         return parts[0]
     try:
