@@ -432,3 +432,24 @@ def test_a_new_machine_resumes_on_the_commit_of_the_first_start(
     store.fs.rm(store.path("config.yaml"))
     with pytest.raises(ResumeMismatch, match="dataset fingerprint"):
         run.train(cfg(3))
+
+
+def test_an_unreachable_hub_is_retried_and_never_a_data_error(
+    fake_hub: FakeHub, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from huggingface_hub import constants
+    from moto_fixture import free_port
+
+    from trainer.data import hub
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setattr(hub, "RETRY_SECONDS", (0.0, 0.0))
+    with pytest.raises(hub.HubUnreachable) as e:
+        hub.download(hub.HubId("org/instruct", None), None, ["README.md"], "data.path")
+    # a transient fault: not the exit code that tells a supervisor to give up
+    assert not isinstance(e.value, DataError) and "could not be reached" in str(e.value)
+    assert capsys.readouterr().err.count("Retrying in 0s") == 2
+    # With the data in the cache, an unreachable hub does not matter.
+    _hub_repo(fake_hub)
+    assert hub.download(hub.HubId("org/instruct", None), None, ["README.md"], "data.path")[1] == COMMIT_A

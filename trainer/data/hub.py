@@ -10,8 +10,9 @@ here reads, prints or stores one.
 
 from __future__ import annotations
 
-import os
 import re
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,9 +54,31 @@ def parse(path: str) -> HubId | None:
     return HubId(path, None)
 
 
+RETRY_SECONDS = (5.0, 20.0, 60.0)
+"""Waits between attempts when the hub cannot be reached (and the cache cannot stand in)."""
+
+
+class HubUnreachable(ConnectionError):
+    """The hub could not be reached and the cache lacks what was asked: a transient fault, so not
+    a DataError (whose exit code tells a supervisor not to rerun): the process exits 1."""
+
+
 def download(hub: HubId, revision: str | None, patterns: list[str] | None, key: str) -> tuple[Path, str]:
     """The snapshot folder of `revision` (None: the default branch) holding the files matching
-    `patterns` (None: all), and the commit it resolved to. Errors name the key and the fix."""
+    `patterns` (None: all), and the commit it resolved to. Errors name the key and the fix; an
+    unreachable hub is retried (RETRY_SECONDS), then raises HubUnreachable."""
+    for wait in (*RETRY_SECONDS, None):
+        try:
+            return _download(hub, revision, patterns, key)
+        except HubUnreachable as e:
+            if wait is None:
+                raise
+            print(f"spotune: {e} Retrying in {wait:.0f}s.", file=sys.stderr, flush=True)
+            time.sleep(wait)
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def _download(hub: HubId, revision: str | None, patterns: list[str] | None, key: str) -> tuple[Path, str]:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -71,7 +94,7 @@ def download(hub: HubId, revision: str | None, patterns: list[str] | None, key: 
     except GatedRepoError:
         raise DataError(
             f"{key}: {where} is gated: accept its terms on https://huggingface.co/datasets/{hub.repo_id} "
-            "and set HF_TOKEN to a token of that account (or run `huggingface-cli login`)."
+            "and set HF_TOKEN to a token of that account (or run `hf auth login`)."
         ) from None
     except RevisionNotFoundError:
         raise DataError(
@@ -83,24 +106,32 @@ def download(hub: HubId, revision: str | None, patterns: list[str] | None, key: 
             "token that can read it."
         ) from None
     except LocalEntryNotFoundError:
-        raise DataError(f"{key}: {where} is not in the local HF cache and {_why_offline()}") from None
+        if not _offline():
+            raise HubUnreachable(
+                f"{key}: {where} is not in the local HF cache and the hub could not be reached; check the "
+                "network (a private or gated dataset also needs HF_TOKEN)."
+            ) from None
+        raise DataError(
+            f"{key}: {where} is not in the local HF cache and HF_HUB_OFFLINE is set: run once with the network "
+            "(unset HF_HUB_OFFLINE) to download it, check the id, or point HF_HOME at the cache that holds it; "
+            "a private or gated dataset also needs HF_TOKEN."
+        ) from None
     except HfHubHTTPError as e:
         status = getattr(e.response, "status_code", None) if getattr(e, "response", None) is not None else None
         if status in (401, 403):
             raise DataError(
                 f"{key}: the hub refused {where} (HTTP {status}); set HF_TOKEN to a token that can read it."
             ) from None
+        if status is None or status >= 500 or status == 429:
+            raise HubUnreachable(f"{key}: the hub failed to serve {where} (HTTP {status}).") from None
         raise
     return Path(folder), Path(folder).name
 
 
-def _why_offline() -> str:
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        return (
-            "HF_HUB_OFFLINE is set: run once with the network (unset HF_HUB_OFFLINE) to download it, check the "
-            "id, or point HF_HOME at the cache that holds it; a private or gated dataset also needs HF_TOKEN."
-        )
-    return "the hub could not be reached: check the network (a private or gated dataset also needs HF_TOKEN)."
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
 
 
 def data_patterns(split_patterns: list[str] | None) -> list[str]:
