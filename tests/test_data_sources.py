@@ -453,3 +453,29 @@ def test_an_unreachable_hub_is_retried_and_never_a_data_error(
     # With the data in the cache, an unreachable hub does not matter.
     _hub_repo(fake_hub)
     assert hub.download(hub.HubId("org/instruct", None), None, ["README.md"], "data.path")[1] == COMMIT_A
+
+
+def test_eval_split_reads_the_held_out_split_at_the_same_commit(
+    tmp_path: Path, tiny_tokenizer: Path, fake_hub: FakeHub
+) -> None:
+    _hub_repo(fake_hub)
+    p = _prep(tmp_path, tiny_tokenizer, path="org/instruct", eval_split="test", eval_fraction=0.5)
+    assert p.manifest["train"]["examples_in"] == 12 and p.manifest["eval"]["examples_in"] == 2  # not the fraction
+    assert p.manifest["sources"]["eval"] == f"hf://datasets/org/instruct@{COMMIT_A}"
+    q = _prep(tmp_path, tiny_tokenizer, path=str(_jsonl(tmp_path / "t.jsonl", ALPACA)), eval_path="org/instruct")
+    assert q.manifest["eval"]["examples_in"] == 12  # an eval_path reads its train split unless told
+    q = _prep(tmp_path, tiny_tokenizer, path=str(tmp_path / "t.jsonl"), eval_path="org/instruct", eval_split="test")
+    assert q.manifest["eval"]["examples_in"] == 2
+    assert "no split 'dev'" in _error(tmp_path, tiny_tokenizer, path="org/instruct", eval_split="dev")
+
+
+def test_estimate_samples_every_source_of_a_mix_in_its_share(
+    tmp_path: Path, tiny_tokenizer: Path, fake_hub: FakeHub
+) -> None:
+    from trainer.plan import workload
+
+    _hub_repo(fake_hub)
+    cfg = _mix_cfg([_mix(tmp_path)[0], {"path": "org/instruct", "rows": 10}])
+    w = workload.from_sample(cfg, cfg.path, str(tiny_tokenizer), sample_size=6)
+    assert w.sampled_examples == 6 and w.examples == 15  # 2 + 4 sampled of 5 + 10, scaled by 15 / 6
+    assert w.rows > 0 and w.real_tokens > 0

@@ -115,9 +115,11 @@ class DataConfig:
     num_proc: int = 1
     """Processes for tokenisation (`datasets.map`)."""
     eval_fraction: float = 0.0
-    """Share of examples held out for evaluation (ignored when `eval_path` is set)."""
+    """Share of examples held out for evaluation (ignored when `eval_path` or `eval_split` is set)."""
     eval_path: str | None = None
-    """A separate evaluation file, prepared like `path`."""
+    """A separate evaluation source (any `path` form), prepared like `path`."""
+    eval_split: str | None = None
+    """Evaluate on this split, e.g. `test`: of `eval_path` when set (else its `train`), otherwise of each training source at the same commit; instead of `eval_fraction`."""
     shuffle: bool = True
     """Shuffle rows each epoch (order is a pure function of seed and epoch)."""
     loader_workers: int | Literal["auto"] = "auto"

@@ -26,7 +26,7 @@ from trainer.config import DataConfig
 from trainer.data import cache
 from trainer.data.pack import batch_pad_efficiency, build_rows, one_per_row, pack_lengths
 from trainer.data.read import DataError, require_fields
-from trainer.data.sources import Located, Source, choose, eval_source, local_files, locate, sources_of
+from trainer.data.sources import Located, Source, choose, eval_sources, local_files, locate, sources_of
 from trainer.data.sources import read as read_source
 from trainer.data.stats import BASELINE_BATCH, format_summary, length_stats
 from trainer.data.template import ROW_COLUMN as _ROW
@@ -62,7 +62,8 @@ class _Plan:
     """The located sources of one prepare and what identifies its output."""
 
     train: list[Located]
-    eval: Located | None
+    eval: list[Located]
+    """`data.eval_path`, or the training sources' `data.eval_split`; none: eval_fraction or no eval."""
     settings: dict[str, Any]
     fingerprint: str
 
@@ -99,18 +100,17 @@ def data_fingerprint(cfg: DataConfig, tokenizer_path: str, seed: int = 0) -> str
 
 def _plan(cfg: DataConfig, tokenizer_path: str, seed: int) -> _Plan:
     train = [locate(s) for s in sources_of(cfg, FORMAT_FIELDS)]
-    ev_src = eval_source(cfg, FORMAT_FIELDS)
-    ev = locate(ev_src) if ev_src is not None else None
+    ev = [locate(s) for s in eval_sources(cfg, FORMAT_FIELDS)]
     settings = _settings(cfg, seed, train, ev)
     # Local sources by their bytes; a hub source by its commit, which is in the settings.
-    data: list[Path | None] = [*local_files(train), *(local_files([ev]) if ev is not None else [None])]
+    data: list[Path | None] = [*local_files(train), *(local_files(ev) if ev else [None])]
     return _Plan(train, ev, settings, cache.fingerprint(data, tokenizer_path, settings))
 
 
-def _settings(cfg: DataConfig, seed: int, train: list[Located], ev: Located | None) -> dict[str, Any]:
+def _settings(cfg: DataConfig, seed: int, train: list[Located], ev: list[Located]) -> dict[str, Any]:
     """Every setting that changes the output rows (and nothing that does not, e.g. num_proc)."""
-    split: dict[str, Any] = {"eval_path": ev.describe() if ev is not None else None}
-    if ev is None and cfg.eval_fraction > 0:
+    split: dict[str, Any] = {"eval_sources": [loc.describe() for loc in ev] or None}
+    if not ev and cfg.eval_fraction > 0:
         split.update(eval_fraction=cfg.eval_fraction, seed=seed)
     mixed = any(loc.source.rows is not None or loc.source.fraction is not None for loc in train)
     chat = any(loc.source.fmt == "chat" for loc in train) or cfg.format == "chat"
@@ -146,15 +146,14 @@ def _build(cfg: DataConfig, tokenizer_path: str, tmp: Path, plan: _Plan, seed: i
     pad_id = 0 if pad_id is None else pad_id  # pad tokens are never attended to by real tokens nor trained
     scratch = tmp / "scratch"
     scratch.mkdir()
-    labels = [loc.label for loc in plan.train]
     manifest: dict[str, Any] = {
         "fingerprint": plan.fingerprint,
         "pipeline_version": cache.PIPELINE_VERSION,
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "settings": plan.settings,
         "sources": {
-            "train": labels[0] if len(labels) == 1 else labels,
-            "eval": plan.eval.label if plan.eval is not None else None,
+            "train": _labels(plan.train),
+            "eval": _labels(plan.eval),
             "tokenizer": tokenizer_path,
             "mix": mix,
         },
@@ -176,6 +175,12 @@ def _build(cfg: DataConfig, tokenizer_path: str, tmp: Path, plan: _Plan, seed: i
 Parts = list[tuple[Located, datasets.Dataset]]
 
 
+def _labels(located: list[Located]) -> str | list[str] | None:
+    """One source's label (what a single-source manifest always held), a mix's list, or None."""
+    labels = [loc.label for loc in located]
+    return labels[0] if len(labels) == 1 else (labels or None)
+
+
 def _read_sources(cfg: DataConfig, plan: _Plan, seed: int) -> tuple[Parts, Parts, list[dict[str, Any]]]:
     """Each source's raw rows, cut to its share, then split into train and eval parts."""
     train: Parts = []
@@ -187,14 +192,14 @@ def _read_sources(cfg: DataConfig, plan: _Plan, seed: int) -> tuple[Parts, Parts
         mix.append(
             {"key": loc.source.key, "source": loc.label, "commit": loc.commit, "rows": len(raw), "chosen": len(chosen)}
         )
-        if plan.eval is None and cfg.eval_fraction > 0:
+        if not plan.eval and cfg.eval_fraction > 0:
             kept, held = _split(chosen, cfg.eval_fraction, seed, loc.source.key)
             train.append((loc, kept))
             evals.append((loc, held))
         else:
             train.append((loc, chosen))
-    if plan.eval is not None:
-        evals = [(plan.eval, _read(plan.eval))]
+    if plan.eval:
+        evals = [(loc, _read(loc)) for loc in plan.eval]
     return train, evals, mix
 
 

@@ -23,7 +23,7 @@ import datasets
 import numpy as np
 from datasets.utils import tqdm
 
-from trainer.config import DataConfig
+from trainer.config import DataConfig, SourceConfig
 from trainer.data import hub, layout
 from trainer.data.read import DataError, check_source, is_saved_dataset, read_rows
 
@@ -89,11 +89,17 @@ def sources_of(cfg: DataConfig, format_fields: FormatFields) -> list[Source]:
     return out
 
 
-def eval_source(cfg: DataConfig, format_fields: FormatFields) -> Source | None:
-    """`data.eval_path`, read like `data.path` with `data.format` and the data.*_field columns."""
-    if cfg.eval_path is None:
-        return None
-    return _source("data.eval_path", cfg.eval_path, None, "train", None, cfg.format, {}, cfg, format_fields)
+def eval_sources(cfg: DataConfig, format_fields: FormatFields) -> list[Source]:
+    """What the eval split reads: `data.eval_path` (its `data.eval_split`, default train), else the
+    training sources' `data.eval_split` (the same commits, all its rows); none: eval_fraction or no eval."""
+    if cfg.eval_path is not None:
+        split = cfg.eval_split or "train"
+        return [_source("data.eval_path", cfg.eval_path, None, split, None, cfg.format, {}, cfg, format_fields)]
+    if cfg.eval_split is None:
+        return []
+    return [
+        dataclasses.replace(s, split=cfg.eval_split, rows=None, fraction=None) for s in sources_of(cfg, format_fields)
+    ]
 
 
 def _source(
@@ -249,3 +255,22 @@ def _pin(key: str, path: str, revision: str | None, pinned: str | None, notes: l
     _, commit = hub.download(hub_id, asked, [layout.CARD], _path_key(key))
     notes.append(f"{key}: {hub_id.repo_id}@{asked or 'main'} is commit {commit[:12]}; this run reads that commit")
     return commit
+
+
+def write_sample(
+    cfg: DataConfig, format_fields: FormatFields, directory: Path, size: int, seed: int = 0
+) -> tuple[DataConfig, int, int]:
+    """A config that reads about `size` rows of `cfg`'s training set, each source in its share of
+    the mix (its first chosen rows), from JSONL files written under `directory`; with the rows the
+    whole set has and the rows sampled (planning extrapolates from the sample)."""
+    located = [locate(s) for s in sources_of(cfg, format_fields)]
+    tables = [choose(read(loc), loc.source, seed, i) for i, loc in enumerate(located)]
+    total = sum(len(t) for t in tables)
+    entries, sampled = [], 0
+    for i, (loc, table) in enumerate(zip(located, tables, strict=True)):
+        k = min(len(table), max(1, round(size * len(table) / total)))
+        path = directory / f"sample-{i}.jsonl"
+        table.select(range(k)).to_json(str(path), lines=True)
+        entries.append(SourceConfig(path=str(path), format=loc.source.fmt, fields=dict(loc.source.fields)))
+        sampled += k
+    return dataclasses.replace(cfg, sources=tuple(entries), num_proc=1), total, sampled
