@@ -479,3 +479,47 @@ def test_estimate_samples_every_source_of_a_mix_in_its_share(
     w = workload.from_sample(cfg, cfg.path, str(tiny_tokenizer), sample_size=6)
     assert w.sampled_examples == 6 and w.examples == 15  # 2 + 4 sampled of 5 + 10, scaled by 15 / 6
     assert w.rows > 0 and w.real_tokens > 0
+
+
+@pytest.mark.parametrize(
+    ("code", "error_code", "want"), [(403, "GatedRepo", "is gated"), (401, "RepoNotFound", "private")]
+)
+def test_a_gated_or_private_dataset_names_hf_token_and_never_shows_it(
+    tmp_path: Path,
+    tiny_tokenizer: Path,
+    fake_hub: FakeHub,
+    monkeypatch: pytest.MonkeyPatch,
+    code: int,
+    error_code: str,
+    want: str,
+) -> None:
+    """A local HTTP server answers as the hub does for a gated (or private, unauthorised) repo."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from huggingface_hub import constants
+
+    class Refuse(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802  (the http.server spelling)
+            self.send_response(code)
+            self.send_header("X-Error-Code", error_code)
+            self.send_header("X-Error-Message", "Access to this dataset is restricted.")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_HEAD = do_GET
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+        monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token_123")
+        msg = _error(tmp_path, tiny_tokenizer, path="org/members-only")
+    finally:
+        server.shutdown()
+    assert "data.path" in msg and want in msg and "HF_TOKEN" in msg
+    assert "hf_not_a_real_token_123" not in msg
