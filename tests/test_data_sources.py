@@ -195,6 +195,10 @@ configs:
 - config_name: hard
   default: true
   data_files: "hard/*.jsonl"
+- config_name: mapped
+  data_files:
+    train: "easy/*-train.jsonl"
+    test: ["hard/*.jsonl"]
 ---
 # A dataset card
 """
@@ -214,7 +218,8 @@ configs:
     assert n(_prep(tmp_path, tiny_tokenizer, path="org/graded")) == 12  # the default subset
     assert n(_prep(tmp_path, tiny_tokenizer, path="org/graded", subset="easy")) == 7
     assert n(_prep(tmp_path, tiny_tokenizer, path="org/graded", subset="easy", split="test")) == 1
-    assert "subsets: easy, hard" in _error(tmp_path, tiny_tokenizer, path="org/graded", subset="medium")
+    assert n(_prep(tmp_path, tiny_tokenizer, path="org/graded", subset="mapped", split="test")) == 12
+    assert "subsets: easy, hard, mapped" in _error(tmp_path, tiny_tokenizer, path="org/graded", subset="medium")
     assert "splits: train, test" in _error(tmp_path, tiny_tokenizer, path="org/graded", subset="easy", split="dev")
 
 

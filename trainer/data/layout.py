@@ -151,6 +151,8 @@ def _by_split(data_files: Any) -> dict[str, list[str]]:
     """The card's `data_files` as split -> patterns (a bare pattern or list of them is `train`)."""
     if isinstance(data_files, str):
         return {"train": [data_files]}
+    if isinstance(data_files, Mapping) and "path" not in data_files:  # {split: pattern(s)}
+        return {str(k): [v] if isinstance(v, str) else list(v) for k, v in data_files.items()}
     out: dict[str, list[str]] = {}
     for item in data_files if isinstance(data_files, list) else [data_files]:
         if isinstance(item, str):
