@@ -19,9 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = recipe.load(args)
-    from trainer.training.inputs import prepare_data
+    from trainer.training.inputs import pin_data, prepare_data
 
-    prepared = prepare_data(cfg, progress=True)
+    prepared = prepare_data(pin_data(cfg), progress=True)  # a run's hub datasets at its pinned commits
     if args.command == "inspect":
         plot = prepared.train_path.parent / "lengths.png"
         if plot.exists():

@@ -30,6 +30,7 @@ from trainer.config.schema import (
     DataConfig,
     MetricsConfig,
     ModelConfig,
+    SourceConfig,
     TrainConfig,
 )
 from trainer.config.source import Marks, SourceError, locate, read_overrides, read_recipe
@@ -45,6 +46,7 @@ __all__ = [
     "MetricsConfig",
     "ModelConfig",
     "RunConfig",
+    "SourceConfig",
     "TrainConfig",
     "batch_split",
     "diff_structural",

@@ -67,6 +67,13 @@ def build(cls: type, raw: Any, prefix: str, problems: list[str], marks: Mapping[
         if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             kwargs[key] = build(hint, value if value is not None else {}, f"{name}.", problems, marks)
             continue
+        item = _dataclass_items(hint)
+        if item is not None:  # a list of sections (data.sources): each entry built and checked like one
+            if not isinstance(value, (list, tuple)):
+                problems.append(f"{name}: expected a list of mappings, got {value!r}")
+                continue
+            kwargs[key] = tuple(build(item, v, f"{name}[{i}].", problems) for i, v in enumerate(value))
+            continue
         ok, coerced, expected = _check(hint, value)
         typed = marks[name].text if name in marks else None
         if not ok and typed is not None and isinstance(value, (bool, int, float)):
@@ -80,6 +87,14 @@ def build(cls: type, raw: Any, prefix: str, problems: list[str], marks: Mapping[
     except TypeError as e:  # only reachable if a problem was already recorded
         problems.append(f"{prefix or 'recipe'}: {e}")
         return cls()
+
+
+def _dataclass_items(hint: Any) -> type | None:
+    """The dataclass of a `tuple[Section, ...]` hint, else None."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is tuple and args and isinstance(args[0], type) and dataclasses.is_dataclass(args[0]):
+        return args[0]
+    return None
 
 
 def _suggest(key: str, prefix: str, fields: Mapping[str, Any]) -> str:
@@ -214,7 +229,25 @@ def cross_checks(cfg: Sections) -> list[str]:
         p.append(
             "train.mixed_precision: fp16 over a bfloat16 base mixes dtypes; use train.mixed_precision=bf16 or model.dtype=float16"
         )
-    return p + _fsdp_checks(cfg)
+    return p + _fsdp_checks(cfg) + _source_checks(cfg.data)
+
+
+def _source_checks(d: DataConfig) -> list[str]:
+    """What `data.sources` entries must hold (their formats and fields are checked by prepare)."""
+    p: list[str] = []
+    if d.sources and d.path != DataConfig.path:
+        p.append("data.sources: set either data.path (one source) or data.sources (a mix), not both; remove data.path")
+    for i, s in enumerate(d.sources):
+        key = f"data.sources[{i}]"
+        if not s.path:
+            p.append(f"{key}.path: every source needs a path (a local file or folder, or a hub dataset id)")
+        if s.rows is not None and s.fraction is not None:
+            p.append(f"{key}: set rows or fraction, not both")
+        if s.rows is not None and s.rows < 1:
+            p.append(f"{key}.rows: must be at least 1, got {s.rows}")
+        if s.fraction is not None and not 0.0 < s.fraction <= 1.0:
+            p.append(f"{key}.fraction: must be within (0, 1], got {s.fraction}")
+    return p
 
 
 def _fsdp_checks(cfg: Sections) -> list[str]:
@@ -258,6 +291,11 @@ def field_docs(root: type) -> list[tuple[str, str, str]]:
         for f in dataclasses.fields(cls):
             if dataclasses.is_dataclass(hints[f.name]):
                 walk(hints[f.name], f"{prefix}{f.name}.")
+                continue
+            item = _dataclass_items(hints[f.name])
+            if item is not None:
+                rows.append((prefix + f.name, "[]", docs.get((cls.__name__, f.name), "")))
+                walk(item, f"{prefix}{f.name}[].")
                 continue
             default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
             rows.append((prefix + f.name, json.dumps(plain(default)), docs.get((cls.__name__, f.name), "")))

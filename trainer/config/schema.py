@@ -55,9 +55,39 @@ class AdapterConfig:
 
 
 @dataclass(frozen=True)
+class SourceConfig:
+    """One entry of `data.sources`: a source of its own, mixed with the others before packing."""
+
+    path: str = ""
+    """A local file or folder, or a hub dataset (`hf://datasets/org/name[@revision]` or `org/name`), as `data.path`."""
+    subset: str | None = None
+    """Hub dataset or folder: the config (subset) to read, as `data.subset`."""
+    split: str = "train"
+    """The split whose files are read, as `data.split`."""
+    revision: str | None = None
+    """Hub dataset: branch, tag or commit, pinned to a commit on the run's first start, as `data.revision`."""
+    format: str | None = None
+    """This source's data format; unset: `data.format`."""
+    fields: dict[str, str] = field(default_factory=dict)
+    """Role -> column of this source (e.g. `{instruction: question, output: answer}`); unset roles: `data.*_field`."""
+    rows: int | None = None
+    """Take this many rows of the source (a seeded random choice; at most the rows it has)."""
+    fraction: float | None = None
+    """Take this share (0 < fraction <= 1) of the source's rows (a seeded random choice); unset with `rows`: all."""
+
+
+@dataclass(frozen=True)
 class DataConfig:
     path: str = BUILTIN_TINY_DATA
-    """JSONL, JSON array, Parquet, CSV file, or a saved `datasets` directory."""
+    """A JSONL, JSON array, Parquet or CSV file, a saved `datasets` folder, a folder of such files, or a hub dataset: `hf://datasets/org/name[@revision]` or `org/name` (when no such local path exists)."""
+    subset: str | None = None
+    """Hub dataset or folder: the config (subset) to read: the README's `configs:` entry of that name, else the files under `<subset>/`."""
+    split: str = "train"
+    """Hub dataset or folder: the split whose files are read (the README's `configs:`, else files named or foldered by split)."""
+    revision: str | None = None
+    """Hub dataset: branch, tag or commit. The run's first start pins the commit it resolved to (saved in the run's config.yaml, which travels with its checkpoints); every restart reads that commit."""
+    sources: tuple[SourceConfig, ...] = ()
+    """Several sources mixed into one training set instead of `path`: a list of {path, subset, split, revision, format, fields, rows or fraction}."""
     format: Literal["alpaca", "chat", "text"] = "alpaca"
     """`alpaca` (instruction/input/output), `chat` (messages), `text` (every token trained)."""
     seq_len: int = 2048
@@ -85,9 +115,11 @@ class DataConfig:
     num_proc: int = 1
     """Processes for tokenisation (`datasets.map`)."""
     eval_fraction: float = 0.0
-    """Share of examples held out for evaluation (ignored when `eval_path` is set)."""
+    """Share of examples held out for evaluation (ignored when `eval_path` or `eval_split` is set)."""
     eval_path: str | None = None
-    """A separate evaluation file, prepared like `path`."""
+    """A separate evaluation source (any `path` form), prepared like `path`."""
+    eval_split: str | None = None
+    """Evaluate on this split, e.g. `test`: of `eval_path` when set (else its `train`), otherwise of each training source at the same commit; instead of `eval_fraction`."""
     shuffle: bool = True
     """Shuffle rows each epoch (order is a pure function of seed and epoch)."""
     loader_workers: int | Literal["auto"] = "auto"

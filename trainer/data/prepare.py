@@ -25,7 +25,9 @@ except ImportError:  # datasets 3.x spells a variable-length list `Sequence`
 from trainer.config import DataConfig
 from trainer.data import cache
 from trainer.data.pack import batch_pad_efficiency, build_rows, one_per_row, pack_lengths
-from trainer.data.read import DataError, check_source, read_rows, require_fields
+from trainer.data.read import DataError, require_fields
+from trainer.data.sources import Located, Source, choose, eval_sources, local_files, locate, sources_of
+from trainer.data.sources import read as read_source
 from trainer.data.stats import BASELINE_BATCH, format_summary, length_stats
 from trainer.data.template import ROW_COLUMN as _ROW
 from trainer.data.template import Tokenize, check_chat_template
@@ -55,21 +57,30 @@ class Prepared:
         return format_summary(self.manifest, self.reused, str(self.train_path.parent))
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """The located sources of one prepare and what identifies its output."""
+
+    train: list[Located]
+    eval: list[Located]
+    """`data.eval_path`, or the training sources' `data.eval_split`; none: eval_fraction or no eval."""
+    settings: dict[str, Any]
+    fingerprint: str
+
+
 def prepare(
     cfg: DataConfig, tokenizer_path: str, cache_root: Path, *, progress: bool = True, seed: int = 0
 ) -> Prepared:
     """Build (or reuse) the packed dataset for `cfg` under `cache_root/<fingerprint>/`."""
     cache_root = Path(cache_root)
-    data_path = check_source(cfg.path, key="data.path")
-    eval_src = check_source(cfg.eval_path, key="data.eval_path") if cfg.eval_path else None
-    settings = _settings(cfg, seed)
-    fp = data_fingerprint(cfg, tokenizer_path, seed)
+    plan = _plan(cfg, tokenizer_path, seed)
+    fp = plan.fingerprint
     cache.clean_stale(cache_root)
     manifest = cache.load_complete(cache_root, fp)
     reused = manifest is not None
     if manifest is None:
         with cache.atomic_build(cache_root, fp) as tmp, _progress_bars(progress):
-            manifest = _build(cfg, tokenizer_path, tmp, fp, settings, data_path, eval_src, seed)
+            manifest = _build(cfg, tokenizer_path, tmp, plan, seed)
     final = cache_root / fp
     return Prepared(
         train_path=final / "train",
@@ -84,21 +95,30 @@ def data_fingerprint(cfg: DataConfig, tokenizer_path: str, seed: int = 0) -> str
     """The cache key of `cfg`'s prepared data: its content, tokenizer and output settings.
 
     `spotune estimate` asks it too, to know whether a target directory holds the data already."""
-    data_path = check_source(cfg.path, key="data.path")
-    eval_src = check_source(cfg.eval_path, key="data.eval_path") if cfg.eval_path else None
-    return cache.fingerprint([data_path, eval_src], tokenizer_path, _settings(cfg, seed))
+    return _plan(cfg, tokenizer_path, seed).fingerprint
 
 
-def _settings(cfg: DataConfig, seed: int) -> dict[str, Any]:
+def _plan(cfg: DataConfig, tokenizer_path: str, seed: int) -> _Plan:
+    train = [locate(s) for s in sources_of(cfg, FORMAT_FIELDS)]
+    ev = [locate(s) for s in eval_sources(cfg, FORMAT_FIELDS)]
+    settings = _settings(cfg, seed, train, ev)
+    # Local sources by their bytes; a hub source by its commit, which is in the settings.
+    data: list[Path | None] = [*local_files(train), *(local_files(ev) if ev else [None])]
+    return _Plan(train, ev, settings, cache.fingerprint(data, tokenizer_path, settings))
+
+
+def _settings(cfg: DataConfig, seed: int, train: list[Located], ev: list[Located]) -> dict[str, Any]:
     """Every setting that changes the output rows (and nothing that does not, e.g. num_proc)."""
-    fields = {key: getattr(cfg, key) for key, _, _ in FORMAT_FIELDS[cfg.format]}
-    split: dict[str, Any] = {"eval_path": cfg.eval_path is not None}
-    if cfg.eval_path is None and cfg.eval_fraction > 0:
+    split: dict[str, Any] = {"eval_sources": [loc.describe() for loc in ev] or None}
+    if not ev and cfg.eval_fraction > 0:
         split.update(eval_fraction=cfg.eval_fraction, seed=seed)
+    mixed = any(loc.source.rows is not None or loc.source.fraction is not None for loc in train)
+    chat = any(loc.source.fmt == "chat" for loc in train) or cfg.format == "chat"
     return {
         "format": cfg.format,
-        "fields": fields,
-        "chat_template": cfg.chat_template if cfg.format == "chat" else None,
+        "sources": [loc.describe() for loc in train],
+        "mix_seed": seed if mixed else None,
+        "chat_template": cfg.chat_template if chat else None,
         "seq_len": cfg.seq_len,
         "packing": cfg.packing,
         "overlong": cfg.overlong,
@@ -107,16 +127,7 @@ def _settings(cfg: DataConfig, seed: int) -> dict[str, Any]:
     }
 
 
-def _build(
-    cfg: DataConfig,
-    tokenizer_path: str,
-    tmp: Path,
-    fp: str,
-    settings: dict[str, Any],
-    data_path: Path,
-    eval_src: Path | None,
-    seed: int,
-) -> dict[str, Any]:
+def _build(cfg: DataConfig, tokenizer_path: str, tmp: Path, plan: _Plan, seed: int) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     started = time.perf_counter()
@@ -127,46 +138,69 @@ def _build(
             f"cannot load a tokenizer from {tokenizer_path!r} ({type(e).__name__}: {str(e).splitlines()[0]}); "
             "set data.tokenizer (or model.name_or_path) to a directory holding tokenizer files."
         ) from None
-    if cfg.format == "chat":
+    if any(loc.source.fmt == "chat" for loc in plan.train):
         check_chat_template(tokenizer, cfg.chat_template)
-    fields = _fields(cfg)
-    train_raw = _read(data_path, "data.path")
-    eval_raw = _read(eval_src, "data.eval_path") if eval_src is not None else None
-    if eval_raw is None and cfg.eval_fraction > 0:
-        train_raw, eval_raw = _split(train_raw, cfg.eval_fraction, seed)
+    train_parts, eval_parts, mix = _read_sources(cfg, plan, seed)
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     pad_id = 0 if pad_id is None else pad_id  # pad tokens are never attended to by real tokens nor trained
     scratch = tmp / "scratch"
     scratch.mkdir()
     manifest: dict[str, Any] = {
-        "fingerprint": fp,
+        "fingerprint": plan.fingerprint,
         "pipeline_version": cache.PIPELINE_VERSION,
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "settings": settings,
-        "sources": {"train": str(data_path), "eval": str(eval_src) if eval_src else None, "tokenizer": tokenizer_path},
+        "settings": plan.settings,
+        "sources": {
+            "train": _labels(plan.train),
+            "eval": _labels(plan.eval),
+            "tokenizer": tokenizer_path,
+            "mix": mix,
+        },
         "pad_id": int(pad_id),
         "train": None,
         "eval": None,
     }
-    for name, raw in (("train", train_raw), ("eval", eval_raw)):
-        if raw is None:
-            continue
-        tok = Tokenize(
-            cfg.format,
-            tokenizer,
-            fields,
-            cfg.seq_len,
-            cfg.overlong,
-            cfg.chat_template,
-            source=str(eval_src if name == "eval" and eval_src else data_path),
-        )
-        manifest[name] = _tokenize_pack_save(raw, tok, cfg, name, tmp, scratch, fp, pad_id, seed)
+    for name, parts in (("train", train_parts), ("eval", eval_parts)):
+        if parts:
+            job = _Job(tokenizer, cfg, name, scratch, plan.fingerprint, pad_id)
+            manifest[name] = _tokenize_pack_save(parts, job, tmp, seed)
     shutil.rmtree(scratch, ignore_errors=True)
     manifest["seconds"] = round(time.perf_counter() - started, 3)
     _plot(manifest, tmp / "lengths.png")
     cache.write_manifest(tmp, manifest)  # last: its presence marks the entry complete
     return manifest
+
+
+Parts = list[tuple[Located, datasets.Dataset]]
+
+
+def _labels(located: list[Located]) -> str | list[str] | None:
+    """One source's label (what a single-source manifest always held), a mix's list, or None."""
+    labels = [loc.label for loc in located]
+    return labels[0] if len(labels) == 1 else (labels or None)
+
+
+def _read_sources(cfg: DataConfig, plan: _Plan, seed: int) -> tuple[Parts, Parts, list[dict[str, Any]]]:
+    """Each source's raw rows, cut to its share, then split into train and eval parts."""
+    train: Parts = []
+    evals: Parts = []
+    mix: list[dict[str, Any]] = []
+    for i, loc in enumerate(plan.train):
+        raw = _read(loc)
+        chosen = choose(raw, loc.source, seed, i)
+        mix.append(
+            {"key": loc.source.key, "source": loc.label, "commit": loc.commit, "rows": len(raw), "chosen": len(chosen)}
+        )
+        if not plan.eval and cfg.eval_fraction > 0:
+            kept, held = _split(chosen, cfg.eval_fraction, seed, loc.source.key)
+            train.append((loc, kept))
+            evals.append((loc, held))
+        else:
+            train.append((loc, chosen))
+    if plan.eval:
+        evals = [(loc, _read(loc)) for loc in plan.eval]
+    return train, evals, mix
 
 
 # The one map of data formats to the columns they read: (config key, role in Tokenize, required).
@@ -182,55 +216,91 @@ FORMAT_FIELDS: dict[str, tuple[tuple[str, str, bool], ...]] = {
 }
 
 
-def _fields(cfg: DataConfig) -> dict[str, str]:
-    """Role -> column name for the format of `cfg`."""
-    return {role: getattr(cfg, key) for key, role, _ in FORMAT_FIELDS[cfg.format]}
-
-
-def _read(path: Path, key: str) -> datasets.Dataset:
-    ds = read_rows(path, key=key)
+def _read(loc: Located) -> datasets.Dataset:
+    ds = read_source(loc)
     return ds.add_column(_ROW, np.arange(len(ds), dtype=np.int64))
 
 
-def _check_fields(ds: datasets.Dataset, fmt: str, fields: dict[str, str], source: Path) -> None:
-    need = {key: fields[role] for key, role, required in FORMAT_FIELDS[fmt] if required}
+def _check_fields(ds: datasets.Dataset, src: Source, source: str) -> None:
+    def key(cfg_key: str, role: str) -> str:  # the key a user sets to fix it
+        return f"{src.key}.fields.{role}" if src.key.startswith("data.sources[") else f"data.{cfg_key}"
+
+    need = {key(k, role): src.fields[role] for k, role, required in FORMAT_FIELDS[src.fmt] if required}
     require_fields([c for c in ds.column_names if c != _ROW], need, source)
 
 
-def _split(ds: datasets.Dataset, fraction: float, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
+def _split(ds: datasets.Dataset, fraction: float, seed: int, key: str) -> tuple[datasets.Dataset, datasets.Dataset]:
     """Deterministic held-out split: a seeded permutation, the first share goes to eval."""
     n = len(ds)
     n_eval = max(1, round(n * fraction))
     if n_eval >= n:
         raise DataError(
-            f"data.eval_fraction={fraction} leaves no training example out of {n}; lower data.eval_fraction or add data."
+            f"data.eval_fraction={fraction} leaves no training example of {key} out of {n}; "
+            "lower data.eval_fraction or add data."
         )
     perm = np.random.default_rng(seed).permutation(n)
     return ds.select(np.sort(perm[n_eval:])), ds.select(np.sort(perm[:n_eval]))
 
 
-def _tokenize_pack_save(
-    raw: datasets.Dataset,
-    tok: Tokenize,
-    cfg: DataConfig,
-    name: str,
-    out_dir: Path,
-    scratch: Path,
-    fp: str,
-    pad_id: int,
-    seed: int,
-) -> dict[str, Any]:
-    _check_fields(raw, cfg.format, tok.fields, Path(tok.source))
-    tokenized = raw.map(
+@dataclass(frozen=True)
+class _Job:
+    """What tokenising one split needs besides its parts."""
+
+    tokenizer: Any
+    cfg: DataConfig
+    name: str
+    scratch: Path
+    fp: str
+    pad_id: int
+
+
+def _tokenize(loc: Located, raw: datasets.Dataset, job: _Job, j: int) -> datasets.Dataset:
+    """One source's rows through its own template (format and fields)."""
+    src = loc.source
+    _check_fields(raw, src, loc.label)
+    # The source's own DataConfig (its format and columns): built like a single-source prepare's.
+    cfg = src.data_config(job.cfg, FORMAT_FIELDS)
+    fields = {role: getattr(cfg, key) for key, role, _ in FORMAT_FIELDS[cfg.format]}
+    tok = Tokenize(cfg.format, job.tokenizer, fields, cfg.seq_len, cfg.overlong, cfg.chat_template, source=loc.label)
+    return raw.map(
         tok,
         batched=True,
         remove_columns=raw.column_names,
         num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
         features=_TOKENIZED,
-        cache_file_name=str(scratch / f"{name}.arrow"),
-        new_fingerprint=f"{fp}-{name}",  # skips hashing the tokenizer-holding function
-        desc=f"tokenize {name}",
+        cache_file_name=str(job.scratch / f"{job.name}-{j}.arrow"),
+        new_fingerprint=f"{job.fp}-{job.name}-{j}",  # skips hashing the tokenizer-holding function
+        desc=f"tokenize {job.name} ({src.key})",
     )
+
+
+def _tokenize_pack_save(parts: Parts, job: _Job, out_dir: Path, seed: int) -> dict[str, Any]:
+    cfg, name = job.cfg, job.name
+    pieces, per_source = [], []
+    for j, (loc, raw) in enumerate(parts):
+        piece = _tokenize(loc, raw, job, j)
+        st = np.asarray(piece["status"], dtype=object)
+        n_kept = int((st == "").sum())
+        counts = Counter(s for s in st.tolist() if s)
+        if n_kept == 0:
+            reasons = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+            raise DataError(
+                f"{loc.label} ({loc.source.key}): no {name} example is left after templating ({reasons}); "
+                "check its format and field settings, or raise data.seq_len / set data.overlong=truncate."
+            )
+        lens = np.asarray(piece["length"], dtype=np.int64)
+        per_source.append(
+            {
+                "key": loc.source.key,
+                "source": loc.label,
+                "examples_in": len(raw),
+                "examples_out": n_kept,
+                "dropped": dict(sorted(counts.items())),
+                "truncated": int(((lens > cfg.seq_len) & (st == "")).sum()),
+            }
+        )
+        pieces.append(piece)
+    tokenized = pieces[0] if len(pieces) == 1 else datasets.concatenate_datasets(pieces)
     status = np.asarray(tokenized["status"], dtype=object)
     lengths = np.asarray(tokenized["length"], dtype=np.int64)
     ids_arr = tokenized.data.column("input_ids").combine_chunks()
@@ -240,24 +310,18 @@ def _tokenize_pack_save(
         raise RuntimeError("internal error: input_ids and labels disagree in length")
     kept = np.flatnonzero(status == "")
     dropped = Counter(s for s in status.tolist() if s)
-    if kept.size == 0:
-        reasons = ", ".join(f"{k} {v}" for k, v in sorted(dropped.items()))
-        raise DataError(
-            f"{tok.source}: no {name} example is left after templating ({reasons}); "
-            "check data.format and the field settings, or raise data.seq_len / set data.overlong=truncate."
-        )
     doc_lens = np.diff(offsets)[kept]
     if cfg.packing:
         bins_local, algorithm = pack_lengths(doc_lens, cfg.seq_len)
     else:
         bins_local, algorithm = one_per_row(doc_lens), "one_per_row"
     bins = [[int(kept[i]) for i in b] for b in bins_local]
-    rows = build_rows(ids_arr.values.to_numpy(), lab_arr.values.to_numpy(), offsets, bins, cfg.seq_len, pad_id)
+    rows = build_rows(ids_arr.values.to_numpy(), lab_arr.values.to_numpy(), offsets, bins, cfg.seq_len, job.pad_id)
     _save_rows(rows, cfg.seq_len, out_dir / name)
 
     n_rows, real = len(bins), int(rows["num_real"].sum())
     return {
-        "examples_in": len(raw),
+        "examples_in": len(status),
         "examples_out": int(kept.size),
         "dropped": dict(sorted(dropped.items())),
         "truncated": int((lengths[kept] > cfg.seq_len).sum()),
@@ -272,6 +336,7 @@ def _tokenize_pack_save(
             "what": "random batches padded to their longest example",
         },
         "lengths": length_stats(lengths[lengths > 0]),
+        "sources": per_source,
     }
 
 

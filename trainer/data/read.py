@@ -15,7 +15,8 @@ import datasets
 import pandas as pd
 import pyarrow.parquet as pq
 
-SUPPORTED = (".jsonl", ".ndjson", ".json", ".parquet", ".csv", "a directory written by datasets' save_to_disk")
+DATA_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet", ".csv")
+SUPPORTED = (*DATA_SUFFIXES, "a directory written by datasets' save_to_disk", "a folder of such files")
 
 
 class DataError(ValueError):
@@ -27,18 +28,23 @@ def check_source(path: str | Path, *, key: str = "data.path") -> Path:
     p = Path(path)
     if not p.exists():
         raise DataError(f"{key}: {p} does not exist; point {key} at a data file or a saved datasets directory.")
-    if p.is_file() and p.suffix.lower() not in SUPPORTED[:-1]:
+    if p.is_file() and p.suffix.lower() not in DATA_SUFFIXES:
         raise DataError(
             f"{key}: unknown data format {p.suffix or '(no extension)'!r} for {p}; supported: {', '.join(SUPPORTED)}."
         )
     return p
 
 
-def read_rows(path: str | Path, *, key: str = "data.path") -> datasets.Dataset:
-    """All rows of the file or saved dataset at `path`; `key` names the config key in errors."""
+def is_saved_dataset(p: Path) -> bool:
+    return (p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists()
+
+
+def read_rows(path: str | Path, *, key: str = "data.path", split: str = "train") -> datasets.Dataset:
+    """All rows of the file or saved dataset at `path` (`split` of a saved DatasetDict); `key`
+    names the config key in errors."""
     p = check_source(path, key=key)
     if p.is_dir():
-        ds = _read_saved(p, key)
+        ds = _read_saved(p, key, split)
     else:
         suffix = p.suffix.lower()
         if suffix in (".jsonl", ".ndjson"):
@@ -115,25 +121,28 @@ def _from_records(rows: list[dict[str, Any]], p: Path, key: str) -> datasets.Dat
         raise DataError(f"{p}: rows do not share one schema ({type(e).__name__}: {e}).") from None
 
 
-def _read_saved(p: Path, key: str) -> datasets.Dataset:
-    if not ((p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists()):
+def _read_saved(p: Path, key: str, split: str) -> datasets.Dataset:
+    if not is_saved_dataset(p):
         raise DataError(
             f"{key}: {p} is a directory but not one written by datasets' save_to_disk; "
             f"supported: {', '.join(SUPPORTED)}."
         )
     loaded = datasets.load_from_disk(str(p), keep_in_memory=True)
     if isinstance(loaded, datasets.DatasetDict):
-        if "train" not in loaded:
-            raise DataError(f"{key}: {p} is a DatasetDict without a 'train' split (splits: {', '.join(loaded)}).")
-        loaded = loaded["train"]
+        if split not in loaded:
+            raise DataError(
+                f"{key}: {p} is a DatasetDict without a {split!r} split (splits: {', '.join(loaded)}); "
+                "set the split to one of them."
+            )
+        loaded = loaded[split]
     return loaded
 
 
 def require_fields(found: list[str], fields: dict[str, str], source: str | Path) -> None:
-    """Raise if a required column is absent; `fields` maps config key -> column name."""
+    """Raise if a required column is absent; `fields` maps the config key that names it -> column name."""
     for key, name in fields.items():
         if name not in found:
             raise DataError(
                 f"{source}: field {name!r} not found (fields found: {', '.join(found) or 'none'}); "
-                f"set data.{key} to the field that holds it."
+                f"set {key} to the field that holds it."
             )

@@ -76,6 +76,9 @@ def format_summary(manifest: dict[str, Any], reused: bool, where: str) -> str:
     lines = [f"spotune prepare: {verb} {fp} at {where}"]
     s = manifest["settings"]
     lines.append(f"  format={s['format']} seq_len={s['seq_len']} packing={s['packing']} overlong={s['overlong']}")
+    for m in manifest.get("sources", {}).get("mix", []):
+        share = "all rows" if m["chosen"] == m["rows"] else f"{m['chosen']:,} chosen (seeded)"
+        lines.append(f"  source {m['key']}: {m['source']}: {m['rows']:,} rows, {share}")
     for split in ("train", "eval"):
         st = manifest.get(split)
         if st:
@@ -94,6 +97,14 @@ def _split_lines(name: str, st: dict[str, Any], seq_len: int, overlong: str) -> 
         f"padding random batches of {st['baseline']['batch_size']} to their longest instead: "
         f"{st['baseline']['efficiency']:.2%}",
     ]
+    per_source = st.get("sources", [])
+    if len(per_source) > 1 or any(ps["examples_out"] < ps["examples_in"] or ps["truncated"] for ps in per_source):
+        for ps in per_source:  # every row a source lost, and why: none goes silently
+            lost = ", ".join(f"{k} {v}" for k, v in sorted(ps["dropped"].items()) if v) or "none"
+            out.append(
+                f"  from {ps['key']}: {ps['examples_in']:,} in -> {ps['examples_out']:,} kept; dropped: {lost}; "
+                f"truncated: {ps['truncated']:,}"
+            )
     ls = st["lengths"]
     if not ls.get("count"):
         return out

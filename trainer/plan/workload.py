@@ -128,19 +128,17 @@ def from_sample(
 ) -> Workload:
     """Prepare the first `sample_size` examples in a scratch directory and extrapolate."""
     from trainer.data import prepare
-    from trainer.data.read import read_rows
+    from trainer.data.prepare import FORMAT_FIELDS
+    from trainer.data.sources import write_sample
 
-    full = read_rows(resolved_path, key="data.path")
-    total = len(full)
-    n = min(total, sample_size)
     with tempfile.TemporaryDirectory(prefix="spotune-estimate-") as tmp:
-        sample_file = Path(tmp) / "sample.jsonl"
-        full.select(range(n)).to_json(str(sample_file), lines=True)
-        # An eval_fraction split applies to the sample as to the whole; a separate eval file is
+        # Every source of a mix in its share, local or on the hub (trainer/data/sources.py).
+        resolved = dataclasses.replace(data, path=resolved_path)
+        sample_cfg, total, n = write_sample(resolved, FORMAT_FIELDS, Path(tmp), sample_size, seed)
+        # An eval_fraction split applies to the sample as to the whole; a separate eval source is
         # not sampled (its evaluation time shows once the data is prepared).
-        sample_cfg = dataclasses.replace(data, path=str(sample_file), num_proc=1)
-        if data.eval_path is not None:
-            sample_cfg = dataclasses.replace(sample_cfg, eval_path=None, eval_fraction=0.0)
+        if data.eval_path is not None or data.eval_split is not None:
+            sample_cfg = dataclasses.replace(sample_cfg, eval_path=None, eval_split=None, eval_fraction=0.0)
         prepared = prepare(sample_cfg, tokenizer_path, Path(tmp) / "cache", progress=False, seed=seed)
         m = prepared.manifest
     scale = total / n if n else 0.0

@@ -34,7 +34,7 @@ from trainer.restart.saving import Saver
 from trainer.restart.state import Counters, TrainState, check_compatible, restore_training_state
 from trainer.training import autofit, determinism, loop, metrics, process, shutdown
 from trainer.training.batches import StepDataset, prefetching, step_loader
-from trainer.training.inputs import model_path, prepare_data, tokenizer_path
+from trainer.training.inputs import model_path, pin_data, prepare_data, tokenizer_path
 from trainer.training.shutdown import OutOfMemory
 from trainer.training.telemetry import Budget, Console, JsonlSink, Telemetry, flat_config
 
@@ -57,6 +57,7 @@ def train(cfg: C.RunConfig, wait: float | None = None) -> int:
         proc = process.start(cfg, phases, closing, fence=holding.lease)  # accelerator, DDP/FSDP, store, stop paths
         device = proc.accelerator.device
         with timed(phases, "data"):
+            cfg = pin_data(cfg, proc.is_main)  # hub datasets stay at the commit of the run's first start
             prepared = _prepare_once_per_node(cfg, proc)
         # Resolved before the model loads, so a bad metrics.gpu fails in a second, not a minute.
         peak_flops = metrics.resolve_peak_flops(cfg.metrics.peak_flops, cfg.metrics.gpu, device)

@@ -1,0 +1,141 @@
+"""Hub datasets: which `data.path` names one, and fetching a revision of it into the HF cache.
+
+A hub dataset is read through `huggingface_hub.snapshot_download(repo_type="dataset")`, so it
+lands in the normal HF cache (`HF_HOME`, `HF_HUB_CACHE`), shares it with `datasets` and other
+tools, and `HF_HUB_OFFLINE=1` reads that cache without the network. A download names the commit
+it resolved to (the snapshot folder is named by it); the run pins that commit (trainer/data/sources.py).
+Tokens come from `HF_TOKEN` or `huggingface-cli login` through huggingface_hub itself: nothing
+here reads, prints or stores one.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.data.layout import CARD
+from trainer.data.read import DATA_SUFFIXES, DataError
+
+PREFIX = "hf://datasets/"
+_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+@dataclass(frozen=True)
+class HubId:
+    repo_id: str
+    revision: str | None
+    """As written in `hf://datasets/org/name@revision`; None when the path names none."""
+
+    def url(self, revision: str | None) -> str:
+        return f"{PREFIX}{self.repo_id}" + (f"@{revision}" if revision else "")
+
+
+def parse(path: str) -> HubId | None:
+    """The hub dataset `path` names, or None for a local path.
+
+    `hf://datasets/org/name[@revision]` always names the hub. A bare `org/name` does when no such
+    local path exists and its name does not end like a data file (`data/train.jsonl` is a missing
+    file, not a dataset), the way `datasets.load_dataset` resolves names.
+    """
+    if path.startswith(PREFIX):
+        repo, _, rev = path[len(PREFIX) :].partition("@")
+        repo = repo.rstrip("/")
+        if not _REPO.match(repo):
+            raise DataError(f"{path}: expected {PREFIX}org/name[@revision] (a dataset id of the form org/name)")
+        return HubId(repo, rev or None)
+    if path.startswith("hf://"):
+        raise DataError(f"{path}: only hub datasets are read; write {PREFIX}org/name[@revision]")
+    if Path(path).exists() or not _REPO.match(path) or path.lower().endswith(DATA_SUFFIXES):
+        return None
+    return HubId(path, None)
+
+
+RETRY_SECONDS = (5.0, 20.0, 60.0)
+"""Waits between attempts when the hub cannot be reached (and the cache cannot stand in)."""
+
+
+class HubUnreachable(ConnectionError):
+    """The hub could not be reached and the cache lacks what was asked: a transient fault, so not
+    a DataError (whose exit code tells a supervisor not to rerun): the process exits 1."""
+
+
+def download(hub: HubId, revision: str | None, patterns: list[str] | None, key: str) -> tuple[Path, str]:
+    """The snapshot folder of `revision` (None: the default branch) holding the files matching
+    `patterns` (None: all), and the commit it resolved to. Errors name the key and the fix; an
+    unreachable hub is retried (RETRY_SECONDS), then raises HubUnreachable."""
+    for wait in (*RETRY_SECONDS, None):
+        try:
+            return _download(hub, revision, patterns, key)
+        except HubUnreachable as e:
+            if wait is None:
+                raise
+            print(f"spotune: {e} Retrying in {wait:.0f}s.", file=sys.stderr, flush=True)
+            time.sleep(wait)
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def _download(hub: HubId, revision: str | None, patterns: list[str] | None, key: str) -> tuple[Path, str]:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    where = hub.url(revision)
+    try:
+        folder = snapshot_download(hub.repo_id, repo_type="dataset", revision=revision, allow_patterns=patterns)
+    except GatedRepoError:
+        raise DataError(
+            f"{key}: {where} is gated: accept its terms on https://huggingface.co/datasets/{hub.repo_id} "
+            "and set HF_TOKEN to a token of that account (or run `hf auth login`)."
+        ) from None
+    except RevisionNotFoundError:
+        raise DataError(
+            f"{key}: {hub.repo_id} has no revision {revision!r}; set the revision to a branch, tag or commit it has."
+        ) from None
+    except RepositoryNotFoundError:
+        raise DataError(
+            f"{key}: no hub dataset {hub.repo_id!r} (or it is private): check the id, or set HF_TOKEN to a "
+            "token that can read it."
+        ) from None
+    except LocalEntryNotFoundError:
+        if not _offline():
+            raise HubUnreachable(
+                f"{key}: {where} is not in the local HF cache and the hub could not be reached; check the "
+                "network (a private or gated dataset also needs HF_TOKEN)."
+            ) from None
+        raise DataError(
+            f"{key}: {where} is not in the local HF cache and HF_HUB_OFFLINE is set: run once with the network "
+            "(unset HF_HUB_OFFLINE) to download it, check the id, or point HF_HOME at the cache that holds it; "
+            "a private or gated dataset also needs HF_TOKEN."
+        ) from None
+    except HfHubHTTPError as e:
+        status = getattr(e.response, "status_code", None) if getattr(e, "response", None) is not None else None
+        if status in (401, 403):
+            raise DataError(
+                f"{key}: the hub refused {where} (HTTP {status}); set HF_TOKEN to a token that can read it."
+            ) from None
+        if status is None or status >= 500 or status == 429:
+            raise HubUnreachable(f"{key}: the hub failed to serve {where} (HTTP {status}).") from None
+        raise
+    return Path(folder), Path(folder).name
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def data_patterns(split_patterns: list[str] | None) -> list[str]:
+    """What to download: the card and the split's files (the card's `configs:`), else every data file."""
+    if split_patterns is not None:
+        return [CARD, *split_patterns]
+    return [CARD, *(f"*{suffix}" for suffix in DATA_SUFFIXES)]
