@@ -18,7 +18,7 @@ import torch
 
 from trainer import config as C
 from trainer.model import distributed
-from trainer.restart import notice, preemption
+from trainer.restart import launcher, notice, preemption
 from trainer.restart.ledger import timed
 from trainer.restart.remote import RemoteRun
 from trainer.training import gpu_probe
@@ -72,6 +72,8 @@ def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitSt
     if accelerator.is_local_main_process:
         watcher.start()
         closing.callback(watcher.stop)
+    if launcher.launched():  # torchrun's ranks outlive a killed launcher: they save and exit instead
+        closing.callback(launcher.LauncherWatch(stop.request, ck.notice_seconds).start().stop)
     return Process(accelerator, sharding, remote, stop, out)
 
 
