@@ -235,7 +235,7 @@ def resolve_for_device(
     what ran out in any rank's earlier attempt, so all ranks choose the same (under FSDP their
     collectives must match). Only the main rank's lines are logged."""
     if not _is_auto(cfg):
-        return cfg, [], None
+        return cfg, [OFFLOAD_ON] if cfg.model.activation_offload == "on" else [], None
     from transformers import AutoConfig
 
     from trainer.model import distributed, flops
