@@ -32,6 +32,9 @@ from trainer.exit_codes import EXIT_PREEMPTED
 LAUNCHER_ENV = "TORCHELASTIC_RUN_ID"
 """Set by torchrun (and so by `accelerate launch`) in every rank it starts."""
 POLL_SECONDS = 0.5
+MIN_DEADLINE_SECONDS = 60.0
+"""The hard exit comes `max(checkpoint.notice_seconds, this)` after the launcher died: time for the
+step in flight and its save, short of the minutes a stuck collective would hold the GPU."""
 
 
 def launched() -> bool:
