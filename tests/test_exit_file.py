@@ -107,3 +107,11 @@ def test_out_of_memory_on_rank_1_reaches_the_exit_file_as_5(tmp_path: Path, tiny
     assert done.returncode == 1  # torchrun's own code for any failed rank: why the file exists
     assert "out of memory at step 3" in done.stderr and "To fit:" in done.stderr, done.stderr[-3000:]
     assert exit_file.read_text() == f"{E.EXIT_OUT_OF_MEMORY}\n", done.stderr[-3000:]
+
+
+def test_an_exit_file_that_cannot_be_written_keeps_the_code(tmp_path: Path) -> None:
+    env = {**os.environ, E.EXIT_FILE_ENV: str(tmp_path / "gone" / "code"), "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer", "train", "train.no_such_key=1"], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == E.EXIT_BAD_INPUT and "could not write the exit code to" in done.stderr

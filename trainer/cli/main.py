@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -66,7 +67,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _record_exit_code(code: int, started: float | None = None) -> None:
     """Under a launcher that sets SPOTUNE_EXIT_FILE, every rank merges its code into it: the file
     ends with the most specific of the ranks' codes (trainer/exit_codes.py, `PRIORITY`)."""
-    exit_codes.record(code, since=time.time() if started is None else started)
+    try:
+        exit_codes.record(code, since=time.time() if started is None else started)
+    except OSError as e:  # the code itself still reaches the launcher as this process's exit status
+        print(
+            f"spotune: could not write the exit code to {os.environ.get(exit_codes.EXIT_FILE_ENV)}: {e}",
+            file=sys.stderr,
+        )
 
 
 def _main(argv: Sequence[str] | None) -> int:
