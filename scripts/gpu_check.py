@@ -135,6 +135,16 @@ def gpu_tests(args: argparse.Namespace, part: Part) -> None:
     code, out = _run(cmd, args.budget["gpu-tests"])
     part.log, part.figure = out, _pytest_figure(out)
     part.status = "pass" if code == 0 else "fail"
+    if part.status == "pass" and not args.dry and not _ran_any(part.figure):
+        # pytest exits 0 when every test skipped: on a GPU machine that means torch saw no GPU
+        # (or a marker broke), which is the very thing this part is here to catch.
+        part.status = "fail"
+        part.figure = f"no GPU test ran ({part.figure}); the skip reasons are in the log: does torch see the GPU?"
+
+
+def _ran_any(figure: str) -> bool:
+    """Whether a pytest summary line counts any test that ran (passed, failed, xfailed...)."""
+    return bool(re.search(r"\b\d+ (passed|failed|xfailed|xpassed|errors?)\b", figure))
 
 
 def exit_paths(args: argparse.Namespace, part: Part) -> None:

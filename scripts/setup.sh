@@ -36,7 +36,17 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import torch" 2>/dev/
   if [ -n "$WHEELS" ] && [ "$CHOICE" != system ]; then
     pip install "${local_only[@]}" "${SPEC}"
   elif [ "$CHOICE" = cuda ]; then
-    pip install "$SPEC" --index-url "$INDEX" --extra-index-url https://pypi.org/simple
+    # torch itself from its build's index only: with PyPI beside it, the first torch release that
+    # has no $BUILD wheel would come from PyPI, built for another CUDA than this driver runs.
+    pip install --no-deps "$SPEC" --index-url "$INDEX"
+    version=$("$VENV/bin/python" -c "import importlib.metadata as m; print(m.version('torch'))")
+    case "$version" in
+      *"+$BUILD") ;;
+      *) echo "setup: installed torch $version, not a $BUILD build; install one by hand: pip install torch --index-url $INDEX" >&2
+         exit 3 ;;
+    esac
+    # Then its dependencies; the pin (with its +$BUILD label) keeps this very build.
+    pip install "torch==$version" --index-url "$INDEX" --extra-index-url https://pypi.org/simple
   elif [ "$CHOICE" = cpu ]; then
     if probe=$(mktemp -d) && pip download --no-deps --no-index -d "$probe" "$SPEC" >/dev/null 2>&1; then
       rm -rf "$probe"

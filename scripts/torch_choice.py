@@ -6,6 +6,8 @@ Prints shell assignments that setup.sh evaluates:
                    the venv reuses it (--system-site-packages) instead of downloading another
            cuda    the CUDA build whose CUDA version the driver supports, from that build's index
   INDEX    the package index of the chosen build (cpu and cuda)
+  BUILD    the local version label of the CUDA build (cu128): setup.sh installs torch from INDEX
+           alone and checks the label, so a newer release on PyPI built for another CUDA never wins
   SPEC     the requirement to install
   WHY      one line for the user
 
@@ -107,6 +109,7 @@ def choose(
             return {
                 "CHOICE": "cuda",
                 "INDEX": INDEX + build,
+                "BUILD": build,
                 "SPEC": f"torch>={floor_text}",
                 "WHY": f"{name}, driver supports CUDA {driver_cuda[0]}.{driver_cuda[1]}; {had}: the newest {build} "
                 "build of torch",

@@ -74,11 +74,35 @@ def test_a_hung_rank_ends_the_waiting_one_within_the_timeout(seconds: str) -> No
             p.wait()
 
 
-def test_one_process_and_no_timeout_leave_torch_alone() -> None:
-    for seconds in (None, 30.0):
-        t = CollectiveTimeout(seconds)
-        t.arm()  # no process group: nothing to change, nothing raised
+def test_one_process_and_no_timeout_leave_torch_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from trainer.model import distributed
+
+    changed: list[float] = []
+    monkeypatch.setattr(distributed, "_set_timeout", lambda group, seconds: changed.append(seconds))
+    t = CollectiveTimeout(None)
+    t.arm()
+    assert not t.armed  # no timeout asked for: nothing armed, nothing to disarm
+    t = CollectiveTimeout(30.0)
+    t.arm()  # no process group: nothing to change, nothing raised
+    assert t.armed and changed == []
+    t.disarm()
+    assert not t.armed and changed == []
+    # A group of one process: no other rank to wait for, so its timeout stays torch's.
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        t = CollectiveTimeout(30.0)
+        t.arm()
         t.disarm()
+        assert changed == []
+        # Control: the same calls on a group of two change the timeout (the spy sees them).
+        monkeypatch.setattr(CollectiveTimeout, "_group", staticmethod(lambda: dist.group.WORLD))
+        t = CollectiveTimeout(30.0)
+        t.arm()
+        assert changed == [30.0]
+    finally:
+        dist.destroy_process_group()
 
 
 def test_the_timeout_is_validated() -> None:

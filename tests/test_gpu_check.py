@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -60,3 +62,33 @@ def test_a_failing_part_is_reported_and_the_others_still_run(tmp_path: Path) -> 
     assert result["parts"]["broken"] == {"status": "fail", "figure": "RuntimeError: boom", "seconds": 0.0, "log": ""}
     assert result["parts"]["environment"]["status"] == "pass"
     assert "Failed: broken" in (tmp_path / "gpu-check.md").read_text()
+
+
+def _gpu_check() -> Any:
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    return gpu_check
+
+
+@pytest.mark.parametrize(
+    "summary, status",
+    [
+        ("===== 14 skipped, 880 deselected in 3.10s =====", "fail"),  # no GPU seen: every test skipped
+        ("===== 12 passed, 2 skipped, 880 deselected in 93.10s =====", "pass"),
+        ("===== 1 failed, 11 passed in 93.10s =====", "fail"),
+    ],
+)
+def test_a_gpu_run_where_every_test_skipped_is_not_a_pass(
+    monkeypatch: pytest.MonkeyPatch, summary: str, status: str
+) -> None:
+    gpu_check = _gpu_check()
+    code = 1 if "failed" in summary else 0  # pytest's own exit code: 0 when everything skipped
+    monkeypatch.setattr(gpu_check, "_run", lambda cmd, timeout, env=None: (code, f"...\n{summary}\n"))
+    part = gpu_check.Part("gpu-tests")
+    gpu_check.gpu_tests(argparse.Namespace(dry=False, budget=gpu_check.BUDGET_S), part)
+    assert part.status == status, part.figure
+    if "14 skipped" in summary:
+        assert "no GPU test ran (14 skipped, 880 deselected)" in part.figure

@@ -27,6 +27,9 @@ What a supervisor should do with each:
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 from typing import Literal
 
 EXIT_FINISHED = 0
@@ -40,8 +43,38 @@ EXIT_ABORTED = 130
 EXIT_PREEMPTED = 143
 
 EXIT_FILE_ENV = "SPOTUNE_EXIT_FILE"
-"""Where the main rank also writes its exit code. A launcher reads it because torchrun reports any
-rank's non-zero exit as 1, which would turn a requeue (143) into an error (docker/entrypoint.sh)."""
+"""Where every rank of a machine also writes its exit code. A launcher reads it because torchrun
+reports any rank's non-zero exit as 1, which would turn a requeue (143) into an error
+(docker/entrypoint.sh). The ranks merge into the one file: it holds the code of `PRIORITY` that
+comes first among theirs, so a rank 1 out of memory reads 5, not rank 0's 1. The launcher gives
+each attempt an empty file (the templates use mktemp)."""
+
+PRIORITY: tuple[int, ...] = (
+    EXIT_BAD_INPUT,
+    EXIT_OUT_OF_MEMORY,
+    EXIT_BAD_STEPS,
+    EXIT_BUSY,
+    EXIT_BUDGET,
+    EXIT_PREEMPTED,
+    EXIT_ABORTED,
+    EXIT_ERROR,
+    EXIT_FINISHED,
+)
+"""Which rank's code the run reports when ranks differ: the most specific first. A code that names
+its cause (bad input, out of memory, non-finite steps, busy) beats the plain error, which on a
+several-rank run is mostly a rank whose collective broke because another rank stopped; a saved
+stop (budget, preemption) beats an error too, since ranks only stop together after agreeing on
+it. Finished counts only when every rank finished. A code not listed (a signal's) ranks with 1."""
+
+
+def most_specific(codes: list[int]) -> int:
+    """The code the run reports for the codes of its ranks (`PRIORITY`)."""
+
+    def rank(code: int) -> int:
+        return PRIORITY.index(code) if code in PRIORITY else PRIORITY.index(EXIT_ERROR)
+
+    return min(codes, key=rank)
+
 
 StopReason = Literal["finished", "preempted", "budget", "bad_steps"]
 """Why the training loop returned."""
@@ -53,3 +86,35 @@ FOR_STOP: dict[str, int] = {
     "bad_steps": EXIT_BAD_STEPS,
 }
 """The exit code of `spotune train` for each way the loop can stop."""
+
+
+MTIME_SLACK = 0.05
+"""Seconds a file's modification time may lag the clock (the kernel stamps it from a coarse clock)."""
+
+
+def record(code: int, since: float, path: str | None = None) -> None:
+    """Merge this rank's `code` into the exit file (`EXIT_FILE_ENV`, or `path`), if one is named.
+
+    Every rank of the machine writes; what the file holds after the last is `most_specific` of the
+    codes written since the attempt began (`since`, this process's start, as time.time()): content
+    older than that is an earlier attempt's and is replaced, so a reused path cannot leak a code.
+    Written in place under a `flock` of the file, not by rename: a rank waiting on the lock must
+    read what the rank before it wrote (a rename would leave it on the old inode). Where the
+    filesystem has no flock, the ranks write unlocked (they end seconds apart).
+    """
+    path = path or os.environ.get(EXIT_FILE_ENV)
+    if not path:
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        codes = [code]
+        old = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        if old.isdigit() and os.fstat(fd).st_mtime >= since - MTIME_SLACK:
+            codes.append(int(old))
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{most_specific(codes)}\n".encode(), 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)  # drops the flock

@@ -13,13 +13,14 @@ import argparse
 import multiprocessing
 import os
 import sys
+import time
 from collections.abc import Sequence
-from pathlib import Path
 from types import ModuleType
 
 from trainer import config as C
+from trainer import exit_codes
 from trainer.cli import config, estimate, export, pilot, prepare, report, status, train
-from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_BUSY, EXIT_FILE_ENV
+from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_BUSY, EXIT_ERROR, EXIT_FINISHED
 
 # Every command, in the order `spotune --help` lists them: its module has HELP, add_arguments
 # and run(args) -> exit code. Command modules never import one another.
@@ -46,25 +47,33 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    started = time.time()
     before = frozenset(c.pid for c in multiprocessing.active_children() if c.pid is not None)
+    code = EXIT_ERROR  # what an exception that escapes (a traceback) exits with
     try:
         code = _main(argv)
+    except SystemExit as e:  # a second SIGINT (130), argparse's 2
+        code = e.code if isinstance(e.code, int) else (EXIT_FINISHED if e.code is None else EXIT_ERROR)
+        raise
     finally:  # whatever ended the command, no child it started may hold the process open
         if any(c.pid not in before for c in multiprocessing.active_children()):
             from trainer.training.shutdown import end_child_processes  # torch: only when there is one
 
             end_child_processes(keep=before)
-    _record_exit_code(code)
+        _record_exit_code(code, started)
     return code
 
 
-def _record_exit_code(code: int) -> None:
-    """Under a launcher that sets SPOTUNE_EXIT_FILE, the main rank writes its code there too."""
-    path = os.environ.get(EXIT_FILE_ENV)
-    if path and os.environ.get("RANK", "0") == "0":
-        from trainer.atomic import write_text
-
-        write_text(Path(path), f"{code}\n")
+def _record_exit_code(code: int, started: float | None = None) -> None:
+    """Under a launcher that sets SPOTUNE_EXIT_FILE, every rank merges its code into it: the file
+    ends with the most specific of the ranks' codes (trainer/exit_codes.py, `PRIORITY`)."""
+    try:
+        exit_codes.record(code, since=time.time() if started is None else started)
+    except OSError as e:  # the code itself still reaches the launcher as this process's exit status
+        print(
+            f"spotune: could not write the exit code to {os.environ.get(exit_codes.EXIT_FILE_ENV)}: {e}",
+            file=sys.stderr,
+        )
 
 
 def _main(argv: Sequence[str] | None) -> int:

@@ -14,8 +14,8 @@ micro-batch of B packed rows, whatever B is (`model_inputs`):
 
 `spotune_varlen` is an attention function of ours registered through transformers'
 `AttentionInterface`: on CUDA it calls torch's own varlen flash kernel
-(`torch.nn.attention.varlen.varlen_attn`, no flash-attn package needed), elsewhere a
-per-document sdpa reference. It refuses to run without the bounds rather than attend
+(`torch.nn.attention.varlen.varlen_attn`, no flash-attn package needed; a float32 query is cast
+to bf16 for it, said once: `varlen_choice`), elsewhere a per-document sdpa reference. It refuses to run without the bounds rather than attend
 across documents.
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -88,11 +89,47 @@ def varlen_attention(
         raise ValueError(f"attention '{VARLEN}' has no attention dropout; use model.attn_implementation=sdpa")
     q, k, v = (t.squeeze(0).transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     kernel = torch_varlen()
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and kernel is not None:
-        out = kernel(q, k, v, cu, int(longest), scaling)
+    path, cast = varlen_choice(q.device.type, q.dtype, kernel is not None)
+    if path == "kernel":
+        assert kernel is not None
+        if cast is not None:
+            _say_once(
+                f"spotune_varlen: {q.dtype} attention on CUDA runs the flash kernel in {cast}, the output cast back"
+            )
+            out = kernel(q.to(cast), k.to(cast), v.to(cast), cu, int(longest), scaling).to(q.dtype)
+        else:
+            out = kernel(q, k, v, cu, int(longest), scaling)
     else:
+        if q.is_cuda:
+            _say_once(f"spotune_varlen: {q.dtype} attention on CUDA runs the per-document reference: {path}")
         out = reference_varlen(q, k, v, cu, scaling)
     return out.unsqueeze(0), None
+
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+"""What torch's varlen flash kernel computes in."""
+
+
+def varlen_choice(device_type: str, dtype: torch.dtype, kernel: bool) -> tuple[str, torch.dtype | None]:
+    """Which path `spotune_varlen` takes: ("kernel", None) runs the flash kernel as is; ("kernel",
+    a half dtype) casts to it first (a float32 query on CUDA: the per-document Python loop would
+    cost a device sync and one launch per document, far more than the rounding of the inputs to
+    bf16 that autocast would apply anyway); anything else is the reason for the reference path."""
+    if device_type != "cuda":
+        return "reference", None
+    if not kernel:
+        return f"reference ({varlen_unavailable_reason()})", None
+    if dtype in FLASH_DTYPES:
+        return "kernel", None
+    if dtype == torch.float32:
+        bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        return "kernel", torch.bfloat16 if bf16 else torch.float16
+    return f"reference (no flash kernel for {dtype})", None
+
+
+@functools.cache
+def _say_once(note: str) -> None:
+    print(note, file=sys.stderr, flush=True)
 
 
 def reference_varlen(

@@ -300,3 +300,16 @@ def _set_timeout(group: Any, seconds: float) -> None:
         )
         return
     set_timeout(timedelta(seconds=seconds), group)
+
+
+def min_over_ranks(values: list[float], device: Any) -> list[float]:
+    """Each value's minimum over every rank (one all-reduce MIN), for a decision all ranks must
+    share; the values themselves in one process. A maximum is the minimum of the negated value."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return list(values)
+    where = device if getattr(device, "type", "cpu") == "cuda" else torch.device("cpu")  # NCCL takes CUDA tensors
+    t = torch.tensor(values, dtype=torch.float64, device=where)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return [float(x) for x in t.tolist()]

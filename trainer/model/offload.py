@@ -21,7 +21,8 @@ On CPU the same hooks run with plain copies into separate host tensors, so the t
 the code path: the values that come back are bit-identical to what went out, which is why loss
 and gradients do not change (tests/test_offload.py).
 
-Not moved: the decoder's parameters (or views of them; their storage is on the device anyway),
+Not moved: the decoder's parameters (or views of them; their storage is on the device anyway;
+under FSDP2 also the weights a layer gathers, and the DTensors themselves),
 and tensors under `min_bytes` (rotary tables, positions: the copy would cost more than it saves).
 """
 
@@ -70,7 +71,9 @@ class ActivationOffload:
         self.seen = {}
         self.offloaded_bytes = 0
         # Parameter storages, gathered each forward: FSDP gathers parameters into new storages.
-        self.skip = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
+        # Under FSDP2 the registered parameters are DTensors here (their layer has not gathered
+        # them yet), which have no storage of their own: their local shard's is what they hold.
+        self.skip = {ptr for p in self.module.parameters() if (ptr := _storage_ptr(p)) is not None}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
 
@@ -82,14 +85,16 @@ class ActivationOffload:
 
     def pack(self, t: torch.Tensor) -> Any:
         nbytes = t.numel() * t.element_size()
+        ptr = _storage_ptr(t)
         if (
             nbytes < self.min_bytes
-            or isinstance(t, torch.nn.Parameter)
+            or ptr is None  # a tensor subclass without storage (a DTensor): left to its owner
+            or _is_parameter(t)
             or t.device.type not in ("cuda", "cpu")
-            or t.untyped_storage().data_ptr() in self.skip
+            or ptr in self.skip
         ):
             return t
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+        key = (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
         if key in self.seen:
             return self.seen[key]
         item = _Offloaded(host=torch.empty(0), device=t.device, index=len(self.saved))
@@ -145,6 +150,22 @@ class ActivationOffload:
         if self.stream is None:
             self.stream = torch.cuda.Stream()
         return self.stream
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    """Where `t`'s storage starts; a DTensor's local shard's; None for a tensor without storage."""
+    local = t.to_local() if hasattr(t, "to_local") else t  # torch.distributed.tensor.DTensor
+    try:
+        return int(local.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter or a view of one (a linear layer saves its weight transposed). FSDP2 gathers a
+    layer's weights into fresh parameters inside the layer's own pre-hook, after `enter` ran, so
+    the storage set misses them; being (a view of) a Parameter does not."""
+    return isinstance(t, torch.nn.Parameter) or isinstance(getattr(t, "_base", None), torch.nn.Parameter)
 
 
 def attach(model: torch.nn.Module, min_bytes: int = MIN_BYTES) -> ActivationOffload:

@@ -11,6 +11,12 @@ The file itself is never deleted (deleting it would let a second process lock a 
 while the first still holds the old one); its content only names the current holder, for the
 refusal message and `spotune status`.
 
+A filesystem without `flock` (Lustre mounted without `-o flock`, some FUSE and NFS setups: the
+call fails with ENOSYS, EOPNOTSUPP or ENOLCK) gets a weaker lock instead of a failed start: the
+file's content names the holder, and a holder whose pid is alive on this host keeps the run; a
+dead one's is taken over. It cannot see a holder on another machine (say so once; the remote
+lease still fences a shared checkpoint.remote), so mounting with `-o flock` stays the fix.
+
 Readers (`holder`, i.e. `spotune status`) never block: they probe with a shared lock that
 fails at once when a writer holds the directory. Such a probe lasts microseconds, so `take`
 retries for `PROBE_GRACE` seconds before it reports the directory busy.
@@ -24,6 +30,7 @@ import fcntl
 import json
 import os
 import socket
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -141,6 +148,11 @@ class RunLock:
         self.release()
 
 
+NO_FLOCK = frozenset({errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK})
+"""What flock fails with on a filesystem that has none."""
+_WARNED: set[str] = set()
+
+
 def _try_lock(fd: int, kind: int) -> bool:
     try:
         fcntl.flock(fd, kind | fcntl.LOCK_NB)
@@ -148,7 +160,35 @@ def _try_lock(fd: int, kind: int) -> bool:
     except OSError as e:
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             return False
+        if e.errno in NO_FLOCK:
+            return _pid_lock(fd, e)
         raise
+
+
+def _pid_lock(fd: int, err: OSError) -> bool:
+    """The lock without flock: free unless the file names a live process on this host (not us)."""
+    path = os.readlink(f"/proc/self/fd/{fd}") if os.path.exists(f"/proc/self/fd/{fd}") else f"fd {fd}"
+    if path not in _WARNED:
+        _WARNED.add(path)
+        print(
+            f"spotune: {path}: this filesystem has no flock ({errno.errorcode.get(err.errno or 0, err)}; Lustre "
+            "without -o flock?): the run lock falls back to the holder's pid, seen on this host only. Mount it "
+            "with -o flock (or localflock), or put output_dir on a local disk.",
+            file=sys.stderr,
+            flush=True,
+        )
+    info = _read_info(fd)
+    if not info or info.get("host") != socket.gethostname() or info.get("pid") == os.getpid():
+        return True
+    try:
+        os.kill(int(info["pid"]), 0)
+    except ProcessLookupError:
+        return True  # its holder died: what the kernel would have released
+    except PermissionError:
+        return False  # alive, another user's
+    except (ValueError, TypeError, KeyError, OverflowError):
+        return True  # no pid in it: nobody to wait for
+    return False
 
 
 def holder(run_dir: Path | str) -> dict[str, Any] | None:
@@ -161,7 +201,8 @@ def holder(run_dir: Path | str) -> dict[str, Any] | None:
         return None
     try:
         if _try_lock(fd, fcntl.LOCK_SH):
-            fcntl.flock(fd, fcntl.LOCK_UN)
+            with contextlib.suppress(OSError):  # no flock here: nothing was taken
+                fcntl.flock(fd, fcntl.LOCK_UN)
             return None
         info = _read_info(fd)
     finally:

@@ -2,7 +2,8 @@
 
 `start` builds the accelerator (device, autocast, process group), chooses DDP or FSDP, connects
 the run's store (a fresh machine fetches the run's history before writing anything), and
-installs the stop paths (signals, the cloud notice watcher). Each registers its close on the
+installs the stop paths (signals, the cloud notice watcher, and under torchrun the watch on the
+launcher: trainer/restart/launcher.py). Each registers its close on the
 caller's `ExitStack`, so an exception anywhere in `train()` closes the same things as a clean end.
 """
 
@@ -18,7 +19,7 @@ import torch
 
 from trainer import config as C
 from trainer.model import distributed
-from trainer.restart import notice, preemption
+from trainer.restart import launcher, notice, preemption
 from trainer.restart.ledger import timed
 from trainer.restart.remote import RemoteRun
 from trainer.training import gpu_probe
@@ -72,6 +73,9 @@ def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitSt
     if accelerator.is_local_main_process:
         watcher.start()
         closing.callback(watcher.stop)
+    if launcher.launched():  # torchrun's ranks outlive a killed launcher: they save and exit instead
+        deadline = max(ck.notice_seconds, launcher.MIN_DEADLINE_SECONDS)
+        closing.callback(launcher.LauncherWatch(stop.request, deadline).start().stop)
     return Process(accelerator, sharding, remote, stop, out)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,13 +34,22 @@ from trainer.restart.state import Counters, TrainState, check_compatible, restor
 from trainer.training import autofit, determinism, loop, metrics, process, shutdown
 from trainer.training.batches import StepDataset, prefetching, step_loader
 from trainer.training.inputs import model_path, pin_data, prepare_data, tokenizer_path
-from trainer.training.shutdown import OutOfMemory
 from trainer.training.telemetry import Budget, Console, JsonlSink, Telemetry, flat_config
 
 
 def train(cfg: C.RunConfig, wait: float | None = None) -> int:
     """Train (resuming when a checkpoint verifies) and return the process exit code. One writer per
-    run: holds the directory's lock and the remote's lease throughout (raises RunBusy, after `wait`s)."""
+    run: holds the directory's lock and the remote's lease throughout (raises RunBusy, after `wait`s).
+    An `auto` setting that ran out of memory is retried once, here when this is the only rank."""
+    code, retry = _attempt(cfg, wait)
+    if retry:  # autofit.after_out_of_memory: from the last checkpoint, with the next smaller setting
+        shutdown.release_memory()
+        code, _ = _attempt(cfg, wait)
+    return code
+
+
+def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
+    """One attempt: its exit code, and whether to run again in this process (an `auto` setting ran out)."""
     entered = time.time()
     phases: dict[str, float] = {}  # fixed costs for the ledger, timed before it can open
     with timed(phases, "imports"):  # the rest of the libraries train() needs (the ledger adds the time before)
@@ -61,8 +69,10 @@ def train(cfg: C.RunConfig, wait: float | None = None) -> int:
             prepared = _prepare_once_per_node(cfg, proc)
         # Resolved before the model loads, so a bad metrics.gpu fails in a second, not a minute.
         peak_flops = metrics.resolve_peak_flops(cfg.metrics.peak_flops, cfg.metrics.gpu, device)
-        # `auto` micro-batch / checkpointing / offloading: the fastest that the estimate fits here.
-        cfg, auto_notes = autofit.resolve_for_device(cfg, model_path(cfg), device, proc.world, proc.sharding.fsdp)
+        # `auto` micro-batch / checkpointing / offloading: the fastest the estimate fits, all ranks together.
+        cfg, auto_notes, auto = autofit.resolve_for_device(
+            cfg, model_path(cfg), device, proc.world, proc.sharding.fsdp, proc.out
+        )
         set_seed(cfg.seed)  # same LoRA init on every rank (DDP also broadcasts rank 0's weights)
         with timed(phases, "model"):
             model = _build_model(cfg, proc)
@@ -95,9 +105,11 @@ def train(cfg: C.RunConfig, wait: float | None = None) -> int:
 
         try:
             reason = _train_steps(cfg, proc, sched, rows, prepared, model, optimizer, counters, saver, books)
-        except OutOfMemory as e:  # a run that does not fit: one message with the figures, no restart
-            return _out_of_memory(e, cfg, proc, model, books)
-        return _finish(cfg, proc, sched, model, reason, books)
+        except shutdown.OutOfMemory as e:  # exit 5 with the figures, or an `auto` setting retried smaller
+            books.ledger.close("out_of_memory")
+            hf_config = proc.accelerator.unwrap_model(model).config
+            return autofit.after_out_of_memory(e, cfg, hf_config, proc.accelerator, auto, proc.out)
+        return _finish(cfg, proc, sched, model, reason, books), False
 
 
 # ---------------------------------------------------------------------------- the stages
@@ -353,13 +365,6 @@ def _finish(
 
 
 # ---------------------------------------------------------------------------- pieces
-
-
-def _out_of_memory(err: OutOfMemory, cfg: C.RunConfig, proc: process.Process, model: Any, books: Books) -> int:
-    books.ledger.close("out_of_memory")
-    figures = autofit.out_of_memory_figures(cfg, proc.accelerator.unwrap_model(model).config, proc.accelerator)
-    print(shutdown.out_of_memory_message(err, **figures), file=sys.stderr, flush=True)
-    return exit_codes.EXIT_OUT_OF_MEMORY
 
 
 def _restore(resume_dir: Path, model: torch.nn.Module, optimizer: Any, accelerator: Any) -> Counters:

@@ -64,6 +64,15 @@ def end_child_processes(grace_seconds: float = 2.0, keep: frozenset[int] = froze
     return [c.pid for c in children if c.pid is not None]
 
 
+def release_memory() -> None:
+    """Hand what an ended attempt held back to the device, before another attempt in this process."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 class OutOfMemory(RuntimeError):
     """The device ran out of memory at a known place of the loop (raised from the OOM error)."""
 
@@ -91,6 +100,7 @@ def out_of_memory_message(
     gradient_checkpointing: bool,
     activation_offload: bool,
     method: str,
+    retried: bool = False,
 ) -> str:
     """The one message of an out-of-memory stop: where, the figures, and what to change."""
     figures = []
@@ -114,6 +124,8 @@ def out_of_memory_message(
     fixes.append(
         "or set these memory settings to auto, or pick a larger GPU (`spotune estimate` lists the ones that fit)"
     )
+    if retried:
+        figures.append("the `auto` choice already ran out once and this is its smaller retry")
     return (
         f"spotune: CUDA {err} on {card}"
         + (f"; {', '.join(figures)}" if figures else "")

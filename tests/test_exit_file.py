@@ -1,0 +1,117 @@
+"""Any rank's exit reason reaches the exit file (SPOTUNE_EXIT_FILE) that the templates read:
+the ranks merge their codes into it, the most specific wins (trainer/exit_codes.py, PRIORITY)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainer import builtin_assets
+from trainer import exit_codes as E
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_most_specific_follows_the_documented_priority() -> None:
+    assert E.most_specific([E.EXIT_ERROR, E.EXIT_OUT_OF_MEMORY]) == E.EXIT_OUT_OF_MEMORY
+    assert E.most_specific([E.EXIT_PREEMPTED, E.EXIT_ERROR]) == E.EXIT_PREEMPTED
+    assert E.most_specific([E.EXIT_FINISHED, E.EXIT_ERROR]) == E.EXIT_ERROR
+    assert E.most_specific([E.EXIT_FINISHED, E.EXIT_FINISHED]) == E.EXIT_FINISHED
+    assert E.most_specific([E.EXIT_BAD_INPUT, E.EXIT_OUT_OF_MEMORY, E.EXIT_BUSY]) == E.EXIT_BAD_INPUT
+    assert E.most_specific([-9, E.EXIT_FINISHED]) == -9  # a code not listed ranks with the error
+    assert set(E.PRIORITY) == {v for k, v in vars(E).items() if k.startswith("EXIT_") and isinstance(v, int)}
+
+
+def test_ranks_merge_into_one_file_and_an_earlier_attempt_is_replaced(tmp_path: Path) -> None:
+    path = tmp_path / "code"
+    started = time.time()
+    E.record(E.EXIT_ERROR, since=started, path=str(path))  # rank 0: its collective broke
+    E.record(E.EXIT_OUT_OF_MEMORY, since=started, path=str(path))  # rank 1: the cause
+    assert path.read_text() == "5\n"
+    E.record(E.EXIT_FINISHED, since=started, path=str(path))
+    assert path.read_text() == "5\n"
+    # A later attempt that reuses the path: the old code is not merged in.
+    os.utime(path, (started - 60, started - 60))
+    E.record(E.EXIT_FINISHED, since=started, path=str(path))
+    assert path.read_text() == "0\n"
+
+
+def test_cli_writes_its_code_on_every_rank(tmp_path: Path) -> None:
+    exit_file = tmp_path / "code"
+    env = {**os.environ, E.EXIT_FILE_ENV: str(exit_file), "RANK": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "trainer", "train", "train.no_such_key=1"], env=env)
+    assert done.returncode == E.EXIT_BAD_INPUT and exit_file.read_text() == f"{E.EXIT_BAD_INPUT}\n"
+
+
+def test_a_traceback_is_recorded_as_an_error(tmp_path: Path) -> None:
+    exit_file = tmp_path / "code"
+    code = "from trainer.cli import main; main._main = lambda argv: 1 / 0; main.main([])"
+    env = {**os.environ, E.EXIT_FILE_ENV: str(exit_file), "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True)
+    assert done.returncode == 1 and exit_file.read_text() == f"{E.EXIT_ERROR}\n"
+
+
+# Rank 1 runs out of memory at its second step (a test-only sitecustomize makes the loss raise
+# torch's own OutOfMemoryError there); rank 0 is left waiting in a collective.
+SITECUSTOMIZE = """
+import os
+if os.environ.get("RANK") == "1":
+    import torch
+    from trainer.training import loop
+
+    real, calls = loop.token_loss_sum, []
+
+    def token_loss_sum(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated on rank 1)")
+        return real(*args, **kwargs)
+
+    loop.token_loss_sum = token_loss_sum
+"""
+
+
+@pytest.mark.slow
+def test_out_of_memory_on_rank_1_reaches_the_exit_file_as_5(tmp_path: Path, tiny_llama: Path) -> None:
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(textwrap.dedent(SITECUSTOMIZE))
+    data = builtin_assets.write_dataset(tmp_path / "train.jsonl", n=16)
+    recipe = tmp_path / "recipe.yaml"
+    raw = {
+        "output_dir": str(tmp_path / "run"),
+        "model": {"name_or_path": str(tiny_llama), "dtype": "float32"},
+        "data": {"path": str(data), "seq_len": 128, "cache_dir": str(tmp_path / "cache")},
+        "train": {"max_steps": 6, "micro_batch_size": 1, "grad_accum": 1},
+        "checkpoint": {"every_steps": None, "every_minutes": None},
+        "metrics": {"progress": False},
+    }
+    recipe.write_text(yaml.safe_dump(raw))
+    exit_file = tmp_path / "code"
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{tmp_path / 'inject'}:{REPO}",
+        E.EXIT_FILE_ENV: str(exit_file),
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    done = subprocess.run(
+        [*cmd, "-m", "trainer", "train", str(recipe)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 1  # torchrun's own code for any failed rank: why the file exists
+    assert "out of memory at step 3" in done.stderr and "To fit:" in done.stderr, done.stderr[-3000:]
+    assert exit_file.read_text() == f"{E.EXIT_OUT_OF_MEMORY}\n", done.stderr[-3000:]
+
+
+def test_an_exit_file_that_cannot_be_written_keeps_the_code(tmp_path: Path) -> None:
+    env = {**os.environ, E.EXIT_FILE_ENV: str(tmp_path / "gone" / "code"), "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer", "train", "train.no_such_key=1"], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == E.EXIT_BAD_INPUT and "could not write the exit code to" in done.stderr
