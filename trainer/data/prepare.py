@@ -24,11 +24,13 @@ except ImportError:  # datasets 3.x spells a variable-length list `Sequence`
 
 from trainer.config import DataConfig
 from trainer.data import cache
+from trainer.data.chat_templates import template_name
+from trainer.data.formats import FORMAT_FIELDS
 from trainer.data.pack import batch_pad_efficiency, build_rows, one_per_row, pack_lengths
-from trainer.data.read import DataError, check_source, read_rows, require_fields
+from trainer.data.read import DataError, check_source, read_rows
 from trainer.data.stats import BASELINE_BATCH, format_summary, length_stats
+from trainer.data.template import HEAD_ROWS, Tokenize, tokenize_for
 from trainer.data.template import ROW_COLUMN as _ROW
-from trainer.data.template import Tokenize, check_chat_template
 
 _TOKENIZED = Features(
     {
@@ -98,7 +100,9 @@ def _settings(cfg: DataConfig, seed: int) -> dict[str, Any]:
     return {
         "format": cfg.format,
         "fields": fields,
-        "chat_template": cfg.chat_template if cfg.format == "chat" else None,
+        "chat_template": cfg.chat_template if cfg.format != "text" else None,
+        "masking": {"train_on": cfg.train_on, "train_on_inputs": cfg.train_on_inputs},
+        "sharegpt_roles": dict(sorted(cfg.sharegpt_roles.items())),
         "seq_len": cfg.seq_len,
         "packing": cfg.packing,
         "overlong": cfg.overlong,
@@ -127,9 +131,6 @@ def _build(
             f"cannot load a tokenizer from {tokenizer_path!r} ({type(e).__name__}: {str(e).splitlines()[0]}); "
             "set data.tokenizer (or model.name_or_path) to a directory holding tokenizer files."
         ) from None
-    if cfg.format == "chat":
-        check_chat_template(tokenizer, cfg.chat_template)
-    fields = _fields(cfg)
     train_raw = _read(data_path, "data.path")
     eval_raw = _read(eval_src, "data.eval_path") if eval_src is not None else None
     if eval_raw is None and cfg.eval_fraction > 0:
@@ -152,15 +153,8 @@ def _build(
     for name, raw in (("train", train_raw), ("eval", eval_raw)):
         if raw is None:
             continue
-        tok = Tokenize(
-            cfg.format,
-            tokenizer,
-            fields,
-            cfg.seq_len,
-            cfg.overlong,
-            cfg.chat_template,
-            source=str(eval_src if name == "eval" and eval_src else data_path),
-        )
+        tok = tokenize_for(cfg, tokenizer, source=str(eval_src if name == "eval" and eval_src else data_path))
+        tok = tok.settle([c for c in raw.column_names if c != _ROW], _head(raw), tokenizer_path)
         manifest[name] = _tokenize_pack_save(raw, tok, cfg, name, tmp, scratch, fp, pad_id, seed)
     shutil.rmtree(scratch, ignore_errors=True)
     manifest["seconds"] = round(time.perf_counter() - started, 3)
@@ -169,32 +163,14 @@ def _build(
     return manifest
 
 
-# The one map of data formats to the columns they read: (config key, role in Tokenize, required).
-# `input` is optional in alpaca data (many sets have none); the rest are required.
-FORMAT_FIELDS: dict[str, tuple[tuple[str, str, bool], ...]] = {
-    "alpaca": (
-        ("instruction_field", "instruction", True),
-        ("input_field", "input", False),
-        ("output_field", "output", True),
-    ),
-    "chat": (("messages_field", "messages", True),),
-    "text": (("text_field", "text", True),),
-}
-
-
-def _fields(cfg: DataConfig) -> dict[str, str]:
-    """Role -> column name for the format of `cfg`."""
-    return {role: getattr(cfg, key) for key, role, _ in FORMAT_FIELDS[cfg.format]}
-
-
 def _read(path: Path, key: str) -> datasets.Dataset:
     ds = read_rows(path, key=key)
     return ds.add_column(_ROW, np.arange(len(ds), dtype=np.int64))
 
 
-def _check_fields(ds: datasets.Dataset, fmt: str, fields: dict[str, str], source: Path) -> None:
-    need = {key: fields[role] for key, role, required in FORMAT_FIELDS[fmt] if required}
-    require_fields([c for c in ds.column_names if c != _ROW], need, source)
+def _head(ds: datasets.Dataset) -> list[dict[str, Any]]:
+    """The first rows, which `format: auto` and the format checks look at."""
+    return list(ds.select(range(min(HEAD_ROWS, len(ds)))))
 
 
 def _split(ds: datasets.Dataset, fraction: float, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
@@ -220,7 +196,6 @@ def _tokenize_pack_save(
     pad_id: int,
     seed: int,
 ) -> dict[str, Any]:
-    _check_fields(raw, cfg.format, tok.fields, Path(tok.source))
     tokenized = raw.map(
         tok,
         batched=True,
@@ -257,6 +232,9 @@ def _tokenize_pack_save(
 
     n_rows, real = len(bins), int(rows["num_real"].sum())
     return {
+        "format": tok.fmt,
+        "format_reason": tok.reason,
+        "chat_template": template_name(tok.chat_template) if tok.template is not None else None,
         "examples_in": len(raw),
         "examples_out": int(kept.size),
         "dropped": dict(sorted(dropped.items())),
