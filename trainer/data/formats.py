@@ -77,6 +77,7 @@ def required(fmt: str, fields: dict[str, str]) -> dict[str, str]:
 def detect(columns: list[str], head: list[dict[str, Any]], fields: dict[str, str]) -> tuple[str | None, str]:
     """(format, why) from the column names and the first rows; (None, what was seen) when none fits."""
     cols = set(columns)
+    turn_cols = (fields.get("conversations", "conversations"), fields.get("messages", "messages"))
 
     def first(col: str) -> Any:
         return next((r[col] for r in head if r.get(col) is not None), None)
@@ -89,12 +90,12 @@ def detect(columns: list[str], head: list[dict[str, Any]], fields: dict[str, str
             and all(isinstance(t, dict) and set(keys) <= t.keys() for t in value)
         )
 
-    for col in (fields.get("conversations", "conversations"), fields.get("messages", "messages")):
+    for col in turn_cols:
         if col in cols and turns_with(col, ("from", "value")):
             return "sharegpt", f"column {col!r} holds turns of from/value"
-    for col in (fields.get("messages", "messages"), fields.get("conversations", "conversations")):
+    for col in reversed(turn_cols):
         if col in cols and turns_with(col, ("role", "content")):
-            fmt = "messages" if col == fields.get("messages", "messages") else "sharegpt"
+            fmt = "messages" if col == turn_cols[1] else "sharegpt"  # sharegpt reads role/content turns too
             return fmt, f"column {col!r} holds turns of role/content"
     if {fields.get("prompt", "prompt"), fields.get("completion", "completion")} <= cols:
         return (
@@ -115,6 +116,17 @@ def detect(columns: list[str], head: list[dict[str, Any]], fields: dict[str, str
     return None, found
 
 
+def turn_column(why: str) -> str | None:
+    """The column `detect` found turns in (its reason names it first)."""
+    return why.split("'")[1] if why.startswith("column '") else None
+
+
+def settled_fields(fmt: str, why: str, fields: dict[str, str]) -> dict[str, str]:
+    """`fields` with the turns read from the column `detect` found them in."""
+    col = turn_column(why)
+    return {**fields, "conversations": col} if fmt == "sharegpt" and col else fields
+
+
 def mismatch(fmt: str, columns: list[str], head: list[dict[str, Any]], fields: dict[str, str]) -> str | None:
     """A sentence naming the format to set when rows read as `fmt` look like another one."""
     fmt = normalise(fmt)
@@ -124,7 +136,11 @@ def mismatch(fmt: str, columns: list[str], head: list[dict[str, Any]], fields: d
     shape = shape and not (fmt == "sharegpt" and "role/content" in why)  # sharegpt reads role/content too
     if seen is None or seen == fmt or not (missing or shape):
         return None
-    return f"looks like {WHAT[seen]}: {why}; set data.format={seen} (or data.format=auto)"
+    fix = f"data.format={seen}"
+    col = turn_column(why)
+    if seen == "sharegpt" and col and col != fields.get("conversations"):
+        fix += f" and data.conversations_field={col}"
+    return f"looks like {WHAT[seen]}: {why}; set {fix} (or data.format=auto)"
 
 
 # ---------------------------------------------------------------------------- rows -> examples

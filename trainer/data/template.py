@@ -71,7 +71,7 @@ class Tokenize:
                     f"{', '.join(formats.WHAT)}, or the data.*_field keys to the columns that hold it."
                 )
             print(f"spotune: {self.source}: data.format=auto -> {fmt} ({why})", file=sys.stderr, flush=True)
-            out = dataclasses.replace(self, fmt=fmt, reason=why)
+            out = dataclasses.replace(self, fmt=fmt, reason=why, fields=formats.settled_fields(fmt, why, self.fields))
         fmt = formats.normalise(out.fmt)
         hint = formats.mismatch(fmt, columns, head, out.fields)
         for key, col in formats.required(fmt, out.fields).items():
