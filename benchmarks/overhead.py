@@ -70,7 +70,8 @@ def prompt_completion_file(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     path.write_text(
         "".join(
-            json.dumps({"prompt": alpaca_prompt(r["instruction"], r.get("input", "")), "completion": r["output"]}) + "\n"
+            json.dumps({"prompt": alpaca_prompt(r["instruction"], r.get("input", "")), "completion": r["output"]})
+            + "\n"
             for r in rows
         )
     )
