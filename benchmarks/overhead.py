@@ -61,6 +61,23 @@ def make_model(root: Path) -> Path:
     )
 
 
+def prompt_completion_file(root: Path) -> Path:
+    """DATA as raw prompt/completion strings, the Stanford alpaca prompt: the very rows TRL trains on."""
+    from trainer.data.chat_templates import alpaca_prompt
+
+    path = root / "prompt_completion.jsonl"
+    rows = json.loads(DATA.read_text())
+    root.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "".join(
+            json.dumps({"prompt": alpaca_prompt(r["instruction"], r.get("input", "")), "completion": r["output"]})
+            + "\n"
+            for r in rows
+        )
+    )
+    return path
+
+
 def spotune_cfg(root: Path, model: Path, steps: int, mbs: int) -> C.RunConfig:
     return C.RunConfig().replace(
         **{
@@ -69,7 +86,8 @@ def spotune_cfg(root: Path, model: Path, steps: int, mbs: int) -> C.RunConfig:
             "model.dtype": "float32",
             "adapter.r": 16,
             "adapter.dropout": 0.0,
-            "data.path": str(DATA),
+            "data.path": str(prompt_completion_file(root)),
+            "data.format": "prompt_completion",
             "data.tokenizer": str(TOKENIZER),
             "data.seq_len": 512,
             "data.cache_dir": str(root / "cache"),
@@ -144,12 +162,7 @@ def trl_run(root: Path, model_path: Path, steps: int, warmup: int, mbs: int) -> 
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from trainer.data.template import alpaca_prompt
-
-    raw = json.loads(DATA.read_text())
-    ds = datasets.Dataset.from_list(
-        [{"prompt": alpaca_prompt(r["instruction"], r.get("input", "")), "completion": r["output"]} for r in raw]
-    )
+    ds = datasets.Dataset.from_json(str(prompt_completion_file(root)))
     tok = AutoTokenizer.from_pretrained(TOKENIZER)
     if tok.pad_token is None:
         tok.pad_token = tok.unk_token

@@ -139,10 +139,11 @@ def score(base: str, adapter: Path | None) -> Score:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trainer import builtin_assets
-    from trainer.data.template import alpaca_prompt
+    from trainer.data.formats import alpaca_messages
     from trainer.model.load import peft_wrapping, quiet_hf_progress
 
-    tok = AutoTokenizer.from_pretrained(base)
+    # final/ carries the chat template the run trained with: ask through it, as a server would
+    tok = AutoTokenizer.from_pretrained(adapter if adapter is not None else base)
     with quiet_hf_progress():
         model = AutoModelForCausalLM.from_pretrained(base)
     if adapter is not None:
@@ -155,7 +156,10 @@ def score(base: str, adapter: Path | None) -> Score:
     cases = [(f"{ex['instruction']} {ex['input']}", ex["output"]) for ex in held_out]
     answers = []
     for ex in held_out:
-        ids = tok(alpaca_prompt(ex["instruction"], ex["input"]), return_tensors="pt").input_ids  # as trained
+        prompt = tok.apply_chat_template(
+            alpaca_messages(ex["instruction"], ex["input"]), tokenize=False, add_generation_prompt=True
+        )
+        ids = tok(prompt, add_special_tokens=False, return_tensors="pt").input_ids  # as trained
         with torch.no_grad():
             out = model.generate(
                 input_ids=ids,

@@ -16,8 +16,10 @@ from transformers import AutoTokenizer
 
 from trainer.config import DataConfig
 from trainer.data import DataError, Prepared, prepare
+from trainer.data.chat_templates import alpaca_prompt
+from trainer.data.formats import alpaca_messages
 from trainer.data.report import plot_lengths
-from trainer.data.template import IGNORE_INDEX, alpaca_prompt
+from trainer.data.template import IGNORE_INDEX
 
 ROWS = [
     {"instruction": "Add the two numbers.", "input": "2 + 3", "output": "5"},
@@ -106,20 +108,37 @@ def test_configurable_field_names(tmp_path: Path, tiny_tokenizer: Path) -> None:
 # ----------------------------------------------------------------------------- templates and masking
 
 
-def test_alpaca_masks_the_prompt_and_trains_response_and_eos(tmp_path: Path, tiny_tokenizer: Path) -> None:
+def test_alpaca_trains_through_the_tokenizers_template(tmp_path: Path, tiny_tokenizer: Path) -> None:
+    """alpaca rows are rendered by the tokenizer's own chat template (what a server applies):
+    only the response and its end-of-turn EOS are trained."""
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer)
     p = _prep(tmp_path, tiny_tokenizer, path=str(_jsonl(tmp_path / "d.jsonl", ROWS)), packing=False)
+    assert p.manifest["train"]["format"] == "alpaca" and "'instruction'" in p.manifest["train"]["format_reason"]
     ds = _rows(p)
     assert ds.num_rows == len(ROWS)  # packing off: one example per row, in input order
-    for ex, row in zip(ROWS, ds, strict=False):
-        prompt = tok(alpaca_prompt(ex["instruction"], ex["input"]))["input_ids"]
+    for ex, row in zip(ROWS, ds, strict=True):
+        msgs = alpaca_messages(ex["instruction"], ex["input"]) + [{"role": "assistant", "content": ex["output"]}]
+        rendered = tok.apply_chat_template(msgs, tokenize=False)
+        assert "<|user|>" in rendered and "### Instruction" not in rendered
+        real = row["num_real"]
+        assert row["input_ids"][:real] == tok(rendered, add_special_tokens=False)["input_ids"]
+        assert _trained_text(tok, row["input_ids"][:real], row["labels"][:real]) == ex["output"] + tok.eos_token
+        assert all(t == tok.pad_token_id for t in row["input_ids"][real:])
+
+
+def test_alpaca_template_is_the_stanford_prompt(tmp_path: Path, tiny_tokenizer: Path) -> None:
+    """data.chat_template=alpaca renders the Stanford prompt (an input follows the instruction)."""
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer)
+    p = _prep(
+        tmp_path, tiny_tokenizer, path=str(_jsonl(tmp_path / "d.jsonl", ROWS)), packing=False, chat_template="alpaca"
+    )
+    for ex, row in zip(ROWS, _rows(p), strict=True):
+        instruction = f"{ex['instruction']}\n\n{ex['input']}" if ex["input"] else ex["instruction"]
+        prompt = tok(alpaca_prompt(instruction, ""))["input_ids"]
         response = tok(ex["output"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         real = row["num_real"]
-        assert prompt[0] == tok.bos_token_id
         assert row["input_ids"][:real] == prompt + response
         assert row["labels"][:real] == [IGNORE_INDEX] * len(prompt) + response  # BOS and prompt masked
-        assert row["num_trainable"] == len(response)
-        assert all(t == tok.pad_token_id for t in row["input_ids"][real:])
 
 
 def test_text_trains_every_token_but_the_first(tmp_path: Path, tiny_tokenizer: Path) -> None:
@@ -194,8 +213,9 @@ def test_bad_inputs_fail_with_one_clear_sentence(tmp_path: Path, tiny_tokenizer:
     assert f"{bad}:3:" in _error(tmp_path, tiny_tokenizer, path=str(bad))
 
     missing = _jsonl(tmp_path / "missing.jsonl", [{"instruction": "a", "input": "", "answer": "b"}])
-    msg = _error(tmp_path, tiny_tokenizer, path=str(missing))
-    assert "'output'" in msg and "fields found: instruction, input, answer" in msg and "data.output_field" in msg
+    for fmt in ("alpaca", "auto"):
+        msg = _error(tmp_path, tiny_tokenizer, path=str(missing), format=fmt)
+        assert "'output'" in msg and "fields found: instruction, input, answer" in msg and "data.output_field" in msg
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")

@@ -276,7 +276,7 @@ def _mix(tmp_path: Path) -> list[dict[str, Any]]:
 
 
 def _mix_cfg(sources: list[dict[str, Any]], **data: Any) -> DataConfig:
-    return C.from_dict({"data": {"sources": sources, "seq_len": 128, **data}}).data
+    return C.from_dict({"data": {"sources": sources, "seq_len": 128, "format": "alpaca", **data}}).data
 
 
 def test_a_mix_takes_exact_counts_deterministically(tmp_path: Path, tiny_tokenizer: Path) -> None:

@@ -41,9 +41,11 @@ def test_demo_data_is_long_tailed_and_packing_beats_padding(demo_manifest: dict)
     assert lengths["p99"] >= 1.8 * lengths["p50"], "real SFT lengths have a long tail"
     assert st["truncated"] == 0
     assert st["packing_efficiency"] >= 0.95
-    assert st["packing_efficiency"] >= 1.15 * st["baseline"]["efficiency"]  # 95.8% vs 80.1% when measured
+    # 99.8% vs 46.9% when measured (rows rendered by the tiny model's chat template)
+    assert st["packing_efficiency"] >= 1.15 * st["baseline"]["efficiency"]
     text = _demo_module().packing_comparison(demo_manifest)
-    assert f"{st['rows']:,} rows of 512 tokens" in text and "padding computes 1." in text
+    ratio = st["packing_efficiency"] / st["baseline"]["efficiency"]
+    assert f"{st['rows']:,} rows of 512 tokens" in text and f"padding computes {ratio:.2f}x" in text
 
 
 def test_histogram_bins_fit_the_data(demo_manifest: dict) -> None:  # type: ignore[type-arg]

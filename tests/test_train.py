@@ -19,6 +19,7 @@ from accelerate import Accelerator
 
 from trainer import config as C
 from trainer.config import AdapterConfig, ModelConfig
+from trainer.data.chat_templates import NAMED
 from trainer.data.sampler import StepSampler
 from trainer.export import export
 from trainer.model import loss as micro_loss
@@ -63,7 +64,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The shipped tiny recipe (builtin model and data), shortened; shared by the tests below."""
+    """The shipped tiny recipe (builtin model and data), shortened, rendered with the named alpaca chat
+    template instead of the tiny tokenizer's own (final/ and exports must carry it); shared below."""
     out = tmp_path_factory.mktemp("run")
     cfg = C.load(
         REPO / "recipes" / "tiny-cpu.yaml",
@@ -79,6 +81,7 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "metrics.progress=false",
             "data.eval_fraction=0.02",
             "train.eval_every=12",
+            "data.chat_template=alpaca",
         ],
     )
     assert run.train(cfg) == 0
@@ -149,7 +152,7 @@ def test_final_adapter_loads_with_plain_peft_and_matches(trained_run: Path) -> N
 
 def test_export_merge_matches_base_plus_adapter(trained_run: Path, tmp_path: Path) -> None:
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     merged_dir = export(trained_run, tmp_path / "merged", merge=True)
     copied = export(trained_run, tmp_path / "adapter", merge=False)
@@ -165,6 +168,10 @@ def test_export_merge_matches_base_plus_adapter(trained_run: Path, tmp_path: Pat
     torch.testing.assert_close(logits_of(merged, ids), logits_of(with_adapter, ids), rtol=1e-4, atol=1e-4)
     base = AutoModelForCausalLM.from_pretrained(base_path)
     assert not torch.allclose(logits_of(base, ids), logits_of(merged, ids), atol=1e-4), "control: merge changed nothing"
+    # what the run trained with is what a server loading final/, the export or the merge applies
+    for served in (trained_run / "final", copied, merged_dir):
+        assert AutoTokenizer.from_pretrained(served).chat_template == NAMED["alpaca"], served
+    assert AutoTokenizer.from_pretrained(base_path).chat_template != NAMED["alpaca"]  # control: the base's differs
 
 
 def test_qlora_4bit_with_8bit_adamw_trains_on_cpu(tmp_path: Path, tiny_llama: Path, tiny_data: Path) -> None:

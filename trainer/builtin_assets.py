@@ -21,7 +21,7 @@ from trainer.atomic import fsync_tree, temp_sibling
 from trainer.config import BUILTIN_TINY_DATA, BUILTIN_TINY_MODEL
 
 Arch = Literal["llama", "qwen2", "mistral", "gpt2"]
-ASSET_VERSION = "v4"  # bump when the generated assets change, so stale caches are not reused
+ASSET_VERSION = "v5"  # bump when the generated assets change, so stale caches are not reused
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
 CHAT_TEMPLATE = (
@@ -206,6 +206,8 @@ def build_tokenizer(out_dir: Path | str, vocab_size: int = 1024) -> Path:
     )
     corpus = [" ".join(ex.values()) for ex in make_examples(2000, seed=1)]
     corpus += ["### Instruction:\n### Input:\n### Response:\nBelow is an instruction that describes a task."]
+    # The chat template's turn marks, so that alpaca rows rendered through it (what trains) stay short.
+    corpus += ["<|system|>\n<|user|>\n<|assistant|>\n"] * 50
     tok.train_from_iterator(corpus, trainer=trainer)
     bos = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(

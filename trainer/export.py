@@ -64,21 +64,37 @@ def export(run_dir: Path | str, out_dir: Path | str | None = None, merge: bool =
             if (src / name).is_file():
                 shutil.copy2(src / name, out / name)
         return out
-    merge_adapter(src, out, _run_model_config(run_dir))
+    model_cfg, chat_template = _run_config(run_dir)
+    merge_adapter(src, out, model_cfg, chat_template)
     return out
 
 
-def _run_model_config(run_dir: Path) -> ModelConfig:
-    """The run's `model` section through the config loader, so its defaults are the schema's
-    (a config.yaml that omits `model.dtype` means the schema default, not some export default)."""
+def _run_config(run_dir: Path) -> tuple[ModelConfig, str | None]:
+    """The run's `model` section and `data.chat_template` through the config loader, so defaults are the
+    schema's (a config.yaml that omits `model.dtype` means the schema default, not some export default)."""
     path = run_dir / "config.yaml"
-    return load(path).model if path.is_file() else ModelConfig()
+    if not path.is_file():
+        return ModelConfig(), None
+    cfg = load(path)
+    return cfg.model, cfg.data.chat_template
 
 
-def merge_adapter(adapter_dir: Path, out: Path, model_cfg: ModelConfig) -> None:
+def save_tokenizer(tokenizer: str | Path, out: Path, chat_template: str | None) -> None:
+    """The tokenizer at `tokenizer`, carrying the chat template the run trained with (`data.chat_template`
+    resolved as the data pipeline resolves it), saved to `out`: tokenizer_config.json / chat_template.jinja."""
+    from transformers import AutoTokenizer
+
+    from trainer.data.chat_templates import apply_to_saved
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer))
+    apply_to_saved(tok, chat_template)
+    tok.save_pretrained(str(out))
+
+
+def merge_adapter(adapter_dir: Path, out: Path, model_cfg: ModelConfig, chat_template: str | None = None) -> None:
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from trainer.model.load import peft_wrapping, quiet_hf_progress
 
@@ -104,18 +120,20 @@ def merge_adapter(adapter_dir: Path, out: Path, model_cfg: ModelConfig) -> None:
         merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
         merged.save_pretrained(str(out), safe_serialization=True)
     tok_dir = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base_path
-    AutoTokenizer.from_pretrained(str(tok_dir)).save_pretrained(str(out))
+    # final/ already carries the trained template; a checkpoint has no tokenizer, so the base's gets it here
+    save_tokenizer(tok_dir, out, chat_template)
 
 
-def write_final(directory: Path, model: torch.nn.Module, tokenizer: str, is_main: bool = True) -> None:
-    """`final/`: the PEFT adapter (adapter_model.safetensors + adapter_config.json) and the tokenizer.
+def write_final(
+    directory: Path, model: torch.nn.Module, tokenizer: str, is_main: bool = True, chat_template: str | None = None
+) -> None:
+    """`final/`: the PEFT adapter (adapter_model.safetensors + adapter_config.json) and the tokenizer,
+    carrying the chat template the data was rendered with (`chat_template` is data.chat_template).
 
     Every rank calls it (under FSDP the adapter is gathered from the shards); the main rank
     writes. Written into a temp directory, fsynced and renamed into place like a checkpoint, so
     a kill mid-write never leaves a torn adapter that `export` or a server would pick up.
     """
-    from transformers import AutoTokenizer
-
     whole = adapter_state(model) if is_main or distributed.is_sharded(model) else None
     if not is_main:
         return
@@ -123,6 +141,6 @@ def write_final(directory: Path, model: torch.nn.Module, tokenizer: str, is_main
     remove_temp_siblings(directory)
     tmp = temp_sibling(directory)
     peft_model.save_pretrained(str(tmp), safe_serialization=True, state_dict=whole)
-    AutoTokenizer.from_pretrained(tokenizer).save_pretrained(str(tmp))
+    save_tokenizer(tokenizer, tmp, chat_template)
     fsync_tree(tmp)
     publish_dir(tmp, directory)

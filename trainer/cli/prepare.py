@@ -1,27 +1,46 @@
 """`spotune prepare` and `spotune inspect`: tokenise and pack the dataset once (cached);
-inspect also points at the length plot."""
+inspect also points at the length plot and, with --show N, prints N examples with trained tokens marked."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from trainer.cli import recipe
 
 HELP = {
     "prepare": "tokenise and pack the dataset once (cached)",
-    "inspect": "dataset length report and seq_len suggestion (prepares if needed)",
+    "inspect": "dataset length report and seq_len suggestion (prepares if needed); --show N prints examples",
 }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     recipe.add_recipe(p)
+    if p.prog.endswith("inspect"):
+        p.add_argument(
+            "--show",
+            type=int,
+            default=0,
+            metavar="N",
+            help="print the first N examples as the model sees them, trained tokens marked ([[...]] when not a terminal)",
+        )
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = recipe.load(args)
     from trainer.training.inputs import pin_data, prepare_data
 
-    prepared = prepare_data(pin_data(cfg), progress=True)  # a run's hub datasets at its pinned commits
+    cfg = pin_data(cfg)
+    if args.command == "inspect" and args.show > 0:
+        from trainer import builtin_assets
+        from trainer.data.show import show_examples
+        from trainer.training.inputs import tokenizer_path
+
+        color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
+        path = builtin_assets.resolve_data(cfg.data.path)
+        print(show_examples(cfg.data, path, tokenizer_path(cfg), args.show, color), flush=True)
+    prepared = prepare_data(cfg, progress=True)  # a run's hub datasets at its pinned commits
     if args.command == "inspect":
         plot = prepared.train_path.parent / "lengths.png"
         if plot.exists():

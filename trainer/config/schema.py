@@ -88,8 +88,8 @@ class DataConfig:
     """Hub dataset: branch, tag or commit. The run's first start pins the commit it resolved to (saved in the run's config.yaml, which travels with its checkpoints); every restart reads that commit."""
     sources: tuple[SourceConfig, ...] = ()
     """Several sources mixed into one training set instead of `path`: a list of {path, subset, split, revision, format, fields, rows or fraction}."""
-    format: Literal["alpaca", "chat", "text"] = "alpaca"
-    """`alpaca` (instruction/input/output), `chat` (messages), `text` (every token trained)."""
+    format: Literal["auto", "alpaca", "prompt_completion", "messages", "sharegpt", "text", "chat"] = "auto"
+    """`auto` (picked from the columns of the first rows, and said), `alpaca` (instruction/input/output, optional system), `prompt_completion` (TRL's prompt/completion, strings or message lists), `messages` (OpenAI role/content; `chat` is its former name), `sharegpt` (conversations of from/value), `text` (every token trained)."""
     seq_len: int = 2048
     """Tokens per packed row."""
     packing: bool = True
@@ -99,15 +99,29 @@ class DataConfig:
     tokenizer: str | None = None
     """Tokenizer path or id; defaults to `model.name_or_path`."""
     chat_template: str | None = None
-    """Jinja chat template for `chat` data when the tokenizer has none."""
+    """The chat template every conversational format is rendered with, and that `final/` and exports carry: unset is the tokenizer's own; `chatml`, `llama3`, `alpaca` (the Stanford prompt) name a built-in one for a base model without one; anything else is Jinja text."""
+    train_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
+    """Which assistant turns carry labels (with their end-of-turn token): every one, or only the conversation's last."""
+    train_on_inputs: bool = False
+    """Train every token (prompts, system and user turns too) but the first of each example."""
     instruction_field: str = "instruction"
     """Field holding the alpaca instruction."""
     input_field: str = "input"
-    """Field holding the optional alpaca input (may be missing or empty)."""
+    """Field holding the optional alpaca input (may be missing or empty), appended to the instruction after a blank line."""
     output_field: str = "output"
     """Field holding the alpaca response (trained)."""
+    system_field: str = "system"
+    """Field holding an optional alpaca system prompt (rendered as the system turn)."""
+    prompt_field: str = "prompt"
+    """Field holding the prompt of `prompt_completion` data (a string, or a list of messages)."""
+    completion_field: str = "completion"
+    """Field holding the completion of `prompt_completion` data (trained)."""
     messages_field: str = "messages"
-    """Field holding chat messages (`role`/`content`); only assistant turns are trained."""
+    """Field holding `messages` data (`role`/`content`); only assistant turns are trained."""
+    conversations_field: str = "conversations"
+    """Field holding `sharegpt` data (turns of `from`/`value`)."""
+    sharegpt_roles: dict[str, str] = field(default_factory=dict)
+    """ShareGPT speaker -> role, added to the defaults human/user -> user, gpt/assistant -> assistant, system, tool (a turn with another speaker drops its row, counted as unknown_role)."""
     text_field: str = "text"
     """Field holding raw text for `text` format."""
     cache_dir: str | None = None

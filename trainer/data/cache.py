@@ -26,7 +26,7 @@ from trainer.atomic import TEMP_MARK, fsync_path, fsync_tree, write_text
 T = TypeVar("T")
 
 # Bump when the pipeline's output for the same inputs changes (template text, masking, packing).
-PIPELINE_VERSION = "1"
+PIPELINE_VERSION = "2"
 MANIFEST = "manifest.json"
 _TMP = TEMP_MARK
 _STALE_SECONDS = 24 * 3600  # temp dirs from another host or an unknown pid older than this are stale

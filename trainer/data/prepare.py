@@ -24,13 +24,15 @@ except ImportError:  # datasets 3.x spells a variable-length list `Sequence`
 
 from trainer.config import DataConfig
 from trainer.data import cache
+from trainer.data.chat_templates import template_name
+from trainer.data.formats import FORMAT_FIELDS
 from trainer.data.pack import batch_pad_efficiency, build_rows, one_per_row, pack_lengths
 from trainer.data.read import DataError, require_fields
 from trainer.data.sources import Located, Source, choose, eval_sources, local_files, locate, sources_of
 from trainer.data.sources import read as read_source
 from trainer.data.stats import BASELINE_BATCH, format_summary, length_stats
+from trainer.data.template import HEAD_ROWS, Tokenize, tokenize_for
 from trainer.data.template import ROW_COLUMN as _ROW
-from trainer.data.template import Tokenize, check_chat_template
 
 _TOKENIZED = Features(
     {
@@ -113,12 +115,14 @@ def _settings(cfg: DataConfig, seed: int, train: list[Located], ev: list[Located
     if not ev and cfg.eval_fraction > 0:
         split.update(eval_fraction=cfg.eval_fraction, seed=seed)
     mixed = any(loc.source.rows is not None or loc.source.fraction is not None for loc in train)
-    chat = any(loc.source.fmt == "chat" for loc in train) or cfg.format == "chat"
+    chat = any(loc.source.fmt != "text" for loc in train)  # only raw text never meets a chat template
     return {
         "format": cfg.format,
         "sources": [loc.describe() for loc in train],
         "mix_seed": seed if mixed else None,
         "chat_template": cfg.chat_template if chat else None,
+        "masking": {"train_on": cfg.train_on, "train_on_inputs": cfg.train_on_inputs},
+        "sharegpt_roles": dict(sorted(cfg.sharegpt_roles.items())),
         "seq_len": cfg.seq_len,
         "packing": cfg.packing,
         "overlong": cfg.overlong,
@@ -138,8 +142,6 @@ def _build(cfg: DataConfig, tokenizer_path: str, tmp: Path, plan: _Plan, seed: i
             f"cannot load a tokenizer from {tokenizer_path!r} ({type(e).__name__}: {str(e).splitlines()[0]}); "
             "set data.tokenizer (or model.name_or_path) to a directory holding tokenizer files."
         ) from None
-    if any(loc.source.fmt == "chat" for loc in plan.train):
-        check_chat_template(tokenizer, cfg.chat_template)
     train_parts, eval_parts, mix = _read_sources(cfg, plan, seed)
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -163,7 +165,7 @@ def _build(cfg: DataConfig, tokenizer_path: str, tmp: Path, plan: _Plan, seed: i
     }
     for name, parts in (("train", train_parts), ("eval", eval_parts)):
         if parts:
-            job = _Job(tokenizer, cfg, name, scratch, plan.fingerprint, pad_id)
+            job = _Job(tokenizer, tokenizer_path, cfg, name, scratch, plan.fingerprint, pad_id)
             manifest[name] = _tokenize_pack_save(parts, job, tmp, seed)
     shutil.rmtree(scratch, ignore_errors=True)
     manifest["seconds"] = round(time.perf_counter() - started, 3)
@@ -203,19 +205,6 @@ def _read_sources(cfg: DataConfig, plan: _Plan, seed: int) -> tuple[Parts, Parts
     return train, evals, mix
 
 
-# The one map of data formats to the columns they read: (config key, role in Tokenize, required).
-# `input` is optional in alpaca data (many sets have none); the rest are required.
-FORMAT_FIELDS: dict[str, tuple[tuple[str, str, bool], ...]] = {
-    "alpaca": (
-        ("instruction_field", "instruction", True),
-        ("input_field", "input", False),
-        ("output_field", "output", True),
-    ),
-    "chat": (("messages_field", "messages", True),),
-    "text": (("text_field", "text", True),),
-}
-
-
 def _read(loc: Located) -> datasets.Dataset:
     ds = read_source(loc)
     return ds.add_column(_ROW, np.arange(len(ds), dtype=np.int64))
@@ -227,6 +216,11 @@ def _check_fields(ds: datasets.Dataset, src: Source, source: str) -> None:
 
     need = {key(k, role): src.fields[role] for k, role, required in FORMAT_FIELDS[src.fmt] if required}
     require_fields([c for c in ds.column_names if c != _ROW], need, source)
+
+
+def _head(ds: datasets.Dataset) -> list[dict[str, Any]]:
+    """The first rows, which `format: auto` and the format checks look at."""
+    return list(ds.select(range(min(HEAD_ROWS, len(ds)))))
 
 
 def _split(ds: datasets.Dataset, fraction: float, seed: int, key: str) -> tuple[datasets.Dataset, datasets.Dataset]:
@@ -247,6 +241,7 @@ class _Job:
     """What tokenising one split needs besides its parts."""
 
     tokenizer: Any
+    tokenizer_path: str
     cfg: DataConfig
     name: str
     scratch: Path
@@ -254,15 +249,16 @@ class _Job:
     pad_id: int
 
 
-def _tokenize(loc: Located, raw: datasets.Dataset, job: _Job, j: int) -> datasets.Dataset:
+def _tokenize(loc: Located, raw: datasets.Dataset, job: _Job, j: int) -> tuple[datasets.Dataset, Tokenize]:
     """One source's rows through its own template (format and fields)."""
     src = loc.source
-    _check_fields(raw, src, loc.label)
+    if src.key.startswith("data.sources[") and src.fmt != "auto":
+        _check_fields(raw, src, loc.label)  # names data.sources[i].fields.<role>, the key to fix
     # The source's own DataConfig (its format and columns): built like a single-source prepare's.
     cfg = src.data_config(job.cfg, FORMAT_FIELDS)
-    fields = {role: getattr(cfg, key) for key, role, _ in FORMAT_FIELDS[cfg.format]}
-    tok = Tokenize(cfg.format, job.tokenizer, fields, cfg.seq_len, cfg.overlong, cfg.chat_template, source=loc.label)
-    return raw.map(
+    tok = tokenize_for(cfg, job.tokenizer, source=loc.label)
+    tok = tok.settle([c for c in raw.column_names if c != _ROW], _head(raw), job.tokenizer_path)
+    tokenized = raw.map(
         tok,
         batched=True,
         remove_columns=raw.column_names,
@@ -272,13 +268,20 @@ def _tokenize(loc: Located, raw: datasets.Dataset, job: _Job, j: int) -> dataset
         new_fingerprint=f"{job.fp}-{job.name}-{j}",  # skips hashing the tokenizer-holding function
         desc=f"tokenize {job.name} ({src.key})",
     )
+    return tokenized, tok
+
+
+def _how(tok: Tokenize) -> dict[str, Any]:
+    """How a source was read: its format (and why, when `auto` chose it) and the chat template."""
+    name = template_name(tok.chat_template) if tok.template is not None else None
+    return {"format": tok.fmt, "format_reason": tok.reason, "chat_template": name}
 
 
 def _tokenize_pack_save(parts: Parts, job: _Job, out_dir: Path, seed: int) -> dict[str, Any]:
     cfg, name = job.cfg, job.name
     pieces, per_source = [], []
     for j, (loc, raw) in enumerate(parts):
-        piece = _tokenize(loc, raw, job, j)
+        piece, tok = _tokenize(loc, raw, job, j)
         st = np.asarray(piece["status"], dtype=object)
         n_kept = int((st == "").sum())
         counts = Counter(s for s in st.tolist() if s)
@@ -293,6 +296,7 @@ def _tokenize_pack_save(parts: Parts, job: _Job, out_dir: Path, seed: int) -> di
             {
                 "key": loc.source.key,
                 "source": loc.label,
+                **_how(tok),
                 "examples_in": len(raw),
                 "examples_out": n_kept,
                 "dropped": dict(sorted(counts.items())),
@@ -321,6 +325,7 @@ def _tokenize_pack_save(parts: Parts, job: _Job, out_dir: Path, seed: int) -> di
 
     n_rows, real = len(bins), int(rows["num_real"].sum())
     return {
+        **{k: per_source[0][k] for k in ("format", "format_reason", "chat_template")},  # the first source's
         "examples_in": len(status),
         "examples_out": int(kept.size),
         "dropped": dict(sorted(dropped.items())),

@@ -92,6 +92,7 @@ def _split_lines(name: str, st: dict[str, Any], seq_len: int, overlong: str) -> 
     out = [
         f"{name}: {st['examples_in']:,} examples in -> {st['examples_out']:,} kept; dropped: {drops}; "
         f"truncated: {st['truncated']:,}",
+        f"  read as {st.get('format')}, chat template: {st.get('chat_template') or 'none (raw text)'}",
         f"  tokens: {st['real_tokens']:,} real, {st['trainable_tokens']:,} trainable, in {st['rows']:,} rows of {seq_len}",
         f"  packing efficiency: {st['packing_efficiency']:.2%} (real tokens / rows x seq_len); "
         f"padding random batches of {st['baseline']['batch_size']} to their longest instead: "

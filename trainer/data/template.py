@@ -1,214 +1,201 @@
-"""Templates: raw rows -> token ids + labels, with prompt tokens masked.
+"""Templates: raw rows -> token ids + labels, only the assistant's text (and its end of turn) trained.
 
 Label convention (shared with pack.py and the loss): labels are aligned with input_ids,
 -100 means "no loss here", and the loss shifts (logits[:, :-1] predict labels[:, 1:]).
 Therefore the first token of every document always carries -100: in a packed row it
 would otherwise be predicted from the previous document's last token.
 
-`Tokenize` is a picklable callable for `datasets.map(batched=True, with_indices=True)`.
-It returns, per row, the (possibly truncated) ids and labels, the full token length
-before truncation, and a status: "" (kept) or the reason the row is dropped.
+Every conversational format (alpaca, prompt/completion, messages, sharegpt; trainer/data/formats.py)
+is rendered by the chat template that `final/` will carry (trainer/data/chat_templates.py), and the
+assistant's characters are found in that one rendering (trainer/data/masking.py).
+
+`Tokenize` is a picklable callable for `datasets.map(batched=True)`. It returns, per row, the
+(possibly truncated) ids and labels, the full token length before truncation, and a status:
+"" (kept) or the reason the row is dropped (counted in the manifest, never dropped silently).
 """
 
 from __future__ import annotations
 
-import re
+import dataclasses
+import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from trainer.data import formats, masking
+from trainer.data.chat_templates import END_OF_TURN, NAMED, require_template, resolve_chat_template
 from trainer.data.read import DataError
 
 IGNORE_INDEX = -100
 """The label that carries no loss (PyTorch's cross_entropy default ignore_index); defined once here."""
 
-ALPACA_WITH_INPUT = (
-    "Below is an instruction that describes a task, paired with an input that provides further context. "
-    "Write a response that appropriately completes the request.\n\n"
-    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-)
-ALPACA_NO_INPUT = (
-    "Below is an instruction that describes a task. "
-    "Write a response that appropriately completes the request.\n\n"
-    "### Instruction:\n{instruction}\n\n### Response:\n"
-)
-
 ROW_COLUMN = "__spotune_row"
 
-# Drop reasons, as they appear in the manifest and the summary.
+# Drop reasons, as they appear in the manifest and the summary (formats.py adds null_field,
+# unknown_role and malformed_messages).
 OVERLONG = "overlong"
 NO_TRAINABLE = "no_trainable_tokens"
 NO_TRAINABLE_AFTER_TRUNCATION = "no_trainable_after_truncation"
-NULL_FIELD = "null_field"
+NULL_FIELD = formats.NULL_FIELD
+TEMPLATE_ERROR = "template_error"
+HEAD_ROWS = 20
+"""Rows `format: auto` and the format checks look at."""
 
-# ids, labels, and whether an appended EOS is trained (None: append none, the template ends turns with EOS)
+# ids, labels, and whether an appended EOS is trained (None: append none, the template ends turns itself)
 Pair = tuple[list[int], list[int], bool | None]
-
-_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-
-
-def alpaca_prompt(instruction: str, input_text: str) -> str:
-    """The standard Stanford-alpaca prompt; the response follows it directly."""
-    if input_text.strip():
-        return ALPACA_WITH_INPUT.format(instruction=instruction, input=input_text)
-    return ALPACA_NO_INPUT.format(instruction=instruction)
 
 
 @dataclass
 class Tokenize:
-    fmt: Literal["alpaca", "chat", "text"]
+    fmt: str  # a key of formats.FORMAT_FIELDS; `auto` is settled by `settle` before the first call
     tokenizer: Any  # a transformers PreTrainedTokenizerBase
-    fields: dict[str, str]  # role -> column name: instruction/input/output, messages, text
+    fields: dict[str, str]  # role -> column name (formats.FORMAT_FIELDS)
     seq_len: int
     overlong: Literal["truncate", "drop"]
-    chat_template: str | None = None
+    chat_template: str | None = None  # the data.chat_template setting: unset, a name of NAMED, or Jinja
     source: str = "data"
+    roles: dict[str, str] = field(default_factory=lambda: dict(formats.SHAREGPT_ROLES))
+    train_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
+    train_on_inputs: bool = False
+    reason: str = ""  # why `auto` chose fmt
+
+    def settle(self, columns: list[str], head: list[dict[str, Any]], tokenizer_path: str = "") -> Tokenize:
+        """This Tokenize for data with `columns` whose first rows are `head`: `auto` resolved (and said
+        so), the columns checked, a file that looks like another format named, the template required."""
+        out = self
+        if self.fmt == "auto":
+            fmt, why = formats.detect(columns, head, self.fields)
+            if fmt is None:
+                raise DataError(
+                    f"{self.source}: cannot tell the data format ({why}); set data.format to one of "
+                    f"{', '.join(formats.WHAT)}, or the data.*_field keys to the columns that hold it."
+                )
+            print(f"spotune: {self.source}: data.format=auto -> {fmt} ({why})", file=sys.stderr, flush=True)
+            out = dataclasses.replace(self, fmt=fmt, reason=why, fields=formats.settled_fields(fmt, why, self.fields))
+        fmt = formats.normalise(out.fmt)
+        hint = formats.mismatch(fmt, columns, head, out.fields)
+        for key, col in formats.required(fmt, out.fields).items():
+            if col not in columns or hint:
+                first = f"field {col!r} not found" if col not in columns else f"data.format is {fmt!r} but the file"
+                raise DataError(
+                    f"{self.source}: {first} (fields found: {', '.join(columns) or 'none'}); "
+                    + (hint or f"set data.{key} to the field that holds it.")
+                )
+        if fmt in ("alpaca", "messages", "sharegpt") or _conversational_pc(fmt, head, out.fields):
+            require_template(out.template, fmt, tokenizer_path or str(self.source))
+        return out
+
+    @property
+    def template(self) -> str | None:
+        return (
+            None if formats.normalise(self.fmt) == "text" else resolve_chat_template(self.chat_template, self.tokenizer)
+        )
 
     def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        # Row numbers of the source file (kept through the eval split) for error messages.
-        indices = batch[ROW_COLUMN] if ROW_COLUMN in batch else list(range(len(next(iter(batch.values())))))
-        status = [""] * len(indices)
-        if self.fmt == "alpaca":
-            pairs = self._alpaca(batch, status)
-        elif self.fmt == "text":
-            pairs = self._text(batch, status)
-        else:
-            pairs = self._chat(batch, indices, status)
+        columns = list(batch)
+        rows = [dict(zip(columns, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+        status = [""] * len(rows)
+        template = self.template
+        examples: list[formats.Example | None] = []
+        for i, row in enumerate(rows):
+            ex = formats.to_example(self.fmt, row, self.fields, self.roles, template is not None)
+            if isinstance(ex, str):
+                status[i] = ex  # the reason this row is dropped
+            examples.append(None if isinstance(ex, str) else ex)
+        pairs = self._pairs(examples, rows, status, template)
         out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "length": [], "status": []}
         eos = self.tokenizer.eos_token_id
-        for (ids, labels, eos_trained), st in zip(pairs, status, strict=False):
+        for (ids, labels, eos_trained), st in zip(pairs, status, strict=True):
             if st:
                 self._emit(out, [], [], 0, st)
                 continue
             if eos is not None and eos_trained is not None and (not ids or ids[-1] != eos):
-                # EOS teaches the model to stop: trained after a response (alpaca), after text,
-                # and after a conversation that ends with an assistant turn.
+                # EOS teaches the model to stop: trained after raw text, a raw completion, and a
+                # conversation whose template ends the last assistant turn with no special token.
                 labels.append(eos if eos_trained else IGNORE_INDEX)
                 ids.append(eos)
+            if self.train_on_inputs:
+                labels = list(ids)
             if labels:
                 labels[0] = IGNORE_INDEX  # see the module docstring: no prediction across documents
             self._finish(out, ids, labels)
         return out
 
-    # ------------------------------------------------------------------ formats
+    # ------------------------------------------------------------------ rendering
 
-    def _alpaca(self, batch: dict[str, list[Any]], status: list[str]) -> list[Pair]:
-        f = self.fields
-        instr = batch[f["instruction"]]
-        inputs = batch[f["input"]] if f["input"] in batch else [""] * len(instr)
-        outputs = batch[f["output"]]
-        prompts, responses = [], []
-        for i, (a, b, c) in enumerate(zip(instr, inputs, outputs, strict=False)):
-            if a is None or c is None:
-                status[i] = NULL_FIELD
-            prompts.append(alpaca_prompt(str(a or ""), str(b or "")))
-            responses.append(str(c or ""))
-        # Prompt and response are tokenised apart and concatenated, so the mask boundary is
-        # exact and the response starts where generation would start after the prompt.
-        p_ids = self.tokenizer(prompts, add_special_tokens=True)["input_ids"]
-        r_ids = self.tokenizer(responses, add_special_tokens=False)["input_ids"]
-        return [
-            (list(p) + list(r), [IGNORE_INDEX] * len(p) + list(r), True) for p, r in zip(p_ids, r_ids, strict=False)
+    def _pairs(
+        self,
+        examples: list[formats.Example | None],
+        rows: list[dict[str, Any]],
+        status: list[str],
+        template: str | None,
+    ) -> list[Pair]:
+        pairs: list[Pair] = [([], [], None)] * len(examples)
+        texts = [
+            (i, ex) for i, ex in enumerate(examples) if ex is not None and ex.messages is None and ex.prompt is None
         ]
+        if texts:  # raw text: every token trained (the first is masked later)
+            for (i, _), ids in zip(texts, self.tokenizer([ex.text or "" for _, ex in texts])["input_ids"], strict=True):
+                pairs[i] = (list(ids), list(ids), True)
+        raw = [(i, ex) for i, ex in enumerate(examples) if ex is not None and ex.prompt is not None]
+        if raw:  # a raw prompt (masked) and its completion, tokenised apart so the boundary is exact
+            prompts = self.tokenizer([ex.prompt or "" for _, ex in raw], add_special_tokens=True)["input_ids"]
+            bodies = self.tokenizer([ex.text or "" for _, ex in raw], add_special_tokens=False)["input_ids"]
+            for (i, _), p, b in zip(raw, prompts, bodies, strict=True):
+                pairs[i] = (list(p) + list(b), [IGNORE_INDEX] * len(p) + list(b), True)
+        chats = [(i, ex) for i, ex in enumerate(examples) if ex is not None and ex.messages is not None]
+        if chats:
+            assert template is not None  # settle() required one for every conversational format
+            for i, pair in self._chat(chats, rows, status, template):
+                pairs[i] = pair
+        return pairs
 
-    def _text(self, batch: dict[str, list[Any]], status: list[str]) -> list[Pair]:
-        texts = batch[self.fields["text"]]
-        for i, t in enumerate(texts):
-            if t is None:
-                status[i] = NULL_FIELD
-        ids = self.tokenizer([str(t or "") for t in texts], add_special_tokens=True)["input_ids"]
-        return [(list(x), list(x), True) for x in ids]  # every token trained; the first is masked later
-
-    def _chat(self, batch: dict[str, list[Any]], indices: list[int], status: list[str]) -> list[Pair]:
-        col = batch[self.fields["messages"]]
-        tmpl = self.chat_template
-        uses_generation = bool(_GENERATION_TAG.search(str(tmpl or self.tokenizer.chat_template or "")))
-        result: list[Pair] = []
-        texts: list[str] = []
-        spans: list[list[tuple[int, int]]] = []
-        ends_with_assistant: list[bool] = []
-        for j, (messages, row) in enumerate(zip(col, indices, strict=False)):
-            if messages is None:
-                status[j] = NULL_FIELD
-                messages = []
-            messages = self._check_messages(messages, row)
-            ends_with_assistant.append(bool(messages) and messages[-1]["role"] == "assistant")
-            if uses_generation:
-                # The template marks assistant text itself: let transformers compute the mask.
-                enc = (
-                    self.tokenizer.apply_chat_template(
-                        messages, chat_template=tmpl, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-                    )
-                    if messages
-                    else {"input_ids": [], "assistant_masks": []}
-                )
-                ids = list(enc["input_ids"])
-                labels = [t if m else IGNORE_INDEX for t, m in zip(ids, enc["assistant_masks"], strict=False)]
-                result.append((ids, labels, self._eos_rule(ids, ends_with_assistant[-1])))
-                continue
-            text, sp = self._render_with_spans(messages, row)
-            texts.append(text)
-            spans.append(sp)
-        if uses_generation:
-            return result
-        enc = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-        for ids, offsets, sp, last in zip(
-            enc["input_ids"], enc["offset_mapping"], spans, ends_with_assistant, strict=False
-        ):
-            # A token belongs to the turn its first character belongs to.
-            labels = [
-                t if any(s <= start < e for s, e in sp) else IGNORE_INDEX
-                for t, (start, _) in zip(ids, offsets, strict=False)
-            ]
-            result.append((list(ids), labels, self._eos_rule(ids, last)))
-        return result
-
-    def _eos_rule(self, ids: Sequence[int], ends_with_assistant: bool) -> bool | None:
-        # A template that closes turns with EOS (often followed by a newline) needs no extra one.
-        return None if self.tokenizer.eos_token_id in ids else ends_with_assistant
-
-    def _render_with_spans(self, messages: list[dict[str, Any]], row: int) -> tuple[str, list[tuple[int, int]]]:
-        """Render the conversation and find each assistant turn's characters by rendering prefixes.
-
-        The text an assistant turn adds is render(messages[:i+1]) minus
-        render(messages[:i], add_generation_prompt=True). This holds only if prefixes
-        render as string prefixes of the whole, which is checked rather than assumed.
-        """
-        if not messages:
-            return "", []
+    def _chat(
+        self, chats: list[tuple[int, formats.Example]], rows: list[dict[str, Any]], status: list[str], template: str
+    ) -> list[tuple[int, Pair]]:
+        from jinja2 import TemplateError
 
         def render(msgs: list[dict[str, Any]], gen: bool) -> str:
-            out = self.tokenizer.apply_chat_template(
-                msgs, chat_template=self.chat_template, tokenize=False, add_generation_prompt=gen
-            )
-            return str(out)
-
-        full = render(messages, False)
-        spans: list[tuple[int, int]] = []
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            before = render(messages[:i], True)
-            upto = render(messages[: i + 1], False)
-            if not (full.startswith(upto) and upto.startswith(before)):
-                raise DataError(
-                    f"{self.source}: row {row + 1}: the chat template does not render a conversation prefix as a prefix "
-                    "of the whole, so assistant tokens cannot be located; mark assistant text with "
-                    "{% generation %}...{% endgeneration %} in data.chat_template."
+            return str(
+                self.tokenizer.apply_chat_template(
+                    msgs, chat_template=template, tokenize=False, add_generation_prompt=gen
                 )
-            spans.append((len(before), len(upto)))
-        return full, spans
-
-    def _check_messages(self, messages: Any, row: int) -> list[dict[str, Any]]:
-        if not isinstance(messages, (list, tuple)) or not all(
-            isinstance(m, dict) and "role" in m and "content" in m for m in messages
-        ):
-            raise DataError(
-                f"{self.source}: row {row + 1}: field {self.fields['messages']!r} must be a list of "
-                "{'role': ..., 'content': ...} messages; set data.messages_field if another field holds them."
             )
-        # Arrow stores a list of structs with the union of keys; drop the None-filled extras.
-        return [{k: v for k, v in m.items() if v is not None} for m in messages]
+
+        gen_prompt = masking.generation_prompt(render)
+        special = sorted({t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special})
+        end_of_turn = END_OF_TURN.get(self.chat_template or "") if self.chat_template in NAMED else None
+        kept: list[tuple[int, str, list[tuple[int, int]], bool | None]] = []
+        for i, ex in chats:
+            assert ex.messages is not None and ex.trainable is not None
+            try:
+                text, turns = masking.assistant_turns(render, ex.messages, gen_prompt, special, end_of_turn)
+            except TemplateError:  # the template refuses this conversation (e.g. roles that do not alternate)
+                status[i] = TEMPLATE_ERROR
+                continue
+            except masking.TemplateShapeError as e:
+                row = rows[i].get(ROW_COLUMN, i)
+                raise DataError(
+                    f"{self.source}: row {int(row) + 1}: {e}, so its tokens cannot be labelled; "
+                    "use a template that writes each assistant message's content as it is (data.chat_template)."
+                ) from None
+            # turns are the assistant messages' in order; a message may be marked untrained (weight 0)
+            trained = [t for t, ok in zip(turns, _assistant_flags(ex), strict=True) if ok]
+            if self.train_on == "last_assistant":
+                trained = trained[-1:]
+            spans = [(t.start, t.stop_end) for t in trained]
+            ends_with_assistant = ex.messages[-1]["role"] == "assistant" and bool(turns)
+            eos_rule = (
+                None
+                if not ends_with_assistant or turns[-1].stop_is_token
+                else bool(trained) and trained[-1] is turns[-1]
+            )
+            kept.append((i, text, spans, eos_rule))
+        enc = self.tokenizer([k[1] for k in kept], add_special_tokens=False, return_offsets_mapping=True)
+        out = []
+        for (i, _, spans, eos_rule), ids, offsets in zip(kept, enc["input_ids"], enc["offset_mapping"], strict=True):
+            out.append((i, (list(ids), masking.label_tokens(ids, offsets, spans, IGNORE_INDEX), eos_rule)))
+        return out
 
     # ------------------------------------------------------------------ length policy
 
@@ -237,10 +224,27 @@ class Tokenize:
         out["status"].append(status)
 
 
-def check_chat_template(tokenizer: Any, chat_template: str | None) -> None:
-    """A chat dataset needs a template from the tokenizer or from data.chat_template."""
-    if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise DataError(
-            "data.format is 'chat' but the tokenizer has no chat template; set data.chat_template "
-            "to a Jinja chat template (or use a tokenizer that ships one)."
-        )
+def _assistant_flags(ex: formats.Example) -> list[bool]:
+    assert ex.messages is not None and ex.trainable is not None
+    return [ok for m, ok in zip(ex.messages, ex.trainable, strict=True) if m["role"] == "assistant"]
+
+
+def _conversational_pc(fmt: str, head: list[dict[str, Any]], fields: dict[str, str]) -> bool:
+    """prompt/completion in the conversational (list of messages) form, which needs a template."""
+    return fmt == "prompt_completion" and any(isinstance(r.get(fields["prompt"]), list) for r in head)
+
+
+def tokenize_for(cfg: Any, tokenizer: Any, source: str) -> Tokenize:
+    """The Tokenize of a DataConfig's settings (prepare and `spotune inspect` both build it here)."""
+    return Tokenize(
+        cfg.format,
+        tokenizer,
+        formats.fields_of(cfg.format, cfg),
+        cfg.seq_len,
+        cfg.overlong,
+        cfg.chat_template,
+        source=source,
+        roles={**formats.SHAREGPT_ROLES, **cfg.sharegpt_roles},
+        train_on=cfg.train_on,
+        train_on_inputs=cfg.train_on_inputs,
+    )

@@ -340,7 +340,9 @@ def _finish(
     ledger.winding_down(reason)
     if reason in ("finished", "budget"):
         with ledger.timed("final"):
-            write_final(proc.out / "final", model, tokenizer_path(cfg), proc.is_main)  # collective under FSDP
+            write_final(
+                proc.out / "final", model, tokenizer_path(cfg), proc.is_main, cfg.data.chat_template
+            )  # collective under FSDP
     proc.accelerator.wait_for_everyone()
     summary = books.meter.summary()
     with ledger.timed("flush"):

@@ -1,0 +1,142 @@
+"""Masking on the REAL official tokenizers (../shared/data/tokenizers): exactly the assistant's text and its
+end-of-turn token carry labels, including templates that rewrite earlier turns once later ones arrive."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import pytest
+from conftest import SHARED_DATA
+from transformers import AutoTokenizer
+
+from trainer.data.formats import SHAREGPT_ROLES
+from trainer.data.template import IGNORE_INDEX, TEMPLATE_ERROR, Tokenize
+
+TOKENIZERS = SHARED_DATA / "tokenizers"
+pytestmark = pytest.mark.skipif(not TOKENIZERS.is_dir(), reason=f"{TOKENIZERS} is absent (the shared data)")
+
+SYSTEM, Q1, Q2 = "You are a terse geographer.", "What is the capital of France?", "And of Italy?"
+A1 = "<think>France is in Europe.</think>Paris is the capital."
+A2 = "<think>\nItaly, then.\n</think>\n\nRome."
+CONVERSATION = [
+    {"role": "system", "content": SYSTEM},
+    {"role": "user", "content": Q1},
+    {"role": "assistant", "content": A1},
+    {"role": "user", "content": Q2},
+    {"role": "assistant", "content": A2},
+]
+# What each template renders as the assistant's turns (its own rewrites included) + the end-of-turn token.
+CASES: dict[str, tuple[str, list[str]]] = {
+    "llama-3.1-instruct": ("<|eot_id|>", [A1, A2]),
+    "qwen2.5-instruct": ("<|im_end|>", [A1, A2]),
+    # Qwen3 strips the reasoning of every assistant turn before the last user message.
+    "qwen3": ("<|im_end|>", ["Paris is the capital.", A2]),
+    "gemma-3-it": ("<end_of_turn>", [A1, A2]),
+    "mistral-7b-instruct-v0.3": ("</s>", [A1, A2]),
+    "phi-4": ("<|im_end|>", [A1, A2]),
+}
+# Templates where rendering prefixes (the former method) cannot locate the turns.
+PREFIX_METHOD_FAILS = {"qwen3", "mistral-7b-instruct-v0.3"}
+
+
+@cache
+def _tokenizer(name: str) -> Any:
+    return AutoTokenizer.from_pretrained(TOKENIZERS / name)
+
+
+def _labels(name: str, conversation: list[dict[str, Any]], **kw: Any) -> tuple[list[int], list[int], str]:
+    tok = _tokenizer(name)
+    out = Tokenize("messages", tok, {"messages": "messages"}, 4096, "truncate", **kw)({"messages": [conversation]})
+    assert out["status"] == [""]
+    return out["input_ids"][0], out["labels"][0], out["status"][0]
+
+
+def _runs(tok: Any, ids: list[int], labels: list[int]) -> list[str]:
+    """The decoded runs of consecutive labelled tokens; every label is its token or IGNORE_INDEX."""
+    assert all(lab in (IGNORE_INDEX, t) for t, lab in zip(ids, labels, strict=True))
+    runs: list[list[int]] = []
+    for i, lab in enumerate(labels):
+        if lab == IGNORE_INDEX:
+            continue
+        if i and labels[i - 1] != IGNORE_INDEX and runs:
+            runs[-1].append(lab)
+        else:
+            runs.append([lab])
+    return [tok.decode(r) for r in runs]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_only_assistant_text_and_end_of_turn_are_trained(name: str) -> None:
+    tok = _tokenizer(name)
+    eot, answers = CASES[name]
+    ids, labels, _ = _labels(name, CONVERSATION)
+    rendered = tok.apply_chat_template(CONVERSATION, tokenize=False)
+    assert ids == tok(rendered, add_special_tokens=False)["input_ids"]  # the template's tokens, nothing added
+    assert _runs(tok, ids, labels) == [a + eot for a in answers]
+    # no user or system character is under a labelled token
+    offsets = tok(rendered, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    for text in (SYSTEM, Q1, Q2):
+        at = rendered.find(text)
+        if at < 0:
+            assert name == "mistral-7b-instruct-v0.3" and text == SYSTEM  # v0.3 renders it only before generation
+            continue
+        inside = [lab for lab, (s, e) in zip(labels, offsets, strict=True) if s < at + len(text) and e > at]
+        assert inside and all(lab == IGNORE_INDEX for lab in inside), text
+    # control: the same comparison fails for labels one token off
+    shifted = [IGNORE_INDEX, *labels[:-1]]
+    assert _runs(tok, ids, [t if lab != IGNORE_INDEX else lab for t, lab in zip(ids, shifted, strict=True)]) != [
+        a + eot for a in answers
+    ]
+
+
+def _prefix_method(tok: Any, conversation: list[dict[str, Any]]) -> list[str] | None:
+    """The former method: a turn's text = render(messages[:i+1]) - render(messages[:i], gen prompt);
+    None where the prefixes do not render as prefixes of the whole."""
+    full = tok.apply_chat_template(conversation, tokenize=False)
+    found = []
+    for i, m in enumerate(conversation):
+        if m["role"] != "assistant":
+            continue
+        before = tok.apply_chat_template(conversation[:i], tokenize=False, add_generation_prompt=True)
+        upto = tok.apply_chat_template(conversation[: i + 1], tokenize=False)
+        if not (full.startswith(upto) and upto.startswith(before)):
+            return None
+        found.append(upto[len(before) :])
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(PREFIX_METHOD_FAILS))
+def test_control_the_prefix_method_fails_where_templates_rewrite_turns(name: str) -> None:
+    assert _prefix_method(_tokenizer(name), CONVERSATION) is None
+    assert _prefix_method(_tokenizer("qwen2.5-instruct"), CONVERSATION) is not None  # it worked elsewhere
+
+
+def test_last_assistant_and_train_on_inputs() -> None:
+    tok = _tokenizer("qwen2.5-instruct")
+    ids, labels, _ = _labels("qwen2.5-instruct", CONVERSATION, train_on="last_assistant")
+    assert _runs(tok, ids, labels) == [A2 + "<|im_end|>"]
+    ids, labels, _ = _labels("qwen2.5-instruct", CONVERSATION, train_on_inputs=True)
+    assert labels == [IGNORE_INDEX, *ids[1:]]
+
+
+def test_untrained_turns_and_refused_conversations_are_counted() -> None:
+    """A `weight: 0` turn is context only; a conversation the template refuses is a counted drop."""
+    tok = _tokenizer("gemma-3-it")
+    turns = [{"from": "human", "value": Q1}, {"from": "gpt", "value": A1, "weight": 0}]
+    turns += [{"from": "human", "value": Q2}, {"from": "gpt", "value": A2}]
+    not_alternating = [{"from": "human", "value": Q1}, {"from": "human", "value": Q2}, {"from": "gpt", "value": A2}]
+    stranger = [{"from": "narrator", "value": Q1}, {"from": "gpt", "value": A2}]
+    tokenize = Tokenize("sharegpt", tok, {"conversations": "conversations"}, 4096, "truncate")
+    out = tokenize({"conversations": [turns, not_alternating, stranger]})
+    assert out["status"] == ["", TEMPLATE_ERROR, "unknown_role"]
+    assert _runs(tok, out["input_ids"][0], out["labels"][0]) == [A2 + "<end_of_turn>"]
+    mapped = Tokenize(
+        "sharegpt",
+        tok,
+        {"conversations": "conversations"},
+        4096,
+        "truncate",
+        roles={**SHAREGPT_ROLES, "narrator": "user"},
+    )({"conversations": [stranger]})
+    assert mapped["status"] == [""]

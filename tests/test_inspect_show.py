@@ -1,0 +1,48 @@
+"""`spotune inspect --show N`: examples as the model sees them, trained text marked; the HTML form."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from trainer.cli.main import main
+from trainer.data.show import ANSI_ON, example_html, example_text
+from trainer.data.template import IGNORE_INDEX
+
+ROWS = [
+    {"conversations": [{"from": "human", "value": "Capital of France?"}, {"from": "gpt", "value": "Paris"}]},
+    {"conversations": [{"from": "human", "value": "Say <b> & stop"}, {"from": "gpt", "value": "<b> & ok"}]},
+    {"conversations": [{"from": "human", "value": "Only a question"}]},
+]
+
+
+def test_inspect_show_marks_trained_text(tmp_path: Path, tiny_llama: Path, capsys: pytest.CaptureFixture) -> None:
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    argv = ["inspect", f"model.name_or_path={tiny_llama}", f"data.path={data}", f"output_dir={tmp_path / 'run'}"]
+    assert main([*argv, "data.seq_len=128", "--show", "3"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "format sharegpt (column 'conversations' holds turns of from/value), chat template: the tokenizer's own" in out
+    )
+    assert "<|user|>\nCapital of France?\n<|assistant|>\n[[Paris</s>]]\n" in out  # the user turn is not marked
+    assert "[[<b> & ok</s>]]" in out
+    assert "--- row 3: dropped (no_trainable_tokens)" in out
+    assert out.count("]]") == 1 + 2 and ANSI_ON not in out  # the legend, two answers; not a terminal: no colour
+
+
+def test_example_html_and_colour(tiny_tokenizer: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer)
+    prompt, answer = tok("Say <b>:")["input_ids"], tok(" <b> & ok", add_special_tokens=False)["input_ids"]
+    ids, labels = prompt + answer, [IGNORE_INDEX] * len(prompt) + answer
+    page = example_html(tok, ids, labels)
+    assert (
+        page
+        == '<pre class="spotune-example">&lt;s&gt;Say &lt;b&gt;:<mark class="trained"> &lt;b&gt; &amp; ok</mark></pre>'
+    )
+    assert example_text(tok, ids, labels, color=True) == f"<s>Say <b>:{ANSI_ON} <b> & ok\x1b[0m"
+    # control: a label shifted by one marks another text
+    assert example_html(tok, ids, [IGNORE_INDEX, *labels[:-1]]) != page

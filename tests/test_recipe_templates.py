@@ -1,0 +1,94 @@
+"""No shipped recipe trains one format and ships another: the chat template its data is rendered with
+is the one final/ (and a merged export) carries, both answered by chat_templates.resolve_chat_template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import SHARED_DATA
+from transformers import AutoTokenizer
+
+from trainer import builtin_assets
+from trainer import config as C
+from trainer.data import formats
+from trainer.data.chat_templates import own_template
+from trainer.data.template import tokenize_for
+from trainer.export import save_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))
+TOKENIZERS = SHARED_DATA / "tokenizers"
+# A recipe's model -> the official tokenizer of its family in the shared data (same chat template).
+FAMILIES = {
+    "llama-3": "llama-3.1-instruct",
+    "qwen3": "qwen3",
+    "qwen2.5": "qwen2.5-instruct",
+    "gemma-3": "gemma-3-it",
+    "mistral": "mistral-7b-instruct-v0.3",
+    "phi-4": "phi-4",
+}
+
+
+def _tokenizer_dir(name: str, tiny_llama: Path, bare: Path) -> Path:
+    if name == C.BUILTIN_TINY_MODEL:
+        return tiny_llama
+    for key, folder in FAMILIES.items():
+        if key in name.lower():
+            if not TOKENIZERS.is_dir():
+                pytest.skip(f"{TOKENIZERS} is absent (the shared data)")
+            return TOKENIZERS / folder
+    return bare  # a model this test does not know: assume a base model whose tokenizer has no template
+
+
+@pytest.fixture(scope="module")
+def bare_tokenizer(tiny_tokenizer: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer)
+    tok.chat_template = None
+    out = tmp_path_factory.mktemp("bare")
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(REPO / "recipes")))
+def test_recipe_ships_the_template_it_trains_with(
+    path: Path, tmp_path: Path, tiny_llama: Path, bare_tokenizer: Path
+) -> None:
+    cfg = C.load(path)
+    tok_dir = _tokenizer_dir(cfg.model.name_or_path, tiny_llama, bare_tokenizer)
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    rendered_with = tokenize_for(cfg.data, tok, str(path)).template
+    save_tokenizer(tok_dir, tmp_path / "final", cfg.data.chat_template)  # what write_final and export call
+    shipped = own_template(AutoTokenizer.from_pretrained(tmp_path / "final"))
+    if formats.normalise(cfg.data.format) == "text":
+        assert rendered_with is None and shipped == own_template(tok)  # raw text; the tokenizer ships as it was
+    else:
+        assert rendered_with is not None, (
+            f"{path}: conversational data on a model without a chat template: set data.chat_template"
+        )
+        assert shipped == rendered_with
+
+
+def test_the_tiny_recipe_trains_what_final_serves(tmp_path: Path, tiny_llama: Path) -> None:
+    """The built-in recipe's rows are token for token what final/'s tokenizer renders for them; a
+    named template reaches final/ too, and saving without it (control) ships something else."""
+    cfg = C.load(REPO / "recipes" / "tiny-cpu.yaml")
+    rows = [json.loads(line) for line in Path(builtin_assets.resolve_data(cfg.data.path)).read_text().splitlines()[:3]]
+    for setting in (cfg.data.chat_template, "chatml"):
+        data_cfg = C.DataConfig(**{**cfg.data.__dict__, "chat_template": setting})
+        tok = AutoTokenizer.from_pretrained(tiny_llama)
+        t = tokenize_for(data_cfg, tok, "tiny").settle(list(rows[0]), rows)
+        out = t({k: [r[k] for r in rows] for k in rows[0]})
+        final = tmp_path / f"final-{setting}"
+        save_tokenizer(tiny_llama, final, setting)
+        served = AutoTokenizer.from_pretrained(final)
+        for row, ids in zip(rows, out["input_ids"], strict=True):
+            msgs = formats.alpaca_messages(row["instruction"], row["input"])
+            prompt = served.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            prompt_ids = served(prompt, add_special_tokens=False)["input_ids"]
+            assert ids[: len(prompt_ids)] == prompt_ids  # the served prompt is the trained prefix
+        save_tokenizer(tiny_llama, tmp_path / "control", None)
+        assert (own_template(AutoTokenizer.from_pretrained(tmp_path / "control")) == own_template(served)) == (
+            setting is None
+        )

@@ -1,0 +1,72 @@
+"""Look at what trains: examples rendered as the model sees them, trained tokens marked.
+
+`spotune inspect --show N` prints the first N rows of the data (ANSI colour on a terminal,
+`[[...]]` around trained text otherwise); `example_html` gives the same marks as HTML for a page
+(the report may embed it). Rows are tokenised by the very `Tokenize` that `prepare` uses.
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from typing import Any
+
+from trainer.data.chat_templates import template_name
+from trainer.data.read import read_rows
+from trainer.data.template import HEAD_ROWS, IGNORE_INDEX, ROW_COLUMN, tokenize_for
+
+OPEN, CLOSE = "[[", "]]"
+ANSI_ON, ANSI_OFF = "\x1b[30;42m", "\x1b[0m"  # black on green: trained
+
+
+def segments(tokenizer: Any, ids: list[int], labels: list[int]) -> list[tuple[str, bool]]:
+    """(decoded text, trained) for each run of tokens that are all trained or all not."""
+    runs: list[tuple[list[int], bool]] = []
+    for t, lab in zip(ids, labels, strict=True):
+        trained = lab != IGNORE_INDEX
+        if runs and runs[-1][1] == trained:
+            runs[-1][0].append(t)
+        else:
+            runs.append(([t], trained))
+    return [(tokenizer.decode(r, skip_special_tokens=False), trained) for r, trained in runs]
+
+
+def example_text(tokenizer: Any, ids: list[int], labels: list[int], color: bool = False) -> str:
+    """One example as text: trained runs in colour (`color`) or between `[[` and `]]`."""
+    on, off = (ANSI_ON, ANSI_OFF) if color else (OPEN, CLOSE)
+    return "".join(f"{on}{text}{off}" if trained else text for text, trained in segments(tokenizer, ids, labels))
+
+
+def example_html(tokenizer: Any, ids: list[int], labels: list[int]) -> str:
+    """One example as an HTML fragment: a <pre> whose trained runs are <mark class="trained">."""
+    parts = [
+        f'<mark class="trained">{html.escape(text)}</mark>' if trained else html.escape(text)
+        for text, trained in segments(tokenizer, ids, labels)
+    ]
+    return f'<pre class="spotune-example">{"".join(parts)}</pre>'
+
+
+def show_examples(cfg: Any, data_path: str | Path, tokenizer_path: str, n: int, color: bool = False) -> str:
+    """The first `n` rows of `data_path` rendered with `cfg` (a DataConfig), trained tokens marked."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=False)
+    ds = read_rows(data_path, key="data.path")
+    head = list(ds.select(range(min(max(n, HEAD_ROWS), len(ds)))))
+    columns = list(ds.column_names)
+    tok = tokenize_for(cfg, tokenizer, str(data_path)).settle(columns, head, tokenizer_path)
+    rows = head[:n]
+    out = tok({c: [r[c] for r in rows] for c in columns} | {ROW_COLUMN: list(range(len(rows)))})
+    template = template_name(tok.chat_template) if tok.template is not None else "none (raw text)"
+    lines = [
+        f"{data_path}: format {tok.fmt}" + (f" ({tok.reason})" if tok.reason else "") + f", chat template: {template}",
+        "trained tokens are " + ("highlighted" if color else f"between {OPEN} and {CLOSE}"),
+    ]
+    for i, (ids, labels, status) in enumerate(zip(out["input_ids"], out["labels"], out["status"], strict=True)):
+        if status:
+            lines.append(f"\n--- row {i + 1}: dropped ({status})")
+            continue
+        trained = sum(lab != IGNORE_INDEX for lab in labels)
+        lines.append(f"\n--- row {i + 1}: {len(ids)} tokens, {trained} trained")
+        lines.append(example_text(tokenizer, ids, labels, color))
+    return "\n".join(lines)
