@@ -174,3 +174,19 @@ def test_piped_run_prints_lines_events_and_a_sane_first_line_after_resume(tmp_pa
     assert rate <= 1.05 / step_time and rate >= 1 / wall
     h, m, s = map(int, eta.split(":"))
     assert abs(h * 3600 + m * 60 + s - (10 - resume_step - 1) / rate) <= 1
+
+
+def test_model_loading_keeps_download_bars_and_hides_transformers_bars() -> None:
+    from huggingface_hub.utils import are_progress_bars_disabled
+    from transformers.utils import logging as hf_logging
+
+    from trainer.model.load import quiet_hf_progress
+
+    before = (hf_logging.is_progress_bar_enabled(), are_progress_bars_disabled("huggingface_hub.http_get"))
+    with quiet_hf_progress(downloads=True):
+        assert not hf_logging.is_progress_bar_enabled()  # "Loading weights": noise in a run's log
+        assert not are_progress_bars_disabled("huggingface_hub.http_get")
+        assert not are_progress_bars_disabled("huggingface_hub.snapshot_download")
+    with quiet_hf_progress():  # control: without `downloads`, the hub's bars go too (export, the demo)
+        assert are_progress_bars_disabled("huggingface_hub.http_get")
+    assert (hf_logging.is_progress_bar_enabled(), are_progress_bars_disabled("huggingface_hub.http_get")) == before

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,9 @@ from trainer.restart.ledger import Ledger
 from trainer.training.console import Console
 from trainer.training.loop import StepRecord
 from trainer.training.metrics import Meter
+
+MACHINE = socket.gethostname()
+"""The host name every metrics row carries."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,8 @@ class Telemetry:
         self.ledger.heartbeat(row.get("step"))
         if self.sink is not None:
             # `attempt`: which process wrote the row (the ledger's attempt number), for the report.
-            row = {**row, "attempt": self.ledger.attempt, **self.row_extras()}
+            # `machine`: where it ran (attempts of a spot run move between machines).
+            row = {**row, "attempt": self.ledger.attempt, "machine": MACHINE, **self.row_extras()}
             self.sink.write(row)
             if self.tracker_log is not None:  # trackers add the machine (trainer/training/trackers.py)
                 self.tracker_log(row, row["step"])

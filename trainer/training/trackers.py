@@ -7,23 +7,25 @@ places: `trackers.json` in the run directory, and every checkpoint's `trainer_st
 them back. The run directory's copy wins; without either, a new tracker run starts.
 
 Steps never go backwards and none is charted twice, although a SIGKILLed attempt may have
-logged steps past the checkpoint the next attempt resumes from. Each tracker keeps what it
-has already accepted, and the resumed attempt logs what it redoes through that tracker's own
-rule:
+logged steps past the checkpoint the next attempt resumes from, and may have lost rows on the
+way to a tracker. `metrics.jsonl` (flushed per row) is the record: a resumed attempt first
+sends the rows up to its checkpoint that a tracker lacks (`backfill`), then logs the steps it
+redoes and the new ones, each tracker by its own rule of what it already holds:
 - W&B: rows carry `step=` (W&B's `_step` is the optimizer step), and the run is resumed with
-  `resume="allow"`. W&B refuses a step below the run's current one, so steps the killed attempt
-  did get to W&B stay as they were and the redone ones fill only what it lost (its last rows
-  are often lost: W&B buffers them in its service process, which a SIGKILL of ours ends). We
-  skip steps below `run.step` ourselves, which is exactly W&B's rule, to spare its warnings.
-  Offline, each attempt writes its own `wandb/offline-run-*` directory with the same id;
-  `wandb sync` of them all, in order, applies the same rule on the server. A custom x-axis
-  (`define_metric`) would accept the redone steps instead, and chart them twice.
-- MLflow: the history of every metric of the run is read at start (the tracking server is
-  the record of what arrived: MLflow writes synchronously), and a value is logged only at a
-  step above that metric's last.
+  `resume="allow"`. W&B refuses a step below the run's current one (`run.step`, the server's
+  on a resume), so what the killed attempt got to W&B stays, and the rest is filled in. Its
+  last rows are often lost: W&B buffers them in its service process, which ends with ours.
+  We skip steps below `run.step` ourselves, W&B's own rule, to spare its warnings. Offline,
+  each attempt writes its own `wandb/offline-run-*` directory with the same id and sends
+  every row up to its checkpoint again; `wandb sync` of them all, in order, applies the same
+  rule on the server. A custom x-axis (`define_metric`) would accept the redone steps
+  instead and chart them twice; W&B's rewind (`resume_from`) needs the server.
+- MLflow: the history of every metric of the run is read at start (MLflow writes
+  synchronously, so the tracking server is the record of what arrived), and a value is
+  logged only at a step above that metric's last.
 - TensorBoard: the same log directory, opened with `purge_step` = the checkpoint's step + 1,
-  TensorBoard's own rewind: events the killed attempt wrote past the checkpoint are hidden
-  and the redone steps written again (its writer buffers too, so a kill loses its tail).
+  TensorBoard's own rewind: events the killed attempt wrote past the checkpoint are hidden and
+  the redone steps written again. Its writer is flushed at each row, so no backfill is needed.
 Every row carries `attempt` (the ledger's attempt number) and, where the tracker takes text
 (W&B), `machine` (the host name); MLflow and TensorBoard get `machine` as a tag / text per attempt.
 """
@@ -91,6 +93,7 @@ class Trackers:
         run.run_dir.mkdir(parents=True, exist_ok=True)
         write_text(run.run_dir / IDS_FILE, json.dumps(self.ids, sort_keys=True))
         self._finished = False
+        self.backfill(logged_rows(run.run_dir / "metrics.jsonl", run.resume_step))
 
     def log(self, row: dict[str, Any], step: int) -> None:
         numbers = {
@@ -98,9 +101,17 @@ class Trackers:
             for k, v in row.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" and math.isfinite(v)
         }
-        numbers["attempt"] = float(self.run.attempt)
+        numbers.setdefault("attempt", float(self.run.attempt))
+        machine = str(row.get("machine", self.run.machine))
         for tracker in self._open:
-            tracker.log(numbers, step)
+            tracker.log(numbers, machine, step)
+
+    def backfill(self, rows: list[dict[str, Any]]) -> None:
+        """Send the rows of steps up to the checkpoint that a tracker lacks (each tracker's rule
+        decides which): a SIGKILLed attempt's rows reach metrics.jsonl (flushed per row) but may
+        never have reached W&B, whose service process buffers them."""
+        for row in rows:
+            self.log(row, int(row["step"]))
 
     def on_exit(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
         """An ExitStack exit callback: an attempt that ends by an exception ends its tracker runs too."""
@@ -136,11 +147,10 @@ class _Wandb:
         # Settings may change on a resume (checkpoint.allow_config_change): the latest wins.
         self.wandb_run.config.update(run.config, allow_val_change=True)
         self.floor = int(getattr(self.wandb_run, "step", 0) or 0)  # W&B refuses steps below this
-        self.machine = run.machine
 
-    def log(self, numbers: dict[str, float], step: int) -> None:
+    def log(self, numbers: dict[str, float], machine: str, step: int) -> None:
         if step >= self.floor:
-            self.wandb_run.log({**numbers, "machine": self.machine}, step=step)
+            self.wandb_run.log({**numbers, "machine": machine}, step=step)
 
     def finish(self, reason: str, exit_code: int) -> None:
         if reason == "preempted":
@@ -182,7 +192,7 @@ class _Mlflow:
         self.client.update_run(run_id, status="RUNNING")
         return True
 
-    def log(self, numbers: dict[str, float], step: int) -> None:
+    def log(self, numbers: dict[str, float], machine: str, step: int) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
@@ -202,16 +212,35 @@ class _TensorBoard:
         purge = run.resume_step + 1 if run.resume_step else None  # TensorBoard's rewind to the checkpoint
         self.writer = SummaryWriter(log_dir=str(run.run_dir / "tensorboard"), purge_step=purge)
         self.writer.add_text("machine", run.machine, global_step=run.resume_step)
+        self.resume_step = run.resume_step
 
-    def log(self, numbers: dict[str, float], step: int) -> None:
+    def log(self, numbers: dict[str, float], machine: str, step: int) -> None:
+        if step <= self.resume_step:  # a backfilled row: the log directory holds it (flushed per row)
+            return
         for key, value in numbers.items():
             self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()  # a SIGKILL must not take the last rows with it (its default: every 120 s)
 
     def finish(self, reason: str, exit_code: int) -> None:
         self.writer.close()
 
 
 _OPENERS: dict[str, Any] = {"wandb": _Wandb, "mlflow": _Mlflow, "tensorboard": _TensorBoard}
+
+
+def logged_rows(path: Path, upto: int) -> list[dict[str, Any]]:
+    """The metrics rows of steps 1..`upto` (the checkpoint's), the last of each step and kind
+    (training or eval row): redone steps were logged again by the attempt that redid them."""
+    last: dict[tuple[int, bool], dict[str, Any]] = {}
+    if upto > 0 and path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:  # a torn last line of a killed attempt
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and 0 < row["step"] <= upto:
+                last[(row["step"], "eval_loss" in row)] = row
+    return [last[key] for key in sorted(last)]
 
 
 def start(
