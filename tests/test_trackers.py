@@ -201,3 +201,16 @@ def test_mlflow_resume_logs_only_steps_the_run_lacks(
         (1, 1.1), (2, 2.1), (3, 3.1), (4, 4.1), (5, 5.2), (6, 6.2)
     ]  # fmt: skip
     assert "flag" not in client.get_run(first.ids["mlflow"]).data.metrics  # booleans and text are not metrics
+
+
+def test_a_tracker_that_cannot_start_is_named_and_the_others_go_on(
+    tmp_path: Path, mlflow_uri: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "nosuchscheme://tracking")
+    run = trackers.TrackerRun(("mlflow", "tensorboard"), "p", "r", (), tmp_path, {}, 0, attempt=1)
+    t = trackers.Trackers(run, None)
+    t.log({"loss": 1.0}, 1)
+    t.finish("finished", 0)
+    err = capsys.readouterr().err
+    assert "spotune: metrics.trackers: mlflow could not start (" in err and "nosuchscheme" in err, err
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))  # TensorBoard still wrote its row

@@ -38,6 +38,7 @@ import logging
 import math
 import secrets
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,9 +88,12 @@ class Trackers:
     def __init__(self, run: TrackerRun, carried: dict[str, str] | None) -> None:
         self.run = run
         self.ids = read_ids(run.run_dir, carried)
-        self._open: list[Any] = []
+        self._open: dict[str, Any] = {}
         for kind in run.kinds:
-            self._open.append(_OPENERS[kind](run, self.ids))
+            try:
+                self._open[kind] = _OPENERS[kind](run, self.ids)
+            except Exception as e:  # a tracker's outage must not end a run that can train without it
+                _warn(f"{kind} could not start ({type(e).__name__}: {e})")
         run.run_dir.mkdir(parents=True, exist_ok=True)
         write_text(run.run_dir / IDS_FILE, json.dumps(self.ids, sort_keys=True))
         self._finished = False
@@ -103,8 +107,12 @@ class Trackers:
         }
         numbers.setdefault("attempt", float(self.run.attempt))
         machine = str(row.get("machine", self.run.machine))
-        for tracker in self._open:
-            tracker.log(numbers, machine, step)
+        for kind, tracker in list(self._open.items()):
+            try:
+                tracker.log(numbers, machine, step)
+            except Exception as e:  # a network or server error: the rest of this attempt goes on without it
+                del self._open[kind]
+                _warn(f"{kind} failed at step {step} ({type(e).__name__}: {e})")
 
     def backfill(self, rows: list[dict[str, Any]]) -> None:
         """Send the rows of steps up to the checkpoint that a tracker lacks (each tracker's rule
@@ -123,11 +131,11 @@ class Trackers:
         if self._finished:
             return
         self._finished = True
-        for tracker in self._open:
+        for kind, tracker in self._open.items():
             try:
                 tracker.finish(reason, exit_code)
             except Exception as e:  # a tracker that fails at the end must not hide how the run ended
-                log.warning("closing the %s tracker failed: %s", type(tracker).__name__, e)
+                _warn(f"{kind} failed to close ({type(e).__name__}: {e})")
 
 
 class _Wandb:
@@ -226,6 +234,14 @@ class _TensorBoard:
 
 
 _OPENERS: dict[str, Any] = {"wandb": _Wandb, "mlflow": _Mlflow, "tensorboard": _TensorBoard}
+
+
+def _warn(problem: str) -> None:
+    print(
+        f"spotune: metrics.trackers: {problem}; this attempt trains on without it (metrics.jsonl keeps every row)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def logged_rows(path: Path, upto: int) -> list[dict[str, Any]]:
