@@ -190,3 +190,20 @@ def test_model_loading_keeps_download_bars_and_hides_transformers_bars() -> None
     with quiet_hf_progress():  # control: without `downloads`, the hub's bars go too (export, the demo)
         assert are_progress_bars_disabled("huggingface_hub.http_get")
     assert (hf_logging.is_progress_bar_enabled(), are_progress_bars_disabled("huggingface_hub.http_get")) == before
+
+
+def test_on_a_terminal_the_bar_starts_at_the_resumed_step() -> None:
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Tty()
+    console = Console(100, bar=True, stream=tty)
+    assert not console.lines
+    console.start(50)
+    console.step(51, {"loss": 1.25, "tokens_per_s": 10.0})
+    console.evaluated(51, 1.5, 0.2)
+    console.close()
+    last = tty.getvalue().split("\r")[-1]
+    assert "51/100" in last and "loss=1.2500" in last and "eval=1.5000" in last, last
+    assert "spotune: step" not in tty.getvalue()  # the bar, not lines
