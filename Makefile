@@ -31,12 +31,12 @@ test-floor:
 	.venv-floor/bin/python -m pytest -q -p no:cacheprovider $(FLOOR_TESTS)
 	.venv-floor/bin/python -m pytest -q -p no:cacheprovider tests/test_train.py -k "accumulation or head_only"
 
-# On a CUDA machine: spotune against HF Trainer + PEFT on the Llama-3.1-8B shape (README, Benchmarks).
+# On a CUDA machine: spotune against HF Trainer + PEFT on the Llama-3.1-8B shape (docs/gpu.md).
 bench-gpu: setup
 	$(PY) benchmarks/gpu.py --json runs/bench-gpu.json
 
 # On a CUDA machine, offline, < 9 min on one H100: the -m gpu tests, the exit paths, a kill-and-resume
-# drill on a ~1B Llama and the 8B benchmark; writes gpu-check.md + gpu-check.json (README, GPU check).
+# drill on a ~1B Llama and the 8B benchmark; writes gpu-check.md + gpu-check.json (docs/gpu.md).
 # GPU extras from a wheel folder: WHEELS=dir make gpu-check. CI runs the dry path (tests/test_gpu_check.py).
 GPU_CHECK_OUT ?= runs/gpu-check
 gpu-check:

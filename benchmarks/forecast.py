@@ -3,8 +3,8 @@ forecast for its own directory. Goal: median |error| <= 5%, >= 90% of actuals in
 
     .venv/bin/python benchmarks/forecast.py [--repeats 10] [--steps 60] [--pilot-steps 20] [--workdir DIR]
 
-The case (issue 15): real instruction data the project never saw (../shared/data/
-gpteacher-roleplay.json), the tiny CPU recipe, 60 optimizer steps, micro-batch 2,
+The case: real instruction data the project never saw (gpteacher-roleplay.json in the data
+folder beside the repository, `DATA` below; `--data` another), the tiny CPU recipe, 60 optimizer steps, micro-batch 2,
 accumulation 2, seq 512. Two kinds of full run, interleaved so machine drift hits both:
 
 - `fresh`: a new output_dir, as on a new VM: it prepares the data itself; the forecast is
@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write every trial here")
     args = ap.parse_args()
     if not args.data.is_file():
-        raise SystemExit(f"{args.data} is missing: give --data (alpaca-layout JSON), e.g. ../shared/data/...")
+        raise SystemExit(f"{args.data} is missing: give --data, a JSON file of instruction rows in the alpaca layout")
     os.environ["OMP_NUM_THREADS"] = "1"
     work = args.workdir or Path(tempfile.mkdtemp(prefix="spotune-forecast-"))
     os.environ.setdefault("SPOTUNE_HOME", str(work / "home"))  # the tiny model is built once, then on disk

@@ -1,15 +1,15 @@
-"""spotune's GPU fast path against HF Trainer + PEFT on the Llama-3.1-8B shape (issues 12, 22).
+"""spotune's GPU fast path against HF Trainer + PEFT on the Llama-3.1-8B shape.
 
 One command on a CUDA machine (about 10 minutes on one H100, no downloads):
     .venv/bin/python benchmarks/gpu.py --json runs/bench-gpu.json
-Where one step's time goes, and the speed levers each on and off (issue 22):
+Where one step's time goes, and the speed levers each on and off:
     .venv/bin/python benchmarks/gpu.py --profile --levers compile,fused,mbs2,liger --json runs/bench-gpu.json
 
 What it runs, in one process, on the same packed rows:
 - the Llama-3.1-8B architecture (configs/llama-3.1-8b.json), random bf16 weights saved once for both sides;
 - LoRA r16 on every linear layer, bf16 autocast, seq 4096; rows best-fit-decreasing packed
   from a real length distribution (benchmarks/configs/lengths-gpteacher-roleplay.json: token
-  lengths of ../shared/data/gpteacher-roleplay.json, prompt masked);
+  lengths of the GPTeacher roleplay instruction set, prompt masked);
 - spotune: trainer.model.load.build + trainer.model.loss.token_loss_sum (our head and fused loss,
   document bounds to the attention kernel `auto` picks) + fused AdamW (`--model` another shape);
 - HF Trainer + PEFT: the same rows flattened by transformers' DataCollatorWithFlattening

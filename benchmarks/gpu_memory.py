@@ -1,4 +1,4 @@
-"""GPU memory: spotune's estimate beside the measured peak, and the longest trainable sequence (issue 23).
+"""GPU memory: spotune's estimate beside the measured peak, and the longest trainable sequence.
 
 One command on a CUDA machine (no downloads; random weights of the Llama-3.1-8B shape):
     .venv/bin/python benchmarks/gpu_memory.py --json runs/bench-memory.json            # the table

@@ -205,7 +205,7 @@ def profile_step(
 
 
 def summary(profile: dict[str, Any]) -> str:
-    """One line per bucket, largest first: the README's profile summary."""
+    """One line per bucket, largest first: the profile summary (docs/gpu.md)."""
     rows = sorted(profile["share"].items(), key=lambda kv: -kv[1])
     lines = [f"profile of one step ({profile['timeline']}): {profile['total_ms']:.1f} ms"]
     lines += [f"  {b:14} {profile['ms'][b]:9.2f} ms {s:7.1%}" for b, s in rows]

@@ -10,10 +10,10 @@
    template, completion-only loss. Goal: ratio > 1.
 
 CPU, fp32, a small Llama (hidden 256, 4 layers, the 32k Llama-2 vocabulary), seq_len 512,
-on ../shared/data/gpteacher-roleplay.json. Bare and spotune rounds alternate over the same
-steps, and each step counts at its fastest round on each side (steps differ in cost: only
-labelled positions reach the 32k-vocabulary projection), so a noisy shared machine moves
-the ratio less. TRL's figure is its real tokens over its wall time after warm-up.
+on gpteacher-roleplay.json from the data folder beside the repository (`SHARED` below). Bare
+and spotune rounds alternate over the same steps, and each step counts at its fastest round on
+each side (steps differ in cost: only labelled positions reach the 32k-vocabulary projection),
+so a noisy shared machine moves the ratio less. TRL's figure is its real tokens over its wall time after warm-up.
 Runs in a few minutes:
     .venv/bin/python benchmarks/overhead.py [--steps 8] [--warmup 2] [--rounds 2] [--skip-trl]
 """

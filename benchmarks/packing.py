@@ -1,8 +1,8 @@
 """Packing efficiency and prepare throughput on real SFT data (not a timed test).
 
-Reads ../shared/data/gpteacher-roleplay.json (alpaca layout, 3,146 examples) with the
-Llama 2 tokenizer in ../shared/data/llama2-tokenizer, both relative to the repository
-root, and never copies them. For seq_len 1024, 2048 and 4096 it prints:
+Reads gpteacher-roleplay.json (alpaca layout, 3,146 examples) with the Llama 2 tokenizer
+(llama2-tokenizer/), both from the data folder beside the repository (`DATA` and `TOKENIZER`
+below), and never copies them. For seq_len 1024, 2048 and 4096 it prints:
 - packing efficiency (real tokens / rows x seq_len) of the prepared dataset, of the lower
   bound (ceil(tokens / seq_len) rows), of plain best-fit-decreasing, and of the baseline:
   random batches of 8 padded to their longest;
@@ -53,8 +53,8 @@ def main() -> int:
     for path in (DATA, TOKENIZER):
         if not path.exists():
             print(
-                f"benchmarks/packing.py: {path} is absent; this benchmark needs the shared data folder "
-                "(../shared/data next to the repository).",
+                f"benchmarks/packing.py: {path} is absent; this benchmark needs gpteacher-roleplay.json "
+                f"and llama2-tokenizer/ in {DATA.parent}.",
                 file=sys.stderr,
             )
             return 2

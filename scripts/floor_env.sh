@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build .venv-floor: spotune with the LOWEST transformers, peft and accelerate that
-# pyproject.toml allows, so `make test-floor` proves the floors are true (issue 12: a
+# pyproject.toml allows, so `make test-floor` proves the floors are true (a
 # model/loss/attention path that only works on recent releases must raise the floor).
 # Idempotent: a second run with an unchanged pyproject.toml only checks.
 #   FLOOR_VENV  where to build it (default .venv-floor)

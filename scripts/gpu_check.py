@@ -17,7 +17,8 @@ Parts (each reports pass/fail with its figure; one failing part does not stop th
                 measured peak memory
 Writes gpu-check.md and gpu-check.json into --out and prints where. Nothing is downloaded: models
 are random-initialised from shipped configs; data and tokenizer come from --data/--tokenizer
-(default ../shared/data when present, else spotune's built-in tiny assets).
+(default: the data folder beside the repository when present, `SHARED` below; else spotune's
+built-in tiny assets).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """benchmarks/gpu_memory.py keeps working: its --tiny CPU runs print the memory table and the
-longest-sequence search, and write the JSON the README's figures are made from."""
+longest-sequence search, and write the JSON the GPU memory figures (docs/gpu.md) are made from."""
 
 from __future__ import annotations
 

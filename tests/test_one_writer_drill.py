@@ -1,4 +1,4 @@
-"""One writer per run, end to end with `python -m trainer train` processes (issue #25):
+"""One writer per run, end to end with `python -m trainer train` processes:
 - the same command twice on one directory, then once more with --wait: one trains, the other is
   refused at once (EXIT_BUSY) and adds no ledger row, the waiting one resumes after it;
 - SIGKILL the holder and rerun at once: no stale lock, no waiting;

@@ -104,7 +104,12 @@ def test_estimate_accepts_a_model_id_offline() -> None:
 
 def test_estimate_of_a_gpu_recipe_works_offline(tiny_data: Path, tiny_llama: Path) -> None:
     recipe = REPO / "recipes" / "gpu" / "llama-3.1-8b-qlora.yaml"
-    data = (f"data.path={tiny_data}", f"data.tokenizer={tiny_llama}", "data.seq_len=512")  # our data, not the model's
+    data = (
+        f"data.path={tiny_data}",
+        f"data.tokenizer={tiny_llama}",
+        "data.seq_len=512",
+        "data.format=alpaca",
+    )  # our data
     out = _offline("estimate", str(recipe), *data, "--json")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)

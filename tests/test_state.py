@@ -91,6 +91,33 @@ def test_optimizer_round_trip_is_exact(kind: str, tmp_path: Path) -> None:
     assert not all(torch.equal(x, y) for x, y in zip(a, c, strict=False))
 
 
+def test_changed_optimizer_settings_take_effect_on_resume(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    a = _params(0)
+    opt_a = torch.optim.AdamW(a, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    _train(opt_a, a, 3, seed=1)
+    tensors, meta = S.optimizer_to_tensors(opt_a)
+
+    def resumed(**settings: object) -> torch.optim.Optimizer:
+        opt = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in a], lr=1e-2, **settings)
+        S.optimizer_from_tensors(opt, tensors, json.loads(json.dumps(meta)))
+        return opt
+
+    changed = resumed(betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    group = changed.param_groups[0]
+    assert (group["betas"], group["eps"], group["weight_decay"]) == ((0.8, 0.95), 1e-6, 0.1)
+    assert "weight_decay changed on resume, 0.0 -> 0.1" in caplog.text
+    # The moments are the checkpoint's all the same.
+    assert all(
+        torch.equal(changed.state[p]["exp_avg"], opt_a.state[q]["exp_avg"])
+        for p, q in zip(changed.state, a, strict=True)
+    )
+    # Control: the same settings restore the checkpoint's values and log nothing.
+    caplog.clear()
+    same = resumed(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0).param_groups[0]
+    assert (same["betas"], same["weight_decay"]) == ((0.9, 0.999), 0.0)
+    assert "changed on resume" not in caplog.text
+
+
 def test_optimizer_mismatch_is_a_clear_error() -> None:
     a = _params(0)
     opt = torch.optim.AdamW(a)

@@ -24,6 +24,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pilot", type=Path, help="pilot.json from `spotune pilot` (default: <output_dir>/pilot/pilot.json if present)"
     )
+    p.add_argument(
+        "--tokens",
+        type=float,
+        help="real tokens per epoch of the data, for time and cost without the data file (default: count the "
+        "recipe's data.path; without it, the memory fit alone)",
+    )
     p.add_argument("--gpus", type=int, default=1, help="GPUs per run")
     p.add_argument("--gpu", help="forecast for this catalogue GPU only")
     p.add_argument("--deadline-hours", type=float, help="recommend the cheapest option finishing within this")
@@ -75,6 +81,7 @@ def estimate_command(cfg: C.RunConfig, args: Any) -> int:
         mfu=args.mfu,
         download_mb_s=getattr(args, "download_mb_s", None),
         vm_start_seconds=getattr(args, "vm_start_seconds", None),
+        tokens=getattr(args, "tokens", None),
     )
     print(json.dumps(result, indent=2) if args.json else format_estimate(result))
     return 0

@@ -17,12 +17,14 @@ from typing import Any
 from trainer import builtin_assets
 from trainer import catalog as cat
 from trainer.config import BUILTIN_TINY_DATA, BUILTIN_TINY_MODEL, RunConfig
+from trainer.data import DataError
 from trainer.data.cache import data_cache_root
 from trainer.model import flops
 from trainer.plan import PlanError, pilot
 from trainer.plan import timeline as tl
 from trainer.plan import workload as wl
 from trainer.plan.estimate import estimate
+from trainer.plan.fit import memory_fit
 from trainer.plan.job import Constraints, Job, Measured
 from trainer.plan.throughput import choose
 from trainer.restart.ledger import read_rows, row_time
@@ -44,9 +46,12 @@ def estimate_for_run(
     sample_size: int = 2000,
     download_mb_s: float | None = None,
     vm_start_seconds: float | None = None,
+    tokens: float | None = None,
 ) -> dict[str, Any]:
     """The estimate of the run `cfg` describes (schema `spotune.estimate/1`), for its own
-    output_dir: what that directory and this machine already hold decides the fixed costs."""
+    output_dir: what that directory and this machine already hold decides the fixed costs.
+    `tokens`: the data's real tokens per epoch, in place of reading the data; without either, the
+    memory fit alone (trainer/plan/fit.py), naming what the hours and the cost need."""
     constraints = Constraints(gpus=gpus, gpu=gpu, deadline_hours=deadline_hours, budget=budget)
     if gpus < 1:
         raise PlanError(f"--gpus must be at least 1, got {gpus}")
@@ -70,7 +75,14 @@ def estimate_for_run(
     measured = _read_pilot(Path(pilot_json)) if pilot_json else None
     if manifest is None and measured is not None:
         manifest = _pilot_manifest(cfg, measured)  # the data the pilot prepared, when it is this run's
-    work = _workload(cfg, manifest, sample_size)
+    if tokens is not None and tokens < 1:
+        raise PlanError(f"--tokens must be at least 1, got {tokens:g}")
+    try:
+        work = wl.from_tokens(tokens, cfg.data.seq_len) if tokens else _workload(cfg, manifest, sample_size)
+    except DataError as e:
+        if _data_at_hand(cfg):
+            raise  # the data is there and has a problem: its message names the fix
+        return memory_fit(job, catalog, constraints, str(e))
     rate = choose(cfg.adapter.method, measured, throughput, cfg.metrics.gpu, mfu)
     target = _target(cfg, model, shape.total_params() * bytes_per_param, work, download_mb_s, vm_start_seconds)
     return estimate(job, work, rate, catalog, constraints, Measured(measured), target)
@@ -173,6 +185,11 @@ def _pilot_manifest(cfg: RunConfig, measured: dict[str, Any]) -> dict[str, Any] 
         return None
     m = json.loads(Path(path).read_text())
     return m if m.get("fingerprint") == fingerprint(cfg) else None
+
+
+def _data_at_hand(cfg: RunConfig) -> bool:
+    """The recipe's data is a local path that exists (a problem reading it is then the data's own)."""
+    return Path(builtin_assets.resolve_data(cfg.data.path)).exists()
 
 
 def _in_hf_cache(model: str, revision: str | None) -> bool:

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from trainer.config import rules
+from trainer.config import aliases, rules
 from trainer.config.rules import build, cross_checks, plain
 from trainer.config.schema import (
     BUILTIN_TINY_DATA,
@@ -32,6 +32,7 @@ from trainer.config.schema import (
     ModelConfig,
     TrainConfig,
 )
+from trainer.config.source import Marks, SourceError, locate, read_overrides, read_recipe
 
 __all__ = [
     "BUILTIN_TINY_DATA",
@@ -90,48 +91,60 @@ class ConfigError(ValueError):
 
 
 def load(recipe: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
-    """Read a YAML recipe (or the defaults when None) and apply `key.sub=value` overrides."""
+    """Read a YAML recipe (or the defaults when None) and apply `key.sub=value` overrides.
+
+    Every problem names where the setting came from: `recipe.yaml:LINE: key: ...` or
+    `override key=value: key: ...`; known Hugging Face / Axolotl names are read as spotune's (aliases.py).
+    """
     source = str(recipe) if recipe is not None else "defaults"
     raw: dict[str, Any] = {}
+    marks: Marks = {}
     if recipe is not None:
-        path = Path(recipe)
-        if not path.is_file():
-            raise ConfigError([f"recipe file not found: {path} (give the path to a YAML recipe)"], source)
         try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise ConfigError([f"invalid YAML{where}: {getattr(e, 'problem', e)}"], source) from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(["the recipe must be a YAML mapping of keys to values"], source)
-        raw = loaded
-    pairs: dict[str, Any] = {}
-    problems: list[str] = []
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            problems.append(f"override {item!r} is not of the form key.sub=value")
-            continue
-        try:
-            pairs[key.strip()] = yaml.safe_load(value) if value.strip() else None
-        except yaml.YAMLError:
-            pairs[key.strip()] = value
+            raw, marks = read_recipe(Path(recipe))
+        except SourceError as e:
+            raise ConfigError(e.problems, source) from None
+    pairs, over_marks, problems = read_overrides(overrides)
     if problems:
         raise ConfigError(problems, "command line")
-    return from_dict(_apply_overrides(raw, pairs, source="command line"), source=source)
+    fields = _fields()
+    from_recipe, marks, problems = aliases.resolve(_flatten(raw, fields), marks, fields)
+    from_line, over_marks, more = aliases.resolve(pairs, over_marks, fields)
+    merged = _apply_overrides(_apply_overrides({}, from_recipe, source), from_line, "command line")
+    return from_dict(merged, source=source, marks={**marks, **over_marks}, problems=problems + more)
 
 
-def from_dict(raw: Mapping[str, Any], source: str = "config") -> RunConfig:
-    """Build a RunConfig from nested plain data, collecting every problem before raising."""
-    problems: list[str] = []
-    cfg = build(RunConfig, raw, "", problems)
-    problems.extend(cross_checks(cfg))  # fields that failed their type check hold valid defaults here
-    if problems:
-        raise ConfigError(problems, source)
+def from_dict(
+    raw: Mapping[str, Any], source: str = "config", marks: Marks | None = None, problems: Sequence[str] = ()
+) -> RunConfig:
+    """Build a RunConfig from nested plain data, collecting every problem before raising (each
+    prefixed with where its key was set, when `marks` say; `problems` found earlier come located)."""
+    found: list[str] = []
+    cfg = build(RunConfig, raw, "", found, marks)
+    found.extend(cross_checks(cfg))  # fields that failed their type check hold valid defaults here
+    if found or problems:
+        raise ConfigError([*problems, *(locate(p, marks or {}) for p in found)], source)
     return cfg
+
+
+def _fields() -> dict[str, frozenset[str]]:
+    """ "" -> the top-level keys, and each section -> its keys (what aliases.resolve reads)."""
+    out = {"": frozenset(f.name for f in dataclasses.fields(RunConfig))}
+    for f in dataclasses.fields(RunConfig):
+        if isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory):
+            out[f.name] = frozenset(g.name for g in dataclasses.fields(f.default_factory))
+    return out
+
+
+def _flatten(raw: Mapping[str, Any], fields: Mapping[str, frozenset[str]]) -> dict[str, Any]:
+    """A recipe's mapping as dotted pairs, one level into each section (deeper mappings stay values)."""
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in fields and key != "" and isinstance(value, Mapping):
+            out.update({f"{key}.{sub}": v for sub, v in value.items()})
+        elif not (key in fields and value is None):  # an empty section: its defaults
+            out[str(key)] = value
+    return out
 
 
 def _apply_overrides(raw: Mapping[str, Any], pairs: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -255,5 +268,5 @@ def diff_structural(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]
 
 
 def field_docs() -> list[tuple[str, str, str]]:
-    """(dotted key, default, docstring) for every key, for the README reference and `spotune config`."""
+    """(dotted key, default, docstring) for every key, for docs/config-reference.md and `spotune config`."""
     return rules.field_docs(RunConfig)

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any, Literal, Protocol, Union
 
 from trainer.config.schema import AdapterConfig, CheckpointConfig, DataConfig, MetricsConfig, ModelConfig, TrainConfig
+from trainer.config.source import Mark
 from trainer.urls import remote_problems
 
 
@@ -46,7 +47,11 @@ def plain(value: Any) -> Any:
     return value
 
 
-def build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
+def build(cls: type, raw: Any, prefix: str, problems: list[str], marks: Mapping[str, Mark] | None = None) -> Any:
+    """An instance of the dataclass `cls` from `raw`, type-checked; each problem appended, named by its
+    dotted key. `marks` (trainer/config/source.py) hold each scalar as typed: a field whose type wants a
+    string takes the text over YAML 1.1's reading (`on` is a choice of model.activation_offload, not true)."""
+    marks = marks or {}
     if not isinstance(raw, Mapping):
         problems.append(f"{prefix.rstrip('.') or 'recipe'}: expected a mapping of keys, got {raw!r}")
         return cls()
@@ -60,9 +65,12 @@ def build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
             continue
         hint = hints[key]
         if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-            kwargs[key] = build(hint, value if value is not None else {}, f"{name}.", problems)
+            kwargs[key] = build(hint, value if value is not None else {}, f"{name}.", problems, marks)
             continue
         ok, coerced, expected = _check(hint, value)
+        typed = marks[name].text if name in marks else None
+        if not ok and typed is not None and isinstance(value, (bool, int, float)):
+            ok, coerced, _ = _check(hint, typed)  # YAML typed it (`on` -> true, `1.0` -> 1.0); the field wants the text
         if ok:
             kwargs[key] = coerced
         else:
@@ -239,7 +247,7 @@ def _fsdp_checks(cfg: Sections) -> list[str]:
 
 def field_docs(root: type) -> list[tuple[str, str, str]]:
     """(dotted key, default, docstring) for every key under the dataclass `root`, read from the
-    attribute docstrings of its module (the README reference and `spotune config`)."""
+    attribute docstrings of its module (docs/config-reference.md and `spotune config`)."""
     docs: dict[tuple[str, str], str] = {}
     for module in {root.__module__} | {_section_module(root)}:
         docs.update(_attribute_docs(module))

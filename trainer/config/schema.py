@@ -1,7 +1,7 @@
 """The sections of a recipe: frozen typed dataclasses, one per top-level key, and their defaults.
 
 Defaults live here and nowhere else; each field's docstring is its documentation
-(`spotune config --reference`, the README's key reference). `RunConfig`, which holds one of
+(`spotune config --reference`, docs/config-reference.md). `RunConfig`, which holds one of
 each, and the loading live in `trainer/config/__init__.py`; the rules in `rules.py`.
 """
 
@@ -140,7 +140,7 @@ class TrainConfig:
     distributed: Literal["ddp", "fsdp"] = "ddp"
     """Several processes: `ddp` keeps a whole model on every device; `fsdp` shards it (FSDP2, per decoder layer) for a base that does not fit one GPU. An `accelerate launch` FSDP config also selects fsdp. A checkpoint resumes under either."""
     deterministic: bool = False
-    """Deterministic kernels only, so that on a GPU two runs, and a stopped-and-resumed run, end bit-identical (on CPU in fp32 they already are). Costs GPU speed (README, Determinism); refuses model.compile."""
+    """Deterministic kernels only, so that on a GPU two runs, and a stopped-and-resumed run, end bit-identical (on CPU in fp32 they already are). Costs GPU speed (docs/gpu.md, Determinism); refuses model.compile."""
     fsdp_cpu_offload: bool = False
     """Under `fsdp`: keep the shards (and the optimizer step) in CPU memory, copied to the GPU a layer at a time; less GPU memory, slower steps."""
     collective_timeout_seconds: float | None = 300.0

@@ -209,7 +209,7 @@ def train_flops(
 # --- MFU counts --------------------------------------------------------------------------------
 # Three counts of the same training work; each is defined here once and nowhere else.
 #
-# `MFU` (what the meter logs as `mfu` and the README calls MFU) is the count published LoRA
+# `MFU` (what the meter logs as `mfu` and docs/gpu.md calls MFU) is the count published LoRA
 # figures use, so a tokens/s figure converts to the MFU they print. NVIDIA's NeMo AutoModel
 # table (Llama3 8B LoRA, one H100, seq 4096, full rows) gives 12,472.87 tokens/s, "402
 # TFLOPs/sec/GPU", i.e. 40.6% of the H100's 989 TFLOP/s dense bf16. Their llama3 formula

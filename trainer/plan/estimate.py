@@ -367,7 +367,12 @@ def _assumptions(rate: Throughput, work: wl.Workload, gpus: int, bases: set[str]
         )
     if gpus > rate.measured_gpus:
         out.append(f"{MULTI_GPU_EFFICIENCY:.0%} data-parallel scaling efficiency beyond {rate.measured_gpus} GPU(s)")
-    if not work.exact:
+    if work.source == "given":
+        out.append(
+            f"token count given (--tokens {work.real_tokens:.0f}): rows packed full, every token trained, one "
+            "document per row (attention FLOPs an upper bound); give data.path for counts from the data"
+        )
+    elif not work.exact:
         out.append(f"token counts extrapolated from {work.sampled_examples} sampled examples (data not prepared yet)")
     if rate.source != "pilot":
         out.append("checkpoint save, start-up and teardown are assumed; `spotune pilot` measures them")

@@ -39,7 +39,7 @@ and output, plus (NF4/int8) the largest weight dequantised. The head's working s
 a layer's backward runs, so the term is what the layer needs beyond it: the peak is the larger.
 
 Calibration, each against a measurement kept with the code:
-* ../shared/GPU-FINDINGS.md (one H100, Llama-3.1-8B shape, seq 4096, LoRA r16 all linear, one
+* the one GPU measurement so far (docs/gpu.md, "Measured so far": one H100, Llama-3.1-8B shape, seq 4096, LoRA r16 all linear, one
   row, spotune_varlen, liger; tests/test_plan_memory_terms.py): LoRA bf16 without
   checkpointing 39.6 GiB estimated against 38.6 allocated (1.03x); QLoRA NF4 checkpointed
   8.19 against 7.96 (1.03x). No term was fitted to these: both follow from the formulas.
@@ -78,8 +78,8 @@ CHUNK_ELEMENTS = 1 << 25
 # CUDA context and cuBLAS workspace, outside the caching allocator (not in max_memory_reserved).
 CUDA_OVERHEAD_BYTES = 1.0 * GIB
 # The caching allocator's headroom over what is allocated, as a share of the per-step memory
-# (activations, head, backward temporaries). ASSUMED, not yet calibrated: ../shared/GPU-FINDINGS.md
-# gives max_memory_allocated only; benchmarks/gpu_memory.py prints reserved beside allocated.
+# (activations, head, backward temporaries). ASSUMED, not yet calibrated: the one GPU measurement
+# (docs/gpu.md) gives max_memory_allocated only; benchmarks/gpu_memory.py prints reserved beside allocated.
 FRAGMENTATION = 0.05
 
 

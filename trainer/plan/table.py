@@ -7,11 +7,15 @@ from typing import Any
 
 def format_estimate(result: dict[str, Any]) -> str:
     """The readable report: workload, memory, throughput, then one line per GPU and pricing."""
+    if result["data"]["source"] == "none":
+        return format_memory_fit(result)
     m, d, r, t = result["model"], result["data"], result["run"], result["throughput"]
     mem_g = result["memory_gib"]
-    exact = (
-        "exact, from the prepared manifest" if d["exact"] else f"estimate from {d['sampled_examples']} sampled examples"
-    )
+    exact = {
+        "manifest": "exact, from the prepared manifest",
+        "given": "given with --tokens",
+        "sample": f"estimate from {d['sampled_examples']} sampled examples",
+    }[d["source"]]
     lines = [
         f"model   {m['name_or_path']} ({m['arch']}, {m['params'] / 1e6:,.1f}M params, {m['weight_format']}), "
         f"LoRA {m['trainable_params'] / 1e6:,.2f}M trainable, {_si(m['flops_per_token'])} FLOP/token",
@@ -58,6 +62,25 @@ def format_estimate(result: dict[str, Any]) -> str:
         "wall = compute + startup + checkpoint saves + evaluation + (spot) expected interruptions x "
         "(restart + half a checkpoint interval); GPU-h = wall x GPUs; cost = GPU-h x price"
     )
+    return "\n".join(lines)
+
+
+def format_memory_fit(result: dict[str, Any]) -> str:
+    """The report of an estimate without data (trainer/plan/fit.py): memory per GPU, then what time and cost need."""
+    m, mem_g = result["model"], result["memory_gib"]
+    lines = [
+        f"model   {m['name_or_path']} ({m['arch']}, {m['params'] / 1e6:,.1f}M params, {m['weight_format']}), "
+        f"LoRA {m['trainable_params'] / 1e6:,.2f}M trainable",
+        "memory  "
+        + ", ".join(f"{k} {v:.3g}" for k, v in mem_g.items() if k not in ("total", "sharded_over"))
+        + f" -> {mem_g['total']:.3g} GiB per GPU",
+        "",
+        f"{'GPU':<14}{'GiB':>6}  fit",
+    ]
+    for o in result["options"]:
+        lines.append(f"{o['gpu'][:13]:<14}{o['memory_gib']:>6.0f}  {'yes' if o['fits'] else 'NO'}")
+    lines += _fsdp_hint(result)
+    lines += ["", f"data: {result['data']['problem']}", result["needs"]]
     return "\n".join(lines)
 
 

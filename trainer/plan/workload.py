@@ -25,7 +25,7 @@ class Workload:
     """Per-epoch counts of the training split (and the eval split when there is one)."""
 
     source: str
-    """`manifest` (exact) or `sample` (extrapolated)."""
+    """`manifest` (exact), `sample` (extrapolated) or `given` (`--tokens N`, from_tokens)."""
     rows: float
     real_tokens: float
     trainable_tokens: float
@@ -46,6 +46,21 @@ class Workload:
     @property
     def real_tokens_per_row(self) -> float:
         return self.real_tokens / self.rows if self.rows else 0.0
+
+
+def from_tokens(tokens: float, seq_len: int) -> Workload:
+    """The work of `tokens` real tokens per epoch, given on the command line (`--tokens N`) for data
+    not at hand: rows packed full (seq_len tokens each), every token trained, and one document per
+    row, which makes the attention FLOPs an upper bound (shorter documents attend to less)."""
+    rows = math.ceil(tokens / seq_len)
+    return Workload(
+        source="given",
+        rows=float(rows),
+        real_tokens=float(tokens),
+        trainable_tokens=float(tokens),
+        examples=rows,
+        doc_len_sq_sum=float(rows) * seq_len**2,
+    )
 
 
 def find_manifest(data: DataConfig, resolved_path: str, cache_root: Path) -> tuple[dict[str, Any], Path] | None:

@@ -216,6 +216,7 @@ def optimizer_from_tensors(
         key = int(idx) if idx.lstrip("-").isdigit() else idx
         state[key] = {name: like_param(key, value(e)) for name, e in slot.items()}
     groups = [{name: value(e) for name, e in g.items()} for g in meta["param_groups"]]
+    configured = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     try:
         optimizer.load_state_dict({"state": state, "param_groups": groups})
     except (ValueError, KeyError) as e:
@@ -223,6 +224,27 @@ def optimizer_from_tensors(
             f"the checkpoint's optimizer state ({meta.get('class')}) does not fit this run's optimizer "
             f"({type(optimizer).__name__}): {e}"
         ) from e
+    _keep_configured_settings(optimizer, configured)
+
+
+def _keep_configured_settings(optimizer: torch.optim.Optimizer, configured: list[dict[str, Any]]) -> None:
+    """The run's own optimizer settings win over the checkpoint's.
+
+    `load_state_dict` also restores each group's settings, so a recipe's new betas, eps or weight
+    decay would be silently replaced by the values the checkpoint was trained with. The moments
+    and step counts are state and stay; settings are the recipe's, like the lr the loop sets
+    every step. Unchanged settings are equal values, so an unchanged resume stays bit-identical."""
+    for gi, (group, mine) in enumerate(zip(optimizer.param_groups, configured, strict=True)):
+        for key, v in mine.items():
+            if key != "lr" and group.get(key) != v:
+                log.warning(
+                    "optimizer group %d: %s changed on resume, %r -> %r (the run's value is used)",
+                    gi,
+                    key,
+                    group.get(key),
+                    v,
+                )
+            group[key] = v
 
 
 # ---------------------------------------------------------------------------- whole checkpoint

@@ -1,7 +1,7 @@
 """`train.deterministic`: the settings a bit-identical CUDA run needs, set once, before any kernel runs.
 
 On CPU in fp32 spotune is bit-identical already (a resume equals an uninterrupted run). On a
-GPU two uninterrupted runs differed by 6.0e-4 (GPU-FINDINGS.md, 1.1B bf16 LoRA): kernels that
+GPU two uninterrupted runs differed by 6.0e-4 (docs/gpu.md, 1.1B bf16 LoRA on one H100): kernels that
 accumulate with atomics (flash attention's dQ, index_put/scatter backward) and cuBLAS's
 split-K workspaces sum in whatever order the hardware finishes. Deterministic mode:
 

@@ -1,6 +1,6 @@
 """Wiring for `spotune train`: the only module that sees the whole RunConfig.
 
-`train(cfg)` reads top to bottom in the order the README tells it: the process and its store
+`train(cfg)` reads top to bottom in the order a run goes: the process and its store
 (trainer/training/process.py), the data, the model and its optimizer, the resume, the loop
 (trainer/training/loop.py), then the final adapter, the upload flush and the report. One `ExitStack`
 closes what each step opened, on every exit path (trainer/training/shutdown.py says why that matters).

@@ -1,0 +1,183 @@
+"""Keys people already know: the Hugging Face Trainer / TRL / Axolotl names, read as spotune's
+own where the meaning is the same, and answered with spotune's key and the conversion where it
+is not. One table, `ALIASES` and `ANSWERS`; scripts/config_reference.py renders both into
+docs/config-reference.md, and docs/config.md lists every name (tests keep both in sync).
+
+A known name is accepted in any section or at the top level (`learning_rate: 2e-4`,
+`train.learning_rate=2e-4`, `adapter.lora_r: 8`), as is a spotune key written in the wrong
+section when its name belongs to one section only (`lr: 1e-4` is `train.lr`). Each rewrite is
+noted in the log once per process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.config.source import Mark, Marks
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Alias:
+    """Another name for a spotune key, with the same meaning (and, for a few, other spellings of its values)."""
+
+    key: str
+    values: Mapping[Any, Any] | None = None
+    """The other tool's value -> spotune's; a value not listed passes unchanged to the type check."""
+
+
+_ADAMW = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw_bnb_8bit": "adamw_8bit"}
+
+ALIASES: dict[str, Alias] = {
+    "learning_rate": Alias("train.lr"),
+    "num_epochs": Alias("train.epochs"),
+    "num_train_epochs": Alias("train.epochs"),
+    "max_steps": Alias("train.max_steps"),
+    "warmup_steps": Alias("train.warmup_steps"),
+    "micro_batch_size": Alias("train.micro_batch_size"),
+    "global_batch_size": Alias("train.global_batch_size"),
+    "weight_decay": Alias("train.weight_decay"),
+    "max_grad_norm": Alias("train.max_grad_norm"),
+    "adam_beta1": Alias("train.adam_beta1"),
+    "adam_beta2": Alias("train.adam_beta2"),
+    "adam_epsilon": Alias("train.adam_eps"),
+    "lr_scheduler_type": Alias("train.schedule", {"constant_with_warmup": "constant"}),
+    "lr_scheduler": Alias("train.schedule", {"constant_with_warmup": "constant"}),
+    "optim": Alias("train.optimizer", _ADAMW),
+    "optimizer": Alias("train.optimizer", _ADAMW),
+    "bf16": Alias("train.mixed_precision", {True: "bf16", False: "no"}),
+    "fp16": Alias("train.mixed_precision", {True: "fp16", False: "no"}),
+    "eval_steps": Alias("train.eval_every"),
+    "lora_r": Alias("adapter.r"),
+    "lora_alpha": Alias("adapter.alpha"),
+    "lora_dropout": Alias("adapter.dropout"),
+    "lora_target_modules": Alias("adapter.target_modules"),
+    "sequence_len": Alias("data.seq_len"),
+    "max_seq_length": Alias("data.seq_len"),
+    "max_seq_len": Alias("data.seq_len"),
+    "max_length": Alias("data.seq_len"),
+    "cutoff_len": Alias("data.seq_len"),
+    "sample_packing": Alias("data.packing"),
+    "dataset_text_field": Alias("data.text_field"),
+    "dataloader_num_workers": Alias("data.loader_workers"),
+    "base_model": Alias("model.name_or_path"),
+    "model_name_or_path": Alias("model.name_or_path"),
+    "model_revision": Alias("model.revision"),
+    "torch_dtype": Alias("model.dtype"),
+    "gradient_checkpointing": Alias("model.gradient_checkpointing"),
+    "logging_steps": Alias("metrics.log_every"),
+    "report_to": Alias("metrics.trackers", {"none": [], "all": ["tensorboard", "wandb"]}),
+    "output_dir": Alias("output_dir"),
+    "seed": Alias("seed"),
+}
+"""Same meaning as the spotune key: read as it."""
+
+ANSWERS: dict[str, str] = {
+    "gradient_accumulation_steps": "spotune fixes the rows per optimizer step over all GPUs, train.global_batch_size "
+    "(= per-device batch x accumulation x GPUs), and derives the accumulation from it on whatever GPUs a restart "
+    "gets; set train.global_batch_size=<micro-batch x {value} x GPUs>, or train.grad_accum={value} to pin the "
+    "per-device count",
+    "per_device_train_batch_size": "spotune's per-device forward is train.micro_batch_size, in packed rows of "
+    "data.seq_len tokens (`auto` picks the largest that fits the GPU), and the run is defined by "
+    "train.global_batch_size (= per-device batch x accumulation x GPUs); set train.micro_batch_size={value} (or auto) "
+    "and train.global_batch_size",
+    "warmup_ratio": "spotune warms up for a number of optimizer steps; set train.warmup_steps = {value} x the run's "
+    "steps (`spotune estimate RECIPE` prints the steps under `run`)",
+    "save_steps": "spotune saves every checkpoint.every_steps optimizer steps and also every checkpoint.every_minutes "
+    "(30 by default: the spot-safe timer); for steps alone set checkpoint.every_steps={value} "
+    "checkpoint.every_minutes=null",
+    "save_strategy": "spotune saves by checkpoint.every_steps and checkpoint.every_minutes (whichever is due first); "
+    "set one or both",
+    "save_total_limit": "set checkpoint.keep_last={value} (at least 2, so that a committed checkpoint always survives)",
+    "resume_from_checkpoint": "checkpoint.resume: `auto` (the default) resumes from the newest checkpoint that "
+    "verifies, a directory resumes from it, `never` starts over",
+    "load_in_4bit": "set adapter.method=qlora adapter.quant_bits=4 (NF4 with double quantisation)",
+    "load_in_8bit": "set adapter.method=qlora adapter.quant_bits=8 (LLM.int8)",
+    "adapter": "adapter is a section in spotune: write adapter.method: {value}",
+    "lora_target_linear": "set adapter.target_modules=[all-linear] (the default: every linear layer but the head)",
+    "train_on_inputs": "spotune trains the responses only (alpaca `output`, chat assistant turns); "
+    "data.format=text trains every token",
+    "datasets": "one data set per run: data.path=FILE (JSONL, JSON, Parquet, CSV or a saved datasets directory) "
+    "and data.format",
+    "dataset": "one data set per run: data.path=FILE (JSONL, JSON, Parquet, CSV or a saved datasets directory) "
+    "and data.format",
+    "val_set_size": "set data.eval_fraction (a share below 1) or data.eval_path (a separate file)",
+    "flash_attention": "set model.attn_implementation=flash_attention_2 (`auto`, the default, picks "
+    "flash_attention_3/2 on CUDA when installed)",
+    "deepspeed": "spotune shards with train.distributed=fsdp (FSDP2, per decoder layer); no DeepSpeed config",
+    "fsdp": "set train.distributed=fsdp (FSDP2, per decoder layer), and train.fsdp_cpu_offload=true to keep the "
+    "shards in CPU memory",
+}
+"""Known names whose meaning differs from every spotune key: the key(s) to set and how to convert."""
+
+_noted: set[str] = set()
+
+
+def resolve(
+    pairs: Mapping[str, Any], marks: Marks, fields: Mapping[str, frozenset[str]]
+) -> tuple[dict[str, Any], Marks, list[str]]:
+    """Dotted pairs with every known name read as the spotune key: (pairs, marks, problems, each
+    already prefixed with where its key was set).
+
+    `fields` maps "" to the top-level keys and each section to its keys. Two names for one key
+    in the same source is a problem (which would win is not obvious); a later source (the
+    command line) overriding an earlier one is not, and is the caller's merge.
+    """
+    out: dict[str, Any] = {}
+    out_marks: Marks = dict(marks)
+    problems: list[str] = []
+    origin: dict[str, str] = {}
+    for dotted, value in pairs.items():
+        target, value, problem = _target(dotted, value, fields)
+        if target in out and problem is None:
+            problem = f"{dotted}: {target} is also set by {origin[target]}; keep one of them"
+        if problem is not None:
+            problems.append(f"{marks[dotted].where}: {problem}" if dotted in marks else problem)
+            continue
+        out[target], origin[target] = value, dotted
+        if target != dotted:
+            _note(dotted, target, marks.get(dotted))
+            if dotted in marks:
+                out_marks[target] = Mark(marks[dotted].where, marks[dotted].text if value == pairs[dotted] else None)
+    return out, out_marks, problems
+
+
+def _target(dotted: str, value: Any, fields: Mapping[str, frozenset[str]]) -> tuple[str, Any, str | None]:
+    """(spotune key, value, None), or (dotted, value, the answer) for a name whose meaning differs."""
+    section, _, leaf = dotted.rpartition(".")
+    if not section and dotted in fields[""]:
+        if dotted in fields and dotted in ANSWERS and isinstance(value, str):  # Axolotl's `adapter: qlora`
+            return dotted, value, f"{dotted}: {ANSWERS[dotted].format(value=value)}"
+        return dotted, value, None
+    if "." in section or (section and section not in fields) or leaf in fields.get(section, ()):
+        return dotted, value, None  # deeper keys, unknown sections and real keys: the schema's check
+    alias = ALIASES.get(leaf)
+    if alias is not None:
+        mapped = alias.values.get(value, value) if alias.values and _hashable(value) else value
+        return alias.key, mapped, None
+    if leaf in ANSWERS:
+        return dotted, value, f"{dotted}: {ANSWERS[leaf].format(value=value)}"
+    owners = [s for s, keys in fields.items() if s and leaf in keys]
+    if len(owners) == 1:  # a spotune key in another section, or at the top level: `lr: 1e-4`
+        return f"{owners[0]}.{leaf}", value, None
+    return dotted, value, None
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _note(name: str, key: str, mark: Mark | None) -> None:
+    if name in _noted:
+        return
+    _noted.add(name)
+    where = f" ({mark.where})" if mark else ""
+    log.warning("config: %s%s read as %s", name, where, key)

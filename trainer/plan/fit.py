@@ -1,0 +1,61 @@
+"""The estimate of a run whose data is not at hand: the memory fit per GPU, which needs only the
+model's shape and the recipe, and what the rest (time and cost) needs.
+
+`spotune estimate RECIPE` on a machine without the recipe's data file still answers whether the
+run fits each catalogue GPU (and on how many under FSDP where one is too small); the hours and the
+money need the data's token count: `data.path=FILE`, or `--tokens N` (workload.from_tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainer import catalog as cat
+from trainer.plan import PlanError
+from trainer.plan import memory as mem
+from trainer.plan.estimate import SCHEMA
+from trainer.plan.job import Constraints, Job
+
+NEEDS = (
+    "time and cost need the data's size: give data.path=FILE (the data the run trains on), or --tokens N "
+    "(its tokens per epoch)"
+)
+
+
+def memory_fit(job: Job, catalog: list[cat.GPU], constraints: Constraints, problem: str) -> dict[str, Any]:
+    """The estimate document (schema `spotune.estimate/1`) with the memory fit only: `data.source` is
+    `none`, `options` hold one row per GPU without hours or prices, `needs` says what the rest needs."""
+    try:
+        gpus = [cat.find_gpu(constraints.gpu, catalog)] if constraints.gpu is not None else catalog
+    except cat.CatalogError as e:
+        raise PlanError(str(e)) from None
+    memory = job.memory(constraints.gpus)
+    options = []
+    for g in gpus:
+        fits = memory.total <= g.memory_gib * mem.GIB
+        options.append(
+            {
+                "gpu": g.name,
+                "gpus": constraints.gpus,
+                "memory_gib": g.memory_gib,
+                "fits": fits,
+                "fsdp_gpus": None if fits else job.fsdp_devices(g.memory_gib),
+            }
+        )
+    return {
+        "schema": SCHEMA,
+        "model": {
+            "name_or_path": job.name_or_path,
+            "arch": job.shape.arch,
+            "hf_model_type": job.hf_model_type,
+            "params": job.shape.total_params(),
+            "trainable_params": job.lora_params,
+            "weight_format": job.weight_format,
+        },
+        "data": {"source": "none", "exact": False, "problem": problem},
+        "run": {"gpus": constraints.gpus, "seq_len": job.seq_len, "global_batch_rows": job.train.global_batch_size},
+        "memory_gib": memory.as_gib() | {"sharded_over": constraints.gpus if job.fsdp else 1},
+        "options": options,
+        "recommendation": None,
+        "needs": NEEDS,
+    }
