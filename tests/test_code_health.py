@@ -75,6 +75,7 @@ STAGES: dict[str, int] = {
     "exit_codes": 0,
     "urls": 0,
     "catalog": 0,
+    "progress": 0,
     "config": 1,
     "data": 2,
     "model": 3,

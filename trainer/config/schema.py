@@ -237,7 +237,13 @@ class MetricsConfig:
     """GPU name for the peak FLOP/s table (detected when unset)."""
     peak_flops: float | None = None
     """Peak FLOP/s of one device; overrides the table."""
-    trackers: tuple[Literal["tensorboard", "wandb"], ...] = ()
-    """Extra trackers through accelerate."""
+    trackers: tuple[Literal["tensorboard", "wandb", "mlflow"], ...] = ()
+    """Experiment trackers; every attempt of the run continues the same tracker run (docs/trackers-and-logs.md)."""
+    project: str = "spotune"
+    """The W&B project / MLflow experiment the run is logged under."""
+    run_name: str | None = None
+    """The tracker run's display name (default: the output directory's name)."""
+    tags: tuple[str, ...] = ()
+    """Tags of the tracker run (W&B tags; MLflow tags set to "true")."""
     progress: bool = True
-    """Show a progress bar on the console."""
+    """A progress bar when stderr is a terminal; false, or no terminal: one plain line per log step."""

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
 
+from trainer import progress as progress_lib
 from trainer.config import AdapterConfig, ConfigError, ModelConfig, TrainConfig
 from trainer.model import attention, lora_fused, offload
 from trainer.model.wrappers import causal_lm
@@ -42,16 +43,25 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropCpuKernelNotic
 
 
 @contextlib.contextmanager
-def quiet_hf_progress() -> Iterator[None]:
+def quiet_hf_progress(downloads: bool = False) -> Iterator[None]:
     """Hide transformers' own "Loading weights" / "Writing model shards" bars, which spotune's
-    console replaces; the previous setting is restored on exit."""
+    console replaces; the previous setting is restored on exit. `downloads`: keep the hub's
+    download bars (a 16 GB download must not look like a hang). transformers' switch turns the
+    hub's bars off too, so the hub's download group is turned back on by name."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
     from transformers.utils import logging as hf_logging
 
+    downloads = downloads and not constants.HF_HUB_DISABLE_PROGRESS_BARS  # the user's env switch wins
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
+    if downloads:
+        enable_progress_bars("huggingface_hub")  # http_get, xet_get, snapshot_download
     try:
         yield
     finally:
+        if downloads:
+            disable_progress_bars("huggingface_hub")
         if was_enabled:
             hf_logging.enable_progress_bar()
 
@@ -146,6 +156,7 @@ def load_base(
     name_or_path: str | None = None,
     device: torch.device | str = "cpu",
     sharded: bool = False,
+    progress: bool = False,
 ) -> PreTrainedModel:
     """The frozen base model on `device`, quantised when `adapter.method` is `qlora`; `sharded`:
     laid out for FSDP (see `quantization_config`)."""
@@ -166,8 +177,10 @@ def load_base(
         # afterwards, so place them on this rank's device while loading.
         kwargs["device_map"] = {"": device}
     try:
-        with quiet_hf_progress():
-            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        # `progress`: the download shows (trainer/progress.py: a bar, or lines in a log file).
+        with quiet_hf_progress(downloads=progress):
+            bar = progress_lib.hub_download_bar() if progress else None
+            model = AutoModelForCausalLM.from_pretrained(path, tqdm_class=bar, **kwargs)
     except OSError as e:
         raise ConfigError(
             [
@@ -186,6 +199,7 @@ def build(
     device: torch.device | str = "cpu",
     autocast: bool = False,
     sharded: bool = False,
+    progress: bool = False,
 ):
     """Base model + LoRA adapter (a `peft.PeftModel`), ready for the training loop.
 
@@ -202,7 +216,9 @@ def build(
     """
     from peft import LoraConfig, get_peft_model
 
-    base = load_base(model_cfg, adapter_cfg, name_or_path=name_or_path, device=device, sharded=sharded)
+    base = load_base(
+        model_cfg, adapter_cfg, name_or_path=name_or_path, device=device, sharded=sharded, progress=progress
+    )
     base.config.use_cache = False  # training never uses the KV cache; avoids warnings with checkpointing
     if model_cfg.gradient_checkpointing is True:  # `auto` is resolved by trainer/training/autofit.py before build
         enable_activation_checkpointing(base)

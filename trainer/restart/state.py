@@ -103,6 +103,8 @@ class TrainState(Counters):
     seed: int = 0
     scaler: dict[str, Any] | None = None
     versions: dict[str, str] = field(default_factory=library_versions)
+    trackers: dict[str, str] = field(default_factory=dict)
+    """The run's tracker ids (W&B, MLflow): a machine resuming from this checkpoint continues those runs."""
 
     def to_json(self) -> str:
         return json.dumps(_encode(dataclasses.asdict(self), "trainer_state"), indent=2, sort_keys=True)

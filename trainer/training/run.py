@@ -31,10 +31,11 @@ from trainer.restart.checkpoint import CheckpointManager
 from trainer.restart.ledger import Ledger, timed
 from trainer.restart.saving import Saver
 from trainer.restart.state import Counters, TrainState, check_compatible, restore_training_state
-from trainer.training import autofit, determinism, loop, metrics, process, shutdown
+from trainer.training import autofit, determinism, loop, metrics, process, shutdown, trackers
 from trainer.training.batches import StepDataset, prefetching, step_loader
+from trainer.training.console import Console
 from trainer.training.inputs import model_path, pin_data, prepare_data, tokenizer_path
-from trainer.training.telemetry import Budget, Console, JsonlSink, Telemetry, flat_config
+from trainer.training.telemetry import Budget, JsonlSink, Telemetry, flat_config
 
 
 def train(cfg: C.RunConfig, wait: float | None = None) -> int:
@@ -101,7 +102,7 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
                 counters = _restore(resume_dir, model, optimizer, proc.accelerator)
             books.console.message(f"spotune: resuming from {resume_dir} at step {counters.step} of {sched.steps}")
         books.meter.start_step = counters.step
-        books.console.update(counters.step)
+        books.console.start(counters.step)  # rate and ETA count this attempt's steps only
 
         try:
             reason = _train_steps(cfg, proc, sched, rows, prepared, model, optimizer, counters, saver, books)
@@ -142,6 +143,7 @@ def _build_model(cfg: C.RunConfig, proc: process.Process) -> torch.nn.Module:
         device=proc.accelerator.device,
         autocast=cfg.train.mixed_precision != "no",
         sharded=proc.sharding.fsdp,
+        progress=proc.accelerator.is_local_main_process,  # a download shows, once per machine
     )
 
 
@@ -189,6 +191,7 @@ class Books:
     meter: metrics.Meter
     console: Console
     telemetry: Telemetry
+    trackers: trackers.Trackers | None
 
 
 def _open_books(
@@ -213,7 +216,7 @@ def _open_books(
         process_start=process_start,  # after a --wait: from when this attempt got the run
     )
     closing.push(_ledger_row_on_error(ledger))
-    console = Console(sched.steps, 0, enabled=cfg.metrics.progress, is_main=proc.is_main)
+    console = Console(sched.steps, bar=cfg.metrics.progress, is_main=proc.is_main)
     closing.callback(console.close)
     proc.remote.message = console.message
     proc.remote.start_uploads()
@@ -226,8 +229,10 @@ def _open_books(
         total_steps=sched.steps,
         device_seconds_fn=lambda: float(ledger.totals()["device_seconds"]),  # one source of truth: the ledger
     )
-    if cfg.metrics.trackers:
-        proc.accelerator.init_trackers("spotune", config=flat_config(cfg.to_dict()))
+    tracked = None
+    if cfg.metrics.trackers and proc.is_main:  # the same tracker runs on every attempt (trackers.py)
+        tracked = trackers.start(cfg.metrics, proc.out, flat_config(cfg.to_dict()), saved, ledger.attempt, closing)
+        sched.state.trackers = tracked.ids  # every checkpoint carries them to the next machine
     sink = JsonlSink(proc.out / "metrics.jsonl") if proc.is_main else None
     if sink is not None:
         closing.callback(sink.close)
@@ -241,10 +246,10 @@ def _open_books(
         budget=Budget(max_gpu_hours=cfg.train.max_gpu_hours, max_cost=cfg.train.max_cost),
         epoch_of=lambda step: round(step / sched.sampler.steps_per_epoch, 4),
         digest_of=sched.sampler.digest,
-        tracker_log=(lambda row, step: proc.accelerator.log(row, step=step)) if cfg.metrics.trackers else None,
+        tracker_log=tracked.log if tracked is not None else None,
         row_extras=proc.remote.metrics,
     )
-    return Books(ledger, meter, console, telemetry)
+    return Books(ledger, meter, console, telemetry, tracked)
 
 
 def _ledger_row_on_error(ledger: Ledger) -> Callable[..., bool]:
@@ -354,8 +359,8 @@ def _finish(
         from trainer.report import report_after_train
 
         report_after_train(proc.out, books.console.message)
-    if cfg.metrics.trackers:
-        proc.accelerator.end_training()
+    if books.trackers is not None:
+        books.trackers.finish(reason, exit_codes.FOR_STOP[reason])
     # Closed while the signal handlers are still installed: a late SIGTERM (torchrun
     # forwards one after a sibling exits) must not kill us before this row is written.
     ledger.close(reason)

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import json
 import math
-import sys
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trainer.restart.ledger import Ledger
+from trainer.training.console import Console
 from trainer.training.loop import StepRecord
 from trainer.training.metrics import Meter
+
+MACHINE = socket.gethostname()
+"""The host name every metrics row carries."""
 
 
 @dataclass(frozen=True)
@@ -92,22 +96,25 @@ class Telemetry:
                 sample_digest=self.digest_of(step - 1),
             )
             self.write(row)
-            self.console.update(0, row)
-        self.console.update(1)
+            self.console.step(step, row)
+        else:
+            self.console.step(step)
 
     def write(self, row: dict[str, Any]) -> None:
         """One metrics row to every sink (main rank) and the ledger's heartbeat (every rank)."""
         self.ledger.heartbeat(row.get("step"))
         if self.sink is not None:
             # `attempt`: which process wrote the row (the ledger's attempt number), for the report.
-            row = {**row, "attempt": self.ledger.attempt, **self.row_extras()}
+            # `machine`: where it ran (attempts of a spot run move between machines).
+            row = {**row, "attempt": self.ledger.attempt, "machine": MACHINE, **self.row_extras()}
             self.sink.write(row)
-            if self.tracker_log is not None:
-                self.tracker_log({k: v for k, v in row.items() if isinstance(v, (int, float))}, row["step"])
+            if self.tracker_log is not None:  # trackers add the machine (trainer/training/trackers.py)
+                self.tracker_log(row, row["step"])
 
     def evaluated(self, step: int, loss: float | None, seconds: float) -> None:
         """An evaluation's row; its time is not training time."""
         self.write({"step": step, "eval_loss": loss, "eval_seconds": seconds})
+        self.console.evaluated(step, loss, seconds)
         self.meter.pause(seconds)
 
     def saved(self, step: int, seconds: float) -> None:
@@ -116,6 +123,7 @@ class Telemetry:
         self.ledger.add_checkpoint(seconds)
         self.ledger.checkpointed()
         self.ledger.heartbeat(step)
+        self.console.message(f"spotune: checkpoint saved at step {step} ({seconds:.1f} s)")
 
     def over_budget(self) -> str | None:
         return self.budget.spent(self.meter.device_seconds(), self.meter.cost())
@@ -171,47 +179,6 @@ class JsonlSink:
 def _finite(row: dict[str, Any]) -> dict[str, Any]:
     """JSON has no NaN/Infinity: write a non-finite float as its string ("nan", "inf")."""
     return {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
-
-
-class Console:
-    """A tqdm bar with ETA and a short postfix: loss, tokens/s, cost so far / projected total."""
-
-    def __init__(self, total_steps: int, initial: int, enabled: bool, is_main: bool = True) -> None:
-        self._bar = None
-        self._speak = is_main  # other ranks stay silent: one voice per run
-        if enabled and is_main:
-            from tqdm.auto import tqdm
-
-            self._bar = tqdm(total=total_steps, initial=initial, unit="step", dynamic_ncols=True)
-
-    def update(self, steps: int, row: dict[str, Any] | None = None) -> None:
-        if self._bar is None:
-            return
-        self._bar.update(steps)
-        if row is not None:
-            post = {"loss": _fmt(row.get("loss"))}
-            if row.get("tokens_per_s") is not None:
-                post["tok/s"] = f"{row['tokens_per_s']:.0f}"
-            if row.get("cost") is not None:
-                projected = row.get("projected_cost")
-                post["$"] = f"{row['cost']:.2f}" + (f"/{projected:.2f}" if projected is not None else "")
-            self._bar.set_postfix(post, refresh=False)
-
-    def message(self, text: str) -> None:
-        if not self._speak:
-            return
-        if self._bar is not None:
-            self._bar.write(text)
-        else:
-            print(text, file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-
-
-def _fmt(x: Any) -> str:
-    return f"{x:.4f}" if isinstance(x, float) else str(x)
 
 
 def flat_config(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
