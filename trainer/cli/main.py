@@ -18,7 +18,7 @@ from pathlib import Path
 from types import ModuleType
 
 from trainer import config as C
-from trainer.cli import config, estimate, export, pilot, prepare, report, status, train
+from trainer.cli import chat, config, estimate, export, pilot, prepare, report, status, train
 from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_BUSY, EXIT_FILE_ENV
 
 # Every command, in the order `spotune --help` lists them: its module has HELP, add_arguments
@@ -32,6 +32,7 @@ COMMANDS: dict[str, ModuleType] = {
     "pilot": pilot,
     "export": export,
     "report": report,
+    "chat": chat,
     "config": config,
 }
 

@@ -1,0 +1,118 @@
+"""`spotune chat` on a real tiny run (recipes/tiny-cpu.yaml, a few steps): the run directory, its
+final/ and a checkpoint resolve to the adapter and the chat template the run trained with; a
+one-shot --prompt prints a streamed reply and exits 0; a conversation through a pseudo-terminal
+keeps its history over two turns and ends at /exit; a bad path exits 2 naming it."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from trainer.chat import Chat, Conversation, Sampling, find_source
+from trainer.cli.main import main as spotune
+from trainer.exit_codes import EXIT_BAD_INPUT
+
+REPO = Path(__file__).resolve().parents[1]
+GREEDY = Sampling(max_new_tokens=24, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("chat") / "run"
+    overrides = [f"output_dir={out}", "train.max_steps=4", "checkpoint.every_steps=2", "metrics.progress=false"]
+    assert spotune(["train", str(REPO / "recipes" / "tiny-cpu.yaml"), *overrides]) == 0
+    return out
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def test_run_dir_final_and_checkpoint_resolve_to_the_trained_adapter_and_template(run_dir: Path) -> None:
+    final = run_dir / "final"
+    src = find_source(run_dir)
+    assert src.adapter_dir == final and find_source(final) == src
+    assert src.tokenizer == str(final) and src.model.name_or_path == "builtin:tiny-llama"
+    assert Path(src.base).is_dir() and src.adapter.r == 16
+    step = run_dir / "checkpoints" / "step-000002"
+    ckpt = find_source(step)
+    assert ckpt.adapter_dir == step and ckpt.tokenizer == ckpt.base  # a checkpoint carries no tokenizer
+    # The template the chat renders with is the one final/ carries, i.e. the one the run trained with.
+    session = Chat(src, "cpu")
+    assert session.tokenizer.chat_template == (final / "chat_template.jinja").read_text()
+
+
+def test_a_run_config_chat_template_is_applied_where_no_tokenizer_was_saved(run_dir: Path, tmp_path: Path) -> None:
+    """A checkpoint has no tokenizer files: the run's data.chat_template (when it set one) goes on top."""
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step-000002"
+    step.mkdir(parents=True)
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        (step / f).write_bytes((run_dir / "checkpoints" / "step-000002" / f).read_bytes())
+    raw = yaml.safe_load((run_dir / "config.yaml").read_text())
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+    raw["data"]["chat_template"] = template
+    (run / "config.yaml").write_text(yaml.safe_dump(raw))
+    src = find_source(step)
+    assert src.chat_template == template
+    assert Chat(src, "cpu").tokenizer.chat_template == template
+    # control: the run's own checkpoint, whose config sets none, keeps the base tokenizer's
+    assert find_source(run_dir / "checkpoints" / "step-000002").chat_template is None
+
+
+def test_reply_streams_in_pieces_and_the_history_carries_the_first_turn(run_dir: Path) -> None:
+    session = Chat(find_source(run_dir), "cpu")
+    conversation = Conversation(system="be brief")
+    pieces: list[str] = []
+    first = session.reply(conversation, "Name a color.", GREEDY, pieces.append)
+    assert first and "".join(pieces).strip() == first and len(pieces) >= 2  # streamed, not printed at the end
+    second = session.reply(conversation, "And another?", GREEDY, lambda _: None)
+    assert [t["role"] for t in conversation.turns] == ["user", "assistant", "user", "assistant"]
+    assert conversation.turns[1]["content"] == first and conversation.turns[3]["content"] == second
+    rendered = session.tokenizer.apply_chat_template(conversation.messages()[:-1], tokenize=False)
+    assert first in rendered and "be brief" in rendered  # turn 2 was generated from the whole conversation
+    # control: greedy decoding repeats itself, so a fresh conversation's first reply is the same
+    assert session.reply(Conversation(system="be brief"), "Name a color.", GREEDY, lambda _: None) == first
+
+
+def test_one_shot_prompt_prints_the_reply_and_exits_0(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert spotune(["chat", str(run_dir), "--prompt", "hi", "--max-new-tokens", "12", "--seed", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.strip() and out.endswith("\n") and "you>" not in out
+
+
+def test_conversation_through_a_pseudo_terminal(run_dir: Path) -> None:
+    pexpect: Any = pytest.importorskip("pexpect", reason="pip install pexpect (the test extra)")
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "trainer", "chat", str(run_dir), "--max-new-tokens", "8", "--temperature", "0"],
+        env=_env(),
+        encoding="utf-8",
+        timeout=240,
+    )
+    try:
+        child.expect("/exit or Ctrl-D ends")
+        for text in ("hi", "tell me more"):
+            child.expect_exact("you> ")
+            child.sendline(text)
+            child.expect_exact("assistant> ")
+        child.expect_exact("you> ")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0, child.before
+
+
+def test_bad_path_exits_2_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert spotune(["chat", str(tmp_path / "nope"), "--prompt", "hi"]) == EXIT_BAD_INPUT
+    assert f"{tmp_path / 'nope'} does not exist" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert spotune(["chat", str(empty), "--prompt", "hi"]) == EXIT_BAD_INPUT
+    assert "no final/ adapter and no verified checkpoint" in capsys.readouterr().err
