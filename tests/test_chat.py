@@ -5,6 +5,7 @@ keeps its history over two turns and ends at /exit; a bad path exits 2 naming it
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -74,10 +75,37 @@ def test_reply_streams_in_pieces_and_the_history_carries_the_first_turn(run_dir:
     second = session.reply(conversation, "And another?", GREEDY, lambda _: None)
     assert [t["role"] for t in conversation.turns] == ["user", "assistant", "user", "assistant"]
     assert conversation.turns[1]["content"] == first and conversation.turns[3]["content"] == second
-    rendered = session.tokenizer.apply_chat_template(conversation.messages()[:-1], tokenize=False)
-    assert first in rendered and "be brief" in rendered  # turn 2 was generated from the whole conversation
+    rendered = session.tokenizer.decode(session.prompt(Conversation(turns=conversation.turns[:3]))["input_ids"][0])
+    assert rendered.count("### Instruction:") == 2 and first in rendered  # turn 2 saw the whole conversation
     # control: greedy decoding repeats itself, so a fresh conversation's first reply is the same
     assert session.reply(Conversation(system="be brief"), "Name a color.", GREEDY, lambda _: None) == first
+
+
+def test_an_alpaca_run_is_prompted_with_the_tokens_it_trained_on(run_dir: Path) -> None:
+    """The prompt part (labels -100) of a prepared example without input is exactly what chat feeds
+    for the same instruction; the chat template would be another prompt (control)."""
+    import datasets
+
+    session = Chat(find_source(run_dir), "cpu")
+    assert session.source.format == "alpaca"
+    (manifest,) = (run_dir / "data").glob("*/manifest.json")
+    rows = datasets.load_from_disk(str(manifest.parent / "train")).select(range(20))
+    for row in rows:
+        starts = [i for i, p in enumerate(row["position_ids"]) if p == 0] + [row["num_real"]]
+        for a, b in itertools.pairwise(starts):
+            ids, labels = row["input_ids"][a:b], row["labels"][a:b]
+            prompt = ids[: next(i for i, x in enumerate(labels) if x != -100)]
+            text = session.tokenizer.decode(prompt, skip_special_tokens=True)
+            if "### Input:" not in text:
+                instruction = text.split("### Instruction:\n", 1)[1].split("\n\n### Response:", 1)[0]
+                fed = session.prompt(Conversation(turns=[{"role": "user", "content": instruction}]))
+                assert fed["input_ids"][0].tolist() == prompt
+                templated = session.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": instruction}], add_generation_prompt=True, return_dict=True
+                )["input_ids"]
+                assert isinstance(templated[0], int) and list(templated) != prompt
+                return
+    pytest.fail("no prepared example without input in the first 20 rows")
 
 
 def test_one_shot_prompt_prints_the_reply_and_exits_0(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:

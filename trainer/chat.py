@@ -8,13 +8,17 @@ tokenizer, and with it the chat template, is the one saved beside the adapter (f
 the template the run trained with), else the run's `data.tokenizer` or the base model's, with
 `data.chat_template` on top when the run set one.
 
-The reply streams token by token (transformers' TextStreamer); the history is kept across
-turns, so every turn is rendered by the template from the whole conversation.
+Each turn is rendered the way the run's data was (`data.format`): `chat` through the chat
+template; `alpaca` as the training prompt (trainer/data/template.py's `alpaca_prompt`), earlier
+turns stacked before it, each answer closed by EOS as training closed it; `text` as plain
+continuation. The reply streams token by token (transformers' TextStreamer); the history is
+kept across turns, so every turn is rendered from the whole conversation.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +31,7 @@ from transformers import AutoTokenizer, TextStreamer
 
 from trainer import builtin_assets
 from trainer import config as C
+from trainer.data.template import alpaca_prompt
 from trainer.export import adapter_source
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -47,6 +52,8 @@ class ChatSource:
     """The run's `data.chat_template`, applied when the tokenizer is not the one saved with the adapter."""
     model: C.ModelConfig
     adapter: C.AdapterConfig
+    format: str = "chat"
+    """The run's `data.format`: how a conversation becomes a prompt (chat when no config.yaml says)."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,7 @@ def find_source(path: Path | str) -> ChatSource:
         chat_template=None if saved_tokenizer or cfg is None else cfg.data.chat_template,
         model=cfg.model if cfg is not None else C.ModelConfig(name_or_path=base),
         adapter=cfg.adapter if cfg is not None else C.AdapterConfig(),
+        format=cfg.data.format if cfg is not None else "chat",
     )
 
 
@@ -133,7 +141,7 @@ class Chat:
         self.tokenizer = AutoTokenizer.from_pretrained(source.tokenizer)
         if source.chat_template:
             self.tokenizer.chat_template = source.chat_template
-        if not self.tokenizer.chat_template:
+        if source.format == "chat" and not self.tokenizer.chat_template:
             raise C.ConfigError(
                 [
                     f"{source.tokenizer} has no chat template: set data.chat_template in the run's config.yaml, "
@@ -157,9 +165,7 @@ class Chat:
     def reply(self, conversation: Conversation, text: str, sampling: Sampling, write: Callable[[str], None]) -> str:
         """Add the user's `text`, stream the assistant's answer through `write`, keep both turns."""
         conversation.turns.append({"role": "user", "content": text})
-        enc: Any = self.tokenizer.apply_chat_template(
-            conversation.messages(), add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
+        enc = self.prompt(conversation)
         streamer = _Streamer(self.tokenizer, write)
         if sampling.seed is not None:
             torch.manual_seed(sampling.seed)
@@ -177,6 +183,23 @@ class Chat:
         answer = "".join(streamer.pieces).strip()
         conversation.turns.append({"role": "assistant", "content": answer})
         return answer
+
+    def prompt(self, conversation: Conversation) -> Any:
+        """The tokens the model continues from (input_ids + attention_mask), in the run's data format."""
+        if self.source.format == "chat":
+            return self.tokenizer.apply_chat_template(
+                conversation.messages(), add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )
+        turns = conversation.turns
+        if self.source.format == "alpaca":
+            eos = self.tokenizer.eos_token or ""
+            text = "".join(
+                alpaca_prompt(turn["content"], "") + (reply["content"] + eos if reply else "")
+                for turn, reply in itertools.zip_longest(turns[::2], turns[1::2])
+            )
+        else:  # text: every token was trained, the conversation is plain text to continue
+            text = "\n".join(t["content"] for t in turns) + "\n"
+        return self.tokenizer(text, add_special_tokens=True, return_tensors="pt")
 
 
 class _Streamer(TextStreamer):
