@@ -5,6 +5,7 @@ keeps its history over two turns and ends at /exit; a bad path exits 2 naming it
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import sys
@@ -46,6 +47,12 @@ def test_run_dir_final_and_checkpoint_resolve_to_the_trained_adapter_and_templat
     # The template the chat renders with is the one final/ carries, i.e. the one the run trained with.
     session = Chat(src, "cpu")
     assert session.tokenizer.chat_template == (final / "chat_template.jinja").read_text()
+    # A chat-format run is prompted through that template, generation prompt included.
+    session.source = dataclasses.replace(src, format="chat")
+    turns = [{"role": "user", "content": "hi"}]
+    fed = session.prompt(Conversation(system="be brief", turns=turns))["input_ids"][0].tolist()
+    text = session.tokenizer.decode(fed)
+    assert text.startswith("<s><|system|>\nbe brief\n<|user|>\nhi\n") and text.endswith("<|assistant|>\n")
 
 
 def test_a_run_config_chat_template_is_applied_where_no_tokenizer_was_saved(run_dir: Path, tmp_path: Path) -> None:

@@ -106,9 +106,11 @@ def find_source(path: Path | str) -> ChatSource:
             ],
             "chat",
         )
-    saved_tokenizer = (adapter_dir / "tokenizer_config.json").is_file()
-    if saved_tokenizer:
-        tokenizer = str(adapter_dir)
+    # final/ saves the tokenizer (with the template the run trained with); a run directory may hold one too
+    saved = next((d for d in (adapter_dir, run_dir) if d is not None and (d / "tokenizer_config.json").is_file()), None)
+    saved_tokenizer = saved is not None
+    if saved is not None:
+        tokenizer = str(saved)
     else:
         tokenizer = (cfg.data.tokenizer if cfg is not None else None) or base
     return ChatSource(
