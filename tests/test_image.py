@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -118,7 +119,9 @@ def test_image_and_skypilot_install_the_extras_of_the_templates_remote_scheme() 
     assert {"s3", "gcs", "gpu"} <= _image_extras(dockerfile)
     # SkyPilot does not use the image: its setup installs the extras itself
     setup = yaml.safe_load((LAUNCH / "skypilot.yaml").read_text())["setup"]
-    sky_extras = set(re.search(r"EXTRAS=(\S+) bash scripts/setup.sh", setup).group(1).split(","))  # type: ignore[union-attr]
+    found = re.search(r"EXTRAS=(\S+) bash scripts/setup.sh", setup)
+    assert found, "skypilot.yaml's setup no longer installs extras through scripts/setup.sh"
+    sky_extras = set(found.group(1).split(","))
     assert extras_problems(sky_extras, {"skypilot.yaml": schemes["skypilot.yaml"]}, pyproject, "skypilot.yaml") == []
     # controls: the old image (no remote extras), and a GKE Job writing to gs:// on an s3-only image
     (problem,) = extras_problems({"gpu"}, {"k8s-job.yaml": {"s3"}}, pyproject, "docker/Dockerfile")
@@ -153,3 +156,21 @@ def test_entrypoint_passes_every_other_command_through() -> None:
     listed = re.search(r"^  ([a-z|]+)\) exec spotune \"\$@\" ;;$", ENTRYPOINT.read_text(), re.MULTILINE)
     assert listed is not None
     assert set(listed.group(1).split("|")) == set(COMMANDS) - {"train"}
+
+
+def test_the_extra_the_trainer_asks_for_without_a_backend_is_in_the_image(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a Job on an image without s3fs meets at start (exit 2): the store names the extra to
+    install. That extra is the one the image installs, for every template's scheme."""
+    from trainer.restart.storage import Store, StoreError
+
+    installed = _image_extras(DOCKERFILE.read_text())
+    for template, schemes in remote_schemes().items():
+        for scheme in schemes:
+            with monkeypatch.context() as m:
+                m.setitem(sys.modules, known_implementations[scheme]["class"].split(".")[0], None)  # not installed
+                with pytest.raises(StoreError, match=r"pip install 'spotune\[(\w+)\]'") as e:
+                    Store(f"{scheme}://bucket/spotune/run")
+            asked = e.match(r"spotune\[(\w+)\]") and re.findall(r"spotune\[(\w+)\]", str(e.value))[0]
+            assert asked in installed, f"{template}: the trainer asks for spotune[{asked}], the image has {installed}"
+    # with the backend present the same URL opens (s3fs is in the test extra; nothing is contacted yet)
+    assert Store("s3://bucket/spotune/run").root == "bucket/spotune/run"
