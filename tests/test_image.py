@@ -170,7 +170,7 @@ def test_the_extra_the_trainer_asks_for_without_a_backend_is_in_the_image(monkey
                 m.setitem(sys.modules, known_implementations[scheme]["class"].split(".")[0], None)  # not installed
                 with pytest.raises(StoreError, match=r"pip install 'spotune\[(\w+)\]'") as e:
                     Store(f"{scheme}://bucket/spotune/run")
-            asked = e.match(r"spotune\[(\w+)\]") and re.findall(r"spotune\[(\w+)\]", str(e.value))[0]
+            asked = re.findall(r"spotune\[(\w+)\]", str(e.value))[0]
             assert asked in installed, f"{template}: the trainer asks for spotune[{asked}], the image has {installed}"
     # with the backend present the same URL opens (s3fs is in the test extra; nothing is contacted yet)
     assert Store("s3://bucket/spotune/run").root == "bucket/spotune/run"
