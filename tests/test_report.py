@@ -422,6 +422,7 @@ def test_header_says_what_was_trained(real_run: dict[str, Any], tiny_llama: Path
     assert facts["batch"] == f"{rows} rows × 128 tokens = {rows * 128:,} tokens per step"
     assert facts["lr_schedule"].startswith("0.01 peak, cosine after")
     assert facts["gpus"] == "1 × cpu (3 attempts)"  # every attempt's ledger row names its device
+    assert facts["attempts"] == "3: killed, preempted, finished"
     assert [r["device"] for r in _ledger(out)] == ["cpu"] * 3
     assert facts["versions"].startswith("torch ")
 

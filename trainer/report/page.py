@@ -212,7 +212,7 @@ def render(run: RunData, images: dict[str, bytes]) -> str:
         cards=cards(t, price_known=t.cost is not None),
         figures=figures,
         forecast=forecast_rows(run, t),
-        trained=trained.facts(run.config, run.trained, [(a.device, a.world_size) for a in run.attempts]),
+        trained=trained.facts(run.config, run.trained, [(a.device, a.world_size, a.exit_reason) for a in run.attempts]),
         example=run.example,
         attempts=[_attempt_row(a) for a in run.attempts],
         notes=run.notes,

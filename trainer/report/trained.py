@@ -114,9 +114,11 @@ def _int(x: Any) -> str:
     return f"{int(x):,}" if isinstance(x, (int, float)) else "n/a"
 
 
-def facts(config: RunConfig | None, trained: Trained, devices: list[tuple[str | None, int]]) -> list[Fact]:
+def facts(config: RunConfig | None, trained: Trained, attempts: list[tuple[str | None, int, str]]) -> list[Fact]:
     """The header, one row per question a reader asks of a run: which model, which adapter, on
-    what data, with what batch and schedule, on what machines."""
+    what data, with what batch and schedule, on what machines, in how many attempts.
+    `attempts`: (device, device count, exit reason) of each, in order."""
+    devices = [(name, count) for name, count, _ in attempts]
     rows: list[Fact] = []
     if config is not None:
         m = config.model
@@ -137,6 +139,9 @@ def facts(config: RunConfig | None, trained: Trained, devices: list[tuple[str | 
             )
         )
     rows.append(Fact("gpus", "Devices", _devices_text(devices)))
+    if attempts:
+        ends = ", ".join(reason for _, _, reason in attempts)
+        rows.append(Fact("attempts", "Attempts", f"{len(attempts)}: {ends}"))
     versions = (trained.state or {}).get("versions") or {}
     if versions:
         shown = ("torch", "transformers", "peft")
