@@ -100,9 +100,12 @@ def _live_cards(t: Totals) -> list[Card]:
     if t.status != RUNNING:
         return []
     eta = t.eta_s
-    when = datetime.fromtimestamp(time.time() + eta, tz=timezone.utc).strftime("%H:%M UTC") if eta else ""
+    if eta is None:
+        when = "needs train.max_steps and a logged step"
+    else:
+        when = datetime.fromtimestamp(time.time() + eta, tz=timezone.utc).strftime("about %H:%M UTC; saves not counted")
     return [
-        Card("eta", "ETA", _duration(eta) if eta is not None else "n/a", eta, f"about {when}; saves not counted"),
+        Card("eta", "ETA", _duration(eta) if eta is not None else "n/a", eta, when),
         Card(
             "projected_cost",
             "Projected cost",
