@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from trainer.chat import Chat, Conversation, Sampling, find_source
+from trainer.chat import Chat, Conversation, Sampling, chat, find_source
 from trainer.cli.main import main as spotune
 from trainer.exit_codes import EXIT_BAD_INPUT
 
@@ -142,6 +142,32 @@ def test_conversation_through_a_pseudo_terminal(run_dir: Path) -> None:
     finally:
         child.close()
     assert child.exitstatus == 0, child.before
+
+
+def test_ctrl_c_stops_a_reply_and_at_the_prompt_ends_the_chat(run_dir: Path) -> None:
+    """Ctrl-C while a reply streams stops that reply only (the next turn is answered); at the prompt it ends."""
+    said: list[str] = []
+    lines = iter(["hi", "again"])
+
+    def read(prompt: str) -> str:
+        line = next(lines, None)
+        if line is None:
+            raise KeyboardInterrupt
+        return line
+
+    interrupted: list[str] = []
+
+    def write(text: str) -> None:
+        said.append(text)
+        if said[-2:-1] == ["assistant> "] and not interrupted:  # the first piece of the first reply
+            interrupted.append(text)
+            raise KeyboardInterrupt
+
+    assert chat(run_dir, prompt=None, system=None, sampling=GREEDY, device="cpu", read=read, write=write) == 0
+    text = "".join(said)
+    first, second = text.split("assistant> ")[1:]
+    assert interrupted and first == interrupted[0] + " (stopped)\n"
+    assert second.strip() and "(stopped)" not in second
 
 
 def test_bad_path_exits_2_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

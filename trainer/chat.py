@@ -239,7 +239,7 @@ def chat(
     while True:
         try:
             line = read("you> ").strip()
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt ends the conversation
             write("\n")
             return 0
         if line in EXIT_WORDS:
@@ -251,5 +251,10 @@ def chat(
         if not line:
             continue
         write("assistant> ")
-        session.reply(conversation, line, sampling, write)
+        try:
+            session.reply(conversation, line, sampling, write)
+        except KeyboardInterrupt:  # Ctrl-C stops this reply only; the unanswered turn is dropped
+            if conversation.turns and conversation.turns[-1]["role"] == "user":
+                conversation.turns.pop()
+            write(" (stopped)")
         write("\n")
