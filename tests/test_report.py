@@ -276,6 +276,9 @@ def test_fsspec_url_reads_the_same_run(real_run: dict[str, Any], tmp_path: Path)
     page, summary = write_report(f"file://{real_run['out']}", tmp_path / "remote")
     assert page == tmp_path / "remote" / REPORT_FILE and f"Finished at step {STEPS} of {STEPS}." in summary
     assert _parse(page).values == local
+    # the header too: the checkpoint, adapter config and manifest are found through fsspec
+    local_facts = _facts((tmp_path / "local" / REPORT_FILE).read_text())
+    assert _facts(page.read_text()) == local_facts and {"adapter", "data_train", "batch"} <= set(local_facts)
     assert all((tmp_path / "remote" / name).read_bytes().startswith(PNG) for name in FIGURES)
 
 
