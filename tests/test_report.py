@@ -457,7 +457,9 @@ def test_learning_rate_and_grad_norm_are_plotted_from_the_rows(real_run: dict[st
     assert list(FIGURES)[2:4] == ["loss.png", "optimizer.png"]  # beside the loss
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(isinstance(r["lr"], float) and isinstance(r["grad_norm"], float) for r in rows if "loss" in r)
-    write_report(run)
+    facts = _facts(write_report(run)[0].read_text())
+    # without checkpoints (none copied) the manifest is the newest one under data.cache_dir
+    assert "data_train" in facts and "versions" not in facts
     before = (run / "optimizer.png").read_bytes()
     _png_size(before)
     for r in rows:

@@ -76,12 +76,14 @@ def load_trained(base: str, config: RunConfig | None) -> Trained:
     fingerprint = (out.state or {}).get("data_fingerprint")
     roots = [f"{base}/data"] + ([config.data.cache_dir] if config is not None and config.data.cache_dir else [])
     for root in roots:
-        candidates = [f"{root}/{fingerprint}"] if fingerprint else _manifest_dirs(root)
-        for directory in candidates:
-            manifest = _json(f"{directory}/{DATA_MANIFEST}")
-            if manifest is not None:
-                out.manifest, out.dataset_dir = manifest, directory
-                return out
+        if fingerprint:
+            named = _json(f"{root}/{fingerprint}/{DATA_MANIFEST}")
+            found = [(f"{root}/{fingerprint}", named)] if named is not None else []
+        else:  # no checkpoint names it: the newest prepared dataset under `root`
+            found = sorted(_manifests(root), key=lambda pair: str(pair[1].get("created_utc")), reverse=True)
+        if found:
+            out.dataset_dir, out.manifest = found[0]
+            return out
     out.notes.append(
         "the prepared data's manifest.json was not found (under the run's data/ or data.cache_dir): "
         "rows, tokens and packing efficiency are not shown"
@@ -89,15 +91,16 @@ def load_trained(base: str, config: RunConfig | None) -> Trained:
     return out
 
 
-def _manifest_dirs(root: str) -> list[str]:
-    """Without a checkpoint to name the fingerprint: every prepared dataset under `root`, newest first."""
+def _manifests(root: str) -> list[tuple[str, dict[str, Any]]]:
+    """(directory, manifest) of every prepared dataset under `root`."""
     fs, path = fsspec.core.url_to_fs(root)
     try:
         found = fs.glob(f"{path}/*/{DATA_MANIFEST}")
     except FileNotFoundError:
         return []
-    dirs = [p.rsplit("/", 1)[0] for p in sorted(found, key=lambda p: fs.modified(p), reverse=True)]
-    return [fs.unstrip_protocol(d) if "://" in root else d for d in dirs]
+    dirs = [p.rsplit("/", 1)[0] for p in found]
+    dirs = [fs.unstrip_protocol(d) if "://" in root else d for d in dirs]
+    return [(d, m) for d in dirs if (m := _json(f"{d}/{DATA_MANIFEST}")) is not None]
 
 
 # ---------------------------------------------------------------------------- the header's rows
