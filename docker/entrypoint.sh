@@ -28,7 +28,7 @@ EXIT_BUSY=75         # another attempt holds the run (its lock or lease): do not
 set -uo pipefail
 if [ "${1:-}" = "spotune" ]; then shift; fi
 case "${1:-}" in
-  prepare|inspect|estimate|pilot|export|config|status|report) exec spotune "$@" ;;
+  prepare|inspect|estimate|pilot|export|config|status|report|chat) exec spotune "$@" ;;
   train) shift; exec spotune train --wait "${SPOTUNE_WAIT:-300}" "$@" ;;
 esac
 nproc=$(python -c "import torch; print(max(torch.cuda.device_count(), 1))")

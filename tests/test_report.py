@@ -10,12 +10,14 @@ import base64
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from html import unescape
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -274,6 +276,9 @@ def test_fsspec_url_reads_the_same_run(real_run: dict[str, Any], tmp_path: Path)
     page, summary = write_report(f"file://{real_run['out']}", tmp_path / "remote")
     assert page == tmp_path / "remote" / REPORT_FILE and f"Finished at step {STEPS} of {STEPS}." in summary
     assert _parse(page).values == local
+    # the header too: the checkpoint, adapter config and manifest are found through fsspec
+    local_facts = _facts((tmp_path / "local" / REPORT_FILE).read_text())
+    assert _facts(page.read_text()) == local_facts and {"adapter", "data_train", "batch"} <= set(local_facts)
     assert all((tmp_path / "remote" / name).read_bytes().startswith(PNG) for name in FIGURES)
 
 
@@ -389,3 +394,91 @@ def test_uploads_are_read_from_the_metrics_rows_when_present(real_run: dict[str,
     expected = [(train[i]["time"], owners[i], train[i]["upload_seconds"]) for i in firsts]
     assert uploads(loaded) == expected
     assert {a for _, a, _ in expected} == {1, 2, 3}
+
+
+# ---------------------------------------------------------------------------- what was trained
+
+
+def _facts(html: str) -> dict[str, str]:
+    rows = re.findall(r'<tr data-fact="([a-z_]+)"><th>[^<]*</th><td>([^<]*)</td></tr>', html)
+    return {k: unescape(v) for k, v in rows}
+
+
+def test_header_says_what_was_trained(real_run: dict[str, Any], tiny_llama: Path) -> None:
+    out = real_run["out"]
+    html = (out / REPORT_FILE).read_text()
+    facts = _facts(html)
+    assert facts["model"] == f"{tiny_llama} (float32)"
+    targets = json.loads((out / "final" / "adapter_config.json").read_text())["target_modules"]
+    assert facts["adapter"] == f"LoRA, rank 4, alpha 8, dropout 0.05; targets: {', '.join(sorted(targets))}"
+    (manifest_path,) = (out.parent / "cache").glob("*/manifest.json")  # data.cache_dir, outside the run
+    manifest = json.loads(manifest_path.read_text())
+    train = manifest["train"]
+    assert facts["data"].startswith(f"{manifest['sources']['train']} (alpaca)") and "seq_len 128" in facts["data"]
+    assert (
+        f"in {train['rows']:,} rows; {train['real_tokens']:,} tokens, {train['trainable_tokens']:,} trained"
+        in (facts["data_train"])
+    )
+    assert f"packing efficiency {train['packing_efficiency']:.1%}" in facts["data_train"]
+    assert "data_eval" in facts  # eval_fraction 0.1
+    rows = C.batch_split(C.load(out / "config.yaml").train, 1).global_rows
+    assert facts["batch"] == f"{rows} rows × 128 tokens = {rows * 128:,} tokens per step"
+    assert facts["lr_schedule"].startswith("0.01 peak, cosine after")
+    assert facts["gpus"] == "1 × cpu (3 attempts)"  # every attempt's ledger row names its device
+    assert facts["attempts"] == "3: killed, preempted, finished"
+    assert [r["device"] for r in _ledger(out)] == ["cpu"] * 3
+    assert facts["versions"].startswith("torch ")
+
+
+def test_the_training_example_marks_exactly_the_trained_tokens(real_run: dict[str, Any]) -> None:
+    import datasets
+    from transformers import AutoTokenizer
+
+    out = real_run["out"]
+    html = (out / REPORT_FILE).read_text()
+    example = re.search(r'<pre class="example" id="example">(.*?)</pre>', html, re.DOTALL)
+    assert example is not None
+    marked = "".join(unescape(m) for m in re.findall(r"<mark>(.*?)</mark>", example.group(1), re.DOTALL))
+    everything = unescape(re.sub(r"</?mark>", "", example.group(1)))
+    # read independently: the datasets library, the first document of the first packed row
+    (manifest_path,) = (out.parent / "cache").glob("*/manifest.json")
+    row = datasets.load_from_disk(str(manifest_path.parent / "train"))[0]
+    end = next((i for i, p in enumerate(row["position_ids"]) if i and p == 0), len(row["input_ids"]))
+    ids, labels = row["input_ids"][:end], row["labels"][:end]
+    tok = AutoTokenizer.from_pretrained(str(out / "final"))
+    assert everything == tok.decode(ids)
+    assert marked == tok.decode([i for i, x in zip(ids, labels, strict=True) if x != -100]) and marked
+    assert marked != everything  # control: the prompt is there and not marked
+
+
+def test_learning_rate_and_grad_norm_are_plotted_from_the_rows(real_run: dict[str, Any], tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(real_run["out"], run, ignore=shutil.ignore_patterns("checkpoints", "final", "*.png", "*.html"))
+    assert list(FIGURES)[2:4] == ["loss.png", "optimizer.png"]  # beside the loss
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(isinstance(r["lr"], float) and isinstance(r["grad_norm"], float) for r in rows if "loss" in r)
+    facts = _facts(write_report(run)[0].read_text())
+    # without checkpoints (none copied) the manifest is the newest one under data.cache_dir
+    assert "data_train" in facts and "versions" not in facts
+    before = (run / "optimizer.png").read_bytes()
+    _png_size(before)
+    for r in rows:
+        if "lr" in r:
+            r["grad_norm"] *= 3.0  # control: the picture follows the data
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_report(run)
+    assert (run / "optimizer.png").read_bytes() != before
+
+
+def test_a_live_run_shows_its_eta_and_projected_cost(real_run: dict[str, Any], tmp_path: Path) -> None:
+    run = tmp_path / "live"
+    shutil.copytree(real_run["snapshot"], run)
+    values = _parse(write_report(run)[0]).values
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "loss" in r]
+    live = [r for r in train if r["attempt"] == 2]
+    assert float(values["projected_cost"]) == train[-1]["projected_cost"]
+    expected = (STEPS - train[-1]["step"]) * sum(r["step_time_s"] for r in live) / len(live)
+    assert float(values["eta"]) == pytest.approx(expected, rel=1e-12)
+    finished = _parse(write_report(real_run["out"], tmp_path / "done")[0]).values
+    assert "eta" not in finished and "projected_cost" not in finished  # control: a finished run has none

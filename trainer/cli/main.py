@@ -19,7 +19,7 @@ from types import ModuleType
 
 from trainer import config as C
 from trainer import exit_codes
-from trainer.cli import config, estimate, export, pilot, prepare, report, status, train
+from trainer.cli import chat, config, estimate, export, pilot, prepare, report, status, train
 from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_BUSY, EXIT_ERROR, EXIT_FINISHED
 
 # Every command, in the order `spotune --help` lists them: its module has HELP, add_arguments
@@ -33,6 +33,7 @@ COMMANDS: dict[str, ModuleType] = {
     "pilot": pilot,
     "export": export,
     "report": report,
+    "chat": chat,
     "config": config,
 }
 

@@ -19,6 +19,8 @@ import fsspec
 import yaml
 
 from trainer.config import ConfigError, RunConfig, from_dict
+from trainer.report.example import Example, training_example
+from trainer.report.trained import Trained, load_trained
 from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, row_from_progress, row_time
 from trainer.urls import redact
 
@@ -53,6 +55,8 @@ class Attempt:
     lost_seconds: float
     cost: float | None
     last_step: int | None
+    device: str | None = None
+    """What it ran on (`NVIDIA H100 80GB HBM3`, `cpu`); rows written before the ledger kept it have none."""
 
     @property
     def running(self) -> bool:
@@ -79,6 +83,7 @@ class Attempt:
             lost_seconds=float(row.get("lost_seconds", 0.0)),
             cost=float(row["cost"]) if row.get("cost") is not None else None,
             last_step=int(row["last_step"]) if row.get("last_step") is not None else None,
+            device=str(row["device"]) if row.get("device") else None,
         )
 
 
@@ -97,6 +102,10 @@ class RunData:
     pilot: dict[str, Any] | None = None
     estimate: dict[str, Any] | None = None
     heartbeat_time: float | None = None
+    trained: Trained = field(default_factory=Trained)
+    """Adapter config, checkpoint state and data manifest: what the header says was trained."""
+    example: Example | None = None
+    """The first document of the first packed row, trained tokens marked (local runs)."""
     notes: list[str] = field(default_factory=list)
     """Lines skipped and why (a torn last line while the run writes)."""
 
@@ -140,15 +149,25 @@ def load_run(run_dir: str) -> RunData:
                 attempts.append(live)
         except (ValueError, KeyError, TypeError) as e:
             notes.append(f"{where}/{HEARTBEAT_FILE} is unreadable ({e}); the open attempt is not shown")
+    config = _config(_read(f"{base}/{CONFIG_FILE}"), f"{where}/{CONFIG_FILE}", notes)
+    trained = load_trained(base, config)
+    notes.extend(trained.notes)
+    local = "://" not in base or base.startswith("file://")
+    tokenizers = [
+        f"{base.removeprefix('file://')}/final",
+        str((trained.manifest or {}).get("sources", {}).get("tokenizer")),
+    ]
     return RunData(
         source=where,
-        config=_config(_read(f"{base}/{CONFIG_FILE}"), f"{where}/{CONFIG_FILE}", notes),
+        config=config,
         train_rows=[_floats(r) for r in metrics if "loss" in r and "step" in r],
         eval_rows=[_floats(r) for r in metrics if "eval_loss" in r and "step" in r],
         attempts=sorted(attempts, key=lambda a: a.attempt),
         pilot=_json(f"{base}/{PILOT_FILE}", notes),
         estimate=_json(f"{base}/{ESTIMATE_FILE}", notes),
         heartbeat_time=heartbeat_time,
+        trained=trained,
+        example=training_example(trained.dataset_dir, tokenizers, notes) if local else None,
         notes=notes,
     )
 

@@ -9,6 +9,7 @@ notes) is escaped. Each headline figure carries its exact value in `data-value`,
 from __future__ import annotations
 
 import base64
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -18,7 +19,7 @@ import fsspec
 import jinja2
 
 from trainer.atomic import remove_temp_siblings, write_bytes, write_text
-from trainer.report import plots
+from trainer.report import plots, trained
 from trainer.report.load import REPORT_FILE, RUNNING, Attempt, RunData, finite, load_run
 from trainer.report.totals import FINISHED, Totals, headline, totals
 
@@ -90,7 +91,33 @@ def cards(t: Totals, price_known: bool) -> list[Card]:
         Card("mfu", "MFU", _num(t.mfu, ".1%"), t.mfu, "" if t.mfu is not None else "peak FLOP/s unknown"),
         Card("peak_memory_gib", "Peak memory", _num(t.peak_memory_gib, ".2f") + " GiB", t.peak_memory_gib),
         Card("data_stall", "Data stall", _num(t.data_stall_share, ".1%"), t.data_stall_share, "of step time"),
+        *_live_cards(t),
     ]
+
+
+def _live_cards(t: Totals) -> list[Card]:
+    """A run still training: when it should end and what it should cost by then."""
+    if t.status != RUNNING:
+        return []
+    eta = t.eta_s
+    if eta is None:
+        when = "needs train.max_steps and a logged step"
+    else:
+        when = datetime.fromtimestamp(time.time() + eta, tz=timezone.utc).strftime("about %H:%M UTC; saves not counted")
+    return [
+        Card("eta", "ETA", _duration(eta) if eta is not None else "n/a", eta, when),
+        Card(
+            "projected_cost",
+            "Projected cost",
+            _money(t.projected_cost),
+            t.projected_cost,
+            "at the sustained step time" if t.projected_cost is not None else "set metrics.price_per_hour",
+        ),
+    ]
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
 
 
 def details(t: Totals) -> str:
@@ -188,6 +215,8 @@ def render(run: RunData, images: dict[str, bytes]) -> str:
         cards=cards(t, price_known=t.cost is not None),
         figures=figures,
         forecast=forecast_rows(run, t),
+        trained=trained.facts(run.config, run.trained, [(a.device, a.world_size, a.exit_reason) for a in run.attempts]),
+        example=run.example,
         attempts=[_attempt_row(a) for a in run.attempts],
         notes=run.notes,
     )
@@ -201,6 +230,7 @@ def _attempt_row(a: Attempt) -> dict[str, str]:
         "end": datetime.fromtimestamp(a.end, tz=timezone.utc).strftime(fmt),
         "exit": a.exit_reason,
         "devices": str(a.world_size),
+        "device": a.device or "",
         "last_step": "" if a.last_step is None else str(a.last_step),
         "device_s": f"{a.device_seconds:,.1f}",
         "startup_s": f"{a.startup_seconds:,.1f}",

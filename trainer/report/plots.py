@@ -322,10 +322,32 @@ def throughput(run: RunData) -> bytes:
     return _png(fig)
 
 
+def optimizer(run: RunData) -> bytes:
+    """The learning rate the schedule gave each step, and the gradient norm before clipping."""
+    fig = Figure(figsize=(11, 3.2), layout="constrained")
+    ax_lr, ax_norm = fig.subplots(1, 2, sharex=True)
+    rows = run.train_rows
+    ax_lr.plot(*_per_attempt(run, rows, "step", "lr"), ".-", color=COLORS["train"], markersize=3)
+    ax_lr.set_title("learning rate", fontsize=10)
+    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    x, y = _per_attempt(run, rows, "step", "grad_norm")
+    ax_norm.plot(x, y, ".-", color=COLORS["eval"], markersize=3, label="grad norm (before clipping)")
+    clip = run.config.train.max_grad_norm if run.config is not None else None
+    if clip and x:
+        ax_norm.axhline(clip, color="#666", lw=1, ls="--", label=f"clipped to {clip:g} (train.max_grad_norm)")
+    ax_norm.set_title("gradient norm", fontsize=10)
+    ax_norm.legend(fontsize=8)
+    for ax in (ax_lr, ax_norm):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    return _png(fig)
+
+
 FIGURES = {
     "timeline.png": (timeline, "Timeline: processes, steps and cost on one clock"),
     "hours.png": (hours, "Where the paid device time went, per attempt"),
     "loss.png": (loss, "Loss against step and against GPU-hours"),
+    "optimizer.png": (optimizer, "Learning rate and gradient norm against step"),
     "throughput.png": (throughput, "Throughput, MFU, data stall and memory"),
 }
 """File name -> (drawing function, caption), in page order."""

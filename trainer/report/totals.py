@@ -46,6 +46,10 @@ class Totals:
     restart_cost: float | None
     redone_steps: int
     heartbeat_age_s: float | None
+    eta_s: float | None = None
+    """A live run's remaining steps at its latest attempt's mean step time (pauses for saves not counted)."""
+    projected_cost: float | None = None
+    """The meter's projected total cost in the latest metrics row (cost so far + the remaining steps)."""
 
 
 def redone_by_attempt(run: RunData) -> dict[int, list[int]]:
@@ -134,7 +138,23 @@ def totals(run: RunData) -> Totals:
         restart_cost=sum(s * (p or 0.0) for s, p in zip(restart_s, prices, strict=True)) if priced else None,
         redone_steps=sum(len(v) for v in redone_by_attempt(run).values()),
         heartbeat_age_s=time.time() - run.heartbeat_time if run.heartbeat_time is not None else None,
+        eta_s=_eta(run, last, int(last_row["step"]) if last_row else None),
+        projected_cost=_last(run.train_rows, "projected_cost") if last is not None and last.running else None,
     )
+
+
+def _eta(run: RunData, last: Attempt | None, step: int | None) -> float | None:
+    """Seconds to the last step for a run still training, at its latest attempt's step time."""
+    if last is None or not last.running or run.total_steps is None or step is None:
+        return None
+    times = [
+        float(r["step_time_s"])
+        for r in run.train_rows
+        if finite(r.get("step_time_s")) and attempt_of(run.attempts, r) is last
+    ]
+    if not times:
+        return None
+    return max(0, run.total_steps - step) * sum(times) / len(times)
 
 
 def headline(t: Totals) -> str:

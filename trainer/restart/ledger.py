@@ -133,6 +133,8 @@ class Ledger:
         self.closed: dict[str, Any] | None = None
         self.phases: dict[str, float] = dict(phases or {})
         self.data_reused: bool | None = None
+        self.device: str | None = None
+        """What the attempt ran on (`NVIDIA H100 80GB HBM3`, `cpu`), for the report's header."""
         self.ending: str | None = None
         """The exit reason once the attempt is winding down (report, upload flush) but not closed."""
         self._beat_time: float | None = None
@@ -257,6 +259,7 @@ class Ledger:
             "price_per_hour": self.price_per_hour,
             "phases": self.phases,
             "data_reused": self.data_reused,
+            "device": self.device,
             "ending": self.ending,
         }
 
@@ -290,6 +293,8 @@ def row_from_progress(p: dict[str, Any], end: float, keep_all: bool) -> dict[str
         row["phases"] = {k: round(v, 4) for k, v in p["phases"].items()}
     if p.get("data_reused") is not None:
         row["data_reused"] = p["data_reused"]
+    if p.get("device"):
+        row["device"] = p["device"]
     return row
 
 

@@ -93,6 +93,7 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
         )
         books.ledger.phases["imports"] += entered - books.ledger.start  # interpreter, CLI and config before train()
         books.ledger.data_reused = bool(prepared.reused)
+        books.ledger.device = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         for note in [*notes, *proc.sharding.notes, *auto_notes, *resume_notes, *sched.notes]:
             books.console.message(f"spotune: {note}")
         saver = _saver(cfg, proc, sched, model, optimizer, books)
