@@ -64,6 +64,8 @@ class Sampling:
     """0 means greedy decoding."""
     top_p: float = 0.95
     seed: int | None = None
+    min_new_tokens: int = 0
+    """End-of-turn is not allowed before this many tokens (a barely trained adapter may stop at once)."""
 
 
 @dataclass
@@ -177,6 +179,7 @@ class Chat:
             self.model.generate(
                 **{k: v.to(self.device) for k, v in enc.items()},
                 max_new_tokens=sampling.max_new_tokens,
+                min_new_tokens=sampling.min_new_tokens or None,
                 do_sample=sample,
                 temperature=sampling.temperature if sample else None,
                 top_p=sampling.top_p if sample else None,

@@ -14,6 +14,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", help="answer this one message, print the reply and exit (for scripts)")
     p.add_argument("--system", help="a system message at the start of the conversation")
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest reply, in tokens (default 256)")
+    p.add_argument("--min-new-tokens", type=int, default=0, help="no end of turn before this many tokens (default 0)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0 is greedy (default 0.7)")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
     p.add_argument("--seed", type=int, help="seed the sampler, for a reply that repeats")
@@ -32,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.min_new_tokens)
     return chat(
         args.path,
         prompt=args.prompt,
