@@ -1,5 +1,5 @@
-"""`auto` memory settings: micro-batch size, gradient checkpointing and activation offloading
-chosen from the memory estimate (trainer/plan/memory.py) and the device in hand.
+"""`auto` memory settings: micro-batch size, gradient checkpointing, activation offloading and
+MLP tiling chosen from the memory estimate (trainer/plan/memory.py) and the device in hand.
 
 `choose` is a pure function: candidates, the estimate of each, the device's free bytes and a
 stated headroom in; the fastest candidate that fits and a sentence saying why out. Fastest,
@@ -7,7 +7,8 @@ in this order, each step costing more time than the next one gains:
 1. no gradient checkpointing (recomputing every layer adds a forward: about a third more compute);
 2. no activation offloading (its copies overlap the compute but still share memory bandwidth,
    and a layer's backward waits when a copy is late);
-3. the largest micro-batch (fewer, larger kernel launches), among the sizes that split the
+3. no MLP tiling (`model.tiled_mlp`: one more MLP forward per layer in the backward);
+4. the largest micro-batch (fewer, larger kernel launches), among the sizes that split the
    rows per device evenly, so no micro-batch runs part-empty.
 The global batch never changes: accumulation absorbs the micro-batch (config.batch_split), so
 the result and a resume do not depend on the GPU. Nothing is tried and retried: when even the
@@ -40,11 +41,13 @@ class Setting:
     micro_batch_size: int
     gradient_checkpointing: bool
     activation_offload: bool
+    tiled_mlp: bool = False
 
     def describe(self) -> str:
         return (
             f"micro_batch_size={self.micro_batch_size}, gradient_checkpointing="
             f"{str(self.gradient_checkpointing).lower()}, activation_offload={'on' if self.activation_offload else 'off'}"
+            + (", tiled_mlp=on" if self.tiled_mlp else "")
         )
 
 
@@ -58,7 +61,9 @@ class Choice:
     reason: str
 
 
-def candidates(micro: int | str, checkpointing: bool | str, offload: str, rows_per_device: int) -> list[Setting]:
+def candidates(
+    micro: int | str, checkpointing: bool | str, offload: str, rows_per_device: int, tiled: str = "off"
+) -> list[Setting]:
     """Every setting the recipe allows, fastest first (see the module docstring)."""
     micros = (
         [m for m in range(min(rows_per_device, MAX_MICRO_BATCH), 0, -1) if rows_per_device % m == 0]
@@ -67,12 +72,13 @@ def candidates(micro: int | str, checkpointing: bool | str, offload: str, rows_p
     )
     ckpts = [False, True] if checkpointing == "auto" else [bool(checkpointing)]
     offloads = {"auto": [False, True], "on": [True], "off": [False]}[offload]
+    tilings = {"auto": [False, True], "on": [True], "off": [False]}[tiled]
     out = []
     for ckpt in ckpts:
         for off in offloads:
             if off and not ckpt and checkpointing == "auto":
                 continue  # `auto` offloads the checkpointed layer inputs, what it was made for
-            out += [Setting(m, ckpt, off) for m in micros]
+            out += [Setting(m, ckpt, off, tile) for tile in tilings for m in micros]
     return out
 
 
@@ -113,6 +119,7 @@ def estimate(cfg: Any, shape: Any, s: Setting, shards: int = 1) -> MemoryEstimat
         cfg.model,
         gradient_checkpointing=s.gradient_checkpointing,
         activation_offload="on" if s.activation_offload else "off",
+        tiled_mlp="on" if s.tiled_mlp else "off",
     )
     t = dataclasses.replace(cfg.train, micro_batch_size=s.micro_batch_size)
     job = Job(m.name_or_path, shape, "", m, cfg.adapter, t, cfg.checkpoint, cfg.data.seq_len)
@@ -125,10 +132,10 @@ def resolve(
     """`cfg` (a RunConfig) with its `auto` memory settings replaced by the choice, and the
     lines to log; unchanged, with no lines, when nothing is `auto`."""
     m, t = cfg.model, cfg.train
-    if "auto" not in (t.micro_batch_size, m.gradient_checkpointing, m.activation_offload):
+    if "auto" not in (t.micro_batch_size, m.gradient_checkpointing, m.activation_offload, m.tiled_mlp):
         return cfg, [OFFLOAD_ON] if m.activation_offload == "on" else []
     rows = -(-(t.global_batch_size or 1) // world) if t.micro_batch_size == "auto" else 1
-    settings = candidates(t.micro_batch_size, m.gradient_checkpointing, m.activation_offload, rows)
+    settings = candidates(t.micro_batch_size, m.gradient_checkpointing, m.activation_offload, rows, m.tiled_mlp)
 
     choice = choose(settings, lambda s: estimate(cfg, shape, s, shards), free_bytes, device_bytes)
     s = choice.setting
@@ -137,6 +144,7 @@ def resolve(
             "train.micro_batch_size": s.micro_batch_size,
             "model.gradient_checkpointing": s.gradient_checkpointing,
             "model.activation_offload": "on" if s.activation_offload else "off",
+            "model.tiled_mlp": "on" if s.tiled_mlp else "off",
         }
     )
     lines = [f"auto memory settings: {choice.reason}"]
@@ -152,7 +160,7 @@ def resolve_for_device(cfg: Any, name_or_path: str, device: Any, world: int, fsd
     """`resolve` with the model's shape read from its config and the memory of `device`: free
     and total CUDA memory (torch.cuda.mem_get_info), or available and total host memory on CPU."""
     m, t = cfg.model, cfg.train
-    if "auto" not in (t.micro_batch_size, m.gradient_checkpointing, m.activation_offload):
+    if "auto" not in (t.micro_batch_size, m.gradient_checkpointing, m.activation_offload, m.tiled_mlp):
         return cfg, []
     import os
 
@@ -180,7 +188,9 @@ def out_of_memory_figures(cfg: Any, hf_config: Any, accelerator: Any) -> dict[st
 
     device, m, t = accelerator.device, cfg.model, cfg.train
     cuda = device.type == "cuda"
-    setting = Setting(int(t.micro_batch_size), bool(m.gradient_checkpointing), m.activation_offload == "on")
+    setting = Setting(
+        int(t.micro_batch_size), bool(m.gradient_checkpointing), m.activation_offload == "on", m.tiled_mlp == "on"
+    )
     predicted = None
     try:
         shards = accelerator.num_processes if t.distributed == "fsdp" else 1
