@@ -32,7 +32,6 @@ so parameter names, peft's adapter files and checkpoints are the same tiled or n
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -57,11 +56,11 @@ class TiledMLPFunction(torch.autograd.Function):
         flat = x.reshape(-1, x.size(-1))
         out: torch.Tensor | None = None
         with torch.no_grad():
-            for start in range(0, flat.size(0), tile):
-                y = mlp(flat[start : start + tile].unsqueeze(0)).squeeze(0)
+            for start, stop in spans(flat.size(0), tile):
+                y = mlp(flat[start:stop].unsqueeze(0)).squeeze(0)
                 if out is None:
                     out = y.new_empty(flat.size(0), y.size(-1))
-                out[start : start + y.size(0)] = y
+                out[start:stop] = y
         assert out is not None, "an MLP tile over zero tokens"
         return out.view(*x.shape[:-1], out.size(-1))
 
@@ -76,14 +75,14 @@ class TiledMLPFunction(torch.autograd.Function):
         grad_x = torch.empty_like(flat) if need_x else None
         sums: list[torch.Tensor | None] = [None] * len(wanted)
         with ctx.rng.restored(), torch.enable_grad(), torch.autocast(**ctx.autocast):
-            for start in range(0, flat.size(0), tile):
-                xt = flat[start : start + tile].unsqueeze(0).detach().requires_grad_(need_x)
+            for start, stop in spans(flat.size(0), tile):
+                xt = flat[start:stop].unsqueeze(0).detach().requires_grad_(need_x)
                 yt = mlp(xt).squeeze(0)
                 inputs = ([xt] if need_x else []) + wanted
-                got = torch.autograd.grad(yt, inputs, grads[start : start + yt.size(0)], allow_unused=True)
+                got = torch.autograd.grad(yt, inputs, grads[start:stop], allow_unused=True)
                 if need_x:
                     assert grad_x is not None
-                    grad_x[start : start + yt.size(0)] = got[0].squeeze(0)
+                    grad_x[start:stop] = got[0].squeeze(0)
                     got = got[1:]
                 for k, g in enumerate(got):
                     before = sums[k]
@@ -136,9 +135,9 @@ def apply(layers: torch.nn.ModuleList, tile: int) -> int:
     return wrapped
 
 
-def tiles(tokens: int, tile: int) -> int:
-    """How many tiles `tokens` are cut into."""
-    return max(1, math.ceil(tokens / tile))
+def spans(tokens: int, tile: int) -> list[tuple[int, int]]:
+    """The [start, stop) rows of each tile: consecutive, none overlapping, the last one shorter."""
+    return [(start, min(start + tile, tokens)) for start in range(0, tokens, tile)]
 
 
 def _autocast_state(device_type: str) -> dict[str, Any]:

@@ -64,6 +64,7 @@ class Job:
             offload=sharded and self.train.fsdp_cpu_offload,
             tiled_mlp=self.model.tiled_mlp != "off",
             mlp_tile_tokens=self.model.tiled_mlp_tokens,
+            attention_output_copy=self.model.attn_implementation not in ("flash_attention_2", "flash_attention_3"),
         )
 
     def fsdp_devices(self, memory_gib: float) -> int | None:

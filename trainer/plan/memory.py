@@ -12,11 +12,14 @@ What is resident at the step's peak, each term named (`MemoryEstimate`):
 Per-layer saved activations (llama-style block, elements per token, `a` = bytes of the
 compute dtype), counted from what autograd keeps for backward:
 
-* two RMSNorms: each keeps an fp32 copy of its input and its normalised output: 2*(4h + a*h) bytes;
+* two RMSNorms: each keeps an fp32 copy of its input, its fp32 inverse RMS and its normalised
+  output: 2*(4h + 4 + a*h) bytes;
 * attention (flash/memory-efficient kernels, no seq x seq matrix): rotated q, k, v, the
-  kernel output and its contiguous copy fed to o_proj: a*(2*q + 2*kv) + a*q, plus the fp32
+  kernel output, and (`attention_output_copy`: kernels that return [heads, tokens] order, sdpa
+  and the varlen path) its contiguous copy fed to o_proj: a*(2*q + 2*kv) [+ a*q], plus the fp32
   log-sum-exp per head; eager attention also keeps scores and probabilities, 2*a*heads*seq;
-* gated MLP: gate, silu(gate), up and their product: 4*a*i;
+* gated MLP: gate, silu(gate), up and their product: 4*a*i; with `tiled_mlp` only its input,
+  which the post-attention norm's output term already counts (trainer/model/tiling.py);
 * LoRA, per adapted linear: the A output (a*r); with dropout > 0 also the dropped copy of
   the input and its mask: in*(a + 1). (peft applies dropout separately per adapter, which
   is why dropout costs so much memory.)
@@ -34,8 +37,14 @@ own loss (`fused_head=False`) holds every logit and its gradient, often the larg
 labelled positions reach the head (`head_tokens`); the default assumes every position does,
 which keeps the estimate on the safe side for prompt-masked data.
 
-Backward temporaries: one layer's gradients of the MLP's gate and up outputs and of its input
-and output, plus (NF4/int8) the largest weight dequantised. The head's working set is gone when
+Not counted: the rotary cos/sin tables (2*a*head_dim per token, shared by every layer).
+tests/test_tiling_memory.py checks these terms against what autograd saves for a real-shaped
+Llama-3.1-8B layer on the meta device (exact, with a flash kernel's layout), with and without
+checkpointing and MLP tiling.
+
+Backward temporaries: one layer's gradients of the MLP's gate and up outputs (tiled: of one
+tile, with that tile's recomputed activations) and of its input and output, plus (NF4/int8) the
+largest weight dequantised. The head's working set is gone when
 a layer's backward runs, so the term is what the layer needs beyond it: the peak is the larger.
 
 Calibration, each against a measurement kept with the code:
@@ -81,6 +90,9 @@ HEAD_TILE_TOKENS = 1 << 15
 MLP_TILE_TOKENS = 8192
 # The block linears inside the MLP (what `model.tiled_mlp` computes in tiles), by ModelShape.linears name.
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj", "c_fc", "mlp.c_proj")
+# fp32 [tokens x hidden] temporaries an RMSNorm's backward holds at its peak (HF's LlamaRMSNorm
+# through autograd): the live-bytes trace of a Llama-3.1-8B layer on meta, tests/test_tiling_memory.py.
+NORM_BACKWARD_FP32 = 4
 # CUDA context and cuBLAS workspace, outside the caching allocator (not in max_memory_reserved).
 CUDA_OVERHEAD_BYTES = 1.0 * GIB
 # The caching allocator's headroom over what is allocated, as a share of the per-step memory
@@ -191,6 +203,7 @@ def layer_activation_bytes_per_token(
     lora_dropout: bool,
     eager_attention_seq: int = 0,
     tiled_mlp: bool = False,
+    attention_output_copy: bool = True,
 ) -> float:
     """Bytes autograd keeps per token for one block (see the module docstring).
 
@@ -200,8 +213,9 @@ def layer_activation_bytes_per_token(
     counted in `norms`; its activations are a backward temporary of one tile instead."""
     h = shape.hidden
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    norms = 2 * (4 * h + a * h)
-    attention = a * (2 * q + 2 * kv) + a * q + 4 * shape.heads + 2 * a * shape.heads * eager_attention_seq
+    norms = 2 * (4 * h + 4 + a * h)
+    copy = a * q if attention_output_copy else 0
+    attention = a * (2 * q + 2 * kv) + copy + 4 * shape.heads + 2 * a * shape.heads * eager_attention_seq
     lora = sum(
         _lora_bytes(a, r, fan_in, lora_dropout)
         for name, fan_in, _ in adapted_linears(shape, targets)
@@ -267,6 +281,15 @@ def backward_workspace_bytes(
     return temporaries + dequantised
 
 
+def norm_backward_bytes(shape: ModelShape, a: int, tokens: int) -> float:
+    """The layer's backward while its post-attention RMSNorm runs its backward: the gradients of the
+    layer's input and output (a*2h per token) and the norm's own temporaries, `NORM_BACKWARD_FP32`
+    fp32 [tokens x hidden] tensors at once (autograd's pow / mean / mul chain in fp32). gpt2's
+    LayerNorm backward is one kernel with no such temporaries."""
+    fp32 = NORM_BACKWARD_FP32 * 4 * shape.hidden if shape.arch == "llama" else 0
+    return float((a * 2 * shape.hidden + fp32) * tokens)
+
+
 def estimate_memory(
     shape: ModelShape,
     *,
@@ -290,6 +313,7 @@ def estimate_memory(
     head_tokens: int | None = None,
     tiled_mlp: bool = False,
     mlp_tile_tokens: int = MLP_TILE_TOKENS,
+    attention_output_copy: bool = True,
 ) -> MemoryEstimate:
     """Peak bytes per GPU for one optimizer step (adapter kept in fp32, as peft does by default);
     `shards`/`offload`: FSDP over that many devices, the frozen base offloaded to CPU;
@@ -297,7 +321,7 @@ def estimate_memory(
     (trainer/model/offload.py); `fused_head`: spotune's fused head and loss (False: the model's own);
     `head_tokens`: positions that reach the head (default: all, the safe side for SFT data);
     `tiled_mlp`: every MLP in tiles of `mlp_tile_tokens` (trainer/model/tiling.py; one tile or less
-    runs the plain module)."""
+    runs the plain module); `attention_output_copy`: see the module docstring (False for flash-attn)."""
     if shards < 1:
         raise ValueError(f"shards must be at least 1, got {shards}")
     a = _DTYPE_BYTES[compute_dtype]
@@ -305,7 +329,10 @@ def estimate_memory(
     tiled = tiled_mlp and tokens > mlp_tile_tokens
     eager_seq = seq_len if eager_attention else 0
     per_layer = (
-        layer_activation_bytes_per_token(shape, a, lora_r, target_modules, lora_dropout, eager_seq, tiled) * tokens
+        layer_activation_bytes_per_token(
+            shape, a, lora_r, target_modules, lora_dropout, eager_seq, tiled, attention_output_copy
+        )
+        * tokens
     )
     layer_input = a * shape.hidden * tokens
     embed_out = layer_input  # the embedding output (first layer's input)
@@ -328,6 +355,10 @@ def estimate_memory(
     layer_backward = backward_workspace_bytes(
         shape, a, tokens, weight_format, (mlp_tile_tokens, mlp_per_token) if tiled else None
     )
+    # The post-attention norm's backward comes after the MLP's, whose saved tensors are gone by then
+    # (tiled: there were none): with the MLP's temporaries bounded by a tile, it is the layer's peak.
+    norm_phase = norm_backward_bytes(shape, a, tokens) - (0.0 if tiled else mlp_per_token * tokens)
+    layer_backward = max(layer_backward, norm_phase)
     if gradient_checkpointing:
         layer_backward += per_layer  # the layer being recomputed holds all its activations
     # The head's working set is gone by the time a layer runs its backward: the peak takes the
