@@ -21,9 +21,10 @@ import transformers
 
 from trainer import config
 from trainer.config import AdapterConfig, ConfigError, ModelConfig
-from trainer.model import tiling
+from trainer.model import flops, tiling
 from trainer.model.load import build, enable_activation_checkpointing
 
+REPO = Path(__file__).resolve().parents[1]
 SEQ, TILE = 200, 48  # four full tiles and a short last one
 
 
@@ -158,3 +159,27 @@ def test_build_tiles_every_layer_on_request(tiny_llama: Path) -> None:
         tiling.TiledMLP(layers[0].mlp.inner, 0)
     with pytest.raises(ConfigError, match="model.tiled_mlp_tokens: must be at least 1, got 0"):
         config.RunConfig().replace(**{"model.tiled_mlp_tokens": 0})
+
+
+@pytest.mark.parametrize("seq, tiled", [(100_000, "off"), (300_000, "on")])
+def test_auto_tiles_only_when_the_estimate_needs_it(seq: int, tiled: str) -> None:
+    """`model.tiled_mlp: auto` (trainer/training/autofit.py): untiled is tried first (no extra MLP
+    forward); tiling is chosen where only it fits an 80 GB H100 (8B QLoRA r32, one row)."""
+    from trainer.training import autofit
+
+    shape = flops.model_shape(transformers.LlamaConfig.from_pretrained(REPO / "benchmarks/configs/llama-3.1-8b.json"))
+    cfg = config.RunConfig().replace(
+        **{
+            "model.gradient_checkpointing": True,
+            "model.activation_offload": "on",
+            "model.tiled_mlp": "auto",
+            "adapter.method": "qlora",
+            "adapter.r": 32,
+            "adapter.dropout": 0.0,
+            "data.seq_len": seq,
+        }
+    )
+    device = 79.1 * 1024**3
+    resolved, lines = autofit.resolve(cfg, shape, device, device, world=1)
+    assert resolved.model.tiled_mlp == tiled
+    assert ("tiled_mlp=on" in lines[0]) == (tiled == "on"), lines

@@ -290,6 +290,36 @@ def norm_backward_bytes(shape: ModelShape, a: int, tokens: int) -> float:
     return float((a * 2 * shape.hidden + fp32) * tokens)
 
 
+def _saved(shape: ModelShape, a: int, tokens: int, saved_per_layer: float, offload: bool) -> tuple[float, float, float]:
+    """(on the device, on the host, the final norm's part that comes back after the head's).
+
+    Every layer's saved tensors, the embedding output and the final norm's fp32 input and output.
+    The offloader packs everything the decoder body saves, outside its layers too: the final
+    norm's input goes to the host in the forward and comes back for the norm's own backward, right
+    after the head's (so it joins the head's phase, not the layers'); the embedding output is
+    layer 0's input, one of the offloaded layer inputs already."""
+    embed_out = a * shape.hidden * tokens  # the embedding output (first layer's input)
+    final_norm = (4 + a) * shape.hidden * tokens
+    if not offload:
+        return shape.layers * saved_per_layer + embed_out + final_norm, 0.0, 0.0
+    in_flight = min(2, shape.layers)  # the layer being used and the one being fetched
+    return in_flight * saved_per_layer, (shape.layers - in_flight) * saved_per_layer + final_norm, final_norm
+
+
+def _layer_backward(
+    shape: ModelShape, a: int, tokens: int, weight_format: WeightFormat, mlp_per_token: float, tile: int | None
+) -> float:
+    """One layer's backward temporaries at their largest: while the MLP runs its backward, or
+    after it, while the post-attention norm runs its own: the MLP's saved tensors are gone by then
+    (tiled: there were none), so with the MLP's temporaries bounded by a tile the norm's phase is
+    the layer's peak."""
+    mlp_phase = backward_workspace_bytes(
+        shape, a, tokens, weight_format, None if tile is None else (tile, mlp_per_token)
+    )
+    norm_phase = norm_backward_bytes(shape, a, tokens) - (0.0 if tile is not None else mlp_per_token * tokens)
+    return max(mlp_phase, norm_phase)
+
+
 def estimate_memory(
     shape: ModelShape,
     *,
@@ -334,31 +364,12 @@ def estimate_memory(
         )
         * tokens
     )
-    layer_input = a * shape.hidden * tokens
-    embed_out = layer_input  # the embedding output (first layer's input)
-    final_norm = (4 + a) * shape.hidden * tokens
-    saved_per_layer = layer_input if gradient_checkpointing else per_layer
-    in_flight = min(2, shape.layers)  # with offloading: the layer being used and the one being fetched
-    kept_layers = in_flight if activation_offload else shape.layers
-    activations = kept_layers * saved_per_layer + embed_out + final_norm
-    offloaded = (shape.layers - kept_layers) * saved_per_layer
+    saved_per_layer = a * shape.hidden * tokens if gradient_checkpointing else per_layer
+    activations, offloaded, final_norm = _saved(shape, a, tokens, saved_per_layer, activation_offload)
     head = head_working_bytes(shape, a, tokens, tokens if head_tokens is None else head_tokens, fused_head)
-    if activation_offload:
-        # The offloader packs everything the decoder body saves outside its layers too: the final
-        # norm's fp32 input goes to the host in the forward and comes back for the norm's own
-        # backward, right after the head's (so it joins the head's phase, not the layers'); the
-        # embedding output is layer 0's input, one of the offloaded layer inputs already.
-        activations -= embed_out + final_norm
-        offloaded += final_norm
-        head += final_norm
+    head += final_norm  # offloaded: it comes back for the norm's own backward, right after the head's
     mlp_per_token = mlp_activation_bytes_per_token(shape, a, lora_r, target_modules, lora_dropout)
-    layer_backward = backward_workspace_bytes(
-        shape, a, tokens, weight_format, (mlp_tile_tokens, mlp_per_token) if tiled else None
-    )
-    # The post-attention norm's backward comes after the MLP's, whose saved tensors are gone by then
-    # (tiled: there were none): with the MLP's temporaries bounded by a tile, it is the layer's peak.
-    norm_phase = norm_backward_bytes(shape, a, tokens) - (0.0 if tiled else mlp_per_token * tokens)
-    layer_backward = max(layer_backward, norm_phase)
+    layer_backward = _layer_backward(shape, a, tokens, weight_format, mlp_per_token, mlp_tile_tokens if tiled else None)
     if gradient_checkpointing:
         layer_backward += per_layer  # the layer being recomputed holds all its activations
     # The head's working set is gone by the time a layer runs its backward: the peak takes the
