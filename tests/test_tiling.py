@@ -183,3 +183,11 @@ def test_auto_tiles_only_when_the_estimate_needs_it(seq: int, tiled: str) -> Non
     resolved, lines = autofit.resolve(cfg, shape, device, device, world=1)
     assert resolved.model.tiled_mlp == tiled
     assert ("tiled_mlp=on" in lines[0]) == (tiled == "on"), lines
+
+
+def test_the_estimate_reads_the_same_tile_sizes() -> None:
+    from trainer.model import loss
+    from trainer.plan import memory
+
+    assert memory.HEAD_TILE_TOKENS == loss.HEAD_TILE_TOKENS
+    assert memory.MLP_TILE_TOKENS == tiling.DEFAULT_TILE_TOKENS == ModelConfig().tiled_mlp_tokens
