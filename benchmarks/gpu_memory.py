@@ -12,10 +12,13 @@ allocator's headroom) beside torch.cuda.max_memory_allocated and max_memory_rese
 ratios (goal 0.90-1.10 on reserved), and tokens/s (the offloading rows' cost is the gap to the
 checkpointing rows above them). A row that runs out of memory says so and the table goes on.
 
-`--longest`: 8B QLoRA r32 all linear, checkpointing and activation offloading on, one row:
-the longest sequence (multiple of 1024) whose optimizer step runs on this GPU, found by
-bisection between what fits and what does not, beside the estimate's own longest.
-Published target: 342k tokens on one 80 GB GPU.
+`--longest`: 8B QLoRA r32 all linear, checkpointing, activation offloading and MLP tiling
+(`model.tiled_mlp`, trainer/model/tiling.py) on, one row: the longest sequence (multiple of
+1024) whose optimizer step runs on this GPU, found by bisection between what fits and what does
+not, beside the estimate's own longest (with the host memory offloading needs there, and the
+estimate without tiling), and the tokens/s the planner's assumed MFU gives at that length.
+`--no-tiling` searches without MLP tiling. Published: 342,733 tokens (Unsloth, 8B QLoRA) and
+500k (Arctic Long Sequence Training, 8B, one H100) on one 80 GB GPU.
 
 `--tiny` runs the same code on CPU with a tiny Llama (CI keeps it working; CPU has no caching
 allocator, so its measured columns are empty and its figures mean nothing).
@@ -48,15 +51,15 @@ from trainer.plan import memory  # noqa: E402
 from trainer.training.batches import to_device  # noqa: E402
 
 GIB = memory.GIB
-PUBLISHED_LONGEST = 342_000  # the issue's best published figure: 8B QLoRA on one 80 GB GPU
+PUBLISHED_LONGEST = 342_000  # the issue's best published 8B QLoRA figure on one 80 GB GPU (Unsloth: 342,733)
 MODES = [(False, False), (True, False), (True, True)]  # (gradient checkpointing, activation offloading)
 
 
-def estimate(path: Path, qlora: bool, r: int, seq: int, ckpt: bool, offload: bool, tiny: bool) -> memory.MemoryEstimate:
+def estimate(
+    path: Path, qlora: bool, r: int, seq: int, ckpt: bool, offload: bool, tiny: bool, tiled: bool = False
+) -> memory.MemoryEstimate:
     """What `spotune estimate` says for this step (every position counted as labelled)."""
-    from transformers import AutoConfig
-
-    shape = flops.model_shape(AutoConfig.from_pretrained(path))
+    shape = _shape(path)
     dtype = "float32" if tiny else "bfloat16"
     targets = AdapterConfig().target_modules
     return memory.estimate_memory(
@@ -72,16 +75,36 @@ def estimate(path: Path, qlora: bool, r: int, seq: int, ckpt: bool, offload: boo
         seq_len=seq,
         gradient_checkpointing=ckpt,
         activation_offload=offload,
+        tiled_mlp=tiled,
     )
 
 
-def load(path: Path, qlora: bool, r: int, ckpt: bool, offload: bool, tiny: bool) -> Any:
+def _shape(path: Path) -> flops.ModelShape:
+    from transformers import AutoConfig
+
+    return flops.model_shape(AutoConfig.from_pretrained(path))
+
+
+def assumed_tokens_per_s(path: Path, seq: int, r: int) -> float:
+    """Tokens/s of one H100 at the planner's assumed QLoRA MFU (trainer/plan/throughput.py), one
+    document filling the row: a guess (+/-30%) to set beside a measurement, not one."""
+    from trainer import catalog
+    from trainer.plan import throughput
+
+    shape, h100 = _shape(path), catalog.find_gpu("H100-SXM")
+    per_token = flops.train_flops(shape, seq, float(seq) ** 2, shape.matmul_params(), flops.lora_params(shape, r)) / seq
+    return h100.peak_bf16_flops * throughput.DEFAULT_MFU["qlora"] / per_token
+
+
+def load(path: Path, qlora: bool, r: int, ckpt: bool, offload: bool, tiny: bool, tiled: bool = False) -> Any:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model_cfg = ModelConfig(
         name_or_path=str(path),
         dtype="float32" if tiny else "bfloat16",
         gradient_checkpointing=ckpt,
         activation_offload="on" if offload else "off",
+        tiled_mlp="on" if tiled else "off",
+        tiled_mlp_tokens=16 if tiny else 8192,
     )
     adapter = AdapterConfig(
         method="qlora" if qlora and device.type == "cuda" else "lora", r=r, alpha=2 * r, dropout=0.0
@@ -161,20 +184,40 @@ def memory_table(path: Path, args: argparse.Namespace, vocab: int) -> list[dict[
 
 def longest(path: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     """Bisection over sequence lengths (multiples of 1024) for 8B QLoRA r32, checkpointing + offloading."""
-    total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 64 * GIB
+    cuda = torch.cuda.is_available()
+    total = torch.cuda.get_device_properties(0).total_memory if cuda else args.memory_gib * GIB
     unit = 64 if args.tiny else 1024
 
-    def estimated_fits(seq: int) -> bool:
-        return estimate(path, True, 32, seq, True, True, args.tiny).total <= total
+    tiled = not args.no_tiling
 
-    lo, hi = unit, unit
-    while estimated_fits(hi) and hi < (1 << 24):
-        lo, hi = hi, hi * 2
-    while hi - lo > unit:
-        mid = (lo + hi) // 2 // unit * unit
-        lo, hi = (mid, hi) if estimated_fits(mid) else (lo, mid)
-    predicted = lo
-    model = load(path, True, 32, True, True, args.tiny)
+    def estimated_longest(tiling: bool) -> int:
+        def fits(seq: int) -> bool:
+            return estimate(path, True, 32, seq, True, True, args.tiny, tiling).total <= total
+
+        lo, hi = unit, unit
+        while fits(hi) and hi < (1 << 24):
+            lo, hi = hi, hi * 2
+        while hi - lo > unit:
+            mid = (lo + hi) // 2 // unit * unit
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    predicted = estimated_longest(tiled)
+    at_predicted = estimate(path, True, 32, predicted, True, True, args.tiny, tiled)
+    found: dict[str, Any] = {
+        "measured_longest": None,
+        "estimated_longest": predicted,
+        "tiled_mlp": tiled,
+        "estimated_longest_without_tiling": estimated_longest(False) if tiled else predicted,
+        "estimated_host_gib": at_predicted.offloaded / GIB,
+        "estimate_gib": at_predicted.as_gib(),
+        "assumed_h100_tokens_per_s": assumed_tokens_per_s(path, predicted, 32),
+        "published_target": PUBLISHED_LONGEST,
+        "device_memory_gib": total / GIB,
+    }
+    if args.estimate_only:
+        return found
+    model = load(path, True, 32, True, True, args.tiny, tiled)
     tried: list[dict[str, Any]] = []
 
     def fits(seq: int) -> bool:
@@ -202,13 +245,7 @@ def longest(path: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
         if mid <= good:
             break
         good, bad = (mid, bad) if fits(mid) else (good, mid)
-    return {
-        "measured_longest": good,
-        "estimated_longest": predicted,
-        "published_target": PUBLISHED_LONGEST,
-        "device_memory_gib": total / GIB,
-        "tried": tried,
-    }
+    return {**found, "measured_longest": good, "tried": tried}
 
 
 def fmt(v: Any, spec: str) -> str:
@@ -245,11 +282,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     ap.add_argument("--longest", action="store_true", help="search the longest sequence for 8B QLoRA r32 instead")
     ap.add_argument("--longest-cap", type=int, default=524_288, help="do not try sequences longer than this")
+    ap.add_argument("--no-tiling", action="store_true", help="--longest without MLP tiling (model.tiled_mlp=off)")
+    ap.add_argument(
+        "--estimate-only", action="store_true", help="--longest: the estimate's figures only (no model, runs on CPU)"
+    )
+    ap.add_argument(
+        "--memory-gib", type=float, default=79.1, help="device memory without CUDA (default: an 80 GB H100's 79.1 GiB)"
+    )
     args = ap.parse_args(argv)
     args.seqs = args.seqs or ([64, 128] if args.tiny else [2048, 4096])
     if args.tiny:
         args.longest_cap = min(args.longest_cap, 512)
-    if not args.tiny and not torch.cuda.is_available():
+    if not args.tiny and not torch.cuda.is_available() and not (args.longest and args.estimate_only):
         ap.error("no CUDA device: run on a GPU machine, or pass --tiny for the CPU smoke run")
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
@@ -257,14 +301,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
     }
     with tempfile.TemporaryDirectory() as tmp:
-        path = make_model(Path(tmp), args.tiny, CONFIGS / "llama-3.1-8b.json")
+        if args.estimate_only and not args.tiny:  # the shape is all the estimate reads
+            path = Path(tmp) / "model"
+            path.mkdir()
+            (path / "config.json").write_text((CONFIGS / "llama-3.1-8b.json").read_text())
+        else:
+            path = make_model(Path(tmp), args.tiny, CONFIGS / "llama-3.1-8b.json")
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
         if args.longest:
             result["longest"] = found = longest(path, args, vocab)
             print(
-                f"{result['device']}: longest 8B QLoRA r32 sequence (checkpointing + offloading, one row): "
-                f"measured {found['measured_longest']}, estimated {found['estimated_longest']}, "
-                f"published target {PUBLISHED_LONGEST}"
+                f"{result['device']}: longest 8B QLoRA r32 sequence (checkpointing + offloading"
+                f"{' + MLP tiling' if found['tiled_mlp'] else ''}, one row, {found['device_memory_gib']:.1f} GiB): "
+                f"measured {found['measured_longest']}, "
+                f"estimated {found['estimated_longest']} (without tiling {found['estimated_longest_without_tiling']}; "
+                f"host memory {found['estimated_host_gib']:.0f} GiB; assumed-MFU H100 tokens/s "
+                f"{found['assumed_h100_tokens_per_s']:.0f}), published target {PUBLISHED_LONGEST}"
             )
         else:
             print(f"{result['device']}  torch {torch.__version__}  (GiB; goal: estimate/reserved 0.90-1.10)")

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+GIB = 1024**3
 
 
 def _run(tmp_path: Path, *extra: str) -> tuple[dict, str]:
@@ -40,4 +41,19 @@ def test_longest_search_tiny_run(tmp_path: Path) -> None:
     found = result["longest"]
     assert found["measured_longest"] == 512  # the tiny run's cap
     assert found["estimated_longest"] > 512 and found["published_target"] == 342_000
-    assert "longest 8B QLoRA r32 sequence" in stdout
+    assert found["tiled_mlp"] and found["estimated_longest"] >= found["estimated_longest_without_tiling"]
+    assert found["estimated_host_gib"] > 0 and found["assumed_h100_tokens_per_s"] > 0
+    assert "longest 8B QLoRA r32 sequence" in stdout and "MLP tiling" in stdout
+
+
+def test_longest_estimate_of_the_8b_shape_on_cpu(tmp_path: Path) -> None:
+    """The estimate's figures for the real Llama-3.1-8B shape need no GPU (docs/long-context.md quotes them)."""
+    out = tmp_path / "longest.json"
+    cmd = [sys.executable, "benchmarks/gpu_memory.py", "--longest", "--estimate-only", "--json", str(out)]
+    done = subprocess.run(cmd, cwd=REPO, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(out.read_text())["longest"]
+    assert found["measured_longest"] is None and found["device_memory_gib"] == 79.1
+    assert found["estimated_longest"] == 413_696 and found["estimated_longest_without_tiling"] == 257_024
+    layers, hidden = 32, 4096  # offloaded: 30 layer inputs (bf16) + the final norm's input (fp32 + bf16)
+    assert found["estimated_host_gib"] * GIB == (layers - 2) * 2 * hidden * 413_696 + 6 * hidden * 413_696

@@ -160,6 +160,7 @@ def cross_checks(cfg: Sections) -> list[str]:
         "data.num_proc": cfg.data.num_proc,
         "metrics.log_every": cfg.metrics.log_every,
         "train.max_bad_steps": cfg.train.max_bad_steps,
+        "model.tiled_mlp_tokens": cfg.model.tiled_mlp_tokens,
     }
     for key, value in positive.items():
         if value < 1:

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedMod
 
 from trainer import progress as progress_lib
 from trainer.config import AdapterConfig, ConfigError, ModelConfig, TrainConfig
-from trainer.model import attention, lora_fused, offload
+from trainer.model import attention, lora_fused, offload, tiling
 from trainer.model.wrappers import causal_lm
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -245,6 +245,12 @@ def build(
         compute_adapters_in_autocast_dtype(model)
     if adapter_cfg.fused:  # before compile: the compiled layers trace the fused view
         lora_fused.fuse(model)
+    if model_cfg.tiled_mlp == "on":  # `auto` is resolved by trainer/training/autofit.py before build
+        layers = decoder_layers(model, "model.tiled_mlp", "set model.tiled_mlp=off")
+        if not tiling.apply(layers, model_cfg.tiled_mlp_tokens):
+            raise ConfigError(
+                [f"model.tiled_mlp: no decoder layer of {type(layers[0]).__name__} has an `mlp`; set it off"]
+            )
     if model_cfg.compile:
         compile_layers(model)
     if model_cfg.activation_offload == "on":

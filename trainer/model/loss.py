@@ -31,6 +31,15 @@ CHUNK_ELEMENTS = 1 << 25
 """Logits computed at once by the pure-torch fused loss: 32M fp32 values (128 MB, plus as much
 for their gradient): 261 tokens of Llama 3's 128k vocabulary, enough to keep the matmul large."""
 
+HEAD_TILE_TOKENS = 1 << 15
+"""Most head positions per call of Liger's fused loss. Liger sizes its logits chunk from the tokens
+it is given (tokens / ceil(vocab / hidden): 1/32 of them for Llama 3), so one call over a 512k-token
+row would hold 16k x 128k logits; called per tile of 32k tokens its chunk is at most 1,024 tokens
+(about 1.2 GiB with the softmax and gradient) whatever the sequence, which is why a constant tile
+bounds the working set and need not follow free memory: what still grows with the sequence is the
+hidden states' gradient (tokens x hidden), which the backward needs anyway. The pure-torch path's
+chunk (`CHUNK_ELEMENTS`) is constant already."""
+
 # Config attributes that change the logits after the head matmul; the fused head does not apply
 # them, so such models are refused instead of trained on a different function.
 _HEAD_QUIRKS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -107,7 +116,14 @@ def linear_cross_entropy(
     hidden = hidden.to(weight.dtype)
     if hidden.is_cuda and _liger() is not None and hidden.size(0) > 0:
         loss_fn = _liger()(ignore_index=IGNORE_INDEX, reduction="sum")
-        return loss_fn(weight, hidden, targets, bias).float()
+        tiles = range(0, hidden.size(0), HEAD_TILE_TOKENS)
+        return sum(
+            (
+                loss_fn(weight, hidden[s : s + HEAD_TILE_TOKENS], targets[s : s + HEAD_TILE_TOKENS], bias).float()
+                for s in tiles
+            ),
+            torch.zeros((), dtype=torch.float32, device=hidden.device),
+        )
     chunk = max(1, CHUNK_ELEMENTS // weight.size(0))
     return ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, chunk, torch.is_grad_enabled())
 

@@ -43,7 +43,7 @@ class Job:
     def memory(self, devices: int = 1, fsdp: bool | None = None) -> mem.MemoryEstimate:
         """Peak bytes per device on `devices` GPUs: sharded under FSDP (`fsdp`, default the
         recipe's `train.distributed`), a whole copy on each under DDP. An `auto` memory setting
-        counts as its most frugal choice (micro-batch 1, checkpointing and offloading on): whether
+        counts as its most frugal choice (micro-batch 1, checkpointing, offloading and MLP tiling on): whether
         the run fits at all (trainer/training/autofit.py picks the fastest that fits on the device)."""
         sharded = self.fsdp if fsdp is None else fsdp
         return mem.estimate_memory(
@@ -62,6 +62,9 @@ class Job:
             eager_attention=self.model.attn_implementation == "eager",
             shards=devices if sharded else 1,
             offload=sharded and self.train.fsdp_cpu_offload,
+            tiled_mlp=self.model.tiled_mlp != "off",
+            mlp_tile_tokens=self.model.tiled_mlp_tokens,
+            attention_output_copy=self.model.attn_implementation not in ("flash_attention_2", "flash_attention_3"),
         )
 
     def fsdp_devices(self, memory_gib: float) -> int | None:

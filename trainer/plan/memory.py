@@ -12,11 +12,14 @@ What is resident at the step's peak, each term named (`MemoryEstimate`):
 Per-layer saved activations (llama-style block, elements per token, `a` = bytes of the
 compute dtype), counted from what autograd keeps for backward:
 
-* two RMSNorms: each keeps an fp32 copy of its input and its normalised output: 2*(4h + a*h) bytes;
+* two RMSNorms: each keeps an fp32 copy of its input, its fp32 inverse RMS and its normalised
+  output: 2*(4h + 4 + a*h) bytes;
 * attention (flash/memory-efficient kernels, no seq x seq matrix): rotated q, k, v, the
-  kernel output and its contiguous copy fed to o_proj: a*(2*q + 2*kv) + a*q, plus the fp32
+  kernel output, and (`attention_output_copy`: kernels that return [heads, tokens] order, sdpa
+  and the varlen path) its contiguous copy fed to o_proj: a*(2*q + 2*kv) [+ a*q], plus the fp32
   log-sum-exp per head; eager attention also keeps scores and probabilities, 2*a*heads*seq;
-* gated MLP: gate, silu(gate), up and their product: 4*a*i;
+* gated MLP: gate, silu(gate), up and their product: 4*a*i; with `tiled_mlp` only its input,
+  which the post-attention norm's output term already counts (trainer/model/tiling.py);
 * LoRA, per adapted linear: the A output (a*r); with dropout > 0 also the dropped copy of
   the input and its mask: in*(a + 1). (peft applies dropout separately per adapter, which
   is why dropout costs so much memory.)
@@ -34,8 +37,14 @@ own loss (`fused_head=False`) holds every logit and its gradient, often the larg
 labelled positions reach the head (`head_tokens`); the default assumes every position does,
 which keeps the estimate on the safe side for prompt-masked data.
 
-Backward temporaries: one layer's gradients of the MLP's gate and up outputs and of its input
-and output, plus (NF4/int8) the largest weight dequantised. The head's working set is gone when
+Not counted: the rotary cos/sin tables (2*a*head_dim per token, shared by every layer).
+tests/test_tiling_memory.py checks these terms against what autograd saves for a real-shaped
+Llama-3.1-8B layer on the meta device (exact, with a flash kernel's layout), with and without
+checkpointing and MLP tiling.
+
+Backward temporaries: one layer's gradients of the MLP's gate and up outputs (tiled: of one
+tile, with that tile's recomputed activations) and of its input and output, plus (NF4/int8) the
+largest weight dequantised. The head's working set is gone when
 a layer's backward runs, so the term is what the layer needs beyond it: the peak is the larger.
 
 Calibration, each against a measurement kept with the code:
@@ -75,6 +84,15 @@ NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 INT8_BYTES = 1.0
 # trainer/model/loss.py's CHUNK_ELEMENTS (logits per chunk of the pure-torch fused loss); a test keeps them equal.
 CHUNK_ELEMENTS = 1 << 25
+# trainer/model/loss.py's HEAD_TILE_TOKENS (most head positions per fused-loss call); a test keeps them equal.
+HEAD_TILE_TOKENS = 1 << 15
+# trainer/model/tiling.py's DEFAULT_TILE_TOKENS (`model.tiled_mlp_tokens`' default).
+MLP_TILE_TOKENS = 8192
+# The block linears inside the MLP (what `model.tiled_mlp` computes in tiles), by ModelShape.linears name.
+MLP_LINEARS = ("gate_proj", "up_proj", "down_proj", "c_fc", "mlp.c_proj")
+# fp32 [tokens x hidden] temporaries an RMSNorm's backward holds at its peak (HF's LlamaRMSNorm
+# through autograd): the live-bytes trace of a Llama-3.1-8B layer on meta, tests/test_tiling_memory.py.
+NORM_BACKWARD_FP32 = 4
 # CUDA context and cuBLAS workspace, outside the caching allocator (not in max_memory_reserved).
 CUDA_OVERHEAD_BYTES = 1.0 * GIB
 # The caching allocator's headroom over what is allocated, as a share of the per-step memory
@@ -184,20 +202,47 @@ def layer_activation_bytes_per_token(
     targets: Sequence[str],
     lora_dropout: bool,
     eager_attention_seq: int = 0,
+    tiled_mlp: bool = False,
+    attention_output_copy: bool = True,
 ) -> float:
     """Bytes autograd keeps per token for one block (see the module docstring).
 
     `eager_attention_seq`: with eager attention, the sequence length whose scores and
-    softmax probabilities (heads x seq per token, each) are kept as well."""
-    h, i = shape.hidden, shape.intermediate
+    softmax probabilities (heads x seq per token, each) are kept as well. `tiled_mlp`: the MLP
+    keeps only its input (trainer/model/tiling.py), the post-attention norm's output already
+    counted in `norms`; its activations are a backward temporary of one tile instead."""
+    h = shape.hidden
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    norms = 2 * (4 * h + a * h)
-    attention = a * (2 * q + 2 * kv) + a * q + 4 * shape.heads + 2 * a * shape.heads * eager_attention_seq
-    mlp = (4 if shape.arch == "llama" else 3) * a * i
-    lora = 0.0
-    for _, fan_in, _ in adapted_linears(shape, targets):
-        lora += a * r + (fan_in * (a + 1) if lora_dropout else 0)
-    return norms + attention + mlp + lora
+    norms = 2 * (4 * h + 4 + a * h)
+    copy = a * q if attention_output_copy else 0
+    attention = a * (2 * q + 2 * kv) + copy + 4 * shape.heads + 2 * a * shape.heads * eager_attention_seq
+    lora = sum(
+        _lora_bytes(a, r, fan_in, lora_dropout)
+        for name, fan_in, _ in adapted_linears(shape, targets)
+        if not _in_mlp(name)
+    )
+    mlp = mlp_activation_bytes_per_token(shape, a, r, targets, lora_dropout)
+    return norms + attention + lora + (0.0 if tiled_mlp else mlp)
+
+
+def mlp_activation_bytes_per_token(
+    shape: ModelShape, a: int, r: int, targets: Sequence[str], lora_dropout: bool
+) -> float:
+    """What the MLP and its adapted linears keep per token: gate, silu(gate), up and their product
+    (gpt2: c_fc's output, GELU's input and output) and the LoRA terms of its linears."""
+    lora = sum(
+        _lora_bytes(a, r, fan_in, lora_dropout) for name, fan_in, _ in adapted_linears(shape, targets) if _in_mlp(name)
+    )
+    return (4 if shape.arch == "llama" else 3) * a * shape.intermediate + lora
+
+
+def _in_mlp(name: str) -> bool:
+    return name in MLP_LINEARS
+
+
+def _lora_bytes(a: int, r: int, fan_in: int, lora_dropout: bool) -> float:
+    """Per token, per adapted linear: the A output (a*r); with dropout its input's dropped copy and mask."""
+    return a * r + (fan_in * (a + 1) if lora_dropout else 0)
 
 
 def head_working_bytes(shape: ModelShape, a: int, tokens: int, head_tokens: int, fused: bool) -> float:
@@ -205,23 +250,74 @@ def head_working_bytes(shape: ModelShape, a: int, tokens: int, head_tokens: int,
 
     Fused (trainer/model/loss.py: Liger's kernel on CUDA, else the chunked torch version): one chunk's
     logits in the compute dtype, their fp32 softmax and gradient, at most max(Liger's chunk,
-    `loss.CHUNK_ELEMENTS / vocab`) tokens at once; the head's input gradient (head tokens x
+    `loss.CHUNK_ELEMENTS / vocab`) tokens at once, where Liger's chunk is its call's tokens over
+    ceil(vocab / hidden) and a call takes at most `HEAD_TILE_TOKENS` (so the chunk stops growing
+    with the sequence); the head's input gradient (head tokens x
     hidden) kept for backward, and its scatter back to every position. Unfused (a model's own
     loss): every logit in the compute dtype and fp32, and the fp32 gradient (plus its cast)."""
     if not fused:
         return tokens * shape.vocab * (a + 4) + tokens * shape.vocab * (4 + (a if a < 4 else 0))
-    liger = 1 << max(0, math.ceil(math.log2(max(1, math.ceil(head_tokens / math.ceil(shape.vocab / shape.hidden))))))
+    per_call = min(head_tokens, HEAD_TILE_TOKENS)
+    liger = 1 << max(0, math.ceil(math.log2(max(1, math.ceil(per_call / math.ceil(shape.vocab / shape.hidden))))))
     chunk = min(head_tokens, max(liger, CHUNK_ELEMENTS // shape.vocab))
     return chunk * shape.vocab * (a + 8) + (head_tokens + tokens) * shape.hidden * a
 
 
-def backward_workspace_bytes(shape: ModelShape, a: int, tokens: int, weight_format: WeightFormat) -> float:
+def backward_workspace_bytes(
+    shape: ModelShape, a: int, tokens: int, weight_format: WeightFormat, mlp_tile: tuple[int, float] | None = None
+) -> float:
     """One layer's backward temporaries: the gradients of the MLP's gate and up outputs and of
     the layer's input and output (a*(2i + 2h) per token), plus, for quantised linears, the
-    largest weight dequantised to the compute dtype (bitsandbytes does that in each backward)."""
-    temporaries = a * (2 * shape.intermediate + 2 * shape.hidden) * tokens
+    largest weight dequantised to the compute dtype (bitsandbytes does that in each backward).
+    `mlp_tile` (tile tokens, MLP activation bytes per token): the MLP in tiles, whose gate and up
+    gradients and recomputed activations exist for one tile at a time."""
+    temporaries = float(a * 2 * shape.hidden * tokens)
+    if mlp_tile is None:
+        temporaries += a * 2 * shape.intermediate * tokens
+    else:
+        tile, mlp_per_token = mlp_tile
+        temporaries += (a * 2 * shape.intermediate + mlp_per_token) * min(tile, tokens)
     dequantised = max(i * o for _, i, o in shape.linears()) * a if weight_format in ("nf4", "int8") else 0
     return temporaries + dequantised
+
+
+def norm_backward_bytes(shape: ModelShape, a: int, tokens: int) -> float:
+    """The layer's backward while its post-attention RMSNorm runs its backward: the gradients of the
+    layer's input and output (a*2h per token) and the norm's own temporaries, `NORM_BACKWARD_FP32`
+    fp32 [tokens x hidden] tensors at once (autograd's pow / mean / mul chain in fp32). gpt2's
+    LayerNorm backward is one kernel with no such temporaries."""
+    fp32 = NORM_BACKWARD_FP32 * 4 * shape.hidden if shape.arch == "llama" else 0
+    return float((a * 2 * shape.hidden + fp32) * tokens)
+
+
+def _saved(shape: ModelShape, a: int, tokens: int, saved_per_layer: float, offload: bool) -> tuple[float, float, float]:
+    """(on the device, on the host, the final norm's part that comes back after the head's).
+
+    Every layer's saved tensors, the embedding output and the final norm's fp32 input and output.
+    The offloader packs everything the decoder body saves, outside its layers too: the final
+    norm's input goes to the host in the forward and comes back for the norm's own backward, right
+    after the head's (so it joins the head's phase, not the layers'); the embedding output is
+    layer 0's input, one of the offloaded layer inputs already."""
+    embed_out = a * shape.hidden * tokens  # the embedding output (first layer's input)
+    final_norm = (4 + a) * shape.hidden * tokens
+    if not offload:
+        return shape.layers * saved_per_layer + embed_out + final_norm, 0.0, 0.0
+    in_flight = min(2, shape.layers)  # the layer being used and the one being fetched
+    return in_flight * saved_per_layer, (shape.layers - in_flight) * saved_per_layer + final_norm, final_norm
+
+
+def _layer_backward(
+    shape: ModelShape, a: int, tokens: int, weight_format: WeightFormat, mlp_per_token: float, tile: int | None
+) -> float:
+    """One layer's backward temporaries at their largest: while the MLP runs its backward, or
+    after it, while the post-attention norm runs its own: the MLP's saved tensors are gone by then
+    (tiled: there were none), so with the MLP's temporaries bounded by a tile the norm's phase is
+    the layer's peak."""
+    mlp_phase = backward_workspace_bytes(
+        shape, a, tokens, weight_format, None if tile is None else (tile, mlp_per_token)
+    )
+    norm_phase = norm_backward_bytes(shape, a, tokens) - (0.0 if tile is not None else mlp_per_token * tokens)
+    return max(mlp_phase, norm_phase)
 
 
 def estimate_memory(
@@ -245,32 +341,35 @@ def estimate_memory(
     activation_offload: bool = False,
     fused_head: bool = True,
     head_tokens: int | None = None,
+    tiled_mlp: bool = False,
+    mlp_tile_tokens: int = MLP_TILE_TOKENS,
+    attention_output_copy: bool = True,
 ) -> MemoryEstimate:
     """Peak bytes per GPU for one optimizer step (adapter kept in fp32, as peft does by default);
     `shards`/`offload`: FSDP over that many devices, the frozen base offloaded to CPU;
     `activation_offload`: saved decoder tensors in host memory, two layers' worth in flight
     (trainer/model/offload.py); `fused_head`: spotune's fused head and loss (False: the model's own);
-    `head_tokens`: positions that reach the head (default: all, the safe side for SFT data)."""
+    `head_tokens`: positions that reach the head (default: all, the safe side for SFT data);
+    `tiled_mlp`: every MLP in tiles of `mlp_tile_tokens` (trainer/model/tiling.py; one tile or less
+    runs the plain module); `attention_output_copy`: see the module docstring (False for flash-attn)."""
     if shards < 1:
         raise ValueError(f"shards must be at least 1, got {shards}")
     a = _DTYPE_BYTES[compute_dtype]
     tokens = micro_batch_size * seq_len
+    tiled = tiled_mlp and tokens > mlp_tile_tokens
+    eager_seq = seq_len if eager_attention else 0
     per_layer = (
         layer_activation_bytes_per_token(
-            shape, a, lora_r, target_modules, lora_dropout, eager_attention_seq=seq_len if eager_attention else 0
+            shape, a, lora_r, target_modules, lora_dropout, eager_seq, tiled, attention_output_copy
         )
         * tokens
     )
-    layer_input = a * shape.hidden * tokens
-    embed_out = layer_input  # the embedding output (first layer's input)
-    final_norm = (4 + a) * shape.hidden * tokens
-    saved_per_layer = layer_input if gradient_checkpointing else per_layer
-    in_flight = min(2, shape.layers)  # with offloading: the layer being used and the one being fetched
-    kept_layers = in_flight if activation_offload else shape.layers
-    activations = kept_layers * saved_per_layer + embed_out + final_norm
-    offloaded = (shape.layers - kept_layers) * saved_per_layer
+    saved_per_layer = a * shape.hidden * tokens if gradient_checkpointing else per_layer
+    activations, offloaded, final_norm = _saved(shape, a, tokens, saved_per_layer, activation_offload)
     head = head_working_bytes(shape, a, tokens, tokens if head_tokens is None else head_tokens, fused_head)
-    layer_backward = backward_workspace_bytes(shape, a, tokens, weight_format)
+    head += final_norm  # offloaded: it comes back for the norm's own backward, right after the head's
+    mlp_per_token = mlp_activation_bytes_per_token(shape, a, lora_r, target_modules, lora_dropout)
+    layer_backward = _layer_backward(shape, a, tokens, weight_format, mlp_per_token, mlp_tile_tokens if tiled else None)
     if gradient_checkpointing:
         layer_backward += per_layer  # the layer being recomputed holds all its activations
     # The head's working set is gone by the time a layer runs its backward: the peak takes the

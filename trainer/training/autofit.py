@@ -1,5 +1,5 @@
-"""`auto` memory settings: micro-batch size, gradient checkpointing and activation offloading
-chosen from the memory estimate (trainer/plan/memory.py) and the device in hand.
+"""`auto` memory settings: micro-batch size, gradient checkpointing, activation offloading and
+MLP tiling chosen from the memory estimate (trainer/plan/memory.py) and the device in hand.
 
 `choose` is a pure function: candidates, the estimate of each, the device's free bytes and a
 stated headroom in; the fastest candidate that fits and a sentence saying why out. Fastest,
@@ -7,7 +7,8 @@ in this order, each step costing more time than the next one gains:
 1. no gradient checkpointing (recomputing every layer adds a forward: about a third more compute);
 2. no activation offloading (its copies overlap the compute but still share memory bandwidth,
    and a layer's backward waits when a copy is late);
-3. the largest micro-batch (fewer, larger kernel launches), among the sizes that split the
+3. no MLP tiling (`model.tiled_mlp`: one more MLP forward per layer in the backward);
+4. the largest micro-batch (fewer, larger kernel launches), among the sizes that split the
    rows per device evenly, so no micro-batch runs part-empty.
 The global batch never changes: accumulation absorbs the micro-batch (config.batch_split), so
 the result and a resume do not depend on the GPU. When even the most frugal candidate does not
@@ -48,11 +49,13 @@ class Setting:
     micro_batch_size: int
     gradient_checkpointing: bool
     activation_offload: bool
+    tiled_mlp: bool = False
 
     def describe(self) -> str:
         return (
             f"micro_batch_size={self.micro_batch_size}, gradient_checkpointing="
             f"{str(self.gradient_checkpointing).lower()}, activation_offload={'on' if self.activation_offload else 'off'}"
+            + (", tiled_mlp=on" if self.tiled_mlp else "")
         )
 
 
@@ -66,7 +69,9 @@ class Choice:
     reason: str
 
 
-def candidates(micro: int | str, checkpointing: bool | str, offload: str, rows_per_device: int) -> list[Setting]:
+def candidates(
+    micro: int | str, checkpointing: bool | str, offload: str, rows_per_device: int, tiled: str = "off"
+) -> list[Setting]:
     """Every setting the recipe allows, fastest first (see the module docstring)."""
     micros = (
         [m for m in range(min(rows_per_device, MAX_MICRO_BATCH), 0, -1) if rows_per_device % m == 0]
@@ -75,12 +80,13 @@ def candidates(micro: int | str, checkpointing: bool | str, offload: str, rows_p
     )
     ckpts = [False, True] if checkpointing == "auto" else [bool(checkpointing)]
     offloads = {"auto": [False, True], "on": [True], "off": [False]}[offload]
+    tilings = {"auto": [False, True], "on": [True], "off": [False]}[tiled]
     out = []
     for ckpt in ckpts:
         for off in offloads:
             if off and not ckpt and checkpointing == "auto":
                 continue  # `auto` offloads the checkpointed layer inputs, what it was made for
-            out += [Setting(m, ckpt, off) for m in micros]
+            out += [Setting(m, ckpt, off, tile) for tile in tilings for m in micros]
     return out
 
 
@@ -121,6 +127,7 @@ def estimate(cfg: Any, shape: Any, s: Setting, shards: int = 1) -> MemoryEstimat
         cfg.model,
         gradient_checkpointing=s.gradient_checkpointing,
         activation_offload="on" if s.activation_offload else "off",
+        tiled_mlp="on" if s.tiled_mlp else "off",
     )
     t = dataclasses.replace(cfg.train, micro_batch_size=s.micro_batch_size)
     job = Job(m.name_or_path, shape, "", m, cfg.adapter, t, cfg.checkpoint, cfg.data.seq_len)
@@ -150,11 +157,12 @@ class Auto:
 def _settings(cfg: Any, world: int) -> list[Setting]:
     m, t = cfg.model, cfg.train
     rows = -(-(t.global_batch_size or 1) // world) if t.micro_batch_size == "auto" else 1
-    return candidates(t.micro_batch_size, m.gradient_checkpointing, m.activation_offload, rows)
+    return candidates(t.micro_batch_size, m.gradient_checkpointing, m.activation_offload, rows, m.tiled_mlp)
 
 
 def _is_auto(cfg: Any) -> bool:
-    return "auto" in (cfg.train.micro_batch_size, cfg.model.gradient_checkpointing, cfg.model.activation_offload)
+    m = cfg.model
+    return "auto" in (cfg.train.micro_batch_size, m.gradient_checkpointing, m.activation_offload, m.tiled_mlp)
 
 
 def resolve(
@@ -199,6 +207,7 @@ def resolve_auto(
             "train.micro_batch_size": s.micro_batch_size,
             "model.gradient_checkpointing": s.gradient_checkpointing,
             "model.activation_offload": "on" if s.activation_offload else "off",
+            "model.tiled_mlp": "on" if s.tiled_mlp else "off",
         }
     )
     lines.append(f"auto memory settings: {choice.reason}")
@@ -265,7 +274,10 @@ def read_ran_out(run_dir: Path) -> Setting | None:
     try:
         raw = json.loads((run_dir / RAN_OUT_FILE).read_text())
         return Setting(
-            int(raw["micro_batch_size"]), bool(raw["gradient_checkpointing"]), bool(raw["activation_offload"])
+            int(raw["micro_batch_size"]),
+            bool(raw["gradient_checkpointing"]),
+            bool(raw["activation_offload"]),
+            bool(raw.get("tiled_mlp", False)),  # written before MLP tiling existed: untiled
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -288,7 +300,9 @@ def out_of_memory_figures(cfg: Any, hf_config: Any, accelerator: Any) -> dict[st
 
     device, m, t = accelerator.device, cfg.model, cfg.train
     cuda = device.type == "cuda"
-    setting = Setting(int(t.micro_batch_size), bool(m.gradient_checkpointing), m.activation_offload == "on")
+    setting = Setting(
+        int(t.micro_batch_size), bool(m.gradient_checkpointing), m.activation_offload == "on", m.tiled_mlp == "on"
+    )
     predicted = None
     try:
         shards = accelerator.num_processes if t.distributed == "fsdp" else 1
