@@ -273,13 +273,19 @@ def _scaler_calibrating(accelerator: Any, loss_value: float) -> bool:
 
 
 def make_evaluator(
-    rows: Any, model: torch.nn.Module, accelerator: Any, micro_batch_size: int
+    rows: Any,
+    model: torch.nn.Module,
+    accelerator: Any,
+    micro_batch_size: int,
+    report: Callable[[float, float], None] | None = None,
 ) -> Callable[[], float] | None:
-    """Token-weighted mean loss over the held-out `rows` (collective: every rank runs its share)."""
+    """Token-weighted mean loss over the held-out `rows` (collective: every rank runs its share);
+    `report(loss, seconds)` is told each result and how long it took."""
     if len(rows) == 0:
         return None
 
     def evaluate() -> float:
+        started = time.monotonic()
         model.eval()
         total = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
         with torch.no_grad():
@@ -290,6 +296,9 @@ def make_evaluator(
                 total[0] += token_loss_sum(model, micro).double()
                 total[1] += count_trainable(micro["labels"])
         total = accelerator.reduce(total, reduction="sum")
-        return float(total[0] / total[1].clamp(min=1))
+        loss = float(total[0] / total[1].clamp(min=1))
+        if report is not None:
+            report(loss, time.monotonic() - started)
+        return loss
 
     return evaluate

@@ -311,9 +311,17 @@ def _train_steps(
         save_every_steps=cfg.checkpoint.every_steps,
         save_every_minutes=cfg.checkpoint.every_minutes,
     )
-    evaluate = (
-        _evaluator(cfg, prepared, model, proc.accelerator, books.telemetry, counters) if plan.eval_every else None
-    )
+    evaluate = None
+    if plan.eval_every:
+        from datasets import load_from_disk
+
+        evaluate = loop.make_evaluator(
+            load_from_disk(str(prepared.eval_path)),
+            model,
+            proc.accelerator,
+            int(t.micro_batch_size),
+            report=lambda loss, seconds: books.telemetry.evaluated(counters.step, loss, seconds),
+        )
     timeout = distributed.CollectiveTimeout(t.collective_timeout_seconds)
 
     def on_step(record: loop.StepRecord) -> None:
@@ -387,23 +395,3 @@ def _restore(resume_dir: Path, model: torch.nn.Module, optimizer: Any, accelerat
         scaler=accelerator.scaler,
     )
     return saved.counters()
-
-
-def _evaluator(
-    cfg: C.RunConfig, prepared: Any, model: torch.nn.Module, accelerator: Any, telemetry: Telemetry, counters: Counters
-) -> Callable[[], float | None] | None:
-    from datasets import load_from_disk
-
-    evaluate = loop.make_evaluator(
-        load_from_disk(str(prepared.eval_path)), model, accelerator, int(cfg.train.micro_batch_size)
-    )
-    if evaluate is None:
-        return None
-
-    def run_and_report() -> float | None:
-        started = time.monotonic()
-        loss = evaluate()
-        telemetry.evaluated(counters.step, loss, time.monotonic() - started)
-        return loss
-
-    return run_and_report
