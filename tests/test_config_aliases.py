@@ -22,6 +22,7 @@ SAMPLE: dict[str, tuple[str, Any]] = {
     "adapter.target_modules": ("[q_proj, v_proj]", ("q_proj", "v_proj")),
     "data.loader_workers": ("3", 3),
     "data.packing": ("false", False),
+    "data.train_on_inputs": ("true", True),
     "data.seq_len": ("1024", 1024),
     "data.text_field": ("body", "body"),
     "metrics.log_every": ("7", 7),
@@ -111,7 +112,8 @@ ANSWER_CHECKS = {
     "load_in_4bit": ["adapter.method=qlora adapter.quant_bits=4"],
     "load_in_8bit": ["adapter.method=qlora adapter.quant_bits=8"],
     "val_set_size": ["data.eval_fraction", "data.eval_path"],
-    "datasets": ["data.path=FILE", "data.format"],
+    "datasets": ["data.path", "data.sources"],
+    "roles_to_train": ["data.train_on=last_assistant", "data.train_on_inputs=true"],
     "fsdp": ["train.distributed=fsdp"],
 }
 

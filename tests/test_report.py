@@ -414,7 +414,8 @@ def test_header_says_what_was_trained(real_run: dict[str, Any], tiny_llama: Path
     (manifest_path,) = (out.parent / "cache").glob("*/manifest.json")  # data.cache_dir, outside the run
     manifest = json.loads(manifest_path.read_text())
     train = manifest["train"]
-    assert facts["data"].startswith(f"{manifest['sources']['train']} (alpaca)") and "seq_len 128" in facts["data"]
+    how = f"(alpaca, chat template: {manifest['train']['chat_template']})"  # what `auto` chose, and the template
+    assert facts["data"].startswith(f"{manifest['sources']['train']} {how}") and "seq_len 128" in facts["data"]
     assert (
         f"in {train['rows']:,} rows; {train['real_tokens']:,} tokens, {train['trainable_tokens']:,} trained"
         in (facts["data_train"])

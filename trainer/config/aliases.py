@@ -64,6 +64,7 @@ ALIASES: dict[str, Alias] = {
     "sample_packing": Alias("data.packing"),
     "dataset_text_field": Alias("data.text_field"),
     "dataloader_num_workers": Alias("data.loader_workers"),
+    "train_on_inputs": Alias("data.train_on_inputs"),
     "base_model": Alias("model.name_or_path"),
     "model_name_or_path": Alias("model.name_or_path"),
     "model_revision": Alias("model.revision"),
@@ -99,12 +100,12 @@ ANSWERS: dict[str, str] = {
     "load_in_8bit": "set adapter.method=qlora adapter.quant_bits=8 (LLM.int8)",
     "adapter": "adapter is a section in spotune: write adapter.method: {value}",
     "lora_target_linear": "set adapter.target_modules=[all-linear] (the default: every linear layer but the head)",
-    "train_on_inputs": "spotune trains the responses only (alpaca `output`, chat assistant turns); "
-    "data.format=text trains every token",
-    "datasets": "one data set per run: data.path=FILE (JSONL, JSON, Parquet, CSV or a saved datasets directory) "
-    "and data.format",
-    "dataset": "one data set per run: data.path=FILE (JSONL, JSON, Parquet, CSV or a saved datasets directory) "
-    "and data.format",
+    "roles_to_train": "spotune trains assistant turns (and their end-of-turn token) only; "
+    "data.train_on=last_assistant trains the last one, data.train_on_inputs=true every token",
+    "datasets": "data.path for one source (a file, a folder or a hub id), or data.sources: a list of "
+    "entries (path, format, fields, rows or fraction) mixed into one training set",
+    "dataset": "data.path for one source (a file, a folder or a hub id), or data.sources: a list of "
+    "entries (path, format, fields, rows or fraction) mixed into one training set",
     "val_set_size": "set data.eval_fraction (a share below 1) or data.eval_path (a separate file)",
     "flash_attention": "set model.attn_implementation=flash_attention_2 (`auto`, the default, picks "
     "flash_attention_3/2 on CUDA when installed)",

@@ -9,7 +9,6 @@ several documents; `position_ids` restart at 0 where the next one begins.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,9 +16,11 @@ from typing import Any
 
 import fsspec
 
+from trainer.data.show import segments
+from trainer.data.template import IGNORE_INDEX
+
 log = logging.getLogger(__name__)
 
-IGNORE = -100  # trainer/data/template.py's IGNORE_INDEX, read back from the prepared data
 MAX_TOKENS = 2048  # a page, not a book: longer documents are cut with a note
 
 
@@ -64,15 +65,12 @@ def first_document(row: dict[str, list[int]]) -> tuple[list[int], list[int]]:
 
 
 def render(ids: list[int], labels: list[int], tokenizer: Any) -> Example:
-    """Consecutive tokens with the same trained flag decoded together (a multi-byte character split
-    over two tokens decodes whole)."""
+    """Runs of tokens with the same trained flag decoded together, as `spotune inspect --show`
+    marks them (a multi-byte character split over two tokens decodes whole)."""
     cut = len(ids) > MAX_TOKENS
     ids, labels = ids[:MAX_TOKENS], labels[:MAX_TOKENS]
-    pieces = []
-    for trained, group in itertools.groupby(zip(ids, labels, strict=True), key=lambda p: p[1] != IGNORE):
-        text = tokenizer.decode([i for i, _ in group], skip_special_tokens=False)
-        pieces.append(Piece(text, trained))
-    return Example(pieces, len(ids), sum(1 for x in labels if x != IGNORE), cut)
+    pieces = [Piece(text, trained) for text, trained in segments(tokenizer, ids, labels)]
+    return Example(pieces, len(ids), sum(1 for x in labels if x != IGNORE_INDEX), cut)
 
 
 def training_example(dataset_dir: str | None, tokenizer_dirs: list[str], notes: list[str]) -> Example | None:

@@ -167,14 +167,19 @@ def _data_facts(config: RunConfig | None, manifest: dict[str, Any] | None) -> li
         where = config.data.path if config is not None else "unknown"
         return [Fact("data", "Data", f"{where} ({config.data.format}); {seq}" if config else where)]
     sources = manifest.get("sources") or {}
-    settings = manifest.get("settings") or {}
+    split = manifest.get("train")
+    train: dict[str, Any] = split if isinstance(split, dict) else {}
+    # The format prepare read (what `auto` chose) and the chat template it rendered with.
+    how = str(train.get("format") or (manifest.get("settings") or {}).get("format"))
+    if train.get("chat_template"):
+        how = f"{how}, chat template: {train['chat_template']}"
+    named = sources.get("train")
+    where = " + ".join(map(str, named)) if isinstance(named, list) else str(named)  # a mix of sources
     rows = [
         Fact(
             "data",
             "Data",
-            f"{sources.get('train')} ({settings.get('format')})"
-            + (f" + eval {sources['eval']}" if sources.get("eval") else "")
-            + f"; {seq}",
+            f"{where} ({how})" + (f" + eval {sources['eval']}" if sources.get("eval") else "") + f"; {seq}",
         )
     ]
     for split in ("train", "eval"):
