@@ -145,6 +145,22 @@ def test_code_cites_no_issue_numbers_or_outside_files() -> None:
     assert not found, found
 
 
+def missing_repo_paths(page: Path) -> list[str]:
+    """Shipped recipe, script and benchmark paths a page names (in prose or code) that the repository
+    lacks; a user's own recipe in an example (`recipes/mine.yaml`) is not a shipped one."""
+    shipped = r"recipes/gpu/|recipes/tiny|scripts/|benchmarks/|docker/"
+    named = re.findall(rf"\b((?:{shipped})[\w./-]*\.(?:yaml|py|sh|yml))\b", page.read_text())
+    return sorted({p for p in named if not (REPO / p).exists()})
+
+
+@pytest.mark.parametrize("page", doc_pages(), ids=lambda p: p.name)
+def test_named_files_exist(page: Path, tmp_path: Path) -> None:
+    assert not missing_repo_paths(page)
+    control = tmp_path / "control.md"
+    control.write_text("Train with `recipes/gpu/llama-9-lora.yaml` or recipes/tiny-cpu.yaml.")
+    assert missing_repo_paths(control) == ["recipes/gpu/llama-9-lora.yaml"]
+
+
 def test_config_reference_matches_the_schema() -> None:
     spec = importlib.util.spec_from_file_location("config_reference", REPO / "scripts" / "config_reference.py")
     assert spec is not None and spec.loader is not None
