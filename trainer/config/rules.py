@@ -137,6 +137,7 @@ def cross_checks(cfg: Sections) -> list[str]:
         "data.num_proc": cfg.data.num_proc,
         "metrics.log_every": cfg.metrics.log_every,
         "train.max_bad_steps": cfg.train.max_bad_steps,
+        "checkpoint.store_outage_seconds": cfg.checkpoint.store_outage_seconds,
     }
     for key, value in positive.items():
         if value < 1:

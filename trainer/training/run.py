@@ -52,9 +52,13 @@ def train(cfg: C.RunConfig, wait: float | None = None) -> int:
     with determinism.kernels(cfg.train.deterministic) as notes, contextlib.ExitStack() as closing:
         # One writer per run, before anything touches output_dir or the store (trainer/restart/owner.py).
         holding = closing.enter_context(
-            owner.hold(cfg.output_dir, ck.remote, ck.storage_options, ck.lease_seconds, wait)
+            owner.hold(
+                cfg.output_dir, ck.remote, ck.storage_options, ck.lease_seconds, wait, "train", ck.store_outage_seconds
+            )
         )
         proc = process.start(cfg, phases, closing, fence=holding.lease)  # accelerator, DDP/FSDP, store, stop paths
+        if holding.lease is not None:  # a store gone past checkpoint.store_outage_seconds: save locally, exit 143
+            holding.lease.on_outage = proc.stop.request
         device = proc.accelerator.device
         with timed(phases, "data"):
             prepared = _prepare_once_per_node(cfg, proc)
@@ -76,9 +80,7 @@ def train(cfg: C.RunConfig, wait: float | None = None) -> int:
         )
         set_seed(cfg.seed + proc.rank)  # distinct dropout streams per rank from here on
 
-        books = _open_books(
-            cfg, proc, sched, model, counts.trainable, peak_flops, phases, closing, holding.clock_start()
-        )
+        books = _open_books(cfg, proc, sched, model, counts.trainable, peak_flops, phases, closing, holding)
         books.ledger.phases["imports"] += entered - books.ledger.start  # interpreter, CLI and config before train()
         books.ledger.data_reused = bool(prepared.reused)
         for note in [*notes, *proc.sharding.notes, *auto_notes, *resume_notes, *sched.notes]:
@@ -187,9 +189,10 @@ def _open_books(
     peak_flops: float | None,
     phases: dict[str, float],
     closing: contextlib.ExitStack,
-    process_start: float | None = None,
+    holding: owner.Holding,
 ) -> Books:
     saved = sched.saved
+    lease = holding.lease
     ledger = Ledger.open(
         proc.out,
         proc.world,
@@ -197,7 +200,9 @@ def _open_books(
         carried_totals=saved.ledger if saved is not None else None,
         enabled=proc.is_main,
         phases=phases,
-        process_start=process_start,  # after a --wait: from when this attempt got the run
+        process_start=holding.clock_start(),  # after a --wait: from when this attempt got the run
+        attempt_id=lease.id if lease is not None else None,
+        lost_attempts=lease.previous if lease is not None else (),  # killed attempts the lease names
     )
     closing.push(_ledger_row_on_error(ledger))
     console = Console(sched.steps, 0, enabled=cfg.metrics.progress, is_main=proc.is_main)
