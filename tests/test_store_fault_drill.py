@@ -31,7 +31,7 @@ from test_kill_anywhere import REPO, STEPS, _metric_rows, _recipe, _wait, procs 
 from trainer import builtin_assets as tiny
 from trainer import config as C
 from trainer.cli import main as cli
-from trainer.exit_codes import EXIT_PREEMPTED
+from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from trainer.restart.checkpoint import PAUSE_ENV
 from trainer.restart.lease import read_lease
 from trainer.restart.ledger import read_rows
@@ -185,3 +185,15 @@ def test_unreachable_at_start_without_a_checkpoint_exits_restartable(
     assert code == EXIT_PREEMPTED, capsys.readouterr().err
     assert "unreachable" in capsys.readouterr().err
     assert not (out / "checkpoints").exists()
+
+
+def test_a_missing_bucket_is_a_setting_to_fix_not_a_fault_to_wait_out(
+    tmp_path: Path, moto_endpoint: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """The control of the test above: the store answers, the bucket is not there: exit 2 with the fix."""
+    for key, value in s3_env(moto_endpoint).items():
+        monkeypatch.setenv(key, value)
+    out = tmp_path / "run"
+    code = cli.main(["train", f"output_dir={out}", "checkpoint.remote=s3://no-such-bucket-here/run"])
+    assert code == EXIT_BAD_INPUT
+    assert "s3://no-such-bucket-here/run" in capsys.readouterr().err

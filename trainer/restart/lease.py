@@ -117,7 +117,7 @@ class Lease(Fence):
         """Take the lease, or raise RunBusy naming its live holder (after waiting `wait` seconds)."""
         started = boot_clock()
         deadline = started + (wait or 0.0)
-        self.requests += 0 if self.store.conditional is not None else 3
+        self.requests += 3 if self.store.conditional is None and hasattr(self.store.fs, "call_s3") else 0
         conditional(self.store)  # probed once, before the first conditional write relies on it
         watched: tuple[str | None, float] = (None, 0.0)  # the etag seen unchanged since when (our clock)
         alive = False  # seen to change: its holder renews

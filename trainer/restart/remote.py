@@ -77,7 +77,9 @@ class RemoteRun:
             self.store.check()
         except StoreError as e:
             local = CheckpointManager(self.run_dir / "checkpoints").committed()
-            if not local:  # a fault of the moment, not of the run: a restart later may find it (exit 143)
+            if not local and isinstance(e.__cause__, (PermissionError, FileNotFoundError)):
+                raise  # no such bucket, or access denied: a setting to fix (exit 2), not a fault to wait out
+            if not local:  # the store is down: a fault of the moment, a restart later may find it (exit 143)
                 raise StoreUnreachable(f"{e}. No local checkpoint lets training start without it") from e
             self.message(f"spotune: {e}. Continuing from the local checkpoint {local[-1].name}; uploads will retry.")
             return
