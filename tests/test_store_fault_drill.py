@@ -145,9 +145,9 @@ def test_every_killed_attempt_on_a_wiped_machine_is_booked(
     recipe = _write_recipe(tmp_path, out, tiny_llama, data, remote=s3_remote, lease_seconds=3)
     store = Store(s3_remote)
     lived: dict[int, float] = {}
-    for n in range(5):
+    for n in range(4):
         shutil.rmtree(out, ignore_errors=True)  # a new machine each time
-        last = n == 4
+        last = n == 3
         began = time.monotonic()
         p = _start(
             procs, recipe, tmp_path / f"attempt{n}.log", {**s3_env(moto_endpoint), PAUSE_ENV: "0" if last else "1.0"}
@@ -159,7 +159,7 @@ def test_every_killed_attempt_on_a_wiped_machine_is_booked(
                 p.kill()
         p.wait(timeout=300)
         lived[p.pid] = time.monotonic() - began
-    assert p.returncode == 0, (tmp_path / "attempt4.log").read_text()
+    assert p.returncode == 0, (tmp_path / "attempt3.log").read_text()
     rows = {r["pid"]: r for r in read_rows(out)}
     assert set(rows) == set(lived), (seed, sorted(rows), sorted(lived))
     booked = sum(r["wall_seconds"] for r in rows.values())

@@ -185,7 +185,7 @@ def test_a_taker_whose_clock_is_an_hour_ahead_never_takes_a_live_lease(
         monkeypatch.setattr(time, "time", lambda: real() + 3600)
         taker, _, _ = _lease(s3_remote, tmp_path / "taker")
         with pytest.raises(RunBusy):
-            taker.acquire(wait=5)  # today: taken at once, two writers
+            taker.acquire(wait=3)  # today: taken at once, two writers
         assert (read_lease(Store(s3_remote))[0] or {}).get("generation") == 1
         holder.kill()
         holder.wait()
