@@ -94,8 +94,7 @@ class Lease(Fence):
         self.on_outage: Callable[[str], object] = lambda why: None
         """Called once when the store stayed unreachable past `outage_seconds` (train: save locally, exit 143)."""
         self.lost: str | None = None
-        self.offline_since: float | None = None
-        """boot_clock() when this attempt was cut off from the store (None while it may write)."""
+        self.offline_since: float | None = None  # boot_clock() when cut off from the store; None while it may write
         self.outage_reported = False
         self.previous: list[dict[str, Any]] = []
         """Earlier attempts (attempt_record) this one took the run from, until its ledger reaches the store."""
@@ -103,6 +102,7 @@ class Lease(Fence):
         self._lock = threading.RLock()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._handed: set[Any] = set()  # attempt ids of `previous` the ledger has booked
         self._attempted: tuple[dict[str, Any] | None, float] = (None, 0.0)  # the last body sent, and when
         self.margin = min(5.0, ttl * 0.1)
         """Seconds the holder stops writing before its lease could be taken: what the clocks' rates may differ by."""
@@ -164,13 +164,10 @@ class Lease(Fence):
 
     def offline(self, why: str) -> None:
         """The store could not be reached to take the lease at start: write nothing until it is taken."""
-        with self._lock:
-            if self.offline_since is None:
-                self.offline_since = boot_clock()
-            self.message(
-                f"spotune: the lease of {self.store.shown} could not be taken ({why}); training on local "
-                f"checkpoints, writing nothing there until it is"
-            )
+        self.offline_since = self.offline_since or boot_clock()
+        self.message(
+            f"spotune: the lease of {self.store.shown} could not be taken ({why}); writing nothing there until it is"
+        )
 
     # ------------------------------------------------------------------ holding it
 
@@ -279,9 +276,14 @@ class Lease(Fence):
                 return  # our own PUT, resent by s3fs after the first one landed
             self._lost(f"{path} was committed by another writer meanwhile")
 
+    def hand_over(self) -> list[dict[str, Any]]:
+        """The records of earlier attempts for the ledger to book now; they leave the lease once it is uploaded."""
+        self._handed = {r.get("attempt_id") for r in self.previous}
+        return list(self.previous)
+
     def pushed(self, rel: str) -> None:
-        if rel == "ledger.jsonl":  # the attempts this one took over are booked in the store's ledger now
-            self.previous = []
+        if rel == "ledger.jsonl":  # the records handed over are booked in the store's ledger now
+            self.previous = [r for r in self.previous if r.get("attempt_id") not in self._handed]
 
     def _confirm(self) -> None:
         current, _ = self._read()

@@ -202,7 +202,7 @@ def _open_books(
         phases=phases,
         process_start=holding.clock_start(),  # after a --wait: from when this attempt got the run
         attempt_id=lease.id if lease is not None else None,
-        lost_attempts=lease.previous if lease is not None else (),  # killed attempts the lease names
+        lost_attempts=lease.hand_over() if lease is not None else (),  # killed attempts the lease names
     )
     closing.push(_ledger_row_on_error(ledger))
     console = Console(sched.steps, 0, enabled=cfg.metrics.progress, is_main=proc.is_main)
