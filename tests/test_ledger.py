@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from trainer.restart import ledger as L
+from trainer.restart.clock import seconds_since_process_start
 
 
 class Clock:
@@ -139,7 +140,7 @@ def test_phases_and_an_attempt_winding_down(tmp_path: Path, clock: Clock) -> Non
     row = a.close("finished")
     assert row["phases"] == {"imports": 4.0, "model": 3.0, "report": 1.5}  # the page's 22 s + 1.5 = the row's
     assert row["data_reused"] is True and row["wall_seconds"] == 23.5  # from process start to after the report
-    assert L.seconds_since_process_start() >= 0.0
+    assert seconds_since_process_start() >= 0.0
 
 
 def test_a_start_that_reads_before_the_killed_attempts_end_is_rounding(tmp_path: Path, clock: Clock) -> None:
@@ -174,10 +175,40 @@ def test_the_process_start_is_the_moment_the_process_began() -> None:
     code = (
         "import time; t = time.time()\n"
         "import psutil\n"
-        "from trainer.restart.ledger import _process_start\n"
-        "print(t, _process_start(), psutil.Process().create_time())"
+        "from trainer.restart.clock import process_start\n"
+        "print(t, process_start(), psutil.Process().create_time())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     first_statement, start, by_psutil = map(float, out.split())
     assert 0.0 <= first_statement - start < 5.0
     assert -0.02 <= start - by_psutil < 1.02
+
+
+def test_attempts_known_only_from_the_lease_are_booked_once_with_an_estimated_tail(tmp_path: Path) -> None:
+    """A wiped machine's attempt killed before its heartbeat reached the store: the lease it held is all
+    that is left (its process start, its last renewal); the taker books it, the tail marked as estimated."""
+    (tmp_path / L.LEDGER_FILE).write_text(json.dumps({"attempt": 1, "attempt_id": "a1", "end": L._iso(990)}) + "\n")
+
+    def record(attempt_id: str, start: float, seen: float, renew_every: float) -> dict:
+        return {
+            "attempt_id": attempt_id,
+            "host": "vm",
+            "pid": 7,
+            "process_start": start,
+            "last_seen": seen,
+            "renew_every": renew_every,
+            "world_size": 2,
+            "step": None,
+        }
+
+    lease_records = [
+        record("a3", 1010.0, 1020.0, 6.0),  # its tail (3 s) would run past the next start: cut to 1 s
+        record("a2", 1000.0, 1008.0, 2.0),  # half a renewal interval: 1 s
+        record("a1", 980.0, 990.0, 2.0),  # has its row already
+    ]
+    rows = L.recover_killed(tmp_path, lease_records, before=1021.0)
+    got = [(r["attempt"], r["attempt_id"], r["wall_seconds"], r["estimated_tail_seconds"]) for r in rows]
+    assert got == [(2, "a2", 9.0, 1.0), (3, "a3", 11.0, 1.0)]
+    assert all(r["exit_reason"] == "killed" and r["device_seconds"] == 2 * r["wall_seconds"] for r in rows)
+    assert L.recover_killed(tmp_path, lease_records, before=1030.0) == []  # booked once
+    assert len(L.read_rows(tmp_path)) == 3

@@ -21,7 +21,9 @@ What a supervisor should do with each:
   names it; `spotune train --wait SECONDS` resumes after it.
 - `EXIT_ABORTED = 130`: a second SIGINT; no checkpoint was saved for the step in flight.
   Rerunning resumes from the last committed checkpoint.
-- `EXIT_PREEMPTED = 143` (128 + SIGTERM): stopped by a signal after saving a checkpoint.
+- `EXIT_PREEMPTED = 143` (128 + SIGTERM): stopped by a signal after saving a checkpoint, or
+  by `checkpoint.remote` staying unreachable past `checkpoint.store_outage_seconds` (a local
+  checkpoint saved), or unreachable at start with no local checkpoint to train from.
   Rerun the same command to resume.
 """
 

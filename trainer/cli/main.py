@@ -20,7 +20,7 @@ from types import ModuleType
 from trainer import config as C
 from trainer import exit_codes
 from trainer.cli import chat, config, estimate, export, pilot, prepare, report, status, train
-from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_BUSY, EXIT_ERROR, EXIT_FINISHED
+from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_BUSY, EXIT_ERROR, EXIT_FINISHED, EXIT_PREEMPTED
 
 # Every command, in the order `spotune --help` lists them: its module has HELP, add_arguments
 # and run(args) -> exit code. Command modules never import one another.
@@ -85,12 +85,16 @@ def _main(argv: Sequence[str] | None) -> int:
     from trainer.report import ReportError
     from trainer.restart.checkpoint import CheckpointError
     from trainer.restart.lock import RunBusy
+    from trainer.restart.storage import StoreUnreachable
 
     try:
         return _dispatch(args)
     except RunBusy as e:  # one writer per run: the message names the holder
         print(f"spotune: {e}", file=sys.stderr)
         return EXIT_BUSY
+    except StoreUnreachable as e:  # a transient fault (the store is down): restartable, never "bad input"
+        print(f"spotune: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
     except (C.ConfigError, DataError, CheckpointError, PlanError, CatalogError, ReportError) as e:
         # Each carries complete sentences naming the key, file or line to fix; a traceback
         # would only bury them. CheckpointError covers "none verifies" and ResumeMismatch.

@@ -161,6 +161,7 @@ def cross_checks(cfg: Sections) -> list[str]:
         "metrics.log_every": cfg.metrics.log_every,
         "train.max_bad_steps": cfg.train.max_bad_steps,
         "model.tiled_mlp_tokens": cfg.model.tiled_mlp_tokens,
+        "checkpoint.store_outage_seconds": cfg.checkpoint.store_outage_seconds,
     }
     for key, value in positive.items():
         if value < 1:

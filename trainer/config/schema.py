@@ -225,6 +225,9 @@ class CheckpointConfig:
     lease_seconds: float = 180.0
     """With `checkpoint.remote`: how long the run's lease lasts unrenewed (renewed every third of it). A replacement
     machine takes over a silent holder's run after this; the holder stops writing a little before."""
+    store_outage_seconds: float = 900.0
+    """With `checkpoint.remote`: how long training goes on with local checkpoints while the store cannot be reached
+    (nothing is written there meanwhile); past it the run saves locally and exits 143, which supervisors restart."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Extra fsspec options for `checkpoint.remote` (e.g. `{client_kwargs: {region_name: eu-west-1}}`); never credentials."""
 

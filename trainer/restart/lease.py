@@ -1,24 +1,33 @@
 """One writer per run across machines: a lease object in `checkpoint.remote`, with a fencing token.
 
 `<remote>/lease.json` names the attempt that may write the run (holder id, host, pid, run
-directory, `generation`, `renewed_at`, `expires_at`). An attempt takes it before it reads or
-writes anything else in the store:
-- absent: created with S3 `If-None-Match: *` (two machines racing: one wins);
-- held by someone else and not expired: refuse (RunBusy) or, with `--wait`, poll until it is;
-- expired, released, or held by this same run directory on this same host (the kernel lock
-  of trainer/restart/lock.py, which this process holds, proves that holder is dead): replaced
-  with `If-Match: <etag read>` and `generation + 1`.
+directory, `generation`, `renewed_at`, `expires_at`, and for the ledger: when the process
+started, its device count, and the earlier attempts no ledger row books yet). An attempt takes
+it before it reads or writes anything else in the store:
+- absent: created with `If-None-Match: *` (two machines racing: one wins);
+- released, or held by this same run directory on this same host (the kernel lock of
+  trainer/restart/lock.py, which this process holds, proves that holder is dead): replaced at once
+  with `If-Match: <etag read>` and `generation + 1`;
+- held by someone else: refused (RunBusy), or with `--wait` polled. It is taken over only once the
+  object has not changed for the holder's `ttl` on the taker's own clock: machines' wall clocks
+  may disagree, so the holder's `expires_at` is only a hint that the taker should look that long.
 
-A daemon thread renews it every `ttl / 3` seconds with `If-Match` on the etag it last wrote;
-a thread rather than the loop's log steps because one step of a large model can outlast the
-lease. The holder fences itself: it keeps a local deadline (monotonic clock, taken when the
-renewal was sent, `ttl` minus a clock-skew margin) and every store write checks it first
-(`check`). Commits (a checkpoint's manifest, ledger.jsonl) go through `commit`: on S3 a
-conditional renewal right before the write (it fails if anyone took the lease), the manifest
-itself with `If-None-Match: *`, and the deadline checked after; on stores without conditional
-writes, a re-read of the lease before and after. A holder that finds it lost the lease (a
-renewal refused, or its deadline passed while it was paused or cut off) prints why and exits
-at once with EXIT_BUSY from whichever thread noticed: no other thread gets to write again.
+A daemon thread renews it every `ttl / 3` seconds with `If-Match` on the etag it last wrote
+(a thread, since one step of a large model can outlast the lease). The holder fences itself: a
+local deadline on a clock that counts suspension (`clock.boot_clock`), `ttl` minus a margin
+after the renewal was sent; every store write asks `check` first. Commits (a manifest, the ledger)
+go through `commit`: on stores that enforce conditions a conditional renewal right before the
+write, the manifest with `If-None-Match: *`; elsewhere a re-read of the lease before and after.
+
+Availability first, never two writers. A holder whose deadline passes (the store is cut off,
+or the machine was paused) goes offline: it writes nothing to the store and trains on with
+local checkpoints while the thread retries. When the store answers, it re-reads the lease:
+still its own (unchanged since its last renewal) -> it takes it back as `generation + 1` and the
+uploads resume with the newest local checkpoint; taken by another attempt -> it exits EXIT_BUSY
+at once, having written nothing more. Offline longer than `outage_seconds`, it asks for the save-
+and-exit path (`on_outage`: a local checkpoint, then EXIT_PREEMPTED, which supervisors restart).
+A refused conditional write is checked against a re-read first (s3fs resends a PUT after a
+timeout: when the first one landed, the refused resend is ours).
 """
 
 from __future__ import annotations
@@ -32,113 +41,71 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from trainer.exit_codes import EXIT_BUSY, EXIT_FILE_ENV
+from trainer.restart.clock import boot_clock, process_start
+from trainer.restart.conditional import Refused, conditional, read_object, write_object
+from trainer.restart.lease_object import LEASE_FILE, attempt_record, busy_message, describe_lease, read_lease, ttl_of
 from trainer.restart.lock import RunBusy, _iso, last_step
-from trainer.restart.storage import Fence, Store, _short
+from trainer.restart.storage import Fence, Store, StoreOffline, _short
 
 T = TypeVar("T")
 
-LEASE_FILE = "lease.json"
 POLL_SECONDS = 5.0
+OFFLINE_RETRY_SECONDS = 5.0
+"""While cut off: how often the lease thread asks the store again (at most; ttl / 3 when shorter)."""
+CHAIN_LIMIT = 32
+"""Earlier attempts a lease carries for the ledger (kills in a row before any ledger upload)."""
+_Refused = Refused  # the name owner.py and older callers use
 
 
 class LeaseLost(RunBusy):
     """This attempt no longer holds the run's lease; it must write nothing more."""
 
 
-class _Refused(Exception):
-    """A conditional write's precondition failed: someone else wrote the object first."""
-
-
-def _precondition_failed(e: BaseException) -> bool:
-    """s3fs turns 412 into FileExistsError (If-None-Match) or OSError (If-Match); 409 is S3's answer to two
-    conditional writes at once."""
-    text = f"{e} {e.__cause__!r}"
-    return isinstance(e, FileExistsError) or any(
-        s in text for s in ("PreconditionFailed", "pre-condition", "ConditionalRequestConflict", "412")
-    )
-
-
-def conditional(store: Store) -> bool:
-    """Whether the store takes S3 conditional writes (If-None-Match / If-Match) through s3fs."""
-    return hasattr(store.fs, "call_s3")
-
-
-def read_lease(store: Store) -> tuple[dict[str, Any] | None, str | None]:
-    """The lease object and its etag (a digest of its bytes where the store has no etag)."""
-    path = store.path(LEASE_FILE)
-    try:
-        if conditional(store):
-            raw, etag = _s3_get(store, path)
-            return json.loads(raw), etag
-        raw = store.fs.cat_file(path)
-    except FileNotFoundError:
-        return None, None
-    import hashlib
-
-    return json.loads(raw), hashlib.sha256(raw).hexdigest()
-
-
-def _s3_get(store: Store, path: str) -> tuple[bytes, str]:
-    """Body and ETag from one GET (two requests could pair one version's body with another's etag)."""
-    from fsspec.asyn import sync
-
-    fs = store.fs
-    bucket, key, _ = fs.split_path(path)
-
-    async def get() -> tuple[bytes, str]:
-        got = await fs._call_s3("get_object", Bucket=bucket, Key=key)
-        async with got["Body"] as stream:
-            return await stream.read(), str(got["ETag"])
-
-    return sync(fs.loop, get)
-
-
-def write_object(store: Store, path: str, body: bytes, *, if_match: str | None = None, new: bool = False) -> str | None:
-    """Put `body` at `path`, on S3 only if the object still has etag `if_match` (or, `new`, does
-    not exist); raises _Refused otherwise. Returns the new etag (None on other stores)."""
-    if not conditional(store):
-        store.fs.pipe_file(path, body)
-        return None
-    bucket, key, _ = store.fs.split_path(path)
-    extra: dict[str, str] = {"IfNoneMatch": "*"} if new else {"IfMatch": if_match} if if_match else {}
-    try:
-        put = store.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=body, **extra)
-    except Exception as e:
-        if extra and _precondition_failed(e):
-            raise _Refused(str(e)) from e
-        raise
-    return str(put["ETag"])
-
-
 class Lease(Fence):
     """This attempt's claim on a run's remote prefix."""
 
-    def __init__(self, store: Store, ttl: float, run_dir: Path, message: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        store: Store,
+        ttl: float,
+        run_dir: Path,
+        message: Callable[[str], None] = print,
+        outage_seconds: float = 900.0,
+    ) -> None:
         self.store = store
         self.ttl = ttl
         self.run_dir = run_dir
         self.message = message
+        self.outage_seconds = outage_seconds
         self.id = uuid.uuid4().hex
         self.host = socket.gethostname()
+        self.process_start = process_start()
+        self.world = int(os.environ.get("WORLD_SIZE", "1") or 1)
         self.body: dict[str, Any] | None = None
         self.etag: str | None = None
         self.deadline = 0.0
         self.acquired_at: float | None = None
         self.waited = 0.0
-        self.requests = 0
-        """Requests this lease made (reads and writes): its cost on the store's bill."""
+        self.requests = 0  # reads, writes and the probe: its cost on the store's bill
         self.on_lost: Callable[[str], None] = _exit_lost
+        self.on_outage: Callable[[str], object] = lambda why: None
+        """Called once when the store stayed unreachable past `outage_seconds` (train: save locally, exit 143)."""
         self.lost: str | None = None
-        self.released = False
-        """After `release`: an upload thread still running at exit must not take the lease again."""
+        self.offline_since: float | None = None  # boot_clock() when cut off from the store; None while it may write
+        self.outage_reported = False
+        self.previous: list[dict[str, Any]] = []
+        """Earlier attempts (attempt_record) this one took the run from, until its ledger reaches the store."""
+        self.released = False  # after `release`, an upload thread still running must not take it again
         self._lock = threading.RLock()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._handed: set[Any] = set()  # attempt ids of `previous` the ledger has booked
+        self._attempted: tuple[dict[str, Any] | None, float] = (None, 0.0)  # the last body sent, and when
         self.margin = min(5.0, ttl * 0.1)
-        """Seconds the holder gives up before `expires_at`: the clock skew between machines it tolerates."""
+        """Seconds the holder stops writing before its lease could be taken: what the clocks' rates may differ by."""
 
     @property
     def held(self) -> bool:
@@ -148,122 +115,209 @@ class Lease(Fence):
 
     def acquire(self, wait: float | None = None) -> None:
         """Take the lease, or raise RunBusy naming its live holder (after waiting `wait` seconds)."""
-        started = time.monotonic()
+        started = boot_clock()
         deadline = started + (wait or 0.0)
+        self.requests += 3 if self.store.conditional is None and hasattr(self.store.fs, "call_s3") else 0
+        conditional(self.store)  # probed once, before the first conditional write relies on it
+        watched: tuple[str | None, float] = (None, 0.0)  # the etag seen unchanged since when (our clock)
+        alive = False  # seen to change: its holder renews
         while True:
             current, etag = self._read()
-            if current is None or self._may_take(current):
+            now = boot_clock()
+            if etag != watched[0]:
+                alive = watched[0] is not None
+                watched = (etag, now)
+            silent = now - watched[1]  # how long the object has not changed, by this machine's clock
+            if current is None or self._may_take(current) or silent >= ttl_of(current, self.ttl):
                 generation = int(current.get("generation", 0)) + 1 if current else 1
+                if current is not None and current.get("holder") != self.id:
+                    self.previous = [attempt_record(current), *current.get("unbooked", [])][:CHAIN_LIMIT]
                 try:
                     self._write(generation, etag if current else None, new=current is None)
-                except _Refused:
+                except Refused:
                     continue  # another machine wrote it between our read and write: look again
                 self.acquired_at = time.time()
-                self.waited = time.monotonic() - started
-                if current is not None and not current.get("released"):
-                    self.message(f"spotune: took over the lease of {self.store.shown}: {_why(current, self)}")
+                self.waited = boot_clock() - started
+                if current is not None and not current.get("released") and current.get("holder") != self.id:
+                    self.message(f"spotune: took over the lease of {self.store.shown}: {_why(current, self, silent)}")
                 return
-            left = deadline - time.monotonic()
+            # The holder's own clock says it expired: look for one ttl (its renewals would show) before
+            # refusing, however short `wait` is; a live holder renews every ttl / 3.
+            hint = time.time() > float(current.get("expires_at", 0))
+            observe = watched[1] + ttl_of(current, self.ttl) if hint and not alive else 0.0
+            left = max(deadline, observe) - now
             if left <= 0:
                 raise RunBusy(busy_message(self.store, current, wait))
-            time.sleep(min(POLL_SECONDS, left, max(0.5, float(current.get("expires_at", 0)) - time.time())))
+            time.sleep(max(0.05, min(POLL_SECONDS, left, ttl_of(current, self.ttl) / 6)))
 
     def _may_take(self, current: dict[str, Any]) -> bool:
-        if current.get("released") or time.time() > float(current.get("expires_at", 0)):
-            return True
+        if current.get("released") or current.get("holder") == self.id:
+            return True  # released, or our own create that s3fs resent after it landed
         # This directory's kernel lock is ours, so whoever held the lease from it on this host is dead.
         return current.get("host") == self.host and current.get("run_dir") == str(self.run_dir.resolve())
 
     def start(self) -> Lease:
-        """Renew in the background until `release`."""
+        """Renew (or, cut off, retry) in the background until `release`."""
         self._thread = threading.Thread(target=self._renew_loop, name="spotune-lease", daemon=True)
         self._thread.start()
         return self
 
+    def offline(self, why: str) -> None:
+        """The store could not be reached to take the lease at start: write nothing until it is taken."""
+        self.offline_since = self.offline_since or boot_clock()
+        self.message(
+            f"spotune: the lease of {self.store.shown} could not be taken ({why}); writing nothing there until it is"
+        )
+
     # ------------------------------------------------------------------ holding it
 
     def _renew_loop(self) -> None:
-        while not self._stopping.wait(self.ttl / 3):
+        while not self._stopping.wait(self._interval()):
             try:
                 self.renew()
             except LeaseLost:
                 return  # on_lost already ran
-            except Exception as e:  # a network blip: the next renewal (or the deadline) decides
-                self.message(f"spotune: renewing the lease of {self.store.shown} failed ({_short(e)}); retrying")
-                try:
-                    self._check_deadline()
-                except LeaseLost:
-                    return
+            except Exception as e:  # a network blip: the next try (or the deadline) decides
+                if self.offline_since is None:
+                    self.message(f"spotune: renewing the lease of {self.store.shown} failed ({_short(e)}); retrying")
+                    self._past_deadline()
+                self._outage_check()
+
+    def _interval(self) -> float:
+        cut_off = self.offline_since is not None or not self.held
+        return min(self.ttl / 3, OFFLINE_RETRY_SECONDS) if cut_off else self.ttl / 3
 
     def renew(self) -> None:
-        """Extend the lease by `ttl`, conditional on nobody having replaced it; raises LeaseLost."""
+        """Extend the lease by `ttl`, conditional on nobody having replaced it; cut off, take it back
+        if it is still ours. Raises LeaseLost when another attempt holds it, OSError-likes when unreachable."""
         with self._lock:
             if self.lost is not None or self.released:
                 raise LeaseLost(self.lost or "this attempt released the lease")
-            if not self.held:
-                return self.acquire_late()
-            self._check_deadline()
+            if self.offline_since is not None or not self.held or self._past_deadline():
+                return self._reclaim()
             assert self.body is not None
+            if not conditional(self.store):  # the documented fallback: look before a plain write
+                self._confirm()
             try:
                 self._write(int(self.body["generation"]), self.etag, new=False)
-            except _Refused:
-                self._lost("another machine took the run's lease (this attempt was paused, or cut off, past expiry)")
+            except Refused:
+                self._settle()
             return None
 
-    def acquire_late(self) -> None:
-        """The store was unreachable at start: take the lease before the first write, or stop."""
-        try:
-            self.acquire(None)
-        except RunBusy as e:
-            self._lost(str(e))
-        self.start()
+    def _reclaim(self) -> None:
+        """The store answers again (or for the first time): take the lease back if nobody else took it."""
+        if not self.held:
+            try:
+                self.acquire(None)
+            except RunBusy as e:
+                self._lost(str(e))
+        else:
+            current, etag = self._read()
+            if current is not None and (current.get("holder"), current.get("generation")) != (self.id, self.generation):
+                self._lost(
+                    "another attempt took the run's lease while this one was cut off from the store (paused, or cut "
+                    f"off, past expiry): {describe_lease(current)}"
+                )
+            try:
+                self._write((self.generation or 0) + 1, etag, new=current is None)
+            except Refused:
+                return  # someone wrote it meanwhile: the next try reads who
+        if self.offline_since is not None:
+            self.message(
+                f"spotune: {self.store.shown} answers again and the run's lease was still this attempt's; took it "
+                f"back as generation {self.generation}; uploads resume with the newest local checkpoint"
+            )
+        self.offline_since = None
+
+    def _settle(self) -> None:
+        """A conditional renewal was refused: ours if the object is the very body we sent (a resent PUT that
+        landed, whose resend was refused), lost otherwise."""
+        current, etag = self._read()
+        body, sent = self._attempted
+        if current != body:
+            self._lost("another machine took the run's lease (this attempt was paused, or cut off, past expiry)")
+        self.body, self.etag, self.deadline = body, etag, sent + self.ttl - self.margin
 
     def check(self) -> None:
-        """Raise LeaseLost (after on_lost) unless this attempt may still write; no request when held."""
+        """Raise LeaseLost (after on_lost) or StoreOffline unless this attempt may write now; no request."""
         with self._lock:
             if self.lost is not None or self.released:
                 raise LeaseLost(self.lost or "this attempt released the lease")
-            if not self.held:
-                self.acquire_late()
-            self._check_deadline()
+            if self.offline_since is not None or not self.held or self._past_deadline():
+                raise StoreOffline(
+                    f"{self.store.shown}: this attempt is cut off from the store (its lease is not confirmed); "
+                    "nothing is written there until the lease is taken back"
+                )
 
     def commit(self, write: Callable[[], T]) -> T:
         """Run a commit write only while this attempt holds the lease, and confirm it still did after."""
         with self._lock:
+            self.check()
             if conditional(self.store):
                 self.renew()  # conditional: proves the lease is ours and gives the write a full ttl
             else:
-                self.check()
                 self._confirm()
             result = write()
-            if conditional(self.store):
-                self._check_deadline()
-            else:
+            if not conditional(self.store):
                 self._confirm()
+            self._past_deadline()  # a write that outlasted the lease: the re-read after the outage decides
             return result
 
     def put_new(self, store: Store, local: Path, path: str) -> None:
-        """A manifest: on S3 `If-None-Match: *`, so a step another writer committed is never overwritten."""
+        """A manifest: `If-None-Match: *` where enforced, so a step another writer committed is never overwritten."""
+        if store.conditional is None:
+            store.conditional = conditional(self.store)
+        body = local.read_bytes()
         try:
-            write_object(store, path, local.read_bytes(), new=True)
-        except _Refused:
+            write_object(store, path, body, new=True)
+        except Refused:
+            got = read_object(store, path)
+            if got is not None and got[0] == body:
+                return  # our own PUT, resent by s3fs after the first one landed
             self._lost(f"{path} was committed by another writer meanwhile")
+
+    def hand_over(self) -> list[dict[str, Any]]:
+        """The records of earlier attempts for the ledger to book now; they leave the lease once it is uploaded."""
+        self._handed = {r.get("attempt_id") for r in self.previous}
+        return list(self.previous)
+
+    def pushed(self, rel: str) -> None:
+        if rel == "ledger.jsonl":  # the records handed over are booked in the store's ledger now
+            self.previous = [r for r in self.previous if r.get("attempt_id") not in self._handed]
 
     def _confirm(self) -> None:
         current, _ = self._read()
         if current is None or current.get("holder") != self.id or current.get("generation") != self.generation:
             self._lost("the run's lease now names another holder")
-        self._check_deadline()
+        if self._past_deadline():
+            raise StoreOffline(f"{self.store.shown}: the lease lapsed during the write; it is confirmed again first")
 
     @property
     def generation(self) -> int | None:
         return int(self.body["generation"]) if self.body else None
 
-    def _check_deadline(self) -> None:
-        if self.held and time.monotonic() > self.deadline:
-            self._lost(f"the lease was not renewed for over {self.ttl - self.margin:g}s (paused, or cut off)")
+    def _past_deadline(self) -> bool:
+        """Whether the lease lapsed (it goes offline then: nothing is written until it is taken back)."""
+        if self.held and self.offline_since is None and boot_clock() > self.deadline:
+            self.offline_since = boot_clock()
+            self.message(
+                f"spotune: the lease of {self.store.shown} was not renewed for over {self.ttl - self.margin:g}s "
+                f"(paused, or cut off); writing nothing there until it is confirmed again, training goes on with "
+                f"local checkpoints (at most checkpoint.store_outage_seconds={self.outage_seconds:g}s)"
+            )
+        return self.offline_since is not None
 
-    def _lost(self, why: str) -> None:
+    def _outage_check(self) -> None:
+        if self.offline_since is None or self.outage_reported:
+            return
+        if boot_clock() - self.offline_since > self.outage_seconds:
+            self.outage_reported = True
+            self.on_outage(
+                f"spotune: {self.store.shown} has been unreachable for over {self.outage_seconds:g}s "
+                "(checkpoint.store_outage_seconds)"
+            )
+
+    def _lost(self, why: str) -> NoReturn:
         if self.lost is not None:
             raise LeaseLost(self.lost)
         self.lost = why
@@ -284,7 +338,7 @@ class Lease(Fence):
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
         with self._lock:
-            if not self.body or self.lost is not None or time.monotonic() > self.deadline:
+            if not self.body or self.lost is not None or self.offline_since is not None or self._past_deadline():
                 return
             try:
                 self._write(int(self.body["generation"]), self.etag, new=False, released=True)
@@ -299,7 +353,7 @@ class Lease(Fence):
         return read_lease(self.store)
 
     def _write(self, generation: int, if_match: str | None, *, new: bool, released: bool = False) -> None:
-        sent = time.monotonic()
+        sent = boot_clock()
         now = time.time()
         body = {
             "holder": self.id,
@@ -308,14 +362,18 @@ class Lease(Fence):
             "run_dir": str(self.run_dir.resolve()),
             "generation": generation,
             "started": _iso(self.acquired_at or now),
+            "process_start": self.process_start,
+            "world_size": self.world,
             "renewed_at": now,
             "expires_at": now if released else now + self.ttl,
             "ttl": self.ttl,
             "step": last_step(self.run_dir),
+            "unbooked": self.previous,
         }
         if released:
             body["released"] = True
         self.requests += 1
+        self._attempted = (body, sent)
         etag = write_object(
             self.store, self.store.path(LEASE_FILE), json.dumps(body).encode(), if_match=if_match, new=new
         )
@@ -323,32 +381,13 @@ class Lease(Fence):
         self.deadline = sent + self.ttl - self.margin
 
 
-def _why(old: dict[str, Any], new: Lease) -> str:
-    if time.time() > float(old.get("expires_at", 0)):
-        return f"generation {old.get('generation')} ({old.get('host')}, pid {old.get('pid')}) had expired"
+def _why(old: dict[str, Any], new: Lease, silent: float) -> str:
+    if silent >= ttl_of(old, new.ttl):
+        return (
+            f"generation {old.get('generation')} ({old.get('host')}, pid {old.get('pid')}) had not changed for "
+            f"{silent:.0f}s on this machine's clock (its ttl: {ttl_of(old, new.ttl):g}s)"
+        )
     return f"its holder ran in this directory on this host ({new.host}, pid {old.get('pid')}) and is gone"
-
-
-def describe_lease(lease: dict[str, Any]) -> str:
-    """One line: who holds it, since when, how fresh, and when it expires."""
-    left = float(lease.get("expires_at", 0)) - time.time()
-    state = (
-        "released" if lease.get("released") else f"expires in {left:.0f}s" if left > 0 else f"expired {-left:.0f}s ago"
-    )
-    step = f", step {lease['step']}" if lease.get("step") is not None else ""
-    return (
-        f"pid {lease.get('pid')} on {lease.get('host')} (generation {lease.get('generation')}, since "
-        f"{lease.get('started')}{step}, renewed {time.time() - float(lease.get('renewed_at', 0)):.0f}s ago, {state})"
-    )
-
-
-def busy_message(store: Store, lease: dict[str, Any] | None, wait: float | None) -> str:
-    waited = f" after waiting {wait:g}s" if wait else ""
-    who = describe_lease(lease) if lease else "another attempt"
-    return (
-        f"{store.shown} is held by {who}{waited}; one writer per run. Rerun with --wait SECONDS to resume once its "
-        f"lease ends, or, if that machine is certainly gone, `spotune status {store.shown} --break-lease`."
-    )
 
 
 def _exit_lost(why: str) -> None:

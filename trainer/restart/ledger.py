@@ -17,8 +17,11 @@ Run `goodput` = productive / device seconds.
 
 A SIGKILLed attempt cannot write its row, so the attempt keeps `ledger.current.json` up to
 date (atomically replaced at each log step and checkpoint). The next `Ledger.open` turns a
-leftover heartbeat into that attempt's row with exit reason `killed`; its end is the last
-heartbeat, so up to one log interval before the kill goes uncounted.
+leftover heartbeat into that attempt's row with exit reason `killed`. With `checkpoint.remote`,
+the lease an attempt takes first names its process start and machine, and each renewal is a
+sign of life; the attempt that takes the lease over books every such record without a row
+(`lost_attempts`, matched by `attempt_id`) up to its last sign of life plus an estimated tail
+of half a renewal interval (`estimated_tail_seconds`), never past the next attempt's start.
 
 Run totals are carried in every checkpoint (`TrainState.ledger`). At open, the run totals
 so far are, key by key, the larger of the sum of `ledger.jsonl` rows and the carried
@@ -33,12 +36,13 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from trainer.atomic import append_line, write_text
+from trainer.restart import clock
 
 log = logging.getLogger(__name__)
 
@@ -56,27 +60,6 @@ def _iso(t: float) -> str:
 def row_time(iso: str) -> float:
     """A row's `start` or `end` (ISO 8601, whole seconds) as a Unix time."""
     return datetime.fromisoformat(iso).timestamp()
-
-
-def _process_start() -> float:
-    """When this process started, on the wall clock, to within a clock tick (10 ms) on Linux.
-
-    psutil's `create_time` adds the start tick to /proc/stat's `btime`, which is whole seconds, so
-    it reads up to 1 s early: a restart right after a SIGKILL then seemed to start before the killed
-    attempt's last heartbeat (CI caught the overlap). So on Linux: now minus the process's age, both
-    taken on the boot clock that /proc/self/stat's `starttime` counts on."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        age = time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
-        return time.time() - max(0.0, age)
-    except (OSError, ValueError, IndexError, AttributeError):  # not Linux (no /proc, no CLOCK_BOOTTIME)
-        pass
-    try:
-        import psutil
-
-        return float(psutil.Process().create_time())
-    except Exception:  # psutil missing or the platform refuses: the ledger's own start is close enough
-        return time.time()
 
 
 def _not_before_previous(start: float, rows: list[dict[str, Any]]) -> float:
@@ -117,8 +100,11 @@ class Ledger:
         process_start: float,
         attempt: int,
         phases: dict[str, float] | None = None,
+        attempt_id: str | None = None,
     ) -> None:
         self.run_dir = run_dir
+        self.attempt_id = attempt_id
+        """The lease holder id of this attempt (with checkpoint.remote): how a later attempt tells it is booked."""
         self.world_size = world_size
         self.price_per_hour = price_per_hour
         self.base = base
@@ -151,15 +137,19 @@ class Ledger:
         enabled: bool = True,
         process_start: float | None = None,
         phases: dict[str, float] | None = None,
+        attempt_id: str | None = None,
+        lost_attempts: Sequence[dict[str, Any]] = (),
     ) -> Ledger:
         """Start this attempt's ledger; `enabled=False` on non-main ranks (no files touched).
 
-        `phases`: fixed costs timed before the ledger could open (see the module docstring)."""
+        `phases`: fixed costs timed before the ledger could open (see the module docstring).
+        `lost_attempts`: the lease's records of the attempts this one took the run from."""
         run_dir = Path(run_dir)
         rows: list[dict[str, Any]] = []
+        begun = process_start if process_start is not None else clock.process_start()
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
-            recover_killed(run_dir)
+            recover_killed(run_dir, lost_attempts, before=begun)
             rows = read_rows(run_dir)
         carried = carried_totals or {}
         base = {
@@ -168,9 +158,17 @@ class Ledger:
             )
             for k in ADDITIVE
         }
-        start = _not_before_previous(process_start if process_start is not None else _process_start(), rows)
+        start = _not_before_previous(begun, rows)
         ledger = cls(
-            run_dir, world_size, price_per_hour, base, enabled, start, attempt=int(base["attempts"]) + 1, phases=phases
+            run_dir,
+            world_size,
+            price_per_hour,
+            base,
+            enabled,
+            start,
+            attempt=int(base["attempts"]) + 1,
+            phases=phases,
+            attempt_id=attempt_id,
         )
         ledger.heartbeat()  # a kill before the first log step still leaves a row behind
         return ledger
@@ -247,6 +245,7 @@ class Ledger:
     def _progress(self, now: float) -> dict[str, Any]:
         return {
             "attempt": self.attempt,
+            "attempt_id": self.attempt_id,
             "pid": os.getpid(),
             "start_time": self.start,
             "heartbeat_time": now,
@@ -287,6 +286,8 @@ def row_from_progress(p: dict[str, Any], end: float, keep_all: bool) -> dict[str
         "lost_seconds": lost * w,
         "last_step": p["last_step"],
     }
+    if p.get("attempt_id"):
+        row["attempt_id"] = p["attempt_id"]
     if p.get("price_per_hour") is not None:
         row["cost"] = row["device_seconds"] / 3600 * p["price_per_hour"]
     if p.get("phases"):
@@ -308,29 +309,67 @@ def timed(phases: dict[str, float], phase: str) -> Iterator[None]:
         phases[phase] = phases.get(phase, 0.0) + time.monotonic() - started
 
 
-def seconds_since_process_start() -> float:
-    """This process's age by the OS's record of its start (the ledger's clock)."""
-    return max(0.0, time.time() - _process_start())
-
-
-def recover_killed(run_dir: Path | str) -> dict[str, Any] | None:
-    """Turn a leftover heartbeat (an attempt that never closed) into its `killed` row."""
+def recover_killed(
+    run_dir: Path | str, lost_attempts: Sequence[dict[str, Any]] = (), before: float | None = None
+) -> list[dict[str, Any]]:
+    """Book the attempts that never closed: a leftover heartbeat, and every lease record in
+    `lost_attempts` without a row (see the module docstring); returns the rows appended.
+    `before`: this attempt's start, which no booked row may run past."""
     run_dir = Path(run_dir)
+    earlier = read_rows(run_dir)
+    booked = {r.get("attempt_id") for r in earlier} - {None}
+    records = {r["attempt_id"]: r for r in lost_attempts if r.get("attempt_id") and r["attempt_id"] not in booked}
+    progress = _leftover_heartbeat(run_dir)
+    spans: list[tuple[dict[str, Any], dict[str, Any] | None]] = []  # (progress, lease record)
+    if progress is not None and progress.get("attempt_id") not in booked:
+        spans.append((progress, records.pop(progress.get("attempt_id"), None)))
+    spans += [(_progress_of(r), r) for r in records.values() if r.get("process_start") and r.get("last_seen")]
+    spans.sort(key=lambda s: float(s[0]["start_time"]))
+    rows: list[dict[str, Any]] = []
+    for i, (p, record) in enumerate(spans):
+        end = max(float(p["heartbeat_time"]), float((record or {}).get("last_seen") or 0))
+        later = [float(q["start_time"]) for q, _ in spans[i + 1 :]] + ([before] if before is not None else [])
+        tail = float((record or {}).get("renew_every") or 0) / 2
+        tail = max(0.0, min([tail, *(t - end for t in later)]))
+        row = row_from_progress(p, end + tail, keep_all=False)
+        if p.get("attempt") is None:  # known from the lease only: numbered in the order it is booked
+            row["attempt"] = len(earlier) + len(rows) + 1
+        row.update(exit_reason="killed", end_is_last_heartbeat=True)
+        if record is not None:
+            row.update(estimated_tail_seconds=round(tail, 3), host=record.get("host"))
+        append_line(run_dir / LEDGER_FILE, json.dumps(row, sort_keys=True))
+        rows.append(row)
+    (run_dir / HEARTBEAT_FILE).unlink(missing_ok=True)
+    return rows
+
+
+def _leftover_heartbeat(run_dir: Path) -> dict[str, Any] | None:
     path = run_dir / HEARTBEAT_FILE
     if not path.is_file():
         return None
     try:
         progress = json.loads(path.read_text())
-        row = row_from_progress(progress, progress["heartbeat_time"], keep_all=False)
+        row_from_progress(progress, progress["heartbeat_time"], keep_all=False)  # every field it needs is there
     except (ValueError, KeyError, TypeError) as e:
         log.warning("%s is unreadable (%s); the killed attempt it described is not counted", path, e)
-        path.unlink(missing_ok=True)
         return None
-    row["exit_reason"] = "killed"
-    row["end_is_last_heartbeat"] = True
-    append_line(Path(run_dir) / LEDGER_FILE, json.dumps(row, sort_keys=True))
-    path.unlink(missing_ok=True)
-    return row
+    return dict(progress)
+
+
+def _progress_of(record: dict[str, Any]) -> dict[str, Any]:
+    """A heartbeat-shaped description of an attempt known only from the lease it held."""
+    zero = dict.fromkeys(("productive_wall", "productive_at_checkpoint_wall", "checkpoint_wall"), 0.0)
+    return {
+        **zero,
+        "attempt": None,
+        "attempt_id": record["attempt_id"],
+        "pid": record.get("pid"),
+        "start_time": float(record["process_start"]),
+        "heartbeat_time": float(record["last_seen"]),
+        "first_step_time": None,
+        "world_size": int(record.get("world_size") or 1),
+        "last_step": record.get("step"),
+    }
 
 
 def _derived(totals: dict[str, Any], price_per_hour: float | None) -> dict[str, Any]:

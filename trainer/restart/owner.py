@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.restart.lease import Lease, _Refused, describe_lease, read_lease, write_object
+from trainer.restart.conditional import Refused, write_object
+from trainer.restart.lease import Lease, describe_lease, read_lease
 from trainer.restart.lock import RunBusy, RunLock, describe, holder
 from trainer.restart.storage import Store, _short
 
@@ -59,6 +60,7 @@ def hold(
     lease_seconds: float,
     wait: float | None = None,
     command: str = "train",
+    outage_seconds: float = 900.0,
 ) -> Iterator[Holding]:
     """Hold `run_dir` (and the lease of `remote`) for the block; raises RunBusy naming the holder."""
     if os.environ.get("RANK", "0") != "0":
@@ -68,17 +70,18 @@ def hold(
     with RunLock.take(run_dir, command, wait) as lock:
         lease = None
         if remote is not None:
-            lease = Lease(Store(remote, storage_options), lease_seconds, Path(run_dir), message=_say)
+            store = Store(remote, storage_options)
+            lease = Lease(store, lease_seconds, Path(run_dir), message=_say, outage_seconds=outage_seconds)
             left = None if wait is None else max(0.0, wait - (time.monotonic() - started))
             try:
                 lease.acquire(left)
-                lease.start()
             except RunBusy:
                 raise
             except Exception as e:
                 # Unreachable now: RemoteRun.connect decides whether training may start; if it does,
-                # the first write to the store takes the lease (or stops the run).
-                _say(f"spotune: the lease of {lease.store.shown} could not be read ({_short(e)}); taken later")
+                # the lease thread takes the lease once the store answers (or stops the run).
+                lease.offline(_short(e))
+            lease.start()
         try:
             yield Holding(lock, lease)
         finally:
@@ -137,7 +140,7 @@ def break_lease(remote: str, storage_options: dict[str, Any] | None = None) -> s
 
     try:
         write_object(store, store.path("lease.json"), json.dumps(broken).encode(), if_match=etag)
-    except _Refused:
+    except Refused:
         return f"{store.shown}: the lease changed while breaking it (renewed?); run `spotune status` again"
     return f"{store.shown}: broke the lease of {describe_lease(lease)}"
 

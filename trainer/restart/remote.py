@@ -20,7 +20,7 @@ import torch
 from trainer.atomic import write_bytes
 from trainer.restart.checkpoint import MANIFEST, CheckpointError, CheckpointManager, resolve_resume
 from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, read_rows
-from trainer.restart.storage import Fence, Store, StoreError, _short
+from trainer.restart.storage import Fence, Store, StoreError, StoreUnreachable, _short
 from trainer.restart.uploader import RUN_FILES, Uploader
 from trainer.urls import redact
 
@@ -65,8 +65,8 @@ class RemoteRun:
     def connect(self) -> None:
         """Rank 0: check the store; on a machine without the run files, download them.
 
-        Raises StoreError (naming the URL and the likely cause) when the store is unreachable
-        and no local checkpoint lets training go on; with one, warns and keeps retrying later.
+        Raises StoreUnreachable (naming the URL and the likely cause; exit 143) when the store is
+        unreachable and no local checkpoint lets training go on; with one, warns and retries later.
         """
         if self.url is None or not self.is_main:
             return
@@ -77,8 +77,10 @@ class RemoteRun:
             self.store.check()
         except StoreError as e:
             local = CheckpointManager(self.run_dir / "checkpoints").committed()
-            if not local:
-                raise
+            if not local and isinstance(e.__cause__, (PermissionError, FileNotFoundError)):
+                raise  # no such bucket, or access denied: a setting to fix (exit 2), not a fault to wait out
+            if not local:  # the store is down: a fault of the moment, a restart later may find it (exit 143)
+                raise StoreUnreachable(f"{e}. No local checkpoint lets training start without it") from e
             self.message(f"spotune: {e}. Continuing from the local checkpoint {local[-1].name}; uploads will retry.")
             return
         self.reachable = True

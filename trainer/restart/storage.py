@@ -48,6 +48,16 @@ class StoreError(CheckpointError):
     """The remote store cannot be reached, or it holds something that cannot be trusted."""
 
 
+class StoreUnreachable(StoreError):
+    """The store does not answer and nothing local lets training go on: a transient fault, so
+    `spotune train` exits 143 (restartable), not 2."""
+
+
+class StoreOffline(StoreError):
+    """This attempt is cut off from the store (its lease could not be renewed in time): it writes
+    nothing there until the lease is confirmed again (trainer/restart/lease.py); uploads retry."""
+
+
 def install_hint(url: str) -> str:
     extra = _EXTRA.get(urlsplit(url).scheme)
     return f"pip install 'spotune[{extra}]'" if extra else "install the fsspec backend for this URL"
@@ -67,6 +77,9 @@ class Fence:
     def put_new(self, store: Store, local: Path, path: str) -> None:
         """Upload a manifest (a lease makes it conditional on the object not existing yet)."""
         store.fs.put_file(str(local), path)
+
+    def pushed(self, rel: str) -> None:
+        """A run file reached the store (the lease learns that its attempt's ledger rows are safe)."""
 
 
 COMMITTED_RUN_FILES = ("ledger.jsonl",)
@@ -91,6 +104,8 @@ class Store:
             ) from e
         self.root = self.root.rstrip("/")
         self.fence = Fence()  # a Lease while a training attempt holds the run (trainer/restart/lease.py)
+        self.conditional: bool | None = None
+        """Whether the store enforces If-Match / If-None-Match; probed once (trainer/restart/conditional.py)."""
 
     # ------------------------------------------------------------------ paths
 
@@ -215,6 +230,7 @@ class Store:
         else:
             self.fence.check()
             self.fs.put_file(str(local), self.path(rel))
+        self.fence.pushed(rel)
         return local.stat().st_size
 
     def get(self, rel: str, local: Path) -> bool:

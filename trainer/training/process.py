@@ -68,6 +68,8 @@ def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitSt
         remote.connect()  # first: a fresh machine fetches the run's config, ledger and metrics before writing any
     stop = preemption.Preemption().install()
     closing.callback(stop.uninstall)
+    if fence is not None:  # a store gone past checkpoint.store_outage_seconds: save locally, exit 143
+        fence.on_outage = stop.request
     # A cloud notice sets the same flag as SIGTERM; one poller per machine.
     watcher = notice.NoticeWatcher(ck.preemption_notice, stop.request, ck.notice_endpoint, ck.notice_poll_seconds)
     if accelerator.is_local_main_process:

@@ -61,7 +61,9 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
     with determinism.kernels(cfg.train.deterministic) as notes, contextlib.ExitStack() as closing:
         # One writer per run, before anything touches output_dir or the store (trainer/restart/owner.py).
         holding = closing.enter_context(
-            owner.hold(cfg.output_dir, ck.remote, ck.storage_options, ck.lease_seconds, wait)
+            owner.hold(
+                cfg.output_dir, ck.remote, ck.storage_options, ck.lease_seconds, wait, "train", ck.store_outage_seconds
+            )
         )
         proc = process.start(cfg, phases, closing, fence=holding.lease)  # accelerator, DDP/FSDP, store, stop paths
         device = proc.accelerator.device
@@ -88,9 +90,7 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
         )
         set_seed(cfg.seed + proc.rank)  # distinct dropout streams per rank from here on
 
-        books = _open_books(
-            cfg, proc, sched, model, counts.trainable, peak_flops, phases, closing, holding.clock_start()
-        )
+        books = _open_books(cfg, proc, sched, model, counts.trainable, peak_flops, phases, closing, holding)
         books.ledger.phases["imports"] += entered - books.ledger.start  # interpreter, CLI and config before train()
         books.ledger.data_reused = bool(prepared.reused)
         books.ledger.device = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
@@ -204,9 +204,10 @@ def _open_books(
     peak_flops: float | None,
     phases: dict[str, float],
     closing: contextlib.ExitStack,
-    process_start: float | None = None,
+    holding: owner.Holding,
 ) -> Books:
     saved = sched.saved
+    lease = holding.lease
     ledger = Ledger.open(
         proc.out,
         proc.world,
@@ -214,7 +215,9 @@ def _open_books(
         carried_totals=saved.ledger if saved is not None else None,
         enabled=proc.is_main,
         phases=phases,
-        process_start=process_start,  # after a --wait: from when this attempt got the run
+        process_start=holding.clock_start(),  # after a --wait: from when this attempt got the run
+        attempt_id=lease.id if lease is not None else None,
+        lost_attempts=lease.hand_over() if lease is not None else (),  # killed attempts the lease names
     )
     closing.push(_ledger_row_on_error(ledger))
     console = Console(sched.steps, bar=cfg.metrics.progress, is_main=proc.is_main)
@@ -353,10 +356,8 @@ def _finish(
     ledger = books.ledger
     ledger.winding_down(reason)
     if reason in ("finished", "budget"):
-        with ledger.timed("final"):
-            write_final(
-                proc.out / "final", model, tokenizer_path(cfg), proc.is_main, cfg.data.chat_template
-            )  # collective under FSDP
+        with ledger.timed("final"):  # a collective under FSDP
+            write_final(proc.out / "final", model, tokenizer_path(cfg), proc.is_main, cfg.data.chat_template)
     proc.accelerator.wait_for_everyone()
     summary = books.meter.summary()
     with ledger.timed("flush"):

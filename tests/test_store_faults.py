@@ -1,0 +1,197 @@
+"""Faults a healthy run survives, the pieces: the lease against moto's S3 through a fault-injecting
+proxy (tests/fault_proxy.py). A store cut off past the lease's expiry, a PUT delivered twice, a
+store that ignores conditional writes, a taker whose wall clock is far ahead. The end-to-end drills
+(`spotune train` through the proxy, the wiped-machine kill drill for the ledger) are in
+test_store_fault_drill.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fault_proxy import FaultProxy
+from moto_fixture import s3_env
+
+from trainer.restart.conditional import conditional
+from trainer.restart.lease import Lease, LeaseLost, read_lease
+from trainer.restart.lock import RunBusy
+from trainer.restart.owner import break_lease
+from trainer.restart.storage import Store, StoreOffline
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def proxy(moto_endpoint: str, s3_remote: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultProxy]:
+    """The proxy in front of moto, and this process's S3 client pointed at it (one try per request)."""
+    p = FaultProxy(moto_endpoint, tmp_path)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", p.url)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    yield p
+    p.stop()
+
+
+def _lease(remote: str, run: Path, ttl: float = 30.0, **kw: float) -> tuple[Lease, list[str], list[str]]:
+    lost: list[str] = []
+    said: list[str] = []
+    lease = Lease(Store(remote), ttl, run, message=said.append, **kw)
+    lease.on_lost = lost.append  # instead of exiting the process
+    return lease, lost, said
+
+
+def _wait_for(cond, timeout: float) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_cut_off_past_expiry_keeps_training_and_takes_the_lease_back(
+    tmp_path: Path, s3_remote: str, proxy: FaultProxy
+) -> None:
+    """(a) Today's lease calls itself lost and exits 75 after ttl without renewal; now it only stops writing."""
+    a, lost, said = _lease(s3_remote, tmp_path / "a", ttl=2.0)
+    a.acquire()
+    a.start()
+    proxy.set(down=True)
+    assert _wait_for(lambda: a.offline_since is not None, timeout=10), said
+    with pytest.raises(StoreOffline):
+        a.check()  # every write asks this: refused while cut off
+    time.sleep(1.0)
+    assert not lost and a.lost is None
+    proxy.set()
+    assert _wait_for(lambda: a.offline_since is None, timeout=15), said
+    a.check()
+    assert a.generation == 2 and not lost
+    assert any("took it back as generation 2" in m for m in said)
+    lease, _ = read_lease(Store(s3_remote))
+    assert lease is not None and lease["holder"] == a.id and lease["generation"] == 2
+    a.release()
+
+
+def test_cut_off_while_another_machine_takes_over_exits_busy_having_written_nothing(
+    tmp_path: Path, s3_remote: str, proxy: FaultProxy, moto_endpoint: str
+) -> None:
+    a, lost, said = _lease(s3_remote, tmp_path / "a", ttl=2.0)
+    a.acquire()
+    a.start()
+    proxy.set(down=True)  # a is cut off; b reaches moto directly
+    b = Lease(Store(s3_remote, {"endpoint_url": moto_endpoint}), 30.0, tmp_path / "b", message=lambda m: None)
+    b.acquire(wait=20)  # only after a's lease stood still for its ttl on b's clock
+    assert b.generation == 2 and b.waited >= 1.5
+    assert a.offline_since is not None and not lost  # a stopped writing before b could take it
+    proxy.set()
+    assert _wait_for(lambda: bool(lost), timeout=15), said
+    assert "another attempt took the run's lease" in lost[0]
+    with pytest.raises(LeaseLost):
+        a.check()
+    lease, _ = read_lease(b.store)
+    assert lease is not None and lease["holder"] == b.id and lease["generation"] == 2  # a wrote nothing more
+
+
+def test_an_outage_past_the_limit_asks_for_the_save_and_exit(tmp_path: Path, s3_remote: str, proxy: FaultProxy) -> None:
+    a, lost, said = _lease(s3_remote, tmp_path / "a", ttl=1.5, outage_seconds=2.0)
+    stops: list[str] = []
+    a.on_outage = stops.append
+    a.acquire()
+    a.start()
+    proxy.set(down=True)
+    assert _wait_for(lambda: bool(stops), timeout=15), said
+    assert "store_outage_seconds" in stops[0] and not lost  # 143 via the stop path, never 75
+    proxy.set()
+    a.release()
+
+
+def test_a_put_delivered_twice_is_still_ours(tmp_path: Path, s3_remote: str, proxy: FaultProxy) -> None:
+    """(b) The first copy lands, the second is refused (412): today's renew and put_new call that a loss."""
+    a, lost, _ = _lease(s3_remote, tmp_path / "a")
+    assert conditional(a.store)  # the probe's own PUTs go through once
+    proxy.set(double_put=1)
+    a.acquire()  # If-None-Match on the creating PUT
+    proxy.set(double_put=1)
+    a.renew()  # If-Match on the renewal
+    manifest = tmp_path / "MANIFEST.json"
+    manifest.write_text('{"files": {}}')
+    store = Store(s3_remote)
+    store.fence = a
+    proxy.set(double_put=2)
+    a.commit(lambda: a.put_new(store, manifest, store.path("m.json")))  # the renewal, then the manifest
+    assert not lost
+    doubled = [(e["path"].rsplit("/", 1)[1], e["status"]) for e in proxy.log() if e.get("times") == 2]
+    assert doubled == [("lease.json", "412")] * 3 + [("m.json", "412")], doubled  # the proxy did resend
+    lease, _ = read_lease(store)
+    assert lease is not None and lease["holder"] == a.id
+    # The control: a manifest someone else committed is still refused.
+    other = tmp_path / "other.json"
+    other.write_text('{"files": {"x": 1}}')
+    with pytest.raises(LeaseLost):
+        a.put_new(store, other, store.path("m.json"))
+
+
+def test_a_store_that_ignores_conditions_is_found_out_and_reread(
+    tmp_path: Path, s3_remote: str, proxy: FaultProxy
+) -> None:
+    """(c) The proxy drops If-Match / If-None-Match: the probe sees it, so a holder whose lease was broken
+    is stopped by the re-read before its commit (today the stripped If-Match renewal lets it write)."""
+    proxy.set(strip_conditions=True)
+    assert conditional(Store(s3_remote)) is False
+    a, lost, _ = _lease(s3_remote, tmp_path / "a")
+    a.acquire()
+    wrote: list[int] = []
+    a.commit(lambda: wrote.append(1))
+    break_lease(s3_remote)
+    with pytest.raises(LeaseLost):
+        a.commit(lambda: wrote.append(2))
+    assert wrote == [1] and lost
+    proxy.set()  # the control: the same S3 with conditions kept is found to enforce them
+    assert conditional(Store(s3_remote)) is True
+
+
+_LIVE_HOLDER = """
+import sys, time
+from pathlib import Path
+from trainer.restart.lease import Lease
+from trainer.restart.storage import Store
+lease = Lease(Store(sys.argv[1]), 3.0, Path(sys.argv[2]), message=lambda m: None)
+lease.acquire()
+lease.start()
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_taker_whose_clock_is_an_hour_ahead_never_takes_a_live_lease(
+    tmp_path: Path, s3_remote: str, moto_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(c) Expiry is judged on the taker's own clock: the holder's expires_at, an hour in the past by the
+    taker's wall clock, is only a reason to look; a lease that keeps changing is live."""
+    env = {**s3_env(moto_endpoint), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _LIVE_HOLDER, s3_remote, str(tmp_path / "holder")],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() + 3600)
+        taker, _, _ = _lease(s3_remote, tmp_path / "taker")
+        with pytest.raises(RunBusy):
+            taker.acquire(wait=3)  # today: taken at once, two writers
+        assert (read_lease(Store(s3_remote))[0] or {}).get("generation") == 1
+        holder.kill()
+        holder.wait()
+        taker.acquire(wait=20)  # now it stands still: taken after its ttl on the taker's clock
+        assert taker.generation == 2 and taker.waited >= 2.5
+        assert taker.previous and taker.previous[0]["pid"] == holder.pid  # the ledger books the dead holder
+    finally:
+        holder.kill()
+        holder.wait()
