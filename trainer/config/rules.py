@@ -195,19 +195,34 @@ def cross_checks(cfg: Sections) -> list[str]:
         p.append(f"adapter.dropout: must be within [0, 1), got {cfg.adapter.dropout}")
     if not 0.0 <= cfg.data.eval_fraction < 1.0:
         p.append(f"data.eval_fraction: must be within [0, 1), got {cfg.data.eval_fraction}")
-    if cfg.checkpoint.keep_last < 2:
-        p.append(
-            f"checkpoint.keep_last: must be at least 2 so a committed checkpoint always survives, got {cfg.checkpoint.keep_last}"
-        )
-    if cfg.checkpoint.every_minutes is not None and cfg.checkpoint.every_minutes <= 0:
-        p.append(f"checkpoint.every_minutes: must be above 0 or null, got {cfg.checkpoint.every_minutes}")
-    p += remote_problems(cfg.checkpoint.remote, cfg.checkpoint.storage_options)
     if cfg.train.deterministic and cfg.model.compile:  # trainer/training/determinism.py says what the mode sets
         p.append(
             "train.deterministic: model.compile=true cannot be deterministic (torch.compile chooses kernel "
             "configurations by timing them); set model.compile=false or train.deterministic=false"
         )
-    ck = cfg.checkpoint
+    timeout = cfg.train.collective_timeout_seconds
+    if timeout is not None and timeout < 10:  # a step's slowest rank must fit in it, and a save's barrier
+        p.append(f"train.collective_timeout_seconds: must be at least 10 (or null for torch's default), got {timeout}")
+    if cfg.train.max_cost is not None and cfg.metrics.price_per_hour is None:
+        p.append(
+            "train.max_cost: needs metrics.price_per_hour to turn device-hours into cost; set metrics.price_per_hour"
+        )
+    if cfg.train.mixed_precision == "fp16" and cfg.model.dtype == "bfloat16":
+        p.append(
+            "train.mixed_precision: fp16 over a bfloat16 base mixes dtypes; use train.mixed_precision=bf16 or model.dtype=float16"
+        )
+    return p + _checkpoint_checks(cfg.checkpoint) + _fsdp_checks(cfg) + _source_checks(cfg.data)
+
+
+def _checkpoint_checks(ck: CheckpointConfig) -> list[str]:
+    p: list[str] = []
+    if ck.keep_last < 2:
+        p.append(
+            f"checkpoint.keep_last: must be at least 2 so a committed checkpoint always survives, got {ck.keep_last}"
+        )
+    if ck.every_minutes is not None and ck.every_minutes <= 0:
+        p.append(f"checkpoint.every_minutes: must be above 0 or null, got {ck.every_minutes}")
+    p += remote_problems(ck.remote, ck.storage_options)
     if ck.notice_endpoint is not None:
         url = urllib.parse.urlsplit(ck.notice_endpoint)
         if url.scheme not in ("http", "https") or not url.hostname or url.username or url.query or url.fragment:
@@ -220,18 +235,7 @@ def cross_checks(cfg: Sections) -> list[str]:
         p.append(f"checkpoint.notice_poll_seconds: must be above 0, got {ck.notice_poll_seconds}")
     if ck.lease_seconds < 1:  # renewed every third of it: shorter would be all renewals
         p.append(f"checkpoint.lease_seconds: must be at least 1, got {ck.lease_seconds}")
-    timeout = cfg.train.collective_timeout_seconds
-    if timeout is not None and timeout < 10:  # a step's slowest rank must fit in it, and a save's barrier
-        p.append(f"train.collective_timeout_seconds: must be at least 10 (or null for torch's default), got {timeout}")
-    if cfg.train.max_cost is not None and cfg.metrics.price_per_hour is None:
-        p.append(
-            "train.max_cost: needs metrics.price_per_hour to turn device-hours into cost; set metrics.price_per_hour"
-        )
-    if cfg.train.mixed_precision == "fp16" and cfg.model.dtype == "bfloat16":
-        p.append(
-            "train.mixed_precision: fp16 over a bfloat16 base mixes dtypes; use train.mixed_precision=bf16 or model.dtype=float16"
-        )
-    return p + _fsdp_checks(cfg) + _source_checks(cfg.data)
+    return p
 
 
 def _source_checks(d: DataConfig) -> list[str]:
