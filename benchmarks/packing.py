@@ -74,7 +74,7 @@ def main() -> int:
     )
     print(header)
     for seq_len in SEQ_LENS:
-        cfg = DataConfig(path=str(DATA), seq_len=seq_len)
+        cfg = DataConfig(path=str(DATA), seq_len=seq_len, chat_template="alpaca")  # a base tokenizer: no template
         with tempfile.TemporaryDirectory() as cache:
             t = time.perf_counter()
             p = prepare(cfg, str(TOKENIZER), Path(cache), progress=False)

@@ -51,7 +51,8 @@ def recipe(work: Path, model: Path, data: Path, dry: bool) -> dict[str, Any]:
         "seed": 1,
         "model": {"name_or_path": str(model), "dtype": "float32" if dry else "bfloat16"},
         "adapter": {"r": 16, "alpha": 32},
-        "data": {"path": str(data), "format": "alpaca", "seq_len": 128 if dry else 2048},
+        # The Llama 2 tokenizer of a base model ships no chat template: the named Stanford prompt.
+        "data": {"path": str(data), "format": "alpaca", "chat_template": "alpaca", "seq_len": 128 if dry else 2048},
         "train": {
             "max_steps": 8 if dry else 60,
             "micro_batch_size": 2 if dry else 4,

@@ -1,9 +1,9 @@
 """Bitwise resume on CPU fp32: 2k steps straight equal k steps, stop, resume for k more.
 
 The run has gradient accumulation, LoRA dropout above zero and packed data; the stop
-falls mid-epoch and the continuation crosses an epoch boundary (30 examples packed two or
-three to a row into 14 rows of 256, 4 rows a step: 3 steps an epoch; stop at step 4 =
-epoch 1 cursor 4, epoch 2 starts at step 6).
+falls mid-epoch and the continuation crosses an epoch boundary (50 examples, rendered through
+the tiny tokenizer's chat template, packed three or four to a row into 15 rows of 128, 4 rows a
+step: 3 steps an epoch; stop at step 4 = epoch 1 cursor 4, epoch 2 starts at step 7).
 Controls: resuming without the RNG or without the sampler position changes the losses,
 and the checkpoints at two different steps differ.
 """
@@ -35,7 +35,7 @@ def _cfg(out: Path, model: Path, data: Path, cache: Path, max_steps: int, **extr
         "seed": 3,
         "model": {"name_or_path": str(model), "dtype": "float32"},
         "adapter": {"r": 4, "alpha": 8, "dropout": 0.1},
-        "data": {"path": str(data), "seq_len": 256, "cache_dir": str(cache)},
+        "data": {"path": str(data), "seq_len": 128, "cache_dir": str(cache)},
         "train": {
             "max_steps": max_steps,
             "micro_batch_size": 2,
@@ -62,7 +62,7 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("resume")
-    data = builtin_assets.write_dataset(root / "train.jsonl", n=30)
+    data = builtin_assets.write_dataset(root / "train.jsonl", n=50)
     make = lambda name, steps: _cfg(root / name, tiny_llama, data, root / "cache", steps)  # noqa: E731
 
     assert run.train(make("straight", 2 * K)) == 0
