@@ -12,6 +12,8 @@ cast of the activation to the adapter's fp32 dtype is switched off, so no LoRA l
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 import warnings
 from collections.abc import Iterator
@@ -179,8 +181,9 @@ def load_base(
     try:
         # `progress`: the download shows (trainer/progress.py: a bar, or lines in a log file).
         with quiet_hf_progress(downloads=progress):
-            bar = progress_lib.hub_download_bar() if progress else None
-            model = AutoModelForCausalLM.from_pretrained(path, tqdm_class=bar, **kwargs)
+            if progress and _takes_download_bar():
+                kwargs["tqdm_class"] = progress_lib.hub_download_bar()
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as e:
         raise ConfigError(
             [
@@ -352,3 +355,13 @@ def build_optimizer(
 
     cls = bnb.optim.AdamW8bit if train.optimizer == "adamw_8bit" else bnb.optim.PagedAdamW8bit
     return cls(params, **kwargs)
+
+
+@functools.cache
+def _takes_download_bar() -> bool:
+    """Whether this transformers reads `tqdm_class` in from_pretrained (later 5.x releases); 5.0, the
+    floor, hands an unknown keyword to the model's __init__, which refuses it."""
+    from transformers import modeling_utils
+
+    resolve = getattr(modeling_utils, "_get_resolved_checkpoint_files", None)
+    return resolve is not None and "tqdm_class" in inspect.signature(resolve).parameters
