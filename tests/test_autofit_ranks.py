@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import transformers
+from test_autofit import _cfg as autofit_cfg
+from test_autofit import _shape
 
 from trainer import config
 from trainer.exit_codes import EXIT_OUT_OF_MEMORY, EXIT_PREEMPTED
@@ -23,24 +25,8 @@ from trainer.training import autofit, shutdown
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _shape() -> flops.ModelShape:
-    return flops.model_shape(
-        transformers.LlamaConfig.from_pretrained(REPO / "benchmarks" / "configs" / "llama-3.1-8b.json")
-    )
-
-
 def _cfg(**dotted: object) -> config.RunConfig:
-    base = {
-        "model.name_or_path": "llama-8b",
-        "model.gradient_checkpointing": "auto",
-        "model.activation_offload": "auto",
-        "train.micro_batch_size": "auto",
-        "train.global_batch_size": 16,
-        "data.seq_len": 4096,
-        "adapter.dropout": 0.0,
-        "adapter.method": "qlora",
-    }
-    return config.RunConfig().replace(**(base | dotted))
+    return autofit_cfg(**({"adapter.method": "qlora"} | dotted))
 
 
 def _setting(cfg: config.RunConfig) -> autofit.Setting:

@@ -115,18 +115,22 @@ def estimate(
     }
 
 
+def model_facts(job: Job) -> dict[str, Any]:
+    """The estimate's `model` section (without data, `spotune estimate` gives it too: plan/fit.py)."""
+    return {
+        "name_or_path": job.name_or_path,
+        "arch": job.shape.arch,
+        "hf_model_type": job.hf_model_type,
+        "params": job.shape.total_params(),
+        "trainable_params": job.lora_params,
+        "weight_format": job.weight_format,
+    }
+
+
 def _described(job: Job, work: wl.Workload, totals: Totals, constraints: Constraints) -> dict[str, Any]:
     """The estimate's model, data and run sections: what is being forecast."""
     return {
-        "model": {
-            "name_or_path": job.name_or_path,
-            "arch": job.shape.arch,
-            "hf_model_type": job.hf_model_type,
-            "params": job.shape.total_params(),
-            "trainable_params": job.lora_params,
-            "weight_format": job.weight_format,
-            "flops_per_token": totals.flops_per_token,
-        },
+        "model": model_facts(job) | {"flops_per_token": totals.flops_per_token},
         "data": {
             "source": work.source,
             "exact": work.exact,

@@ -13,7 +13,7 @@ from typing import Any
 from trainer import catalog as cat
 from trainer.plan import PlanError
 from trainer.plan import memory as mem
-from trainer.plan.estimate import SCHEMA
+from trainer.plan.estimate import SCHEMA, model_facts
 from trainer.plan.job import Constraints, Job
 
 NEEDS = (
@@ -44,14 +44,7 @@ def memory_fit(job: Job, catalog: list[cat.GPU], constraints: Constraints, probl
         )
     return {
         "schema": SCHEMA,
-        "model": {
-            "name_or_path": job.name_or_path,
-            "arch": job.shape.arch,
-            "hf_model_type": job.hf_model_type,
-            "params": job.shape.total_params(),
-            "trainable_params": job.lora_params,
-            "weight_format": job.weight_format,
-        },
+        "model": model_facts(job),
         "data": {"source": "none", "exact": False, "problem": problem},
         "run": {"gpus": constraints.gpus, "seq_len": job.seq_len, "global_batch_rows": job.train.global_batch_size},
         "memory_gib": memory.as_gib() | {"sharded_over": constraints.gpus if job.fsdp else 1},
