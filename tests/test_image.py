@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fsspec.registry import _registry as fsspec_classes  # the classes fsspec has imported
 from fsspec.registry import known_implementations
 from packaging.requirements import Requirement
 from packaging.version import Version
@@ -168,6 +169,8 @@ def test_the_extra_the_trainer_asks_for_without_a_backend_is_in_the_image(monkey
         for scheme in schemes:
             with monkeypatch.context() as m:
                 m.setitem(sys.modules, known_implementations[scheme]["class"].split(".")[0], None)  # not installed
+                # fsspec keeps a class it has imported once (an earlier test's store): forget it here.
+                m.delitem(fsspec_classes, scheme, raising=False)
                 with pytest.raises(StoreError, match=r"pip install 'spotune\[(\w+)\]'") as e:
                     Store(f"{scheme}://bucket/spotune/run")
             asked = re.findall(r"spotune\[(\w+)\]", str(e.value))[0]

@@ -93,8 +93,11 @@ def test_outage_double_puts_and_a_second_machine_through_a_faulty_proxy(
             {**env, PAUSE_ENV: "1.0"},
         )
         assert _wait(a, lambda: bool(store.committed()), timeout=120), (tmp_path / "a.log").read_text()
-        proxy.set(double_put=4)  # the next renewals / uploads land twice: a conditional one is then refused
-        time.sleep(1.5)
+        # Every PUT lands twice until a conditional one (a renewal, a manifest) has been refused as a
+        # resend: uploads may take the first few, so wait for the refusal rather than a fixed time.
+        proxy.set(double_put=1000)
+        refused = lambda: any(e.get("times") == 2 and e["status"] == "412" for e in proxy.log())  # noqa: E731
+        assert _wait(a, refused, timeout=60), proxy.log()
         proxy.set(down=True)
         cut = time.monotonic()
         b = _start(procs, _write_recipe(tmp_path, second, tiny_llama, data, **opts), tmp_path / "b.log", env)
