@@ -397,6 +397,7 @@ def test_a_new_machine_resumes_on_the_commit_of_the_first_start(
     tmp_path: Path, tiny_llama: Path, fake_hub: FakeHub, s3_remote: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from trainer.restart.checkpoint import ResumeMismatch
+    from trainer.restart.generations import run_file_copies
     from trainer.restart.storage import Store
     from trainer.training import run
 
@@ -434,7 +435,8 @@ def test_a_new_machine_resumes_on_the_commit_of_the_first_start(
     # and the resume refuses to train on other data than its checkpoints did.
     shutil.rmtree(out)
     store = Store(s3_remote)
-    store.fs.rm(store.path("config.yaml"))
+    for copy in run_file_copies(store.fs, store.path("config.yaml")).values():  # every generation's
+        store.fs.rm(copy)
     with pytest.raises(ResumeMismatch, match="dataset fingerprint"):
         run.train(cfg(3))
 

@@ -101,7 +101,7 @@ def test_lease_live_refuses_expired_is_taken_with_a_higher_generation(tmp_path: 
     local.write_text("{}\n")
     with pytest.raises(LeaseLost):
         store.put(local, "ledger.jsonl")
-    assert not store.fs.exists(store.path("ledger.jsonl"))
+    assert store.run_file("ledger.jsonl") is None  # no copy of any generation
     b.release()
     lease, _ = read_lease(Store(s3_remote))
     assert lease is not None and lease["released"] and lease["generation"] == 2

@@ -21,6 +21,7 @@ import yaml
 from trainer.config import ConfigError, RunConfig, from_dict
 from trainer.report.example import Example, training_example
 from trainer.report.trained import Trained, load_trained
+from trainer.restart.generations import newest_run_file
 from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, row_from_progress, row_time
 from trainer.urls import redact
 
@@ -188,8 +189,13 @@ def _config(text: str | None, where: str, notes: list[str]) -> RunConfig | None:
 
 
 def _read(url: str) -> str | None:
+    """A run file's text: in a store, its copy of the newest lease generation (trainer/restart/generations.py)."""
     try:
-        with fsspec.open(url, "rt", encoding="utf-8") as f:
+        fs, path = fsspec.core.url_to_fs(url)
+        newest = newest_run_file(fs, path)
+        if newest is None:
+            return None
+        with fs.open(newest, "rt", encoding="utf-8") as f:
             return str(f.read())
     except FileNotFoundError:
         return None

@@ -294,9 +294,10 @@ def _continue(store: Store, name: str, local: Path) -> bool:
     """Replace `local` by the store's copy when that copy continues it (starts with its bytes);
     a local copy with rows the store lacks is kept (this node wrote them last)."""
     try:
-        if store.fs.size(store.path(name)) <= local.stat().st_size:
+        source = store.run_file(name)  # the copy of the newest generation (trainer/restart/generations.py)
+        if source is None or store.fs.size(source) <= local.stat().st_size:
             return False
-        remote = store.fs.cat_file(store.path(name))
+        remote = store.fs.cat_file(source)
     except FileNotFoundError:
         return False
     if not remote.startswith(local.read_bytes()):

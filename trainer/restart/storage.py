@@ -22,6 +22,7 @@ import os
 import posixpath
 import re
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +31,14 @@ from urllib.parse import urlsplit
 
 from trainer.atomic import files_below, fsync_tree, publish_dir, temp_sibling
 from trainer.restart.checkpoint import MANIFEST, CheckpointError, file_digest
+from trainer.restart.generations import (
+    current_steps,
+    manifest_generation,
+    newest_run_file,
+    run_file_copies,
+    run_file_key,
+    stamped,
+)
 from trainer.urls import redact
 
 log = logging.getLogger(__name__)
@@ -66,6 +75,11 @@ def install_hint(url: str) -> str:
 class Fence:
     """What every write to the store asks first. This one lets everything through; a run's
     `restart.lease.Lease` refuses once another machine holds the run (one writer per run)."""
+
+    @property
+    def generation(self) -> int | None:
+        """The lease generation every write carries (trainer/restart/generations.py); 0 = none."""
+        return 0
 
     def check(self) -> None:
         """Raise when this process may no longer write to the store."""
@@ -106,6 +120,8 @@ class Store:
         self.fence = Fence()  # a Lease while a training attempt holds the run (trainer/restart/lease.py)
         self.conditional: bool | None = None
         """Whether the store enforces If-Match / If-None-Match; probed once (trainer/restart/conditional.py)."""
+        self._swept: set[tuple[str, int]] = set()
+        """(run file, generation) whose copies of older generations were deleted."""
 
     # ------------------------------------------------------------------ paths
 
@@ -158,21 +174,41 @@ class Store:
                 out.setdefault(int(m.group(1)), set()).add("/".join(rel[1:]))
         return out
 
+    def _manifests(self) -> dict[int, int]:
+        """step -> the generation its remote manifest records (0: none), for every manifest there."""
+        steps = sorted(step for step, names in self._step_dirs().items() if MANIFEST in names)
+        out = {}
+        for step in steps:
+            try:
+                out[step] = manifest_generation(self.fs.cat_file(self.step_path(step, MANIFEST)))
+            except FileNotFoundError:  # pruned between the listing and the read
+                continue
+        return out
+
     def committed(self) -> list[int]:
-        """Steps whose manifest exists remotely, oldest first (verification not implied)."""
-        return sorted(step for step, names in self._step_dirs().items() if MANIFEST in names)
+        """Steps whose manifest exists remotely and is no fenced holder's late write (the rule in
+        trainer/restart/generations.py), oldest first (verification not implied)."""
+        return current_steps(self._manifests())
 
     def clean(self) -> list[int]:
-        """Delete remote step directories that have no manifest (uploads killed midway)."""
-        doomed = [s for s, names in self._step_dirs().items() if MANIFEST not in names and RETIRED not in names]
-        for step in doomed:
+        """Delete remote step directories that have no manifest (uploads killed midway), and those
+        whose manifest is a fenced holder's late write (manifest first, as in `prune`)."""
+        manifests = self._manifests()
+        current = set(current_steps(manifests))
+        dirs = self._step_dirs()
+        doomed = sorted(s for s, names in dirs.items() if MANIFEST not in names and RETIRED not in names)
+        late = [s for s in manifests if s not in current]
+        for step in late:
+            self.fence.check()
+            self.fs.rm_file(self.step_path(step, MANIFEST))
+        for step in doomed + late:
             self.fence.check()
             self.fs.rm(self.step_path(step), recursive=True)
-        return doomed
+        return sorted(doomed + late)
 
     def retire(self, after_step: int) -> list[int]:
         """Set aside remote checkpoints above `after_step` (their manifest renamed; data kept)."""
-        moved = [s for s in self.committed() if s > after_step]
+        moved = [s for s in self._manifests() if s > after_step]
         for step in moved:
             self.fence.check()
             self.fs.mv(self.step_path(step, MANIFEST), self.step_path(step, RETIRED))
@@ -218,18 +254,44 @@ class Store:
             size = self.fs.size(self.step_path(step, rel))
             if size != want["size"]:
                 raise StoreError(f"{self.show(step, rel)}: {size} bytes arrived, {want['size']} were sent")
-        self.fence.commit(lambda: self.fence.put_new(self, local / MANIFEST, self.step_path(step, MANIFEST)))
-        return sent + (local / MANIFEST).stat().st_size
+        with tempfile.TemporaryDirectory() as tmp:
+            sent_manifest = Path(tmp) / MANIFEST
+
+            def commit() -> None:  # the manifest as sent records the generation that lets it through
+                sent_manifest.write_bytes(stamped((local / MANIFEST).read_bytes(), self.fence.generation or 0))
+                self.fence.put_new(self, sent_manifest, self.step_path(step, MANIFEST))
+
+            self.fence.commit(commit)
+            return sent + sent_manifest.stat().st_size
+
+    def run_file(self, rel: str) -> str | None:
+        """Where the run file `rel` is read from: its copy of the highest generation; None if none."""
+        return newest_run_file(self.fs, self.path(rel))
 
     def put(self, local: Path, rel: str) -> int:
-        """Upload one run file (config.yaml, ledger.jsonl, ...) to `<remote>/<rel>`; 0 if absent."""
+        """Upload one run file (config.yaml, ledger.jsonl, ...) to `<remote>/<rel>.gen-<generation>`
+        (the plain name without a lease); 0 if absent."""
         if not local.is_file():
             return 0
+
+        written = 0
+
+        def write() -> None:  # the generation is read after the fence let the write through
+            nonlocal written
+            written = self.fence.generation or 0
+            self.fs.put_file(str(local), run_file_key(self.path(rel), written))
+
         if rel in COMMITTED_RUN_FILES:
-            self.fence.commit(lambda: self.fs.put_file(str(local), self.path(rel)))
+            self.fence.commit(write)
         else:
             self.fence.check()
-            self.fs.put_file(str(local), self.path(rel))
+            write()
+        if written > 0 and (rel, written) not in self._swept:  # once per file and generation
+            for gen, path in run_file_copies(self.fs, self.path(rel)).items():
+                if gen < written:
+                    self.fence.check()
+                    self.fs.rm_file(path)
+            self._swept.add((rel, written))
         self.fence.pushed(rel)
         return local.stat().st_size
 
@@ -238,7 +300,10 @@ class Store:
         local.parent.mkdir(parents=True, exist_ok=True)  # a FileNotFoundError below must mean the remote
         tmp = temp_sibling(local)
         try:
-            self.fs.get_file(self.path(rel), str(tmp))
+            source = self.run_file(rel)
+            if source is None:
+                raise FileNotFoundError(self.path(rel))
+            self.fs.get_file(source, str(tmp))
         except FileNotFoundError:
             tmp.unlink(missing_ok=True)
             return False

@@ -1,0 +1,123 @@
+"""Fencing by generation (trainer/restart/generations.py), against moto's S3 through s3fs: a write
+of a fenced holder that lands late (a request already in flight when it was cut off) changes
+nothing the next reader sees, for a run file and for a checkpoint manifest. Each has a control:
+the same late write made the way it was before generations (every writer at generation 0) wins."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from trainer.report.load import load_run
+from trainer.restart.checkpoint import MANIFEST, CheckpointManager
+from trainer.restart.generations import current_steps
+from trainer.restart.lease import Lease
+from trainer.restart.remote import fetch_run_files
+from trainer.restart.storage import Fence, Store
+
+
+class InFlight(Fence):
+    """A request of a holder of `generation` that was past its fence check when the holder was cut off."""
+
+    def __init__(self, generation: int) -> None:
+        self._generation = generation
+
+    @property
+    def generation(self) -> int | None:
+        return self._generation
+
+
+def _store(remote: str, generation: int) -> Store:
+    store = Store(remote)
+    store.fence = InFlight(generation)
+    return store
+
+
+def _rows(path: Path, *steps: int) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    row = {"start": "2026-01-01T00:00:00+00:00", "end": "2026-01-01T00:01:00+00:00", "device_seconds": 60.0}
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s, "attempt": s, **row}) + "\n" for s in steps))
+    return path
+
+
+def _commit(manager: CheckpointManager, step: int) -> Path:
+    def write(tmp: Path) -> None:
+        (tmp / "adapter_model.safetensors").write_bytes(bytes([step % 256]) * 512)
+
+    return manager.save(step, write).path
+
+
+def test_the_rule_for_manifests() -> None:
+    assert current_steps({}) == []
+    assert current_steps({80: 0, 90: 0, 100: 0}) == [80, 90, 100]  # a run written before generations
+    assert current_steps({80: 1, 90: 2, 100: 1}) == [80, 90]  # generation 2 resumed from 80: 100 is late
+    assert current_steps({80: 1, 90: 2, 100: 2}) == [80, 90, 100]  # an older generation's checkpoint stays good
+    # Pruning the newest generation's older steps never revives a late one: its highest step is kept.
+    assert current_steps({90: 3, 100: 2}) == [90]
+
+
+def test_a_fenced_holders_late_run_file_changes_nothing_the_next_reader_sees(tmp_path: Path, s3_remote: str) -> None:
+    first = Lease(Store(s3_remote), 30.0, tmp_path / "a", message=lambda _: None)
+    first.acquire()
+    first.store.fence = first
+    assert first.generation == 1
+    first.store.put(_rows(tmp_path / "a" / "metrics.jsonl", 1, 2), "metrics.jsonl")
+    first.store.put(_rows(tmp_path / "a" / "ledger.jsonl", 1), "ledger.jsonl")
+    first.release()  # as if it was cut off and another machine took over
+    second = Lease(Store(s3_remote), 30.0, tmp_path / "b", message=lambda _: None)
+    second.acquire()
+    second.store.fence = second
+    assert second.generation == 2
+    second.store.put(_rows(tmp_path / "b" / "metrics.jsonl", 1, 2, 3, 4), "metrics.jsonl")
+    second.store.put(_rows(tmp_path / "b" / "ledger.jsonl", 1, 2), "ledger.jsonl")
+
+    names = [p.rsplit("/", 1)[-1] for p in second.store.fs.ls(second.store.root, detail=False)]
+    assert sorted(n for n in names if ".jsonl" in n) == ["ledger.jsonl.gen-2", "metrics.jsonl.gen-2"]  # 1's swept
+
+    # The first holder's uploads that were in flight land now, with what it held then.
+    late = _store(s3_remote, 1)
+    late.put(_rows(tmp_path / "late" / "metrics.jsonl", 1, 2, 3), "metrics.jsonl")
+    late.put(_rows(tmp_path / "late" / "ledger.jsonl", 1), "ledger.jsonl")
+
+    fresh = tmp_path / "fresh"  # a new machine resuming the run
+    fetch_run_files(Store(s3_remote), fresh)
+    assert (fresh / "metrics.jsonl").read_bytes() == (tmp_path / "b" / "metrics.jsonl").read_bytes()
+    assert (fresh / "ledger.jsonl").read_bytes() == (tmp_path / "b" / "ledger.jsonl").read_bytes()
+    report = load_run(s3_remote)  # `spotune report <url>`
+    assert [r["step"] for r in report.train_rows] == [1, 2, 3, 4] and [a.attempt for a in report.attempts] == [1, 2]
+    # A machine that holds an older copy still continues it from the newest generation's copy.
+    stale = _rows(tmp_path / "old" / "metrics.jsonl", 1)
+    fetch_run_files(Store(s3_remote), stale.parent)
+    assert stale.read_bytes() == (tmp_path / "b" / "metrics.jsonl").read_bytes()
+    second.release()
+
+    # Control: the same late write made as before generations (one key for every writer) wins.
+    control = s3_remote + "-control"
+    _store(control, 0).put(tmp_path / "b" / "metrics.jsonl", "metrics.jsonl")
+    _store(control, 0).put(tmp_path / "late" / "metrics.jsonl", "metrics.jsonl")
+    assert [r["step"] for r in load_run(control).train_rows] == [1, 2, 3]
+
+
+def test_a_fenced_holders_late_manifest_changes_nothing_the_next_reader_sees(tmp_path: Path, s3_remote: str) -> None:
+    manager = CheckpointManager(tmp_path / "local" / "checkpoints", keep_last=5)
+    ckpt = {step: _commit(manager, step) for step in (80, 90, 100)}
+
+    def history(remote: str, late_generation: int, current: int) -> Store:
+        _store(remote, late_generation).upload(ckpt[80], 80)
+        _store(remote, current).upload(ckpt[90], 90)  # the next holder resumed from 80
+        _store(remote, late_generation).upload(ckpt[100], 100)  # the fenced holder's upload lands late
+        return Store(remote)
+
+    store = history(s3_remote, late_generation=1, current=2)
+    assert store.committed() == [80, 90]  # what `resolve` on a fresh machine picks from
+    got = store.download(store.committed()[-1], tmp_path / "fresh")
+    assert json.loads((got / MANIFEST).read_text())["generation"] == 2
+    assert not CheckpointManager(tmp_path / "fresh").verify(got)
+    assert _store(s3_remote, 2).clean() == [100]  # the holder removes the late one, manifest first
+    assert not store.fs.exists(store.step_path(100, MANIFEST))
+    # A checkpoint committed by an older generation stays good under a newer one.
+    _store(s3_remote, 3).upload(ckpt[100], 100)
+    assert store.committed() == [80, 90, 100]
+
+    control = history(s3_remote + "-control", late_generation=0, current=0)  # as before generations
+    assert control.committed() == [80, 90, 100]
