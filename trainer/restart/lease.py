@@ -19,15 +19,14 @@ after the renewal was sent; every store write asks `check` first. Commits (a man
 go through `commit`: on stores that enforce conditions a conditional renewal right before the
 write, the manifest with `If-None-Match: *`; elsewhere a re-read of the lease before and after.
 
-Availability first, never two writers. A holder whose deadline passes (the store is cut off,
-or the machine was paused) goes offline: it writes nothing to the store and trains on with
-local checkpoints while the thread retries. When the store answers, it re-reads the lease:
-still its own (unchanged since its last renewal) -> it takes it back as `generation + 1` and the
-uploads resume with the newest local checkpoint; taken by another attempt -> it exits EXIT_BUSY
-at once, having written nothing more. Offline longer than `outage_seconds`, it asks for the save-
-and-exit path (`on_outage`: a local checkpoint, then EXIT_PREEMPTED, which supervisors restart).
-A refused conditional write is checked against a re-read first (s3fs resends a PUT after a
-timeout: when the first one landed, the refused resend is ours).
+Availability first, never two writers. A holder whose deadline passes (the store is cut off, or the machine
+was paused) goes offline: it writes nothing to the store and trains on with local checkpoints while the thread
+retries. When the store answers, it re-reads the lease: still its own (unchanged since its last renewal) -> it
+takes it back as `generation + 1` and the uploads resume with the newest local checkpoint; taken by another
+attempt -> it exits EXIT_BUSY at once, having written nothing more. Offline longer than `outage_seconds`, it
+asks for the save-and-exit path (`on_outage`: a local checkpoint, then EXIT_PREEMPTED, which supervisors
+restart). A refused conditional write is checked against a re-read first (s3fs resends a PUT after a timeout:
+when the first one landed, the refused resend is ours).
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
+from trainer.config.schema import CheckpointConfig
 from trainer.exit_codes import EXIT_BUSY, EXIT_FILE_ENV
 from trainer.restart.clock import boot_clock, process_start
 from trainer.restart.conditional import Refused, conditional, read_object, write_object
@@ -73,7 +73,7 @@ class Lease(Fence):
         ttl: float,
         run_dir: Path,
         message: Callable[[str], None] = print,
-        outage_seconds: float = 900.0,
+        outage_seconds: float = CheckpointConfig.store_outage_seconds,
     ) -> None:
         self.store = store
         self.ttl = ttl

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.config.schema import CheckpointConfig
 from trainer.restart.conditional import Refused, write_object
 from trainer.restart.lease import Lease, describe_lease, read_lease
 from trainer.restart.lock import RunBusy, RunLock, describe, holder
@@ -60,7 +61,7 @@ def hold(
     lease_seconds: float,
     wait: float | None = None,
     command: str = "train",
-    outage_seconds: float = 900.0,
+    outage_seconds: float = CheckpointConfig.store_outage_seconds,
 ) -> Iterator[Holding]:
     """Hold `run_dir` (and the lease of `remote`) for the block; raises RunBusy naming the holder."""
     if os.environ.get("RANK", "0") != "0":
