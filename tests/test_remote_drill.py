@@ -41,7 +41,7 @@ def test_kill_delete_output_dir_rerun_from_the_bucket(
     s3_remote: str,
     procs: list,  # noqa: F811
 ) -> None:
-    seed = random.randrange(1 << 30)
+    seed = int(os.environ.get("SPOTUNE_DRILL_SEED") or random.randrange(1 << 30))  # to replay a schedule
     rnd = random.Random(seed)
     print(f"kill schedule seed {seed}")
     data = builtin_assets.write_dataset(tmp_path / "train.jsonl", n=16)
@@ -139,7 +139,7 @@ def test_kill_delete_output_dir_rerun_from_the_bucket(
 
     a = load_file(ref_out / "final" / "adapter_model.safetensors")
     b = load_file(out / "final" / "adapter_model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), seed
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), _divergence(seed, ref_out, out, logs)
     # The half-finished upload was cleaned by a later attempt.
     store.fs.invalidate_cache()
     dirs = {int(d.rsplit("-", 1)[1]) for d in store.fs.ls(store.path("checkpoints"), detail=False)}
@@ -159,6 +159,22 @@ def test_kill_delete_output_dir_rerun_from_the_bucket(
     assert final_state["ledger"]["device_seconds"] >= sum(r["device_seconds"] for r in earlier)
     for q in procs:
         assert SECRET not in (logs / f"attempt{procs.index(q) + 1}.log").read_text()
+
+
+def _divergence(seed: int, ref_out: Path, out: Path, logs: Path) -> str:
+    """What a failed comparison needs to be understood: the first step whose logged loss differs
+    from the uninterrupted run's, and where each attempt resumed from."""
+    ref = {r["step"]: r.get("loss") for r in _metric_rows(ref_out) if "loss" in r}
+    got = [(r["step"], r.get("loss")) for r in _metric_rows(out) if "loss" in r]
+    first = next((f"step {st}: {loss!r} vs {ref.get(st)!r}" for st, loss in got if loss != ref.get(st)), "none")
+    said = [
+        f"{f.name}: "
+        + " | ".join(
+            [*(line for line in f.read_text().splitlines() if "resum" in line), *f.read_text().splitlines()[-1:]]
+        )
+        for f in sorted(logs.glob("attempt*.log"))
+    ]
+    return "\n".join([f"kill schedule seed {seed}; first loss that differs: {first}", *said])
 
 
 def _step_of(key: str) -> int:

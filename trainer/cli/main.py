@@ -61,6 +61,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from trainer.training.shutdown import end_child_processes  # torch: only when there is one
 
             end_child_processes(keep=before)
+        if "torch.distributed" in sys.modules:  # torch was imported: a rank may hold a process group
+            from trainer.model.distributed import end_process_group
+
+            end_process_group()
         _record_exit_code(code, started)
     return code
 
