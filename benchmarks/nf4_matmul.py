@@ -1,7 +1,7 @@
 """QLoRA's frozen NF4 base matmul: bitsandbytes' dequantise-then-matmul against the alternatives.
 
-One command on a CUDA machine (no downloads; random weights; a few minutes on one H100, most of
-it the max-autotune arm's tuning):
+One command on a CUDA machine (no downloads; random weights; not yet run on a GPU: most of its
+time will be the max-autotune path tuning a forward and a backward GEMM per shape and token count):
     .venv/bin/python benchmarks/nf4_matmul.py --json runs/bench-nf4.json
 
 What a QLoRA step does at every frozen linear layer, forward and backward (the input's gradient
@@ -10,9 +10,9 @@ is left out), on the Llama-3.1-8B shapes (weight out x in: q/o 4096x4096, gate/u
 down 4096x14336, k/v 1024x4096) at 4096, 16384 and 65536 tokens per micro-batch, bf16:
 - bnb_matmul_4bit: `bnb.matmul_4bit`, what peft's LoRA Linear4bit runs (it calls
   bitsandbytes' Linear4bit.forward, which calls matmul_4bit). bitsandbytes 0.50 has a fused
-  4-bit GEMM only for at most 1536 rows (and on an H100 only for the few shapes its heuristic
-  picks); past that, and in every backward, it dequantises the whole weight to bf16 and
-  calls cuBLAS. The ratio column divides by this path.
+  4-bit GEMM only for at most 1536 rows (on an H100 at most 32 on these shapes, by its
+  dispatch heuristic); past that, and in every backward, it dequantises the whole weight to
+  bf16 and calls cuBLAS. The ratio column divides by this path.
 - bnb_dequant_linear: that fallback written out (dequantize_4bit + F.linear, dequantised again
   in backward): checks that the path above is what it says at these sizes.
 - torchao_nf4: torchao's NF4Tensor + linear_nf4 (what torchtune uses): NF4 dequantised by
@@ -140,17 +140,24 @@ def _run(fn: Forward, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, t
     return y.detach(), x.grad
 
 
-def check_paths(paths: dict[str, Any], x: torch.Tensor, g: torch.Tensor) -> dict[str, dict[str, float]]:
+def check_paths(
+    paths: dict[str, Any], x: torch.Tensor, g: torch.Tensor, seconds: dict[str, float] | None = None
+) -> dict[str, dict[str, float]]:
     """Each path's output and input gradient against a dense matmul of its own dequantised weight
     (within SELF_TOL), and torchao's NF4 against bitsandbytes' (within CROSS_TOL); raises where
-    a path computes something else."""
+    a path computes something else. `seconds` gets each path's first call (its compile time)."""
     found: dict[str, dict[str, float]] = {}
     outputs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for name, path in paths.items():
         if isinstance(path, str):
             continue
         fn, own = path
+        _sync(x.device)
+        t0 = time.perf_counter()
         y, dx = outputs[name] = _run(fn, x, g)
+        _sync(x.device)
+        if seconds is not None:
+            seconds[name] = time.perf_counter() - t0
         ref_y, ref_dx = _run(lambda t, w=own: F.linear(t, w), x, g)
         found[name] = {"output": _rel(y, ref_y), "input_grad": _rel(dx, ref_dx)}
         if max(found[name].values()) > SELF_TOL:
@@ -176,8 +183,9 @@ def _sync(device: torch.device) -> None:
 
 
 def time_path(fn: Forward, x: torch.Tensor, g: torch.Tensor, warmup: int, iters: int) -> dict[str, Any]:
-    """Median ms of one forward + backward, the first call's seconds (compile time for the compiled
-    paths), and on CUDA the peak memory above what was allocated before (the weights, x and g)."""
+    """Median ms of one forward + backward, the first call's seconds (a compiled path compiles
+    again for each new token count), and on CUDA the peak memory above what was allocated
+    before (the weights, x and g)."""
     device = x.device
     x = x.detach().requires_grad_(True)
     _sync(device)
@@ -219,7 +227,9 @@ def bench_shape(
     # fused GEMM or the dequantise fallback by the row count), and the compiled graph is reused.
     check_x = torch.randn(min(tokens), shape[1], device=device, dtype=dtype)
     check_g = torch.randn(min(tokens), shape[0], device=device, dtype=dtype)
-    out: dict[str, Any] = {"shape": label, "weight": list(shape), "check": check_paths(paths, check_x, check_g)}
+    first: dict[str, float] = {}
+    out: dict[str, Any] = {"shape": label, "weight": list(shape), "check": check_paths(paths, check_x, check_g, first)}
+    out["first_call_s"] = first  # at the smallest count: the compiled paths' compile time
     out["rows"] = []
     for m in tokens:
         x = torch.randn(m, shape[1], device=device, dtype=dtype)
@@ -262,6 +272,7 @@ def table(result: dict[str, Any]) -> str:
         lines.append("CPU FIGURES: no CUDA device; they check the paths run, and say nothing about GPU speed")
     for shape in result["shapes"]:
         lines.append(f"\n{shape['shape']}  (check: {_fmt_check(shape['check'])})")
+        lines.append("first call s: " + ", ".join(f"{k} {v:.2f}" for k, v in shape["first_call_s"].items()))
         lines.append(f"{'tokens':>7} {'path':22} {'ms':>9} {'x bnb':>7} {'extra GiB':>10} {'1st call s':>10}")
         for row in shape["rows"]:
             for name, r in row.items():
