@@ -1,7 +1,8 @@
 """QLoRA's frozen NF4 base matmul: bitsandbytes' dequantise-then-matmul against the alternatives.
 
-One command on a CUDA machine (no downloads; random weights; not yet run on a GPU: most of its
-time will be the max-autotune path tuning a forward and a backward GEMM per shape and token count):
+On a CUDA machine (random weights; not yet run on a GPU: most of its time will be the
+max-autotune path tuning a forward and a backward GEMM per shape and token count):
+    .venv/bin/python -m pip install --no-deps torchao   # in no extra: see docs/benchmarks.md
     .venv/bin/python benchmarks/nf4_matmul.py --json runs/bench-nf4.json
 
 What a QLoRA step does at every frozen linear layer, forward and backward (the input's gradient

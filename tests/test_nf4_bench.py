@@ -1,8 +1,13 @@
 """benchmarks/nf4_matmul.py times the same maths on every path: bitsandbytes' 4-bit matmul (what
 peft's Linear4bit runs), its dequantise + F.linear fallback and torchao's NF4 each compute a
 matmul with their own dequantised NF4 weight, forward and input gradient, and torchao's NF4 agrees
-with bitsandbytes' within NF4's rounding; an FP4 weight in bitsandbytes' place is caught. The CLI
-runs on CPU without CUDA, says its figures are CPU figures, and exits 0."""
+with bitsandbytes' within NF4's rounding; a path given the wrong weight, and an FP4 weight in
+bitsandbytes' place, are caught. The CLI runs on CPU without CUDA, says its figures are CPU
+figures, and exits 0.
+
+torchao is in no extra (transformers imports it on every `import peft` once it is installed:
+slower start-up and warnings in every run), so its tests skip where it is absent; run them with
+`pip install --no-deps --target DIR torchao` and DIR on PYTHONPATH."""
 
 from __future__ import annotations
 
@@ -17,8 +22,12 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+BNB_PATHS = ("bf16_dense", "bnb_matmul_4bit", "bnb_dequant_linear")
 pytest.importorskip("bitsandbytes", reason="bitsandbytes (a core dependency) is not installed")
-pytest.importorskip("torchao", reason="torchao (the `bench` extra) is not installed: pip install torchao --no-deps")
+
+
+def _torchao() -> None:
+    pytest.importorskip("torchao", reason="torchao is not installed (kept out of the extras; see this module's doc)")
 
 
 @functools.cache
@@ -37,37 +46,23 @@ def _inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return weight, torch.randn(32, 256).to(dtype), torch.randn(32, 128).to(dtype)
 
 
+def _timed(paths: dict) -> set[str]:
+    return {k for k, v in paths.items() if not isinstance(v, str)}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_path_is_a_matmul_with_the_same_nf4_weight(dtype: torch.dtype) -> None:
+def test_bitsandbytes_paths_are_matmuls_with_their_nf4_weight(dtype: torch.dtype) -> None:
     bench = _bench()
     weight, x, g = _inputs(dtype)
     paths = bench.build_paths(weight, compiled=False)
-    assert {k for k, v in paths.items() if not isinstance(v, str)} == {
-        "bf16_dense",
-        "bnb_matmul_4bit",
-        "bnb_dequant_linear",
-        "torchao_nf4",
-    }
-    found = bench.check_paths(paths, x, g)
+    assert _timed(paths) >= set(BNB_PATHS)
+    found = bench.check_paths({k: paths[k] for k in BNB_PATHS}, x, g)
     exact = 1e-6 if dtype == torch.float32 else bench.SELF_TOL
-    for name in ("bf16_dense", "bnb_matmul_4bit", "bnb_dequant_linear", "torchao_nf4"):
+    for name in BNB_PATHS:
         assert max(found[name].values()) <= exact, (name, found[name])
-    # Two NF4 roundings of one weight: close, but not the same numbers (their block scales differ).
-    cross = found["torchao_vs_bnb"]
-    assert 1e-4 < max(cross.values()) <= bench.CROSS_TOL, cross
-    # ...and both far closer to each other than NF4 is to the weight it quantised.
-    nf4_error = bench._rel(paths["bnb_matmul_4bit"][1], weight)
-    assert 0.05 < nf4_error and max(cross.values()) < nf4_error / 2
-
-
-def test_the_check_catches_a_path_that_quantises_differently() -> None:
-    """Control: bitsandbytes' side quantised as FP4 (same layout, same calls, other maths) is
-    still a matmul with its own weight, but the cross check against torchao's NF4 fails."""
-    bench = _bench()
-    weight, x, g = _inputs(torch.float32)
-    paths = bench.build_paths(weight, compiled=False, quant_type="fp4")
-    with pytest.raises(AssertionError, match="torchao's NF4 and bitsandbytes' 4-bit path disagree"):
-        bench.check_paths(paths, x, g)
+    # The 4-bit paths really are NF4 of the weight: about 9% off it, not the weight itself.
+    assert 0.05 < bench._rel(paths["bnb_matmul_4bit"][1], weight) < 0.15
+    assert paths["bnb_matmul_4bit"][1] is paths["bnb_dequant_linear"][1]
 
 
 def test_the_check_catches_a_path_that_is_not_its_own_weight() -> None:
@@ -75,9 +70,36 @@ def test_the_check_catches_a_path_that_is_not_its_own_weight() -> None:
     bench = _bench()
     weight, x, g = _inputs(torch.float32)
     paths = bench.build_paths(weight, compiled=False)
-    fn, own = paths["torchao_nf4"]
-    paths["torchao_nf4"] = (fn, own.flip(0))
-    with pytest.raises(AssertionError, match="torchao_nf4 is not a matmul with its own dequantised weight"):
+    fn, own = paths["bnb_dequant_linear"]
+    bad = {"bnb_dequant_linear": (fn, own.flip(0))}
+    with pytest.raises(AssertionError, match="bnb_dequant_linear is not a matmul with its own dequantised weight"):
+        bench.check_paths(bad, x, g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torchao_nf4_agrees_with_bitsandbytes_nf4(dtype: torch.dtype) -> None:
+    _torchao()
+    bench = _bench()
+    weight, x, g = _inputs(dtype)
+    paths = bench.build_paths(weight, compiled=False)
+    assert _timed(paths) == {*BNB_PATHS, "torchao_nf4"}
+    found = bench.check_paths(paths, x, g)
+    assert max(found["torchao_nf4"].values()) <= (1e-6 if dtype == torch.float32 else bench.SELF_TOL)
+    # Two NF4 roundings of one weight: close, but not the same numbers (their block scales differ),
+    # and far closer to each other than NF4 is to the weight it quantised.
+    cross = max(found["torchao_vs_bnb"].values())
+    nf4_error = bench._rel(paths["bnb_matmul_4bit"][1], weight)
+    assert 1e-4 < cross <= bench.CROSS_TOL and cross < nf4_error / 2, (cross, nf4_error)
+
+
+def test_the_check_catches_a_path_that_quantises_differently() -> None:
+    """Control: bitsandbytes' side quantised as FP4 (same layout, same calls, other maths) is
+    still a matmul with its own weight, but the cross check against torchao's NF4 fails."""
+    _torchao()
+    bench = _bench()
+    weight, x, g = _inputs(torch.float32)
+    paths = bench.build_paths(weight, compiled=False, quant_type="fp4")
+    with pytest.raises(AssertionError, match="torchao's NF4 and bitsandbytes' 4-bit path disagree"):
         bench.check_paths(paths, x, g)
 
 
@@ -91,6 +113,8 @@ def test_cpu_run_says_so_and_writes_the_table(tmp_path: Path, monkeypatch: pytes
     (shape,) = result["shapes"]
     (row,) = shape["rows"]
     assert row["tokens"] == 32 and row["bnb_matmul_4bit"]["ratio_to_bnb"] == 1.0
-    for name in ("bf16_dense", "bnb_dequant_linear", "torchao_nf4"):
+    for name in ("bf16_dense", "bnb_dequant_linear"):
         assert row[name]["ms"] > 0 and row[name]["ratio_to_bnb"] > 0
+    eager = row["torchao_nf4"]
+    assert eager["ms"] > 0 if isinstance(eager, dict) else eager.startswith("skipped: torchao not importable")
     assert row["torchao_nf4_compiled"].startswith("skipped: ")
