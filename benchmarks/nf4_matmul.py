@@ -20,9 +20,15 @@ down 4096x14336, k/v 1024x4096) at 4096, 16384 and 65536 tokens per micro-batch,
   PyTorch ops (a LUT gather and scale), then F.linear; again in backward.
 - torchao_nf4_compiled: the same under torch.compile: Inductor fuses the dequantisation into
   one Triton kernel, the matmul stays cuBLAS.
-- torchao_nf4_autotune: torch.compile(mode="max-autotune-no-cudagraphs"): Inductor may pick a
-  Triton GEMM template and fuse the dequantisation into its prologue (`prologue_fusion`, on by
-  default), i.e. a fused NF4 dequant+matmul from a kept library, forward and backward.
+- torchao_nf4_autotune: torch.compile(mode="max-autotune-no-cudagraphs"): Inductor tunes Triton
+  GEMM templates against cuBLAS, and could fuse the dequantisation into a template's prologue
+  (`prologue_fusion`, on by default), which would be a fused NF4 dequant+matmul from kept
+  libraries, forward and backward; by reading its heuristic, it will not (next path).
+- torchao_nf4_invoke_quant: Inductor's prologue fusion refuses a dequantisation that does
+  arithmetic in bf16 (torch/_inductor/scheduler.py, check_prologue_fusion_heuristics_fusable)
+  unless it is marked with PyTorch's InvokeQuant (torch._higher_order_ops, a private API); this
+  path marks torchao's NF4 dequantisation (its ops written out, bit-exact with torchao's) so,
+  under max-autotune, the GEMM reads the 4-bit weight itself.
 - bf16_dense: F.linear on the bf16 weight: the floor no dequantising path can beat.
 The gap between bnb_matmul_4bit and bf16_dense is the most any fused kernel can win.
 
@@ -93,6 +99,33 @@ def _torchao_nf4() -> tuple[Callable[..., Any], Callable[..., torch.Tensor]]:
     return to_nf4, linear_nf4
 
 
+def nf4_dequant(
+    qdata: torch.Tensor, qscalers: torch.Tensor, factor: torch.Tensor, mean: torch.Tensor, lut: torch.Tensor
+) -> torch.Tensor:
+    """torchao's NF4Tensor.get_original_weight in plain ops (blocks of 64, scaler blocks of 256),
+    flat: InvokeQuant needs a function of tensors only. The caller views it to the weight's shape."""
+    scalers = (qscalers.view(factor.numel(), -1) / factor.unsqueeze(-1)).flatten().to(lut.dtype) + mean
+    per_byte = scalers.unsqueeze(-1).expand(-1, 32).flatten()  # two 4-bit values per byte
+    high = lut[(qdata >> 4).long()] * per_byte
+    low = lut[(qdata & 0xF).long()] * per_byte
+    return torch.stack([high, low], dim=-1)
+
+
+def _invoke_quant_path(nf4: Any) -> Forward | str:
+    try:
+        from torch._higher_order_ops import InvokeQuant
+    except ImportError:
+        return f"skipped: torch {torch.__version__} has no torch._higher_order_ops.InvokeQuant"
+    mark = InvokeQuant()  # codegen_low_precision: the prologue is generated in bf16, as eager runs it
+    inner = (nf4.quantized_data, nf4.quantized_scalers, nf4.quantization_factor, nf4.scaler_mean, nf4.nf4)
+    shape = tuple(nf4.shape)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, mark(nf4_dequant, *inner).view(shape))
+
+    return torch.compile(forward, dynamic=False, mode="max-autotune-no-cudagraphs")
+
+
 def build_paths(weight: torch.Tensor, *, compiled: bool, quant_type: str = "nf4") -> dict[str, Any]:
     """Each path as (forward, its own dequantised weight), or a string saying why it was skipped.
     `quant_type="fp4"` quantises bitsandbytes' side as FP4: the control the checks must catch."""
@@ -111,7 +144,7 @@ def build_paths(weight: torch.Tensor, *, compiled: bool, quant_type: str = "nf4"
     try:
         to_nf4, linear_nf4 = _torchao_nf4()
     except ImportError as e:
-        for name in ("torchao_nf4", "torchao_nf4_compiled", "torchao_nf4_autotune"):
+        for name in ("torchao_nf4", "torchao_nf4_compiled", "torchao_nf4_autotune", "torchao_nf4_invoke_quant"):
             paths[name] = f"skipped: torchao not importable ({e})"
         return paths
     nf4 = to_nf4(weight, 64, 256)  # QLoRA's block of 64, double-quantised scales in blocks of 256
@@ -119,13 +152,16 @@ def build_paths(weight: torch.Tensor, *, compiled: bool, quant_type: str = "nf4"
     paths["torchao_nf4"] = (lambda x: linear_nf4(x, nf4), own)
     if not compiled:
         reason = "skipped: torch.compile's fusion is what this path measures, and only on CUDA"
-        paths["torchao_nf4_compiled"] = paths["torchao_nf4_autotune"] = reason
+        for name in ("torchao_nf4_compiled", "torchao_nf4_autotune", "torchao_nf4_invoke_quant"):
+            paths[name] = reason
         return paths
     # A fresh compiled function per weight: each shape is its own static-shape graph.
     plain = torch.compile(lambda x: linear_nf4(x, nf4), dynamic=False)
     tuned = torch.compile(lambda x: linear_nf4(x, nf4), dynamic=False, mode="max-autotune-no-cudagraphs")
     paths["torchao_nf4_compiled"] = (plain, own)
     paths["torchao_nf4_autotune"] = (tuned, own)
+    fused = _invoke_quant_path(nf4)
+    paths["torchao_nf4_invoke_quant"] = fused if isinstance(fused, str) else (fused, own)
     return paths
 
 
@@ -142,11 +178,16 @@ def _run(fn: Forward, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def check_paths(
-    paths: dict[str, Any], x: torch.Tensor, g: torch.Tensor, seconds: dict[str, float] | None = None
+    paths: dict[str, Any],
+    x: torch.Tensor,
+    g: torch.Tensor,
+    seconds: dict[str, float] | None = None,
+    failed: dict[str, str] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Each path's output and input gradient against a dense matmul of its own dequantised weight
     (within SELF_TOL), and torchao's NF4 against bitsandbytes' (within CROSS_TOL); raises where
-    a path computes something else. `seconds` gets each path's first call (its compile time)."""
+    a path computes something else. `seconds` gets each path's first call (its compile time);
+    with `failed`, a path that raises (a compile error, say) is recorded there and left out."""
     found: dict[str, dict[str, float]] = {}
     outputs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for name, path in paths.items():
@@ -155,7 +196,13 @@ def check_paths(
         fn, own = path
         _sync(x.device)
         t0 = time.perf_counter()
-        y, dx = outputs[name] = _run(fn, x, g)
+        try:
+            y, dx = outputs[name] = _run(fn, x, g)
+        except Exception as e:  # noqa: BLE001 (one path failing must not lose the others' figures)
+            if failed is None:
+                raise
+            failed[name] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+            continue
         _sync(x.device)
         if seconds is not None:
             seconds[name] = time.perf_counter() - t0
@@ -229,7 +276,10 @@ def bench_shape(
     check_x = torch.randn(min(tokens), shape[1], device=device, dtype=dtype)
     check_g = torch.randn(min(tokens), shape[0], device=device, dtype=dtype)
     first: dict[str, float] = {}
-    out: dict[str, Any] = {"shape": label, "weight": list(shape), "check": check_paths(paths, check_x, check_g, first)}
+    failed: dict[str, str] = {}
+    check = check_paths(paths, check_x, check_g, first, failed)
+    paths |= failed
+    out: dict[str, Any] = {"shape": label, "weight": list(shape), "check": check}
     out["first_call_s"] = first  # at the smallest count: the compiled paths' compile time
     out["rows"] = []
     for m in tokens:

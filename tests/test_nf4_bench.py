@@ -118,3 +118,37 @@ def test_cpu_run_says_so_and_writes_the_table(tmp_path: Path, monkeypatch: pytes
     eager = row["torchao_nf4"]
     assert eager["ms"] > 0 if isinstance(eager, dict) else eager.startswith("skipped: torchao not importable")
     assert row["torchao_nf4_compiled"].startswith("skipped: ")
+
+
+def test_the_invoke_quant_dequantisation_is_torchaos_bit_for_bit() -> None:
+    """The fused path's dequantisation is torchao's, written out in plain ops: bit-exact, so the
+    fused path times the same weight as torchao's own (a layout change in torchao fails here)."""
+    _torchao()
+    bench = _bench()
+    to_nf4, _ = bench._torchao_nf4()
+    for dtype in (torch.float32, torch.bfloat16):
+        weight, _, _ = _inputs(dtype)
+        nf4 = to_nf4(weight, 64, 256)
+        inner = (nf4.quantized_data, nf4.quantized_scalers, nf4.quantization_factor, nf4.scaler_mean, nf4.nf4)
+        written_out = bench.nf4_dequant(*inner).view(weight.shape)
+        assert torch.equal(written_out, nf4.to(dtype))
+        # Control: the two nibbles swapped is another weight.
+        swapped = bench.nf4_dequant((inner[0] >> 4) | (inner[0] << 4), *inner[1:]).view(weight.shape)
+        assert not torch.equal(swapped, nf4.to(dtype))
+
+
+def test_a_path_that_raises_is_recorded_and_the_others_still_checked() -> None:
+    bench = _bench()
+    weight, x, g = _inputs(torch.float32)
+    paths = bench.build_paths(weight, compiled=False)
+
+    def broken(t: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("Triton could not compile this")
+
+    checked = {k: paths[k] for k in BNB_PATHS} | {"broken": (broken, weight)}
+    failed: dict[str, str] = {}
+    found = bench.check_paths(checked, x, g, failed=failed)
+    assert failed == {"broken": "failed: RuntimeError: Triton could not compile this"}
+    assert set(found) == set(BNB_PATHS)
+    with pytest.raises(RuntimeError, match="Triton could not compile this"):  # without `failed`: raised
+        bench.check_paths(checked, x, g)
