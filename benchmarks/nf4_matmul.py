@@ -29,6 +29,9 @@ down 4096x14336, k/v 1024x4096) at 4096, 16384 and 65536 tokens per micro-batch,
   unless it is marked with PyTorch's InvokeQuant (torch._higher_order_ops, a private API); this
   path marks torchao's NF4 dequantisation (its ops written out, bit-exact with torchao's) so,
   under max-autotune, the GEMM reads the 4-bit weight itself.
+- bnb_invoke_quant: the same marking on bitsandbytes' own storage (its dequantize_4bit written
+  out in plain ops, bit-exact with it on CPU): the path spotune could take without changing how
+  QLoRA loads, checkpoints or shards, only the frozen linears' forward.
 - bf16_dense: F.linear on the bf16 weight: the floor no dequantising path can beat.
 The gap between bnb_matmul_4bit and bf16_dense is the most any fused kernel can win.
 
@@ -111,56 +114,92 @@ def nf4_dequant(
     return torch.stack([high, low], dim=-1)
 
 
-def _invoke_quant_path(nf4: Any) -> Forward | str:
+def bnb_nf4_dequant(
+    packed: torch.Tensor,
+    absmax_u8: torch.Tensor,
+    code2: torch.Tensor,
+    absmax2: torch.Tensor,
+    offset: torch.Tensor,
+    code: torch.Tensor,
+) -> torch.Tensor:
+    """bitsandbytes' dequantize_4bit of a double-quantised weight (blocks of 64, the 8-bit block
+    scales in blocks of 256) in plain fp32 ops, flat, high nibble first; bf16 like the compute."""
+    absmax = (code2[absmax_u8.long()].view(absmax2.numel(), -1) * absmax2.unsqueeze(-1)).flatten() + offset
+    per_byte = absmax.unsqueeze(-1).expand(-1, 32).flatten()
+    flat = packed.flatten()
+    high = code[(flat >> 4).long()] * per_byte
+    low = code[(flat & 0xF).long()] * per_byte
+    return torch.stack([high, low], dim=-1).to(torch.bfloat16)
+
+
+def invoke_quant_path(
+    dequant: Callable[..., torch.Tensor], inner: tuple, shape: tuple[int, ...], **compile_kwargs: Any
+) -> Forward | str:
+    """F.linear on `dequant(*inner)` marked with InvokeQuant, compiled with `compile_kwargs`, by
+    default max-autotune (only it tries Triton GEMM templates, and so prologue fusion)."""
     try:
         from torch._higher_order_ops import InvokeQuant
     except ImportError:
         return f"skipped: torch {torch.__version__} has no torch._higher_order_ops.InvokeQuant"
-    mark = InvokeQuant()  # codegen_low_precision: the prologue is generated in bf16, as eager runs it
-    inner = (nf4.quantized_data, nf4.quantized_scalers, nf4.quantization_factor, nf4.scaler_mean, nf4.nf4)
-    shape = tuple(nf4.shape)
+    mark = InvokeQuant()  # codegen_low_precision: the prologue is generated in the dtypes it names
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, mark(nf4_dequant, *inner).view(shape))
+        return F.linear(x, mark(dequant, *inner).view(shape))
 
-    return torch.compile(forward, dynamic=False, mode="max-autotune-no-cudagraphs")
+    return torch.compile(forward, dynamic=False, **(compile_kwargs or {"mode": "max-autotune-no-cudagraphs"}))
+
+
+NOT_COMPILED = "skipped: torch.compile's fusion is what this path measures, and only on CUDA"
 
 
 def build_paths(weight: torch.Tensor, *, compiled: bool, quant_type: str = "nf4") -> dict[str, Any]:
     """Each path as (forward, its own dequantised weight), or a string saying why it was skipped.
     `quant_type="fp4"` quantises bitsandbytes' side as FP4: the control the checks must catch."""
     paths: dict[str, Any] = {"bf16_dense": (lambda x: F.linear(x, weight), weight)}
+    return paths | _bnb_paths(weight, compiled, quant_type) | _torchao_paths(weight, compiled)
+
+
+def _bnb_paths(weight: torch.Tensor, compiled: bool, quant_type: str) -> dict[str, Any]:
+    names = (BASELINE, "bnb_dequant_linear", "bnb_invoke_quant")
     try:
         import bitsandbytes as bnb
         from bitsandbytes.functional import dequantize_4bit, quantize_4bit
     except ImportError as e:
-        paths[BASELINE] = paths["bnb_dequant_linear"] = f"skipped: bitsandbytes not importable ({e})"
-    else:
-        # QLoRA's settings (trainer/model/load.py): NF4, blocks of 64, double-quantised scales.
-        packed, state = quantize_4bit(weight, quant_type=quant_type, blocksize=64, compress_statistics=True)
-        own = dequantize_4bit(packed, state).to(weight.dtype)
-        paths[BASELINE] = (lambda x: bnb.matmul_4bit(x, packed.t(), quant_state=state), own)
-        paths["bnb_dequant_linear"] = (lambda x: _DequantLinear.apply(x, packed, state), own)
+        return dict.fromkeys(names, f"skipped: bitsandbytes not importable ({e})")
+    # QLoRA's settings (trainer/model/load.py): NF4, blocks of 64, double-quantised scales.
+    packed, state = quantize_4bit(weight, quant_type=quant_type, blocksize=64, compress_statistics=True)
+    own = dequantize_4bit(packed, state).to(weight.dtype)
+    paths: dict[str, Any] = {
+        BASELINE: (lambda x: bnb.matmul_4bit(x, packed.t(), quant_state=state), own),
+        "bnb_dequant_linear": (lambda x: _DequantLinear.apply(x, packed, state), own),
+    }
+    if not compiled:
+        return paths | {"bnb_invoke_quant": NOT_COMPILED}
+    if weight.dtype != torch.bfloat16 or state.absmax.numel() % state.state2.blocksize:
+        return paths | {"bnb_invoke_quant": "skipped: written for bf16 and whole blocks of 256 scales"}
+    inner = (packed, state.absmax, state.state2.code, state.state2.absmax, state.offset, state.code)
+    fused = invoke_quant_path(bnb_nf4_dequant, inner, tuple(state.shape))
+    return paths | {"bnb_invoke_quant": fused if isinstance(fused, str) else (fused, own)}
+
+
+def _torchao_paths(weight: torch.Tensor, compiled: bool) -> dict[str, Any]:
+    compiled_names = ("torchao_nf4_compiled", "torchao_nf4_autotune", "torchao_nf4_invoke_quant")
     try:
         to_nf4, linear_nf4 = _torchao_nf4()
     except ImportError as e:
-        for name in ("torchao_nf4", "torchao_nf4_compiled", "torchao_nf4_autotune", "torchao_nf4_invoke_quant"):
-            paths[name] = f"skipped: torchao not importable ({e})"
-        return paths
+        return dict.fromkeys(("torchao_nf4", *compiled_names), f"skipped: torchao not importable ({e})")
     nf4 = to_nf4(weight, 64, 256)  # QLoRA's block of 64, double-quantised scales in blocks of 256
     own = nf4.to(weight.dtype)
-    paths["torchao_nf4"] = (lambda x: linear_nf4(x, nf4), own)
+    paths: dict[str, Any] = {"torchao_nf4": (lambda x: linear_nf4(x, nf4), own)}
     if not compiled:
-        reason = "skipped: torch.compile's fusion is what this path measures, and only on CUDA"
-        for name in ("torchao_nf4_compiled", "torchao_nf4_autotune", "torchao_nf4_invoke_quant"):
-            paths[name] = reason
-        return paths
+        return paths | dict.fromkeys(compiled_names, NOT_COMPILED)
     # A fresh compiled function per weight: each shape is its own static-shape graph.
     plain = torch.compile(lambda x: linear_nf4(x, nf4), dynamic=False)
     tuned = torch.compile(lambda x: linear_nf4(x, nf4), dynamic=False, mode="max-autotune-no-cudagraphs")
     paths["torchao_nf4_compiled"] = (plain, own)
     paths["torchao_nf4_autotune"] = (tuned, own)
-    fused = _invoke_quant_path(nf4)
+    inner = (nf4.quantized_data, nf4.quantized_scalers, nf4.quantization_factor, nf4.scaler_mean, nf4.nf4)
+    fused = invoke_quant_path(nf4_dequant, inner, tuple(nf4.shape))
     paths["torchao_nf4_invoke_quant"] = fused if isinstance(fused, str) else (fused, own)
     return paths
 

@@ -152,3 +152,38 @@ def test_a_path_that_raises_is_recorded_and_the_others_still_checked() -> None:
     assert set(found) == set(BNB_PATHS)
     with pytest.raises(RuntimeError, match="Triton could not compile this"):  # without `failed`: raised
         bench.check_paths(checked, x, g)
+
+
+def test_the_bnb_invoke_quant_dequantisation_is_bitsandbytes_bit_for_bit() -> None:
+    """The marked path on bitsandbytes' storage dequantises exactly as dequantize_4bit does."""
+    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+    bench = _bench()
+    weight, _, _ = _inputs(torch.bfloat16)
+    packed, state = quantize_4bit(weight, quant_type="nf4", blocksize=64, compress_statistics=True)
+    inner = (packed, state.absmax, state.state2.code, state.state2.absmax, state.offset, state.code)
+    assert torch.equal(bench.bnb_nf4_dequant(*inner).view(weight.shape), dequantize_4bit(packed, state))
+    # Control: each 64-value block scaled by its neighbour's scale is another weight.
+    shifted = (inner[0], inner[1].roll(1), *inner[2:])
+    assert not torch.equal(bench.bnb_nf4_dequant(*shifted).view(weight.shape), dequantize_4bit(packed, state))
+
+
+def test_the_marked_path_traces_forward_and_backward_on_cpu() -> None:
+    """InvokeQuant is a private torch API: the marked path still traces through dynamo and
+    AOTAutograd and computes the same matmul and input gradient on this torch. aot_eager, not
+    Inductor: Inductor's CPU code generation would add ~15 s here and says nothing of the GPU's
+    fusion (run by hand on CPU with Inductor and max-autotune, it passes the same check)."""
+    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+    bench = _bench()
+    weight, x, g = _inputs(torch.bfloat16)
+    packed, state = quantize_4bit(weight, quant_type="nf4", blocksize=64, compress_statistics=True)
+    inner = (packed, state.absmax, state.state2.code, state.state2.absmax, state.offset, state.code)
+    fused = bench.invoke_quant_path(bench.bnb_nf4_dequant, inner, tuple(state.shape), backend="aot_eager")
+    if isinstance(fused, str):
+        pytest.skip(fused)
+    own = dequantize_4bit(packed, state)
+    found = bench.check_paths({"marked": (fused, own)}, x, g)
+    assert max(found["marked"].values()) <= bench.SELF_TOL
+    with pytest.raises(AssertionError, match="control is not a matmul"):  # the same graph, another weight
+        bench.check_paths({"control": (fused, own.flip(1))}, x, g)
