@@ -18,8 +18,8 @@ down 4096x14336, k/v 1024x4096) at 4096, 16384 and 65536 tokens per micro-batch,
   in backward): checks that the path above is what it says at these sizes.
 - torchao_nf4: torchao's NF4Tensor + linear_nf4 (what torchtune uses): NF4 dequantised by
   PyTorch ops (a LUT gather and scale), then F.linear; again in backward.
-- torchao_nf4_compiled: the same under torch.compile: Inductor fuses the dequantisation into
-  one Triton kernel, the matmul stays cuBLAS.
+- torchao_nf4_compiled: the same under torch.compile: Inductor should generate the
+  dequantisation as one Triton kernel; the matmul stays cuBLAS.
 - torchao_nf4_autotune: torch.compile(mode="max-autotune-no-cudagraphs"): Inductor tunes Triton
   GEMM templates against cuBLAS, and could fuse the dequantisation into a template's prologue
   (`prologue_fusion`, on by default), which would be a fused NF4 dequant+matmul from kept
@@ -60,15 +60,25 @@ import torch.nn.functional as F
 
 # Llama-3.1-8B's frozen linear weights, (out_features, in_features).
 SHAPES: dict[str, tuple[int, int]] = {
-    "q/o 4096x4096": (4096, 4096),
-    "gate/up 14336x4096": (14336, 4096),
-    "down 4096x14336": (4096, 14336),
-    "k/v 1024x4096": (1024, 4096),
+    "q_o": (4096, 4096),
+    "gate_up": (14336, 4096),
+    "down": (4096, 14336),
+    "k_v": (1024, 4096),
 }
 TOKENS = (4096, 16384, 65536)
-CPU_SHAPES = {"tiny 256x512": (256, 512)}
+CPU_SHAPES = {"tiny": (256, 512)}
 CPU_TOKENS = (64, 256)
 BASELINE = "bnb_matmul_4bit"
+PATHS = (
+    "bf16_dense",
+    BASELINE,
+    "bnb_dequant_linear",
+    "bnb_invoke_quant",
+    "torchao_nf4",
+    "torchao_nf4_compiled",
+    "torchao_nf4_autotune",
+    "torchao_nf4_invoke_quant",
+)
 SELF_TOL = 1e-2  # a path against a dense matmul of its own dequantised weight: bf16 matmul noise
 CROSS_TOL = 5e-2  # torchao NF4 against bitsandbytes NF4 (measured ~2.3% in bf16; FP4 is ~15% off)
 
@@ -318,7 +328,7 @@ def bench_shape(
     failed: dict[str, str] = {}
     check = check_paths(paths, check_x, check_g, first, failed)
     paths |= failed
-    out: dict[str, Any] = {"shape": label, "weight": list(shape), "check": check}
+    out: dict[str, Any] = {"shape": f"{label} {shape[0]}x{shape[1]}", "weight": list(shape), "check": check}
     out["first_call_s"] = first  # at the smallest count: the compiled paths' compile time
     out["rows"] = []
     for m in tokens:
@@ -388,8 +398,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--tokens", type=int, nargs="+", help=f"rows per matmul (default {TOKENS}; CPU {CPU_TOKENS})")
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), help="a subset of the weight shapes")
-    ap.add_argument("--paths", nargs="+", help="a subset of the paths (the baseline is always kept)")
-    ap.add_argument("--warmup", type=int, default=3, help="calls before timing (the first compiles)")
+    ap.add_argument("--paths", nargs="+", choices=PATHS, help="a subset of the paths (the baseline is always kept)")
+    ap.add_argument("--warmup", type=int, default=3, help="calls before timing")
     ap.add_argument("--iters", type=int, default=10, help="timed calls; the median is reported")
     args = ap.parse_args(argv)
     if args.paths:

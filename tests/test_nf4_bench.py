@@ -55,6 +55,7 @@ def test_bitsandbytes_paths_are_matmuls_with_their_nf4_weight(dtype: torch.dtype
     bench = _bench()
     weight, x, g = _inputs(dtype)
     paths = bench.build_paths(weight, compiled=False)
+    assert tuple(paths) == bench.PATHS  # every path the CLI and the docs name, skipped or not
     assert _timed(paths) >= set(BNB_PATHS)
     found = bench.check_paths({k: paths[k] for k in BNB_PATHS}, x, g)
     exact = 1e-6 if dtype == torch.float32 else bench.SELF_TOL
