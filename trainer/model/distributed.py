@@ -316,17 +316,19 @@ def min_over_ranks(values: list[float], device: Any) -> list[float]:
 
 
 def end_process_group() -> None:
-    """Destroy this process's default group, if one is up, before the interpreter exits.
+    """Destroy this process's gloo group, if one is up, before the interpreter exits.
 
     Left to interpreter shutdown, a gloo group whose collective timed out can still hold that
     receive: its C++ destructor then calls std::terminate, and the rank dies of SIGABRT (134)
-    instead of exiting with its code, about one time in three on CPU. Destroying it first is
-    torch's own advice for NCCL too (it warns when a group is never destroyed). Local: no rank
-    waits for another here, so it cannot hang a rank whose partners are gone."""
+    instead of exiting with its code, about one time in three on CPU. Destroying it is local (no
+    rank waits for another), so it cannot hang a rank whose partners are gone. NCCL is left as
+    it was: its watchdog already ends a timed-out rank, and shutting down a communicator whose
+    peers died can block."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception as e:  # the exit code already says what happened; this must not replace it
-            log.warning("could not destroy the process group on exit: %s", e)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "gloo":
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as e:  # the exit code already says what happened; this must not replace it
+        log.warning("could not destroy the process group on exit: %s", e)
