@@ -87,7 +87,7 @@ def layer(seq: int, r: int = 32, dropout: float = 0.0, tile: int | None = None) 
             module.cast_input_dtype_enabled = False
     block.to(torch.bfloat16)
     if tile is not None:
-        block.mlp = tiling.TiledMLP(block.mlp, tile)
+        block.mlp = tiling.Tiled(block.mlp, tile)
     return block
 
 
