@@ -43,7 +43,7 @@ import contextlib
 import functools
 import inspect
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -180,7 +180,7 @@ def apply(layers: torch.nn.ModuleList, tile: int, decoder: torch.nn.Module | Non
         if mlp is None or isinstance(mlp, Tiled):
             continue
         norm = getattr(layer, "post_attention_layernorm", None)
-        if _per_token_norm(norm) and _norm_feeds_mlp(type(layer)):
+        if _per_token_norm(norm) and _norm_feeds_mlp(type(layer).forward):
             assert norm is not None
             layer.mlp = Tiled(NormThenMLP(norm, mlp), tile, names_from=mlp)
             layer.post_attention_layernorm = NormInMLP(norm)
@@ -209,12 +209,12 @@ _FEEDS_MLP = re.compile(r"(\w+) = self\.post_attention_layernorm\(\w+\)\s*\n\s*\
 
 
 @functools.cache
-def _norm_feeds_mlp(layer_type: type) -> bool:
-    """Whether `layer_type.forward` uses its post-attention norm once, straight as the MLP's input
+def _norm_feeds_mlp(forward: Callable[..., Any]) -> bool:
+    """Whether a decoder layer's `forward` uses its post-attention norm once, straight as the MLP's input
     (Llama, Mistral, Qwen2/3): only then may the norm run inside the MLP's tiles. Read from the
     forward's source: a layer written otherwise keeps the norm where it is."""
     try:
-        source = inspect.getsource(layer_type.forward)
+        source = inspect.getsource(forward)
     except (OSError, TypeError):
         return False
     return source.count("self.post_attention_layernorm") == 1 and _FEEDS_MLP.search(source) is not None
