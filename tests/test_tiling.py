@@ -82,8 +82,8 @@ def test_tiled_mlp_gives_the_untiled_loss_and_gradients(checkpointing: bool) -> 
     _, exact = _step(exact_model)
     assert tiling.apply(_layers(model), TILE, _decoder(model)) == 2
     layer = _layers(model)[0]
-    assert isinstance(layer.mlp.inner, tiling.NormThenMLP) and isinstance(layer.input_layernorm, tiling.Tiled)
-    assert isinstance(_decoder(model).norm, tiling.Tiled)
+    assert isinstance(layer.mlp.inner, tiling.NormThenMLP) and tiling.tile_of(layer.input_layernorm) == TILE
+    assert tiling.tile_of(_decoder(model).norm) == TILE and layer.mlp.inner.norm is layer.post_attention_layernorm
     names_before = [n for n, _ in model.named_parameters()]
     loss_tiled, tiled = _step(model)
     assert [n for n, _ in model.named_parameters()] == names_before  # adapter files keep their names
@@ -127,12 +127,36 @@ def test_each_tiled_units_output_and_input_gradient_are_bit_identical(unit: str)
     g = torch.randn(1, SEQ, 64)
     out_plain = plain(x)
     (grad_plain,) = torch.autograd.grad(out_plain, x, g)
-    tiled = tiling.Tiled(plain, TILE)
+    if unit.endswith(" norm"):  # tiled in place, as `apply` does
+        tiled = copy.deepcopy(plain)
+        tiling.tile_in_place(tiled, TILE)
+    else:
+        tiled = tiling.Tiled(plain, TILE)
     out_tiled = tiled(x)
     (grad_tiled,) = torch.autograd.grad(out_tiled, x, g)
     assert torch.equal(out_tiled, out_plain) and torch.equal(grad_tiled, grad_plain)
     with torch.no_grad():  # evaluation: no graph, the same output
         assert torch.equal(tiled(x), out_plain)
+
+
+def test_the_tiled_norms_read_the_parameters_registered_now() -> None:
+    """FSDP puts gathered weights on the modules that register them, and a state dict loaded with
+    assign=True puts new Parameter objects there: the tiled norms compute with those. Control: the
+    new weights change the loss, so a norm holding on to the old ones would be caught."""
+    model = _model(False)
+    before, _ = _step(model)
+    plain = copy.deepcopy(model)
+    tiling.apply(_layers(model), TILE, _decoder(model))
+    for m in (plain, model):
+        torch.manual_seed(3)
+        norms = [_decoder(m).norm] + [
+            n for layer in _layers(m) for n in (layer.input_layernorm, layer.post_attention_layernorm)
+        ]
+        for norm in norms:
+            norm.weight = torch.nn.Parameter(torch.rand_like(norm.weight) + 0.5, requires_grad=False)
+    swapped, _ = _step(plain)
+    tiled, _ = _step(model)
+    assert torch.equal(tiled, swapped) and not torch.equal(swapped, before)
 
 
 @pytest.mark.parametrize("wrong", ["drops a row", "computes a row twice"])

@@ -52,7 +52,8 @@ def test_the_offloaded_and_in_flight_terms_are_the_measured_layer_and_final_norm
     seq = 524288
     layer_saved = saved_bytes(*run(layer(seq, tile=TILE), seq, checkpointing=True))
     with torch.device("meta"):
-        norm = tiling.Tiled(LlamaRMSNorm(SHAPE.hidden).to(torch.bfloat16), TILE)
+        norm = LlamaRMSNorm(SHAPE.hidden).to(torch.bfloat16)
+    tiling.tile_in_place(norm, TILE)
     x = torch.empty(1, seq, SHAPE.hidden, device="meta", dtype=torch.bfloat16, requires_grad=True)
     norm_saved = saved_bytes(lambda: norm(x), list(norm.parameters()))
     assert norm_saved == A * SHAPE.hidden * seq  # its input only: no fp32 copy (untiled: 3x that)

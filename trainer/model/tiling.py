@@ -13,10 +13,11 @@ tile's activations and their gradients exist at a time (the scheme of Arctic Lon
 Training's TiledMLP, arXiv 2506.13996, and DeepSpeed's `TiledMLP`).
 
 What `apply` tiles in each layer: the post-attention norm and the MLP as one unit (`NormThenMLP`:
-the norm's output, the MLP's input, then exists for one tile at a time; its parameters stay
-registered at `post_attention_layernorm`, `NormInMLP`), the input norm on its own (its output
-feeds attention, which mixes positions, so it is computed whole, but its fp32 copies are not kept),
-and the decoder's final norm.
+the norm's output, the MLP's input, then exists for one tile at a time; the norm module stays at
+`post_attention_layernorm` and passes its input through there), the input norm on its own (its
+output feeds attention, which mixes positions, so it is computed whole, but its fp32 copies are
+not kept), and the decoder's final norm. The norms are tiled in place (`tile_in_place`: only
+their `forward` changes), so their parameters stay registered on them and are read at each call.
 
 What stays true:
 - outputs and the input gradient are computed tile by tile, row for row as the untiled module
@@ -33,8 +34,8 @@ What stays true:
   the MLP): the generator state at the forward is restored around it, as torch.utils.checkpoint
   does; and it runs under the forward's autocast state.
 
-The wrapper (`Tiled`) shares the wrapped module's children instead of holding the module as a
-child, so parameter names, peft's adapter files and checkpoints are the same tiled or not.
+The MLP's wrapper (`Tiled`) shares the MLP's children instead of holding the MLP as a child, so
+parameter names, peft's adapter files and checkpoints are the same tiled or not.
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ class TiledFunction(torch.autograd.Function):
     parameters, inputs here so that the output needs a gradient whenever they do."""
 
     @staticmethod
-    def forward(ctx: Any, module: torch.nn.Module, tile: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any, module: Callable[[torch.Tensor], torch.Tensor], tile: int, x: torch.Tensor, *params: torch.Tensor
+    ) -> torch.Tensor:
         ctx.module, ctx.tile, ctx.params = module, tile, params
         ctx.rng = _RngState(x.device)
         ctx.autocast = _autocast_state(x.device.type)
@@ -139,40 +142,54 @@ class Tiled(torch.nn.Module):
 
 class NormThenMLP(torch.nn.Module):
     """A decoder layer's post-attention norm and its MLP as one per-token unit: tiled together, the
-    norm's output (the MLP's input) exists for one tile at a time, never for the whole sequence."""
+    norm's output (the MLP's input) exists for one tile at a time, never for the whole sequence.
+    The norm runs its class's forward (its own `forward` passes its input through, `apply`)."""
 
     def __init__(self, norm: torch.nn.Module, mlp: torch.nn.Module) -> None:
         super().__init__()
         self.norm, self.mlp = norm, mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.mlp(self.norm(x))
+        out: torch.Tensor = self.mlp(type(self.norm).forward(self.norm, x))
         return out
 
 
-class NormInMLP(torch.nn.Module):
-    """What stands in a layer's `post_attention_layernorm` once the norm runs inside the tiled MLP
-    (`NormThenMLP`): the norm's parameters under their own names (adapter files, checkpoints and
-    FSDP see the same model), and the identity, since `layer.mlp` normalises each tile itself."""
+def tile_in_place(norm: torch.nn.Module, tile: int) -> None:
+    """From now on `norm` computes in tiles of `tile` tokens. The module stays where it is, with its
+    class and parameters: only its `forward` is replaced, and the tiled computation reads the
+    parameters at each call, so a framework that swaps them (FSDP's gathered weights, a state dict
+    loaded with assign=True) is followed."""
+    if tile < 1:
+        raise ValueError(f"model.tiled_mlp_tokens must be at least 1, got {tile}")
+    plain = functools.partial(type(norm).forward, norm)
 
-    norm: torch.nn.Module
+    def tiled(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[:-1].numel() <= tile:
+            return plain(x)
+        params = [p for p in norm.parameters() if p.requires_grad]
+        out: torch.Tensor = TiledFunction.apply(plain, tile, x, *params)
+        return out
 
-    def __init__(self, norm: torch.nn.Module) -> None:
-        super().__init__()
-        object.__setattr__(self, "norm", norm)
-        for name, param in norm.named_parameters(recurse=False):
-            self.register_parameter(name, param)
+    norm.forward = tiled
+    norm.spotune_tile = tile  # type: ignore[assignment]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x
 
-    def extra_repr(self) -> str:
-        return f"{type(self.norm).__name__}, computed inside the tiled mlp"
+def tile_of(module: torch.nn.Module) -> int | None:
+    """The tile `module` computes in (a `Tiled` wrapper or a norm tiled in place), None if untiled."""
+    if isinstance(module, Tiled):
+        return module.tile
+    tile = getattr(module, "spotune_tile", None)
+    return tile if isinstance(tile, int) else None
+
+
+def _pass_through(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def apply(layers: torch.nn.ModuleList, tile: int, decoder: torch.nn.Module | None = None) -> int:
     """Tile every decoder layer in `layers` (once): its MLP, fused with the post-attention norm
-    where the layer's forward feeds that norm straight into the MLP (`_norm_feeds_mlp`), and its
+    where the layer's forward feeds that norm straight into the MLP (`_norm_feeds_mlp`; the norm
+    stays registered where it is and passes its input through, `NormThenMLP` runs it), and its
     input norm; and `decoder.norm` (the final norm) when given. Returns how many layers were tiled."""
     wrapped = 0
     for layer in layers:
@@ -180,27 +197,25 @@ def apply(layers: torch.nn.ModuleList, tile: int, decoder: torch.nn.Module | Non
         if mlp is None or isinstance(mlp, Tiled):
             continue
         norm = getattr(layer, "post_attention_layernorm", None)
-        if _per_token_norm(norm) and _norm_feeds_mlp(type(layer).forward):
-            assert norm is not None
+        if norm is not None and _per_token_norm(norm) and _norm_feeds_mlp(type(layer).forward):
             layer.mlp = Tiled(NormThenMLP(norm, mlp), tile, names_from=mlp)
-            layer.post_attention_layernorm = NormInMLP(norm)
+            norm.forward = _pass_through
+            norm.spotune_tile = tile  # in the MLP's tiles
         else:
             layer.mlp = Tiled(mlp, tile)
         first = getattr(layer, "input_layernorm", None)
-        if _per_token_norm(first):
-            assert first is not None
-            layer.input_layernorm = Tiled(first, tile)
+        if first is not None and _per_token_norm(first):
+            tile_in_place(first, tile)
         wrapped += 1
     final = getattr(decoder, "norm", None) if decoder is not None else None
-    if _per_token_norm(final):
-        assert decoder is not None and final is not None
-        decoder.norm = Tiled(final, tile)
+    if final is not None and _per_token_norm(final):
+        tile_in_place(final, tile)
     return wrapped
 
 
-def _per_token_norm(module: torch.nn.Module | None) -> bool:
+def _per_token_norm(module: torch.nn.Module) -> bool:
     """An RMSNorm or LayerNorm over the last dimension (each token on its own), not tiled yet."""
-    if module is None or isinstance(module, Tiled):
+    if tile_of(module) is not None:
         return False
     return isinstance(module, torch.nn.LayerNorm) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
 
