@@ -141,12 +141,14 @@ def test_each_tiled_units_output_and_input_gradient_are_bit_identical(unit: str)
 
 def test_the_tiled_norms_read_the_parameters_registered_now() -> None:
     """FSDP puts gathered weights on the modules that register them, and a state dict loaded with
-    assign=True puts new Parameter objects there: the tiled norms compute with those. Control: the
-    new weights change the loss, so a norm holding on to the old ones would be caught."""
+    assign=True puts new Parameter objects there: the tiled norms compute with those, and a deep
+    copy's with its own. Control: the new weights change the loss, so a norm holding on to the old
+    ones would be caught."""
     model = _model(False)
     before, _ = _step(model)
     plain = copy.deepcopy(model)
     tiling.apply(_layers(model), TILE, _decoder(model))
+    kept = copy.deepcopy(model)  # its norms compute with its own weights, not the swapped ones
     for m in (plain, model):
         torch.manual_seed(3)
         norms = [_decoder(m).norm] + [
@@ -157,6 +159,7 @@ def test_the_tiled_norms_read_the_parameters_registered_now() -> None:
     swapped, _ = _step(plain)
     tiled, _ = _step(model)
     assert torch.equal(tiled, swapped) and not torch.equal(swapped, before)
+    assert torch.equal(_step(kept)[0], before)
 
 
 @pytest.mark.parametrize("wrong", ["drops a row", "computes a row twice"])

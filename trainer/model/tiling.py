@@ -44,6 +44,7 @@ import contextlib
 import functools
 import inspect
 import re
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -156,22 +157,25 @@ class NormThenMLP(torch.nn.Module):
 
 def tile_in_place(norm: torch.nn.Module, tile: int) -> None:
     """From now on `norm` computes in tiles of `tile` tokens. The module stays where it is, with its
-    class and parameters: only its `forward` is replaced, and the tiled computation reads the
-    parameters at each call, so a framework that swaps them (FSDP's gathered weights, a state dict
-    loaded with assign=True) is followed."""
+    class and parameters: only its `forward` is replaced (a method bound to it, so a deep copy of
+    the model binds to the copy), and the tiled computation reads the parameters at each call, so
+    a framework that swaps them (FSDP's gathered weights, a state dict loaded with assign=True) is
+    followed."""
     if tile < 1:
         raise ValueError(f"model.tiled_mlp_tokens must be at least 1, got {tile}")
-    plain = functools.partial(type(norm).forward, norm)
-
-    def tiled(x: torch.Tensor) -> torch.Tensor:
-        if x.shape[:-1].numel() <= tile:
-            return plain(x)
-        params = [p for p in norm.parameters() if p.requires_grad]
-        out: torch.Tensor = TiledFunction.apply(plain, tile, x, *params)
-        return out
-
-    norm.forward = tiled
     norm.spotune_tile = tile  # type: ignore[assignment]
+    norm.forward = types.MethodType(_tiled_norm_forward, norm)
+
+
+def _tiled_norm_forward(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    tile = tile_of(norm)
+    assert tile is not None
+    plain = functools.partial(type(norm).forward, norm)
+    if x.shape[:-1].numel() <= tile:
+        return plain(x)
+    params = [p for p in norm.parameters() if p.requires_grad]
+    out: torch.Tensor = TiledFunction.apply(plain, tile, x, *params)
+    return out
 
 
 def tile_of(module: torch.nn.Module) -> int | None:
