@@ -12,12 +12,12 @@ allocator's headroom) beside torch.cuda.max_memory_allocated and max_memory_rese
 ratios (goal 0.90-1.10 on reserved), and tokens/s (the offloading rows' cost is the gap to the
 checkpointing rows above them). A row that runs out of memory says so and the table goes on.
 
-`--longest`: 8B QLoRA r32 all linear, checkpointing, activation offloading and MLP tiling
-(`model.tiled_mlp`, trainer/model/tiling.py) on, one row: the longest sequence (multiple of
+`--longest`: 8B QLoRA r32 all linear, checkpointing, activation offloading and tiling of the
+norms and the MLP (`model.tiled_mlp`, trainer/model/tiling.py) on, one row: the longest sequence (multiple of
 1024) whose optimizer step runs on this GPU, found by bisection between what fits and what does
 not, beside the estimate's own longest (with the host memory offloading needs there, and the
 estimate without tiling), and the tokens/s the planner's assumed MFU gives at that length.
-`--no-tiling` searches without MLP tiling. Published: 342,733 tokens (Unsloth, 8B QLoRA) and
+`--no-tiling` searches without tiling. Published: 342,733 tokens (Unsloth, 8B QLoRA) and
 500k (Arctic Long Sequence Training, 8B, one H100) on one 80 GB GPU.
 
 `--tiny` runs the same code on CPU with a tiny Llama (CI keeps it working; CPU has no caching
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     ap.add_argument("--longest", action="store_true", help="search the longest sequence for 8B QLoRA r32 instead")
     ap.add_argument("--longest-cap", type=int, default=524_288, help="do not try sequences longer than this")
-    ap.add_argument("--no-tiling", action="store_true", help="--longest without MLP tiling (model.tiled_mlp=off)")
+    ap.add_argument("--no-tiling", action="store_true", help="--longest without tiling (model.tiled_mlp=off)")
     ap.add_argument(
         "--estimate-only", action="store_true", help="--longest: the estimate's figures only (no model, runs on CPU)"
     )
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result["longest"] = found = longest(path, args, vocab)
             print(
                 f"{result['device']}: longest 8B QLoRA r32 sequence (checkpointing + offloading"
-                f"{' + MLP tiling' if found['tiled_mlp'] else ''}, one row, {found['device_memory_gib']:.1f} GiB): "
+                f"{' + tiling (norms, MLP)' if found['tiled_mlp'] else ''}, one row, {found['device_memory_gib']:.1f} GiB): "
                 f"measured {found['measured_longest']}, "
                 f"estimated {found['estimated_longest']} (without tiling {found['estimated_longest_without_tiling']}; "
                 f"host memory {found['estimated_host_gib']:.0f} GiB; assumed-MFU H100 tokens/s "

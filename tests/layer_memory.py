@@ -48,23 +48,30 @@ transformers.AttentionInterface.register(FLASH, _flash)
 
 
 class LiveBytes(TorchDispatchMode):
-    """Bytes of storages created under the mode and still alive; `peak`: their most at once."""
+    """Bytes of storages created under the mode and still alive; `peak`: their most at once;
+    `at_mark`: the live bytes right after the last op whose name contains `mark`."""
 
-    def __init__(self) -> None:
+    def __init__(self, mark: str | None = None) -> None:
         super().__init__()
-        self.live = self.peak = 0
+        self.live = self.peak = self.at_mark = 0
         self.alive: set[int] = set()
+        self.mark = mark
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        # A view or an in-place result shares an input's storage: nothing new, even where that
+        # storage was made before the mode (a weight's transpose, a view of the layer's input).
+        given = {id(a.untyped_storage()) for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
-                if id(storage) not in self.alive:  # a view or an in-place result: nothing new
+                if id(storage) not in self.alive and id(storage) not in given:
                     self.alive.add(id(storage))
                     self.live += storage.nbytes()
                     self.peak = max(self.peak, self.live)
                     weakref.finalize(storage, self._free, id(storage), storage.nbytes())
+        if self.mark is not None and self.mark in str(func):
+            self.at_mark = self.live
         return out
 
     def _free(self, key: int, nbytes: int) -> None:
@@ -86,8 +93,8 @@ def layer(seq: int, r: int = 32, dropout: float = 0.0, tile: int | None = None) 
         if hasattr(module, "cast_input_dtype_enabled"):
             module.cast_input_dtype_enabled = False
     block.to(torch.bfloat16)
-    if tile is not None:
-        block.mlp = tiling.TiledMLP(block.mlp, tile)
+    if tile is not None:  # the norms and the MLP, as model.tiled_mlp=on does (trainer/model/tiling.py)
+        tiling.apply(torch.nn.ModuleList([block]), tile)
     return block
 
 
@@ -130,10 +137,11 @@ def saved_bytes(forward: Callable[[], torch.Tensor], shared: list[torch.Tensor])
     return sum(t.untyped_storage().nbytes() for t in kept.values())
 
 
-def peak_bytes(forward: Callable[[], torch.Tensor]) -> int:
-    """Peak of the layer's own live bytes over forward and backward (incoming gradient included)."""
-    with LiveBytes() as mode:
+def peak_bytes(forward: Callable[[], torch.Tensor], mark: str | None = None) -> tuple[int, int]:
+    """Peak of the layer's own live bytes over forward and backward (incoming gradient included),
+    and the live bytes right after the op named `mark` (see `LiveBytes`)."""
+    with LiveBytes(mark) as mode:
         out = forward()
         out.backward(torch.empty_like(out))
         del out
-    return mode.peak
+    return mode.peak, mode.at_mark

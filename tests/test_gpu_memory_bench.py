@@ -43,7 +43,7 @@ def test_longest_search_tiny_run(tmp_path: Path) -> None:
     assert found["estimated_longest"] > 512 and found["published_target"] == 342_000
     assert found["tiled_mlp"] and found["estimated_longest"] >= found["estimated_longest_without_tiling"]
     assert found["estimated_host_gib"] > 0 and found["assumed_h100_tokens_per_s"] > 0
-    assert "longest 8B QLoRA r32 sequence" in stdout and "MLP tiling" in stdout
+    assert "longest 8B QLoRA r32 sequence" in stdout and "tiling (norms, MLP)" in stdout
 
 
 def test_longest_estimate_of_the_8b_shape_on_cpu(tmp_path: Path) -> None:
@@ -54,6 +54,6 @@ def test_longest_estimate_of_the_8b_shape_on_cpu(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(out.read_text())["longest"]
     assert found["measured_longest"] is None and found["device_memory_gib"] == 79.1
-    assert found["estimated_longest"] == 413_696 and found["estimated_longest_without_tiling"] == 257_024
-    layers, hidden = 32, 4096  # offloaded: 30 layer inputs (bf16) + the final norm's input (fp32 + bf16)
-    assert found["estimated_host_gib"] * GIB == (layers - 2) * 2 * hidden * 413_696 + 6 * hidden * 413_696
+    assert found["estimated_longest"] == 555_008 and found["estimated_longest_without_tiling"] == 257_024
+    layers, hidden = 32, 4096  # offloaded: 30 layer inputs + the (tiled) final norm's input, all bf16
+    assert found["estimated_host_gib"] * GIB == (layers - 2) * 2 * hidden * 555_008 + 2 * hidden * 555_008

@@ -33,9 +33,9 @@ class ModelConfig:
     activation_offload: Literal["off", "on", "auto"] = "off"
     """Move what the decoder saves for backward (with checkpointing: each layer's input) to host memory during the forward, back ahead of the backward (trainer/model/offload.py); `auto`: only when the estimate says the run would not fit otherwise."""
     tiled_mlp: Literal["off", "on", "auto"] = "off"
-    """Compute each decoder layer's MLP in sequence tiles of `tiled_mlp_tokens`, forward and backward (trainer/model/tiling.py), so its [tokens x intermediate] activations never exist for the whole sequence: long sequences; `auto`: only when the memory estimate says the run would not fit otherwise."""
+    """Compute each decoder layer's MLP and RMSNorms (the post-attention norm fused into the MLP's tiles), and the final norm, in sequence tiles of `tiled_mlp_tokens`, forward and backward (trainer/model/tiling.py), so their [tokens x intermediate] activations and fp32 copies never exist for the whole sequence: long sequences; `auto`: only when the memory estimate says the run would not fit otherwise."""
     tiled_mlp_tokens: int = 8192
-    """Tokens per MLP tile when `tiled_mlp` is on."""
+    """Tokens per tile (MLP and norms) when `tiled_mlp` is on."""
     trust_remote_code: bool = False
     """Run modelling code shipped with the checkpoint. Off unless you trust its source."""
 

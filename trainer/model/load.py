@@ -250,7 +250,7 @@ def build(
         lora_fused.fuse(model)
     if model_cfg.tiled_mlp == "on":  # `auto` is resolved by trainer/training/autofit.py before build
         layers = decoder_layers(model, "model.tiled_mlp", "set model.tiled_mlp=off")
-        if not tiling.apply(layers, model_cfg.tiled_mlp_tokens):
+        if not tiling.apply(layers, model_cfg.tiled_mlp_tokens, causal_lm(model).get_decoder()):
             raise ConfigError(
                 [f"model.tiled_mlp: no decoder layer of {type(layers[0]).__name__} has an `mlp`; set it off"]
             )

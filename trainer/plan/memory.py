@@ -9,22 +9,8 @@ What is resident at the step's peak, each term named (`MemoryEstimate`):
   offloaded = host memory activation offloading uses instead (not in total).
 `allocated` is what torch.cuda.max_memory_allocated reads, `reserved` max_memory_reserved.
 
-Per-layer saved activations (llama-style block, elements per token, `a` = bytes of the
-compute dtype), counted from what autograd keeps for backward:
-
-* two RMSNorms: each keeps an fp32 copy of its input, its fp32 inverse RMS and its normalised
-  output: 2*(4h + 4 + a*h) bytes;
-* attention (flash/memory-efficient kernels, no seq x seq matrix): rotated q, k, v, the
-  kernel output, and (`attention_output_copy`: kernels that return [heads, tokens] order, sdpa
-  and the varlen path) its contiguous copy fed to o_proj: a*(2*q + 2*kv) [+ a*q], plus the fp32
-  log-sum-exp per head; eager attention also keeps scores and probabilities, 2*a*heads*seq;
-* gated MLP: gate, silu(gate), up and their product: 4*a*i; with `tiled_mlp` only its input,
-  which the post-attention norm's output term already counts (trainer/model/tiling.py);
-* LoRA, per adapted linear: the A output (a*r); with dropout > 0 also the dropped copy of
-  the input and its mask: in*(a + 1). (peft applies dropout separately per adapter, which
-  is why dropout costs so much memory.)
-gpt2 blocks use the same terms with a plain MLP (c_fc output, GELU output: 2*a*i + GELU's
-internal input) and LayerNorms.
+Per-layer saved activations and the backward's temporaries, per token, counted from what
+autograd keeps (trainer/plan/activations.py: norms, attention, MLP, LoRA; tiled or not).
 
 With gradient checkpointing each layer keeps only its input (a*h per token) and one layer
 is recomputed at a time, so one layer's full activations join the backward temporaries.
@@ -38,14 +24,13 @@ labelled positions reach the head (`head_tokens`); the default assumes every pos
 which keeps the estimate on the safe side for prompt-masked data.
 
 Not counted: the rotary cos/sin tables (2*a*head_dim per token, shared by every layer).
-tests/test_tiling_memory.py checks these terms against what autograd saves for a real-shaped
-Llama-3.1-8B layer on the meta device (exact, with a flash kernel's layout), with and without
-checkpointing and MLP tiling.
+tests/test_tiling_memory.py checks the activation terms against what autograd saves for a
+real-shaped Llama-3.1-8B layer on the meta device (exact, with a flash kernel's layout), with and
+without checkpointing and tiling, and the layer's backward peak against its live bytes.
 
-Backward temporaries: one layer's gradients of the MLP's gate and up outputs (tiled: of one
-tile, with that tile's recomputed activations) and of its input and output, plus (NF4/int8) the
-largest weight dequantised. The head's working set is gone when
-a layer's backward runs, so the term is what the layer needs beyond it: the peak is the larger.
+Backward temporaries: one layer's at their largest (activations.layer_backward_bytes) plus
+(NF4/int8) the largest weight dequantised. The head's working set is gone when a layer's backward
+runs, so the term is what the layer needs beyond it: the peak is the larger.
 
 Calibration, each against a measurement kept with the code:
 * the one GPU measurement so far (docs/gpu.md, "Measured so far": one H100, Llama-3.1-8B shape, seq 4096, LoRA r16 all linear, one
@@ -72,7 +57,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from trainer.model.flops import ModelShape, adapted_linears
+from trainer.model.flops import ModelShape
+from trainer.plan import activations as act
+from trainer.plan.activations import MLP_TILE_TOKENS
 
 GIB = 1024**3
 WeightFormat = Literal["float32", "bfloat16", "float16", "int8", "nf4"]
@@ -86,13 +73,6 @@ INT8_BYTES = 1.0
 CHUNK_ELEMENTS = 1 << 25
 # trainer/model/loss.py's HEAD_TILE_TOKENS (most head positions per fused-loss call); a test keeps them equal.
 HEAD_TILE_TOKENS = 1 << 15
-# trainer/model/tiling.py's DEFAULT_TILE_TOKENS (`model.tiled_mlp_tokens`' default).
-MLP_TILE_TOKENS = 8192
-# The block linears inside the MLP (what `model.tiled_mlp` computes in tiles), by ModelShape.linears name.
-MLP_LINEARS = ("gate_proj", "up_proj", "down_proj", "c_fc", "mlp.c_proj")
-# fp32 [tokens x hidden] temporaries an RMSNorm's backward holds at its peak (HF's LlamaRMSNorm
-# through autograd): the live-bytes trace of a Llama-3.1-8B layer on meta, tests/test_tiling_memory.py.
-NORM_BACKWARD_FP32 = 4
 # CUDA context and cuBLAS workspace, outside the caching allocator (not in max_memory_reserved).
 CUDA_OVERHEAD_BYTES = 1.0 * GIB
 # The caching allocator's headroom over what is allocated, as a share of the per-step memory
@@ -195,56 +175,6 @@ def optimizer_bytes_per_param(optimizer: str) -> float:
     raise ValueError(f"train.optimizer: unknown optimizer {optimizer!r}; use adamw, adamw_8bit or paged_adamw_8bit")
 
 
-def layer_activation_bytes_per_token(
-    shape: ModelShape,
-    a: int,
-    r: int,
-    targets: Sequence[str],
-    lora_dropout: bool,
-    eager_attention_seq: int = 0,
-    tiled_mlp: bool = False,
-    attention_output_copy: bool = True,
-) -> float:
-    """Bytes autograd keeps per token for one block (see the module docstring).
-
-    `eager_attention_seq`: with eager attention, the sequence length whose scores and
-    softmax probabilities (heads x seq per token, each) are kept as well. `tiled_mlp`: the MLP
-    keeps only its input (trainer/model/tiling.py), the post-attention norm's output already
-    counted in `norms`; its activations are a backward temporary of one tile instead."""
-    h = shape.hidden
-    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    norms = 2 * (4 * h + 4 + a * h)
-    copy = a * q if attention_output_copy else 0
-    attention = a * (2 * q + 2 * kv) + copy + 4 * shape.heads + 2 * a * shape.heads * eager_attention_seq
-    lora = sum(
-        _lora_bytes(a, r, fan_in, lora_dropout)
-        for name, fan_in, _ in adapted_linears(shape, targets)
-        if not _in_mlp(name)
-    )
-    mlp = mlp_activation_bytes_per_token(shape, a, r, targets, lora_dropout)
-    return norms + attention + lora + (0.0 if tiled_mlp else mlp)
-
-
-def mlp_activation_bytes_per_token(
-    shape: ModelShape, a: int, r: int, targets: Sequence[str], lora_dropout: bool
-) -> float:
-    """What the MLP and its adapted linears keep per token: gate, silu(gate), up and their product
-    (gpt2: c_fc's output, GELU's input and output) and the LoRA terms of its linears."""
-    lora = sum(
-        _lora_bytes(a, r, fan_in, lora_dropout) for name, fan_in, _ in adapted_linears(shape, targets) if _in_mlp(name)
-    )
-    return (4 if shape.arch == "llama" else 3) * a * shape.intermediate + lora
-
-
-def _in_mlp(name: str) -> bool:
-    return name in MLP_LINEARS
-
-
-def _lora_bytes(a: int, r: int, fan_in: int, lora_dropout: bool) -> float:
-    """Per token, per adapted linear: the A output (a*r); with dropout its input's dropped copy and mask."""
-    return a * r + (fan_in * (a + 1) if lora_dropout else 0)
-
-
 def head_working_bytes(shape: ModelShape, a: int, tokens: int, head_tokens: int, fused: bool) -> float:
     """The head and loss at their largest (see `MemoryEstimate.logits`).
 
@@ -263,61 +193,29 @@ def head_working_bytes(shape: ModelShape, a: int, tokens: int, head_tokens: int,
     return chunk * shape.vocab * (a + 8) + (head_tokens + tokens) * shape.hidden * a
 
 
-def backward_workspace_bytes(
-    shape: ModelShape, a: int, tokens: int, weight_format: WeightFormat, mlp_tile: tuple[int, float] | None = None
-) -> float:
-    """One layer's backward temporaries: the gradients of the MLP's gate and up outputs and of
-    the layer's input and output (a*(2i + 2h) per token), plus, for quantised linears, the
-    largest weight dequantised to the compute dtype (bitsandbytes does that in each backward).
-    `mlp_tile` (tile tokens, MLP activation bytes per token): the MLP in tiles, whose gate and up
-    gradients and recomputed activations exist for one tile at a time."""
-    temporaries = float(a * 2 * shape.hidden * tokens)
-    if mlp_tile is None:
-        temporaries += a * 2 * shape.intermediate * tokens
-    else:
-        tile, mlp_per_token = mlp_tile
-        temporaries += (a * 2 * shape.intermediate + mlp_per_token) * min(tile, tokens)
-    dequantised = max(i * o for _, i, o in shape.linears()) * a if weight_format in ("nf4", "int8") else 0
-    return temporaries + dequantised
-
-
-def norm_backward_bytes(shape: ModelShape, a: int, tokens: int) -> float:
-    """The layer's backward while its post-attention RMSNorm runs its backward: the gradients of the
-    layer's input and output (a*2h per token) and the norm's own temporaries, `NORM_BACKWARD_FP32`
-    fp32 [tokens x hidden] tensors at once (autograd's pow / mean / mul chain in fp32). gpt2's
-    LayerNorm backward is one kernel with no such temporaries."""
-    fp32 = NORM_BACKWARD_FP32 * 4 * shape.hidden if shape.arch == "llama" else 0
-    return float((a * 2 * shape.hidden + fp32) * tokens)
-
-
-def _saved(shape: ModelShape, a: int, tokens: int, saved_per_layer: float, offload: bool) -> tuple[float, float, float]:
+def _saved(
+    shape: ModelShape, a: int, tokens: int, saved_per_layer: float, offload: bool, tiled_norms: bool
+) -> tuple[float, float, float]:
     """(on the device, on the host, the final norm's part that comes back after the head's).
 
-    Every layer's saved tensors, the embedding output and the final norm's fp32 input and output.
+    Every layer's saved tensors, the embedding output and the final norm's fp32 input and output
+    (`tiled_norms`: its input only, in the compute dtype, trainer/model/tiling.py).
     The offloader packs everything the decoder body saves, outside its layers too: the final
     norm's input goes to the host in the forward and comes back for the norm's own backward, right
     after the head's (so it joins the head's phase, not the layers'); the embedding output is
     layer 0's input, one of the offloaded layer inputs already."""
     embed_out = a * shape.hidden * tokens  # the embedding output (first layer's input)
-    final_norm = (4 + a) * shape.hidden * tokens
+    final_norm = (a if tiled_norms else 4 + a) * shape.hidden * tokens
     if not offload:
         return shape.layers * saved_per_layer + embed_out + final_norm, 0.0, 0.0
     in_flight = min(2, shape.layers)  # the layer being used and the one being fetched
     return in_flight * saved_per_layer, (shape.layers - in_flight) * saved_per_layer + final_norm, final_norm
 
 
-def _layer_backward(
-    shape: ModelShape, a: int, tokens: int, weight_format: WeightFormat, mlp_per_token: float, tile: int | None
-) -> float:
-    """One layer's backward temporaries at their largest: while the MLP runs its backward, or
-    after it, while the post-attention norm runs its own: the MLP's saved tensors are gone by then
-    (tiled: there were none), so with the MLP's temporaries bounded by a tile the norm's phase is
-    the layer's peak."""
-    mlp_phase = backward_workspace_bytes(
-        shape, a, tokens, weight_format, None if tile is None else (tile, mlp_per_token)
-    )
-    norm_phase = norm_backward_bytes(shape, a, tokens) - (0.0 if tile is not None else mlp_per_token * tokens)
-    return max(mlp_phase, norm_phase)
+def dequantised_bytes(shape: ModelShape, a: int, weight_format: WeightFormat) -> float:
+    """NF4/int8: the largest block weight dequantised to the compute dtype (bitsandbytes does that
+    in each backward); nothing for weights kept in a float dtype."""
+    return float(max(i * o for _, i, o in shape.linears()) * a) if weight_format in ("nf4", "int8") else 0.0
 
 
 def estimate_memory(
@@ -350,28 +248,32 @@ def estimate_memory(
     `activation_offload`: saved decoder tensors in host memory, two layers' worth in flight
     (trainer/model/offload.py); `fused_head`: spotune's fused head and loss (False: the model's own);
     `head_tokens`: positions that reach the head (default: all, the safe side for SFT data);
-    `tiled_mlp`: every MLP in tiles of `mlp_tile_tokens` (trainer/model/tiling.py; one tile or less
-    runs the plain module); `attention_output_copy`: see the module docstring (False for flash-attn)."""
+    `tiled_mlp`: every MLP and norm in tiles of `mlp_tile_tokens` (trainer/model/tiling.py; one tile
+    or less runs the plain module); `attention_output_copy`: see trainer/plan/activations.py (False for flash-attn)."""
     if shards < 1:
         raise ValueError(f"shards must be at least 1, got {shards}")
     a = _DTYPE_BYTES[compute_dtype]
     tokens = micro_batch_size * seq_len
     tiled = tiled_mlp and tokens > mlp_tile_tokens
+    tiled_norms = tiled and shape.arch == "llama"  # gpt2's blocks have no input/post-attention norms to tile
     eager_seq = seq_len if eager_attention else 0
     per_layer = (
-        layer_activation_bytes_per_token(
+        act.layer_activation_bytes_per_token(
             shape, a, lora_r, target_modules, lora_dropout, eager_seq, tiled, attention_output_copy
         )
         * tokens
     )
     saved_per_layer = a * shape.hidden * tokens if gradient_checkpointing else per_layer
-    activations, offloaded, final_norm = _saved(shape, a, tokens, saved_per_layer, activation_offload)
+    activations, offloaded, final_norm = _saved(shape, a, tokens, saved_per_layer, activation_offload, tiled_norms)
     head = head_working_bytes(shape, a, tokens, tokens if head_tokens is None else head_tokens, fused_head)
     head += final_norm  # offloaded: it comes back for the norm's own backward, right after the head's
-    mlp_per_token = mlp_activation_bytes_per_token(shape, a, lora_r, target_modules, lora_dropout)
-    layer_backward = _layer_backward(shape, a, tokens, weight_format, mlp_per_token, mlp_tile_tokens if tiled else None)
-    if gradient_checkpointing:
-        layer_backward += per_layer  # the layer being recomputed holds all its activations
+    mlp_per_token = act.mlp_activation_bytes_per_token(shape, a, lora_r, target_modules, lora_dropout)
+    tile = mlp_tile_tokens if tiled else None
+    layer_backward = act.layer_backward_bytes(shape, a, tokens, target_modules, mlp_per_token, tile)
+    layer_backward += dequantised_bytes(shape, a, weight_format)
+    if gradient_checkpointing:  # the layer being recomputed holds all its activations; with tiled
+        # norms its input (the tiled input norm keeps it) is the checkpoint's, already counted
+        layer_backward += per_layer - (a * shape.hidden * tokens if tiled_norms else 0)
     # The head's working set is gone by the time a layer runs its backward: the peak takes the
     # larger of the two, so the workspace term is what a layer's backward needs beyond the head.
     workspace = max(0.0, layer_backward - head)
