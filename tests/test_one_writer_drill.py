@@ -102,6 +102,18 @@ class Machines:
         return self.logs[p.pid].read_text()
 
 
+def _until_waiting(m: Machines, holding: subprocess.Popen, waiting: subprocess.Popen) -> None:
+    """Hold the holder still until the --wait process says it waits, so that it does wait: on a
+    loaded machine its start-up could otherwise outlast the holder's last steps, and one that never
+    waited rightly counts its start-up (its ledger clock starts at launch), overlapping the holder."""
+    os.kill(holding.pid, signal.SIGSTOP)  # well inside the lease's 180 s
+    try:
+        assert _wait(waiting, lambda: "spotune: waiting up to" in m.log(waiting), timeout=120), m.log(waiting)
+        time.sleep(0.5)
+    finally:
+        os.kill(holding.pid, signal.SIGCONT)
+
+
 def _no_overlap(rows: list[dict[str, Any]]) -> None:
     spans = sorted((datetime.fromisoformat(r["start"]), datetime.fromisoformat(r["end"]), r["pid"]) for r in rows)
     for (_, end, pid), (start, _, later) in zip(spans, spans[1:], strict=False):
@@ -124,6 +136,7 @@ def test_same_command_twice_one_trains_one_is_refused_a_waiting_one_resumes(
     b = m.start(recipe, pause=1.5)
     assert _wait(a, lambda: holder(out) is not None, timeout=120) or _wait(b, lambda: holder(out) is not None)
     c = m.start(recipe, "--wait", "300")
+    _until_waiting(m, next(p for p in (a, b) if p.pid == (holder(out) or {}).get("pid")), c)
     codes = sorted(p.wait(timeout=300) for p in (a, b))
     assert codes == [0, EXIT_BUSY], [m.log(p) for p in (a, b)]
     refused, winner = (a, b) if a.returncode == EXIT_BUSY else (b, a)
@@ -178,6 +191,10 @@ def test_two_machines_one_remote_second_refused_waiting_third_resumes(
     assert f"pid {a.pid} on" in m.log(b) and "generation 1" in m.log(b)
     assert sorted(p.name for p in second.iterdir()) == [".spotune.lock"]  # read nothing from the store
     c = m.start(m.recipe(third, remote=s3_remote), "--wait", "300")
+    # Hold the first machine still until the third is at the lease, so that it does wait: on a loaded
+    # machine its start-up could otherwise outlast the first's last steps, and a third that never
+    # waited rightly counts its start-up, overlapping the first (its ledger clock starts at launch).
+    _until_waiting(m, a, c)
     assert a.wait(timeout=300) == 0, m.log(a)
     assert c.wait(timeout=300) == 0, m.log(c)
     rows = _remote_rows(store, tmp_path, "ledger.jsonl")

@@ -44,6 +44,7 @@ from typing import Any, NoReturn, TypeVar
 
 from trainer.config.schema import CheckpointConfig
 from trainer.exit_codes import EXIT_BUSY, EXIT_FILE_ENV
+from trainer.restart import lease_object
 from trainer.restart.clock import boot_clock, process_start
 from trainer.restart.conditional import Refused, conditional, read_object, write_object
 from trainer.restart.lease_object import LEASE_FILE, attempt_record, busy_message, describe_lease, read_lease, ttl_of
@@ -57,7 +58,6 @@ OFFLINE_RETRY_SECONDS = 5.0
 """While cut off: how often the lease thread asks the store again (at most; ttl / 3 when shorter)."""
 CHAIN_LIMIT = 32
 """Earlier attempts a lease carries for the ledger (kills in a row before any ledger upload)."""
-_Refused = Refused  # the name owner.py and older callers use
 
 
 class LeaseLost(RunBusy):
@@ -121,6 +121,7 @@ class Lease(Fence):
         conditional(self.store)  # probed once, before the first conditional write relies on it
         watched: tuple[str | None, float] = (None, 0.0)  # the etag seen unchanged since when (our clock)
         alive = False  # seen to change: its holder renews
+        said = False
         while True:
             current, etag = self._read()
             now = boot_clock()
@@ -139,7 +140,9 @@ class Lease(Fence):
                 self.acquired_at = time.time()
                 self.waited = boot_clock() - started
                 if current is not None and not current.get("released") and current.get("holder") != self.id:
-                    self.message(f"spotune: took over the lease of {self.store.shown}: {_why(current, self, silent)}")
+                    self.message(
+                        f"spotune: took over the lease of {self.store.shown}: {lease_object.takeover_reason(current, self.ttl, self.host, silent)}"
+                    )
                 return
             # The holder's own clock says it expired: look for one ttl (its renewals would show) before
             # refusing, however short `wait` is; a live holder renews every ttl / 3.
@@ -148,6 +151,11 @@ class Lease(Fence):
             left = max(deadline, observe) - now
             if left <= 0:
                 raise RunBusy(busy_message(self.store, current, wait))
+            if not said:  # once: a --wait that says nothing looks like a hang
+                said = True
+                self.message(
+                    f"spotune: waiting up to {left:.0f}s for the lease of {self.store.shown}, held by {describe_lease(current)}"
+                )
             time.sleep(max(0.05, min(POLL_SECONDS, left, ttl_of(current, self.ttl) / 6)))
 
     def _may_take(self, current: dict[str, Any]) -> bool:
@@ -379,15 +387,6 @@ class Lease(Fence):
         )
         self.body, self.etag = body, etag
         self.deadline = sent + self.ttl - self.margin
-
-
-def _why(old: dict[str, Any], new: Lease, silent: float) -> str:
-    if silent >= ttl_of(old, new.ttl):
-        return (
-            f"generation {old.get('generation')} ({old.get('host')}, pid {old.get('pid')}) had not changed for "
-            f"{silent:.0f}s on this machine's clock (its ttl: {ttl_of(old, new.ttl):g}s)"
-        )
-    return f"its holder ran in this directory on this host ({new.host}, pid {old.get('pid')}) and is gone"
 
 
 def _exit_lost(why: str) -> None:

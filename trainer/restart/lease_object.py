@@ -62,3 +62,13 @@ def busy_message(store: Store, lease: dict[str, Any] | None, wait: float | None)
 def ttl_of(lease: dict[str, Any] | None, default: float) -> float:
     """The holder's own ttl: its deadline is measured on it."""
     return float((lease or {}).get("ttl", default))
+
+
+def takeover_reason(old: dict[str, Any], ttl: float, host: str, silent: float) -> str:
+    """Why a lease held by `old` may be taken: silent past its ttl, or its holder is gone from here."""
+    if silent >= ttl_of(old, ttl):
+        return (
+            f"generation {old.get('generation')} ({old.get('host')}, pid {old.get('pid')}) had not changed for "
+            f"{silent:.0f}s on this machine's clock (its ttl: {ttl_of(old, ttl):g}s)"
+        )
+    return f"its holder ran in this directory on this host ({host}, pid {old.get('pid')}) and is gone"

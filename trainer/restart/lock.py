@@ -112,9 +112,18 @@ class RunLock:
         started = time.monotonic()
         deadline = started + max(PROBE_GRACE, wait or 0.0)
         try:
+            said = False
             while not _try_lock(fd, fcntl.LOCK_EX):
                 if time.monotonic() >= deadline:
                     raise RunBusy(busy_message(run_dir, wait))
+                if wait and not said and time.monotonic() - started >= PROBE_GRACE:  # once: else it looks hung
+                    said = True
+                    info = holder(run_dir) or {}
+                    print(
+                        f"spotune: waiting up to {wait:g}s for {run_dir}, in use by {describe(info, run_dir)}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 time.sleep(min(POLL_SECONDS, 0.05 if time.monotonic() - started < PROBE_GRACE else POLL_SECONDS))
         except BaseException:
             os.close(fd)
