@@ -142,3 +142,30 @@ def test_a_resumed_attempt_loads_the_artifacts_and_ends_identical(tmp_path: Path
     # Control: training changed the adapter since the checkpoint both resumed from.
     resumed_from = load_file(saved / "adapter_model.safetensors")
     assert any(not torch.equal(resumed_from[k], cached[k]) for k in resumed_from if k in cached)
+
+
+def test_the_forecast_counts_a_first_compile_and_a_resumed_one(tmp_path: Path) -> None:
+    from test_plan_pilot import _attempt_log
+
+    from trainer.plan import pilot
+    from trainer.plan import timeline as tl
+
+    _attempt_log(tmp_path)  # two processes, each with one warm-up step of 3.0 and 2.0 s over a 1.0 s mean
+    plain = pilot.summarise(tmp_path, warmup_steps=1, device="cpu")
+    rows = read_rows(tmp_path)
+    rows[0]["phases"]["compile"], rows[0]["compile_cache"] = 1.5, "miss: no checkpoint to load from"
+    rows[1]["phases"]["compile"], rows[1]["compile_cache"] = 0.25, "hit: 6 artifact(s) and 28 kernel librar(ies) loaded"
+    (tmp_path / "ledger.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    compiled = pilot.summarise(tmp_path, warmup_steps=1, device="cpu")
+    # The compile is an item of its own, no longer warm-up: (2.0 - 1.5 + 1.0 - 0.25) / 2.
+    assert compiled["fixed"]["compile"] == 1.5 and compiled["fixed"]["warmup_extra"] == pytest.approx(0.625)
+    first = tl.attempt_items(compiled, tl.Target())
+    restart = tl.restart_items(compiled, tl.Target(), None)
+    assert tl.Item(tl.COMPILE_FIRST, 1.5, "pilot") in first
+    assert tl.Item(tl.COMPILE_RESUMED, 0.25, "pilot: compiled artifacts hit") in restart
+    assert tl.restart_items(compiled, tl.Target(restarts=[9.0], restart_compiles=[0.5, 0.25, 0.75]), None)[-1] == (
+        tl.Item(tl.COMPILE_RESUMED, 0.5, "ledger: 3 resumed attempt(s)")
+    )
+    # Control: without model.compile neither item appears and the pilot's summary is as before.
+    names = {i.name for i in tl.attempt_items(plain, tl.Target()) + tl.restart_items(plain, tl.Target(), None)}
+    assert not names & {tl.COMPILE_FIRST, tl.COMPILE_RESUMED} and "compile" not in plain["fixed"]
