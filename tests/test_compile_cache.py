@@ -24,7 +24,7 @@ from trainer.restart.checkpoint import MANIFEST, CheckpointManager
 from trainer.restart.ledger import read_rows
 
 REPO = Path(__file__).resolve().parents[1]
-KEY = {"torch": torch.__version__, "python": "3.11.7", "device": "cpu x86_64 avx2", "model_shape": "0123456789abcdef"}
+KEY = {"torch": torch.__version__, "python": "3.11.7", "device": "cpu x86_64 avx512", "model_shape": "0123456789abcdef"}
 
 
 def _folder(tmp_path: Path, key: dict[str, str], blob: bytes = b"not torch's format") -> Path:

@@ -52,13 +52,9 @@ def device_kind(device: torch.device) -> str:
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return f"{torch.cuda.get_device_name(device)} sm{major}{minor}"
-    isa = "unknown"
-    try:
-        from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-        isa = str(pick_vec_isa()) or "none"
-    except Exception:  # noqa: BLE001 (a private helper: without it the ISA reads as unknown, a coarser key)
-        pass
+    # ATen's CPU capability (AVX2, AVX512, ...), the ISA Inductor's kernels are built for. Not Inductor's
+    # own `pick_vec_isa`: it builds test libraries, which must come after the carried ones are in place.
+    isa = torch.backends.cpu.get_cpu_capability().lower()
     return f"{device.type} {platform.machine()} {isa}"
 
 

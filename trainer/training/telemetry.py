@@ -154,7 +154,7 @@ class Telemetry:
         from trainer.model.load import compile_seconds
 
         if compiled := compile_seconds():  # model.compile: what the first steps spent compiling
-            lines.append(f"  torch.compile: {compiled:.1f} s compiling in the first steps (counted as warm-up)")
+            lines.append(f"  torch.compile: {compiled:.1f} s compiling in the first steps (the ledger's compile phase)")
         if (out / "final").is_dir():
             lines.append(f"  adapter: {out / 'final'}")
         if (out / "report.html").is_file():
