@@ -47,6 +47,19 @@ def test_a_key_that_differs_is_refused_with_its_reason(tmp_path: Path) -> None:
     assert same.load(_folder(tmp_path, KEY)).startswith("miss: ")
 
 
+def test_each_save_links_the_staged_artifacts(tmp_path: Path) -> None:
+    stage = _folder(tmp_path, KEY) / cc.FOLDER  # an earlier attempt's staged copy, same key
+    cache = cc.CompileCache(KEY, stage)
+    for step in (2, 4):  # nothing compiled in this process since: the staged copy stands
+        ckpt = tmp_path / f"save-{step}"
+        cache.write_into(ckpt)
+        assert (ckpt / cc.FOLDER / cc.BLOB).stat().st_ino == (stage / cc.BLOB).stat().st_ino
+    # Control: a staged copy of another key is never put into a checkpoint.
+    other = cc.CompileCache({**KEY, "python": "3.12.0"}, stage)
+    other.write_into(tmp_path / "save-6")
+    assert not (tmp_path / "save-6").exists()
+
+
 def test_the_key_follows_the_settings_that_shape_the_graph(tiny_llama: Path) -> None:
     from trainer.config import AdapterConfig, ModelConfig
     from trainer.model.load import build
@@ -139,6 +152,12 @@ def test_a_resumed_attempt_loads_the_artifacts_and_ends_identical(tmp_path: Path
     cached = load_file(tmp_path / "cached" / "final" / "adapter_model.safetensors")
     scratch = load_file(tmp_path / "off" / "final" / "adapter_model.safetensors")
     assert cached.keys() == scratch.keys() and all(torch.equal(cached[k], scratch[k]) for k in cached)
+    # The resumed attempt compiled nothing new: its checkpoint links the staged files it loaded,
+    # byte for byte the first attempt's, never serialised again.
+    last = CheckpointManager(tmp_path / "cached" / "checkpoints").committed()[-1]
+    blob = last / cc.FOLDER / cc.BLOB
+    assert blob.stat().st_ino == (tmp_path / "cached" / cc.FOLDER / cc.BLOB).stat().st_ino
+    assert blob.read_bytes() == (saved / cc.FOLDER / cc.BLOB).read_bytes()
     # Control: training changed the adapter since the checkpoint both resumed from.
     resumed_from = load_file(saved / "adapter_model.safetensors")
     assert any(not torch.equal(resumed_from[k], cached[k]) for k in resumed_from if k in cached)

@@ -115,7 +115,7 @@ def _loaded_libraries() -> set[Path]:
 class CompileCache:
     """One attempt's compiled artifacts: loaded from the resumed checkpoint, staged, put into saves."""
 
-    def __init__(self, key: dict[str, str], stage: Path, enabled: bool = True) -> None:
+    def __init__(self, key: dict[str, str], stage: Path | None, enabled: bool = True) -> None:
         self.key = key
         self.stage = stage
         self.outcome = "miss: no checkpoint to load from" if enabled else "off: model.compile_cache=false"
@@ -125,7 +125,8 @@ class CompileCache:
         self._baseline = compile_seconds()  # compile_seconds counts the process; an attempt counts its own
         self._started = time.time()  # kernel libraries built from here on are this attempt's
         self._looked_at = 0.0
-        self._staged: dict[str, Any] | None = self._read_key(stage)
+        staged = self._read_key(stage) if stage is not None else None  # an earlier attempt's, on this disk
+        self._staged: dict[str, Any] | None = staged if staged is not None and staged.get("key") == key else None
 
     def seconds(self) -> float:
         """Seconds this attempt has spent compiling so far."""
@@ -150,18 +151,18 @@ class CompileCache:
         elif why := refusal(saved.get("key") or {}, self.key):
             self.outcome = f"refused: {why}"
         else:
-            self.outcome = self._load(folder, saved)
+            try:
+                self.outcome = self._load(folder, saved)
+            except Exception as e:  # noqa: BLE001 (a cache: whatever it holds, the run compiles instead)
+                self.outcome = f"miss: the artifacts did not load ({type(e).__name__}: {e})"
         return self.outcome
 
     def _load(self, folder: Path, saved: dict[str, Any]) -> str:
         api = _api()
         root = _inductor_cache_dir()
-        try:
-            assert api is not None
-            info = api[1]((folder / BLOB).read_bytes())
-            kernels = self._restore_kernels(folder / KERNELS, root) if root is not None else 0
-        except Exception as e:  # noqa: BLE001 (a cache: whatever it holds, the run compiles instead)
-            return f"miss: the artifacts did not load ({type(e).__name__}: {e})"
+        assert api is not None  # `enabled` says so
+        info = api[1]((folder / BLOB).read_bytes())
+        kernels = self._restore_kernels(folder / KERNELS, root) if root is not None else 0
         if info is None:
             return "miss: torch read no artifacts from the checkpoint"
         self._staged = saved if saved.get("artifacts") else None  # the same set need not be written again
@@ -188,7 +189,7 @@ class CompileCache:
     def write_into(self, checkpoint_tmp: Path) -> None:
         """Hard-link the staged artifacts into a checkpoint being written, re-staging first only
         when this attempt compiled more since the last look (serialising is cheap; writing is not)."""
-        if not self.enabled:
+        if not self.enabled or self.stage is None:
             return
         try:
             seconds = self.seconds()
@@ -210,6 +211,7 @@ class CompileCache:
         old = set((self._staged or {}).get("artifacts") or [])
         if set(artifacts) <= old:
             return  # nothing new: the staged copy stands
+        assert self.stage is not None  # write_into says so
         tmp = temp_sibling(self.stage)
         tmp.mkdir(parents=True)
         (tmp / BLOB).write_bytes(blob)
@@ -237,7 +239,7 @@ class CompileCache:
 
     def _link_stage(self, folder: Path) -> None:
         """After a hit: the checkpoint's artifacts become the staged copy (hard links, no bytes copied)."""
-        if self._staged is None:
+        if self._staged is None or self.stage is None:
             return
         tmp = temp_sibling(self.stage)
         _link_files(folder, tmp)
@@ -269,11 +271,13 @@ def start(
     adapter: AdapterConfig,
     precision: str,
     model: torch.nn.Module,
-    out: Path,
     resume_dir: Path | None,
+    stage: Path | None,
 ) -> CompileCache | None:
-    """This attempt's compile cache with `model.compile` (None without), staged in `<out>/compile`,
-    with the artifacts of `resume_dir` loaded when the key matches (`outcome` says how it went)."""
+    """This attempt's compile cache with `model.compile` (None without), with the artifacts of
+    `resume_dir` loaded when the key matches (`outcome` says how it went). `stage`: where the
+    main rank keeps the artifacts it puts into each checkpoint (`<output_dir>/compile`); None on
+    the other ranks, which only load."""
     if not model_cfg.compile:
         return None
     # The device the layers compute on (accelerate made this rank's GPU current; FSDP's CPU offload
@@ -281,7 +285,7 @@ def start(
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     key = cache_key(graph_settings(model, model_cfg, adapter, precision), device)
-    cache = CompileCache(key, out / FOLDER, enabled=model_cfg.compile_cache)
+    cache = CompileCache(key, stage, enabled=model_cfg.compile_cache)
     if resume_dir is not None:
         cache.load(resume_dir)
     return cache

@@ -270,7 +270,8 @@ def _ledger_row_on_error(ledger: Ledger) -> Callable[..., bool]:
 def _saver(
     cfg: C.RunConfig, proc: process.Process, sched: Schedule, model: Any, optimizer: Any, books: Books, resume: Any
 ) -> Saver:
-    compiled = compile_cache.start(cfg.model, cfg.adapter, cfg.train.mixed_precision, model, proc.out, resume)
+    stage = proc.out / compile_cache.FOLDER if proc.is_main else None  # the artifacts each checkpoint carries
+    compiled = compile_cache.start(cfg.model, cfg.adapter, cfg.train.mixed_precision, model, resume, stage)
     if compiled is not None:  # model.compile: an earlier attempt's artifacts, loaded when the key matches
         books.ledger.compile_cache, books.telemetry.compiling = compiled.outcome, compiled.account
         books.console.message(f"spotune: model.compile: compiled artifacts {compiled.outcome}")
