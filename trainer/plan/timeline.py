@@ -34,7 +34,7 @@ yours: `--download-mb-s`)."""
 DEFAULT_VM_START_S = 180.0
 """Requesting, booting and pulling the image of a replacement GPU VM (`--vm-start-seconds`)."""
 COMPILE_FIRST = "torch.compile from scratch (model.compile)"
-COMPILE_RESUMED = "torch.compile with the checkpoint's compiled artifacts"
+COMPILE_RESUMED = "torch.compile with the saved artifacts"
 DEFAULT_STARTUP_S = 300.0
 """Start-up and teardown of one process without a pilot to measure them."""
 
