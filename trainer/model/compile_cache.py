@@ -166,7 +166,11 @@ class CompileCache:
         if info is None:
             return "miss: torch read no artifacts from the checkpoint"
         self._staged = saved if saved.get("artifacts") else None  # the same set need not be written again
-        self._link_stage(folder)
+        try:
+            self._link_stage(folder)
+        except OSError as e:  # loaded all the same; the first save serialises them again instead
+            self._staged = None
+            log.warning("spotune: the loaded compiled artifacts were not staged (%s: %s)", type(e).__name__, e)
         return f"hit: {len(saved.get('artifacts') or [])} artifact(s) and {kernels} kernel librar(ies) loaded"
 
     @staticmethod
@@ -199,7 +203,7 @@ class CompileCache:
             if self._staged is not None:
                 _link_files(self.stage, checkpoint_tmp / FOLDER)
         except Exception as e:  # noqa: BLE001 (never fail a save for a cache)
-            log.warning("spotune: the compiled artifacts were not saved with the checkpoint (%s: %s)", type(e), e)
+            log.warning("spotune: compiled artifacts not saved with the checkpoint (%s: %s)", type(e).__name__, e)
 
     def _restage(self) -> None:
         api = _api()
