@@ -132,9 +132,8 @@ def _target(
         if value is not None and value <= 0:
             raise PlanError(f"{name} must be above 0, got {value}")
     rows = read_rows(cfg.output_dir)
-    restarts = [
-        float(r["startup_seconds"]) / int(r.get("world_size", 1)) for r in rows if "restore" in (r.get("phases") or {})
-    ]
+    resumed = [r for r in rows if "restore" in (r.get("phases") or {})]
+    restarts = [float(r["startup_seconds"]) / int(r.get("world_size", 1)) for r in resumed]
     gaps = [
         row_time(b["start"]) - row_time(a["end"])
         for a, b in zip(rows, rows[1:], strict=False)
@@ -152,6 +151,7 @@ def _target(
         vm_start_given=vm_start_seconds is not None,
         remote=cfg.checkpoint.remote is not None,
         restarts=restarts,
+        restart_compiles=[float(r["phases"]["compile"]) for r in resumed if "compile" in r["phases"]],  # model.compile
         gaps=gaps,
     )
 

@@ -293,13 +293,17 @@ def compile_seconds() -> float:
 
     Read from dynamo's own timers, which are not a public API: anything unexpected there reads
     as 0.0 rather than failing a run. The compile happens in the first steps, which the meter
-    leaves out of sustained tokens/s and the forecast counts as warm-up (trainer/plan/pilot.py).
+    leaves out of sustained tokens/s; the ledger's `compile` phase records it and the forecast
+    counts it as an item of its own (trainer/model/compile_cache.py, trainer/plan/pilot.py).
     """
     try:
         from torch._dynamo.utils import compilation_time_metrics
 
-        # Forward graphs (dynamo + the AOT forward) and, compiled lazily at the first backward, backward graphs.
-        keys = ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler")
+        # Each frame's compile, which includes its backward graph where torch compiles it with the
+        # forward (always with dynamic shapes: symbolic sizes saved for backward), plus backward
+        # graphs compiled lazily at the first backward. `bw_compiler`'s own timer would count an
+        # eager backward twice (it runs inside the frame's compile): 70 s against 54 s of wall time.
+        keys = ("_compile.compile_inner", "backward._backward_impl")
         return float(sum(sum(compilation_time_metrics.get(k, [])) for k in keys))
     except Exception:  # noqa: BLE001 (a private timer table: its absence must not fail a run)
         return 0.0

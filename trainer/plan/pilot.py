@@ -17,6 +17,8 @@ From the attempts' `ledger.jsonl` rows (their `phases`), `metrics.jsonl` and the
   page cache reclaimed while idle) is left out of the fixed costs of the run that follows on
   this now-warm machine; what it paid over the last is the restart's `cold_start_extra_seconds`,
   since a replacement machine starts cold;
+- with `model.compile`, the compile seconds of a first attempt and of a resumed one (which loads
+  the first one's compiled artifacts when it can), each an item of its own;
 - the restart: resolve + restore on top of the start-up; checkpoint save seconds and bytes;
   evaluation seconds when the recipe evaluates; peak memory, data-stall share, MFU.
 
@@ -144,7 +146,10 @@ def _attempt(
         "data_reused": row.get("data_reused"),
         # Start-up that no phase names: accelerator, optimizer, sampler, ledger, loader.
         "setup_seconds": max(0.0, startup - sum(phases.get(k, 0.0) for k in START_PHASES)),
-        "warmup_extra_seconds": max(0.0, sum(warm_times) - len(warm_times) * mean_step),
+        # model.compile compiles in the first steps: an item of its own, not warm-up.
+        "warmup_extra_seconds": max(0.0, sum(warm_times) - len(warm_times) * mean_step - phases.get("compile", 0.0)),
+        "compile_seconds": phases.get("compile"),
+        "compile_cache": row.get("compile_cache"),
         "exit_seconds": exit_s,
     }
 
@@ -174,6 +179,9 @@ def _fixed(attempts: list[dict[str, Any]]) -> dict[str, Any]:
         **{k: mean([a["phases"].get(k) for a in ended]) for k in END_PHASES},
         "exit": mean([a["exit_seconds"] for a in attempts]),
     }
+    # model.compile: what a first attempt pays, compiling without an earlier attempt's artifacts.
+    if (compiled := mean([a.get("compile_seconds") for a in attempts if not _compile_hit(a)])) is not None:
+        fixed["compile"] = compiled
     # What every process pays the same way (a cache hit and a preparation differ by design).
     common = [_loading(a) + a["setup_seconds"] + (a["exit_seconds"] or 0.0) for a in warm]
     fixed["sd"] = statistics.stdev(common) if len(common) > 1 else None
@@ -210,7 +218,13 @@ def _restart(attempts: list[dict[str, Any]]) -> dict[str, Any] | None:
         "restore_seconds": a["phases"]["restore"],
         "warmup_extra_seconds": a["warmup_extra_seconds"],
         "data_reused": a["data_reused"],
+        **({k: a[k] for k in ("compile_seconds", "compile_cache")} if a.get("compile_seconds") is not None else {}),
     }
+
+
+def _compile_hit(a: dict[str, Any]) -> bool:
+    """The attempt loaded an earlier attempt's compiled artifacts (trainer/model/compile_cache.py)."""
+    return str(a.get("compile_cache") or "").startswith("hit")
 
 
 def _spread(sustained: list[dict[str, Any]], mean_step: float) -> dict[str, Any]:

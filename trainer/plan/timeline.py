@@ -3,12 +3,14 @@
 A `spotune train` process pays, in order: interpreter start and imports; the base model's
 download (only where it is not on disk yet); loading it and wrapping the adapter; preparing
 the data (or a cache hit, when the target directory already holds the data's fingerprint); the
-rest of the set-up; the slower first steps (warm-up, compile); then the steps, evaluations and
+rest of the set-up; the slower first steps (warm-up; with `model.compile`, compiling, an item of
+its own); then the steps, evaluations and
 checkpoint saves (estimate.py counts those: they scale with the run); then writing final/,
 flushing the last upload, the report, and interpreter exit.
 
 A spot interruption costs a new machine, the same start-up on an empty disk (download, load,
-prepare), the checkpoint's download and restore, the warm-up again, and the work redone since
+prepare), the checkpoint's download and restore, the warm-up again, compiling again (with the
+compiled artifacts the checkpoint carries: a fraction of the first time, docs/compile.md), and the work redone since
 the last checkpoint (forecast.py adds that). Where the run's own ledger has measured restarts,
 they replace the itemised guess.
 
@@ -31,6 +33,8 @@ DEFAULT_DOWNLOAD_MB_S = 200.0
 yours: `--download-mb-s`)."""
 DEFAULT_VM_START_S = 180.0
 """Requesting, booting and pulling the image of a replacement GPU VM (`--vm-start-seconds`)."""
+COMPILE_FIRST = "torch.compile from scratch (model.compile)"
+COMPILE_RESUMED = "torch.compile with the saved artifacts"
 DEFAULT_STARTUP_S = 300.0
 """Start-up and teardown of one process without a pilot to measure them."""
 
@@ -64,6 +68,8 @@ class Target:
     """checkpoint.remote is set: a new machine downloads the checkpoint from the store."""
     restarts: Sequence[float] = field(default_factory=tuple)
     """Start-up seconds of this run's attempts that resumed (its ledger), for measured restarts."""
+    restart_compiles: Sequence[float] = field(default_factory=tuple)
+    """Compile seconds of this run's resumed attempts (their ledger's `compile` phase), for measured restarts."""
     gaps: Sequence[float] = field(default_factory=tuple)
     """Seconds between an attempt's end and the next one's start (its ledger): machine replacement."""
 
@@ -89,6 +95,7 @@ def attempt_items(pilot: dict[str, Any] | None, target: Target) -> list[Item]:
         _data(f, target),
         measured("setup", "other set-up (optimizer, sampler, loader)"),
         measured("warmup_extra", "warm-up steps beyond the sustained rate"),
+        *([measured("compile", COMPILE_FIRST)] if f.get("compile") is not None else []),
         measured("final", "write final/ (adapter + tokenizer)"),
         measured("flush", "last upload flush"),
         measured("report", "report page"),
@@ -112,10 +119,13 @@ def restart_items(pilot: dict[str, Any] | None, target: Target, checkpoint_bytes
         vm = Item("replacement machine", target.vm_start_seconds, how)
     if target.restarts:
         n = len(target.restarts)
-        return [
+        measured = [
             vm,
             Item("start-up with resume", statistics.median(target.restarts), f"ledger: {n} measured restart(s)"),
         ]
+        if c := target.restart_compiles:  # model.compile: in the first steps, after the start-up
+            measured.append(Item(COMPILE_RESUMED, statistics.median(c), f"ledger: {len(c)} resumed attempt(s)"))
+        return measured
     fresh_disk = Target(**{**asdict(target), "data_cached": False, "model_cached": False})
     items = [vm, _fetch(fresh_disk, "base model download (empty disk)")]
     restart = (pilot or {}).get("restart")
@@ -129,12 +139,23 @@ def restart_items(pilot: dict[str, Any] | None, target: Target, checkpoint_bytes
             _cold_item(restart),
             _data(pilot["fixed"], fresh_disk),
             Item("warm-up steps beyond the sustained rate", restart["warmup_extra_seconds"], "pilot"),
+            *_compile_item(restart),
         ]
     if target.remote and checkpoint_bytes:
         items.append(
             Item("checkpoint download", checkpoint_bytes / target.download_bytes_per_s, target.download_source())
         )
     return items
+
+
+def _compile_item(restart: dict[str, Any]) -> list[Item]:
+    """model.compile in a resumed attempt: the pilot's second process, which loaded the first
+    one's compiled artifacts (or says why not)."""
+    seconds = restart.get("compile_seconds")
+    if seconds is None:
+        return []
+    outcome = str(restart.get("compile_cache") or "not recorded")
+    return [Item(COMPILE_RESUMED, float(seconds), f"pilot: compiled artifacts {outcome.split(':')[0]}")]
 
 
 def _cold_item(restart: dict[str, Any]) -> Item:

@@ -12,7 +12,10 @@ device counts add up. Per attempt:
   connect), `data` (prepare or cache hit; `data_reused` says which), `model` (load + adapter),
   `resolve` (choose, and download, the checkpoint), `restore`, `final` (write final/),
   `report` (from the heartbeat the page is drawn from to this row, so the page's totals plus
-  this phase are the row's exactly). Only interpreter exit is outside the row.
+  this phase are the row's exactly). Only interpreter exit is outside the row. With
+  `model.compile`, `compile`: seconds torch spent compiling in the first steps (inside their
+  step time), and `compile_cache` says whether an earlier attempt's artifacts were loaded
+  (`hit: ...`, `miss: ...`, `refused: <what differs>`, `off: ...`).
 Run `goodput` = productive / device seconds.
 
 A SIGKILLed attempt cannot write its row, so the attempt keeps `ledger.current.json` up to
@@ -119,6 +122,8 @@ class Ledger:
         self.closed: dict[str, Any] | None = None
         self.phases: dict[str, float] = dict(phases or {})
         self.data_reused: bool | None = None
+        self.compile_cache: str | None = None
+        """With model.compile: whether this attempt loaded compiled artifacts (trainer/model/compile_cache.py)."""
         self.device: str | None = None
         """What the attempt ran on (`NVIDIA H100 80GB HBM3`, `cpu`), for the report's header."""
         self.ending: str | None = None
@@ -259,6 +264,7 @@ class Ledger:
             "phases": self.phases,
             "data_reused": self.data_reused,
             "device": self.device,
+            "compile_cache": self.compile_cache,
             "ending": self.ending,
         }
 
@@ -296,6 +302,8 @@ def row_from_progress(p: dict[str, Any], end: float, keep_all: bool) -> dict[str
         row["data_reused"] = p["data_reused"]
     if p.get("device"):
         row["device"] = p["device"]
+    if p.get("compile_cache"):
+        row["compile_cache"] = p["compile_cache"]
     return row
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from trainer.model.compile_cache import CompileCache
 from trainer.restart import preemption
 from trainer.restart.checkpoint import CheckpointManager
 from trainer.restart.rng import gather_rng
@@ -37,6 +38,8 @@ class Saver:
     message: Callable[[str], None]
     on_saved: Callable[[int, float], None]
     """(step, seconds) once every rank has the checkpoint."""
+    compiled: CompileCache | None = None
+    """`model.compile`: what torch compiled goes into each checkpoint's `compile/` (trainer/model/compile_cache.py)."""
 
     def __call__(self, counters: Counters) -> float:
         started = time.monotonic()
@@ -46,9 +49,9 @@ class Saver:
         state = dataclasses.replace(self.state, **vars(counters.counters()), ledger=self.ledger_totals(), scaler=None)
         state.epoch, state.cursor = self.position(counters.step)
         if is_main:
-            result = self.manager.save(
-                counters.step,
-                lambda tmp: write_training_state(
+
+            def write(tmp: Any) -> None:
+                write_training_state(
                     tmp,
                     model=self.model,
                     optimizer=self.optimizer,
@@ -56,8 +59,11 @@ class Saver:
                     rng=rng,
                     scaler=self.accelerator.scaler,
                     tensors=tensors,
-                ),
-            )
+                )
+                if self.compiled is not None:  # hard links of the staged artifacts, listed in the manifest
+                    self.compiled.write_into(tmp)
+
+            result = self.manager.save(counters.step, write)
             if not result.skipped:
                 self.remote.submit(counters.step, result.path)  # returns at once; uploads in the background
             warning = preemption.save_fits_notice(result.seconds, self.notice_seconds)

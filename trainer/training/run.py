@@ -24,7 +24,7 @@ from trainer.data.cache import in_turns
 from trainer.data.sampler import StepSampler, run_steps
 from trainer.exit_codes import StopReason
 from trainer.export import write_final
-from trainer.model import distributed, flops
+from trainer.model import compile_cache, distributed, flops
 from trainer.model.load import build, build_optimizer, count_params
 from trainer.restart import owner
 from trainer.restart.checkpoint import CheckpointManager
@@ -96,7 +96,7 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
         books.ledger.device = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         for note in [*notes, *proc.sharding.notes, *auto_notes, *resume_notes, *sched.notes]:
             books.console.message(f"spotune: {note}")
-        saver = _saver(cfg, proc, sched, model, optimizer, books)
+        saver = _saver(cfg, proc, sched, model, optimizer, books, resume_dir)  # loads compiled artifacts
         counters = Counters()
         if resume_dir is not None:  # last before the first step: it restores the RNG
             with books.ledger.timed("restore"):
@@ -267,7 +267,14 @@ def _ledger_row_on_error(ledger: Ledger) -> Callable[..., bool]:
     return close
 
 
-def _saver(cfg: C.RunConfig, proc: process.Process, sched: Schedule, model: Any, optimizer: Any, books: Books) -> Saver:
+def _saver(
+    cfg: C.RunConfig, proc: process.Process, sched: Schedule, model: Any, optimizer: Any, books: Books, resume: Any
+) -> Saver:
+    stage = proc.out / compile_cache.FOLDER if proc.is_main else None  # the artifacts each checkpoint carries
+    compiled = compile_cache.start(cfg.model, cfg.adapter, cfg.train.mixed_precision, model, resume, stage)
+    if compiled is not None:  # model.compile: an earlier attempt's artifacts, loaded when the key matches
+        books.ledger.compile_cache, books.telemetry.compiling = compiled.outcome, compiled.account
+        books.console.message(f"spotune: model.compile: compiled artifacts {compiled.outcome}")
     return Saver(
         model=model,
         optimizer=optimizer,
@@ -280,6 +287,7 @@ def _saver(cfg: C.RunConfig, proc: process.Process, sched: Schedule, model: Any,
         notice_seconds=cfg.checkpoint.notice_seconds,
         message=books.console.message,
         on_saved=books.telemetry.saved,
+        compiled=compiled,
     )
 
 
@@ -387,12 +395,5 @@ def _finish(
 def _restore(resume_dir: Path, model: torch.nn.Module, optimizer: Any, accelerator: Any) -> Counters:
     """Adapter, optimizer, grad scaler and this rank's RNG from `resume_dir`, every field; returns
     the checkpoint's counters. The ledger totals it carried were read when the ledger opened."""
-    saved = restore_training_state(
-        resume_dir,
-        model=model,
-        optimizer=optimizer,
-        rank=accelerator.process_index,
-        world_size=accelerator.num_processes,
-        scaler=accelerator.scaler,
-    )
-    return saved.counters()
+    where = dict(rank=accelerator.process_index, world_size=accelerator.num_processes, scaler=accelerator.scaler)
+    return restore_training_state(resume_dir, model=model, optimizer=optimizer, **where).counters()

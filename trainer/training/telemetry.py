@@ -66,11 +66,15 @@ class Telemetry:
         self.row_extras = row_extras
         """Fields merged into every metrics row written (the uploads' figures: trainer/restart/remote.py)."""
         self.last: StepRecord | None = None
+        self.compiling: Callable[[dict[str, float]], None] | None = None
+        """`model.compile`: puts this attempt's compile seconds into the ledger's phases (trainer/model/compile_cache.py)."""
 
     def on_step(self, record: StepRecord) -> None:
         """Account one finished optimizer step; write a metrics row every `log_every` steps."""
         self.last = record
         self.ledger.add_productive(record.seconds)
+        if self.compiling is not None:  # the first steps compile; a new shape may compile again later
+            self.compiling(self.ledger.phases)
         # Logits are computed only where a label is (trainer/model/loss.py), so the head's FLOPs
         # count the trainable tokens, not every real one.
         self.meter.step(
@@ -150,7 +154,7 @@ class Telemetry:
         from trainer.model.load import compile_seconds
 
         if compiled := compile_seconds():  # model.compile: what the first steps spent compiling
-            lines.append(f"  torch.compile: {compiled:.1f} s compiling in the first steps (counted as warm-up)")
+            lines.append(f"  torch.compile: {compiled:.1f} s compiling in the first steps (the ledger's compile phase)")
         if (out / "final").is_dir():
             lines.append(f"  adapter: {out / 'final'}")
         if (out / "report.html").is_file():

@@ -1,0 +1,190 @@
+"""`model.compile` once per run: the compiled artifacts travel with the checkpoint (through
+`checkpoint.remote`, to an empty output_dir) and a resumed attempt in a fresh process loads them,
+compiles in a fraction of the first attempt's time and ends bit-identical to the same resume
+compiled from scratch; a key that differs is refused with its reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from trainer import builtin_assets
+from trainer.model import compile_cache as cc
+from trainer.restart.checkpoint import MANIFEST, CheckpointManager
+from trainer.restart.ledger import read_rows
+
+REPO = Path(__file__).resolve().parents[1]
+KEY = {"torch": torch.__version__, "python": "3.11.7", "device": "cpu x86_64 avx512", "model_shape": "0123456789abcdef"}
+
+
+def _folder(tmp_path: Path, key: dict[str, str], blob: bytes = b"not torch's format") -> Path:
+    folder = tmp_path / "step-000002" / cc.FOLDER
+    folder.mkdir(parents=True)
+    (folder / cc.BLOB).write_bytes(blob)
+    (folder / cc.KEY).write_text(json.dumps({"key": key, "artifacts": ["inductor:x"], "kernels": []}))
+    return folder.parent
+
+
+def test_a_key_that_differs_is_refused_with_its_reason(tmp_path: Path) -> None:
+    here = cc.CompileCache(KEY, tmp_path / "out" / cc.FOLDER)
+    older = _folder(tmp_path, {**KEY, "torch": "2.11.0"})
+    assert here.load(older) == f"refused: torch '2.11.0' in the checkpoint, {torch.__version__!r} here"
+    assert not (tmp_path / "out").exists()  # nothing read, nothing staged: the run compiles from scratch
+    # Control: the same key passes the check and reaches torch, which cannot read these bytes: a
+    # miss with the reason, never an error.
+    same = cc.CompileCache(KEY, tmp_path / "out2" / cc.FOLDER)
+    shutil.rmtree(older)
+    assert same.load(_folder(tmp_path, KEY)).startswith("miss: ")
+
+
+def test_each_save_links_the_staged_artifacts(tmp_path: Path) -> None:
+    stage = _folder(tmp_path, KEY) / cc.FOLDER  # an earlier attempt's staged copy, same key
+    cache = cc.CompileCache(KEY, stage)
+    for step in (2, 4):  # nothing compiled in this process since: the staged copy stands
+        ckpt = tmp_path / f"save-{step}"
+        cache.write_into(ckpt)
+        assert (ckpt / cc.FOLDER / cc.BLOB).stat().st_ino == (stage / cc.BLOB).stat().st_ino
+    # Control: a staged copy of another key is never put into a checkpoint.
+    other = cc.CompileCache({**KEY, "python": "3.12.0"}, stage)
+    other.write_into(tmp_path / "save-6")
+    assert not (tmp_path / "save-6").exists()
+
+
+def test_the_key_follows_the_settings_that_shape_the_graph(tiny_llama: Path) -> None:
+    from trainer.config import AdapterConfig, ModelConfig
+    from trainer.model.load import build
+
+    model = build(ModelConfig(name_or_path=str(tiny_llama), dtype="float32"), AdapterConfig(r=4))
+    cpu = torch.device("cpu")
+
+    def key(model_cfg: ModelConfig, adapter: AdapterConfig, precision: str = "no") -> dict[str, str]:
+        return cc.cache_key(cc.graph_settings(model, model_cfg, adapter, precision), cpu)
+
+    base = key(ModelConfig(dtype="float32"), AdapterConfig(r=4))
+    assert key(ModelConfig(dtype="float32", name_or_path="elsewhere", compile=True), AdapterConfig(r=4)) == base
+    for other in (
+        key(ModelConfig(dtype="float32"), AdapterConfig(r=8)),
+        key(ModelConfig(dtype="float32", tiled_mlp="on"), AdapterConfig(r=4)),
+        key(ModelConfig(dtype="bfloat16"), AdapterConfig(r=4)),
+        key(ModelConfig(dtype="float32"), AdapterConfig(r=4), "bf16"),
+    ):
+        assert (
+            cc.refusal(base, other)
+            == f"model_shape {base['model_shape']!r} in the checkpoint, {other['model_shape']!r} here"
+        )
+    assert base["device"].startswith("cpu ")
+
+
+def _recipe(out: Path, remote: Path, model: Path, data: Path, cache: Path, **model_keys: Any) -> Path:
+    recipe = {
+        "output_dir": str(out),
+        "seed": 3,
+        "model": {"name_or_path": str(model), "dtype": "float32", "attn_implementation": "sdpa", "compile": True}
+        | model_keys,
+        "adapter": {"r": 4, "alpha": 8, "dropout": 0.0},
+        "data": {"path": str(data), "seq_len": 64, "cache_dir": str(cache)},
+        "train": {"max_steps": 4, "micro_batch_size": 2, "grad_accum": 1, "lr": 1e-2, "mixed_precision": "no"},
+        "checkpoint": {"every_steps": 2, "every_minutes": None, "remote": str(remote)},
+        "metrics": {"progress": False, "log_every": 1},
+    }
+    path = out.parent / f"{out.name}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def _attempt(recipe: Path, tmp: Path, name: str, stop_after: int | None = None) -> dict[str, Any]:
+    """One `spotune train` process with Inductor's caches in fresh directories; its ledger row."""
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp / f"inductor-{name}"),
+        "TRITON_CACHE_DIR": str(tmp / f"triton-{name}"),
+    }
+    if stop_after is not None:
+        env["SPOTUNE_STOP_AFTER_STEP"] = str(stop_after)
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer", "train", str(recipe)],
+        cwd=REPO,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=600,
+    )
+    assert done.returncode == (143 if stop_after else 0), done.stdout[-3000:] + done.stderr[-3000:]
+    out = Path(yaml.safe_load(recipe.read_text())["output_dir"])
+    return read_rows(out)[-1]
+
+
+@pytest.mark.slow
+def test_a_resumed_attempt_loads_the_artifacts_and_ends_identical(tmp_path: Path, tiny_llama: Path) -> None:
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        pytest.skip("Inductor's CPU backend needs a C++ compiler (g++ or $CXX); none is installed")
+    data = builtin_assets.write_dataset(tmp_path / "train.jsonl", n=16)
+    cache, remote = tmp_path / "data-cache", tmp_path / "remote"
+    first = _attempt(_recipe(tmp_path / "first", remote, tiny_llama, data, cache), tmp_path, "first", stop_after=2)
+    assert first["phases"]["compile"] > 0 and first["compile_cache"] == "miss: no checkpoint to load from"
+    saved = CheckpointManager(tmp_path / "first" / "checkpoints").committed()[-1]
+    listed = json.loads((saved / MANIFEST).read_text())["files"]
+    assert f"{cc.FOLDER}/{cc.BLOB}" in listed and f"{cc.FOLDER}/{cc.KEY}" in listed  # verified like every file
+
+    # Each resume starts on an empty output_dir from its own copy of the store (a new machine).
+    shutil.copytree(remote, tmp_path / "remote-off")
+    hit = _attempt(_recipe(tmp_path / "cached", remote, tiny_llama, data, cache), tmp_path, "cached")
+    off_recipe = _recipe(tmp_path / "off", tmp_path / "remote-off", tiny_llama, data, cache, compile_cache=False)
+    off = _attempt(off_recipe, tmp_path, "off")
+
+    ratio = hit["phases"]["compile"] / first["phases"]["compile"]
+    print(
+        f"compile seconds: first attempt {first['phases']['compile']:.1f}, resumed with the artifacts "
+        f"{hit['phases']['compile']:.1f} (ratio {ratio:.2f}), resumed without {off['phases']['compile']:.1f}"
+    )
+    assert hit["compile_cache"].startswith("hit: ") and off["compile_cache"] == "off: model.compile_cache=false"
+    assert ratio < 0.5
+    cached = load_file(tmp_path / "cached" / "final" / "adapter_model.safetensors")
+    scratch = load_file(tmp_path / "off" / "final" / "adapter_model.safetensors")
+    assert cached.keys() == scratch.keys() and all(torch.equal(cached[k], scratch[k]) for k in cached)
+    # The resumed attempt compiled nothing new: its checkpoint links the staged files it loaded,
+    # byte for byte the first attempt's, never serialised again.
+    last = CheckpointManager(tmp_path / "cached" / "checkpoints").committed()[-1]
+    blob = last / cc.FOLDER / cc.BLOB
+    assert blob.stat().st_ino == (tmp_path / "cached" / cc.FOLDER / cc.BLOB).stat().st_ino
+    assert blob.read_bytes() == (saved / cc.FOLDER / cc.BLOB).read_bytes()
+    # Control: training changed the adapter since the checkpoint both resumed from.
+    resumed_from = load_file(saved / "adapter_model.safetensors")
+    assert any(not torch.equal(resumed_from[k], cached[k]) for k in resumed_from if k in cached)
+
+
+def test_the_forecast_counts_a_first_compile_and_a_resumed_one(tmp_path: Path) -> None:
+    from test_plan_pilot import _attempt_log
+
+    from trainer.plan import pilot
+    from trainer.plan import timeline as tl
+
+    _attempt_log(tmp_path)  # two processes, each with one warm-up step of 3.0 and 2.0 s over a 1.0 s mean
+    plain = pilot.summarise(tmp_path, warmup_steps=1, device="cpu")
+    rows = read_rows(tmp_path)
+    rows[0]["phases"]["compile"], rows[0]["compile_cache"] = 1.5, "miss: no checkpoint to load from"
+    rows[1]["phases"]["compile"], rows[1]["compile_cache"] = 0.25, "hit: 6 artifact(s) and 28 kernel librar(ies) loaded"
+    (tmp_path / "ledger.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    compiled = pilot.summarise(tmp_path, warmup_steps=1, device="cpu")
+    # The compile is an item of its own, no longer warm-up: (2.0 - 1.5 + 1.0 - 0.25) / 2.
+    assert compiled["fixed"]["compile"] == 1.5 and compiled["fixed"]["warmup_extra"] == pytest.approx(0.625)
+    first = tl.attempt_items(compiled, tl.Target())
+    restart = tl.restart_items(compiled, tl.Target(), None)
+    assert tl.Item(tl.COMPILE_FIRST, 1.5, "pilot") in first
+    assert tl.Item(tl.COMPILE_RESUMED, 0.25, "pilot: compiled artifacts hit") in restart
+    assert tl.restart_items(compiled, tl.Target(restarts=[9.0], restart_compiles=[0.5, 0.25, 0.75]), None)[-1] == (
+        tl.Item(tl.COMPILE_RESUMED, 0.5, "ledger: 3 resumed attempt(s)")
+    )
+    # Control: without model.compile neither item appears and the pilot's summary is as before.
+    names = {i.name for i in tl.attempt_items(plain, tl.Target()) + tl.restart_items(plain, tl.Target(), None)}
+    assert not names & {tl.COMPILE_FIRST, tl.COMPILE_RESUMED} and "compile" not in plain["fixed"]
