@@ -152,3 +152,41 @@ def test_an_auto_choice_that_runs_out_is_retried_smaller_in_the_same_process(
     # Control: the same micro-batch fixed by the recipe exits 5, as before.
     fixed = {**overrides, "output_dir": str(tmp_path / "fixed"), "train.micro_batch_size": 4}
     assert run.train(config.RunConfig().replace(**fixed)) == EXIT_OUT_OF_MEMORY
+
+
+def test_the_setting_that_ran_out_reaches_the_store_for_a_replacement_machine(
+    tmp_path: Path, tiny_llama: Path, tiny_data: Path, s3_remote: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An out-of-memory exit pushes the ledger row and the `auto` setting that ran out with the run
+    files, so a new VM (an empty output_dir) skips that setting instead of running out again forever."""
+    from trainer.restart.ledger import read_rows
+    from trainer.restart.remote import fetch_run_files
+    from trainer.restart.storage import Store
+    from trainer.training import loop, run
+
+    def nothing_fits(model: Any, micro: dict[str, Any]) -> Any:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(loop, "token_loss_sum", nothing_fits)
+    out = tmp_path / "vm1"
+    overrides = {
+        "output_dir": str(out),
+        "model.name_or_path": str(tiny_llama),
+        "model.dtype": "float32",
+        "data.path": str(tiny_data),
+        "data.seq_len": 128,
+        "train.micro_batch_size": "auto",
+        "train.global_batch_size": 4,
+        "train.max_steps": 2,
+        "metrics.progress": False,
+        "checkpoint.every_minutes": None,
+        "checkpoint.remote": s3_remote,
+    }
+    assert run.train(config.RunConfig().replace(**overrides)) == EXIT_OUT_OF_MEMORY  # 4 rows, then 2: both ran out
+    first = autofit.read_ran_out(out)
+    assert first is not None and first.micro_batch_size == 4
+    vm2 = tmp_path / "vm2"  # the replacement machine's empty disk
+    assert autofit.read_ran_out(vm2) is None  # the control: nothing local to go on
+    fetched = fetch_run_files(Store(s3_remote), vm2)
+    assert autofit.RAN_OUT_FILE in fetched and autofit.read_ran_out(vm2) == first
+    assert [r["exit_reason"] for r in read_rows(vm2)] == ["out_of_memory", "out_of_memory"]

@@ -36,6 +36,11 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "mistral-7b-instruct-v0.3": ("</s>", [A1, A2]),
     "phi-4": ("<|im_end|>", [A1, A2]),
 }
+# Mistral v0.3 writes the system prompt only into the [INST] before the generation prompt: trained
+# there, inside the last user turn, as a chat endpoint serves it.
+TRAINED_AS = {
+    "mistral-7b-instruct-v0.3": [*CONVERSATION[1:3], {"role": "user", "content": f"{SYSTEM}\n\n{Q2}"}, CONVERSATION[4]]
+}
 # Templates where rendering prefixes (the former method) cannot locate the turns.
 PREFIX_METHOD_FAILS = {"qwen3", "mistral-7b-instruct-v0.3"}
 
@@ -71,16 +76,14 @@ def test_only_assistant_text_and_end_of_turn_are_trained(name: str) -> None:
     tok = _tokenizer(name)
     eot, answers = CASES[name]
     ids, labels, _ = _labels(name, CONVERSATION)
-    rendered = tok.apply_chat_template(CONVERSATION, tokenize=False)
+    rendered = tok.apply_chat_template(TRAINED_AS.get(name, CONVERSATION), tokenize=False)
     assert ids == tok(rendered, add_special_tokens=False)["input_ids"]  # the template's tokens, nothing added
     assert _runs(tok, ids, labels) == [a + eot for a in answers]
     # no user or system character is under a labelled token
     offsets = tok(rendered, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
     for text in (SYSTEM, Q1, Q2):
         at = rendered.find(text)
-        if at < 0:
-            assert name == "mistral-7b-instruct-v0.3" and text == SYSTEM  # v0.3 renders it only before generation
-            continue
+        assert at >= 0, text
         inside = [lab for lab, (s, e) in zip(labels, offsets, strict=True) if s < at + len(text) and e > at]
         assert inside and all(lab == IGNORE_INDEX for lab in inside), text
     # control: the same comparison fails for labels one token off
@@ -88,6 +91,24 @@ def test_only_assistant_text_and_end_of_turn_are_trained(name: str) -> None:
     assert _runs(tok, ids, [t if lab != IGNORE_INDEX else lab for t, lab in zip(ids, shifted, strict=True)]) != [
         a + eot for a in answers
     ]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_last_turn_trains_on_the_prompt_a_chat_endpoint_sends(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What precedes the last assistant turn in a training row is, token for token, what the template
+    renders to serve that conversation (system prompt included) with the generation prompt."""
+    tok = _tokenizer(name)
+    served = tok(
+        tok.apply_chat_template(CONVERSATION[:4], tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    )["input_ids"]
+    ids, _, _ = _labels(name, CONVERSATION)
+    assert ids[: len(served)] == served
+    if name == "mistral-7b-instruct-v0.3":  # the control: rendered as the template renders a finished conversation
+        from trainer.data import masking
+
+        monkeypatch.setattr(masking, "system_as_served", lambda render, messages: None)
+        ids, _, _ = _labels(name, CONVERSATION)
+        assert ids[: len(served)] != served
 
 
 def _prefix_method(tok: Any, conversation: list[dict[str, Any]]) -> list[str] | None:

@@ -127,8 +127,12 @@ def test_a_base_model_trains_with_a_named_template(tiny_tokenizer: Path, name: s
     ids, labels = out["input_ids"][0], out["labels"][0]
     assert ids[-1] == tok.eos_token_id
     trained = tok.decode([t for t, lab in zip(ids, labels, strict=True) if lab != IGNORE_INDEX])
-    end = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "alpaca": ""}[name]
+    end = {"chatml": "<|im_end|>\n", "llama3": "<|eot_id|>", "alpaca": ""}[name]
     assert trained == ANSWER + end + tok.eos_token
+    # One run from the answer to the EOS: every token the model must write to reach the stop is
+    # trained (an untrained "\n" between `<|im_end|>` and the EOS would leave the stop unlearned).
+    first = next(i for i, lab in enumerate(labels) if lab != IGNORE_INDEX)
+    assert all(lab != IGNORE_INDEX for lab in labels[first:]), name
     assert SYSTEM in tok.decode(ids) and USER in tok.decode(ids)
 
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
+from test_data_sources import ALPACA, COMMIT_A, _hub_repo, fake_hub  # noqa: F401 (fake_hub: a fixture)
 from transformers import AutoTokenizer
 
 from trainer.cli.main import main
@@ -46,3 +49,46 @@ def test_example_html_and_colour(tiny_tokenizer: Path) -> None:
     assert example_text(tok, ids, labels, color=True) == f"<s>Say <b>:{ANSI_ON} <b> & ok\x1b[0m"
     # control: a label shifted by one marks another text
     assert example_html(tok, ids, [IGNORE_INDEX, *labels[:-1]]) != page
+
+
+def test_inspect_show_reads_every_source_of_a_mix_as_prepare_does(
+    tmp_path: Path,
+    tiny_llama: Path,
+    fake_hub: Any,
+    capsys: pytest.CaptureFixture,  # noqa: F811
+) -> None:
+    """A hub dataset (read from the cache, offline) and a local folder, each in its own format: `--show`
+    shows both, not the default `data.path` (the built-in rows) that `data.sources` leaves unset."""
+    _hub_repo(fake_hub)
+    folder = tmp_path / "chats"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS[:2]))
+    recipe = tmp_path / "mix.yaml"
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"name_or_path": str(tiny_llama)},
+                "data": {
+                    "seq_len": 128,
+                    "sources": [
+                        {"path": "org/instruct", "format": "alpaca", "rows": 4},
+                        {"path": str(folder), "format": "sharegpt"},
+                    ],
+                },
+                "output_dir": str(tmp_path / "run"),
+            }
+        )
+    )
+    assert main(["inspect", str(recipe), "--show", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"data.sources[0] hf://datasets/org/instruct@{COMMIT_A}: format alpaca" in out
+    assert f"data.sources[1] {folder}: format sharegpt" in out
+    assert "[[Paris</s>]]" in out and ALPACA[0]["instruction"] in out
+    assert out.count("--- row 1:") == 2  # one row of each source
+    # The control: the built-in dataset's rows, which the old `--show` printed for a mix, are absent.
+    from trainer import builtin_assets
+
+    builtin = [
+        json.loads(x) for x in Path(builtin_assets.resolve_data("builtin:tiny-instruct")).read_text().splitlines()
+    ]
+    assert builtin[0]["output"] not in out

@@ -134,6 +134,40 @@ def test_a_put_delivered_twice_is_still_ours(tmp_path: Path, s3_remote: str, pro
         a.put_new(store, other, store.path("m.json"))
 
 
+def test_a_take_back_delivered_twice_is_still_ours(tmp_path: Path, s3_remote: str, proxy: FaultProxy) -> None:
+    """Taking the lease back after an outage is a conditional PUT too: when s3fs resends it after the
+    first copy landed, the refused resend is settled by a re-read (ours: go on), not called a takeover."""
+    a, lost, said = _lease(s3_remote, tmp_path / "a", ttl=2.0)
+    a.acquire()
+    a.start()
+    proxy.set(down=True)
+    assert _wait_for(lambda: a.offline_since is not None, timeout=10), said
+    proxy.set(double_put=1)  # the store answers again: the take-back PUT lands, its resend gets 412
+    assert _wait_for(lambda: a.offline_since is None or bool(lost), timeout=15), said
+    assert not lost, lost
+    a.check()
+    assert a.generation == 2 and any("took it back as generation 2" in m for m in said)
+    doubled = [(e["path"].rsplit("/", 1)[1], e["status"]) for e in proxy.log() if e.get("times") == 2]
+    assert doubled == [("lease.json", "412")], doubled  # the proxy did resend the take-back
+    a.release()
+    # The control: a take-back refused because another machine wrote the lease in between is a loss.
+    b, b_lost, _ = _lease(s3_remote, tmp_path / "b", ttl=2.0)
+    b.acquire()
+    stale = (b.body, b.etag)  # what b reads before c's write lands
+    b.offline("a test's outage")
+    break_lease(s3_remote)
+    c, _, _ = _lease(s3_remote, tmp_path / "c", ttl=30.0)
+    c.acquire()
+    reads = iter([stale])
+    real_read = b._read
+    b._read = lambda: next(reads, None) or real_read()  # type: ignore[method-assign]
+    with pytest.raises(LeaseLost):
+        b.renew()  # its If-Match PUT is refused (c wrote meanwhile); the re-read shows c
+    assert b_lost and "another machine took" in b_lost[0]
+    lease, _ = read_lease(Store(s3_remote))
+    assert lease is not None and lease["holder"] == c.id
+
+
 def test_a_store_that_ignores_conditions_is_found_out_and_reread(
     tmp_path: Path, s3_remote: str, proxy: FaultProxy
 ) -> None:

@@ -33,13 +33,12 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = pin_data(cfg)
     if args.command == "inspect" and args.show > 0:
-        from trainer import builtin_assets
         from trainer.data.show import show_examples
-        from trainer.training.inputs import tokenizer_path
+        from trainer.training.inputs import resolved_data, tokenizer_path
 
         color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
-        path = builtin_assets.resolve_data(cfg.data.path)
-        print(show_examples(cfg.data, path, tokenizer_path(cfg), args.show, color), flush=True)
+        # Every source as prepare reads it: a folder, a hub dataset at its pinned commit, each of a mix.
+        print(show_examples(resolved_data(cfg), tokenizer_path(cfg), args.show, color), flush=True)
     prepared = prepare_data(cfg, progress=True)  # a run's hub datasets at its pinned commits
     if args.command == "inspect":
         plot = prepared.train_path.parent / "lengths.png"

@@ -48,6 +48,37 @@ def generation_prompt(render: Render) -> str:
     return primed[len(bare) :] if primed.startswith(bare) else ""
 
 
+def system_as_served(render: Render, messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The conversation with its system prompt where serving puts it, when the template leaves it out
+    of a conversation that ends with the assistant but writes it for the served prompt (Mistral v0.3
+    writes it into the last `[INST]` only, so a training row would never see it); None otherwise.
+
+    The system text joins the last user turn before the last assistant one with a blank line, as
+    Mistral's template joins them, and is kept only when that renders the served prompt exactly:
+    the final turn then trains on what a chat endpoint sends. Earlier turns keep their own context."""
+    system = [m for m in messages if m["role"] == "system" and m.get("content")]
+    answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not system or not answers:
+        return None
+    full = render(messages, False)
+    if all(str(m["content"]) in full for m in system):
+        return None
+    users = [i for i in range(answers[-1]) if messages[i]["role"] == "user"]
+    if not users:
+        return None
+    served = render(messages[: users[-1] + 1], True)
+    if not all(str(m["content"]) in served for m in system):
+        return None  # the template leaves it out when serving too: training matches that already
+    joined = "\n\n".join(str(m["content"]) for m in system)
+    folded = [
+        dict(m, content=f"{joined}\n\n{m['content']}") if i == users[-1] else m
+        for i, m in enumerate(messages)
+        if m["role"] != "system"
+    ]
+    cut = sum(1 for m in messages[: users[-1] + 1] if m["role"] != "system")
+    return folded if render(folded[:cut], True) == served else None
+
+
 def assistant_turns(
     render: Render,
     messages: list[dict[str, Any]],

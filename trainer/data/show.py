@@ -1,6 +1,6 @@
 """Look at what trains: examples rendered as the model sees them, trained tokens marked.
 
-`spotune inspect --show N` prints the first N rows of the data (ANSI colour on a terminal,
+`spotune inspect --show N` prints the first N rows of each source (ANSI colour on a terminal,
 `[[...]]` around trained text otherwise); `example_html` gives the same marks as HTML for a page
 (the report may embed it). Rows are tokenised by the very `Tokenize` that `prepare` uses.
 """
@@ -8,11 +8,12 @@
 from __future__ import annotations
 
 import html
-from pathlib import Path
 from typing import Any
 
+from trainer.config import DataConfig
 from trainer.data.chat_templates import template_name
-from trainer.data.read import read_rows
+from trainer.data.formats import FORMAT_FIELDS
+from trainer.data.sources import locate, read, sources_of
 from trainer.data.template import HEAD_ROWS, IGNORE_INDEX, ROW_COLUMN, tokenize_for
 
 OPEN, CLOSE = "[[", "]]"
@@ -46,27 +47,32 @@ def example_html(tokenizer: Any, ids: list[int], labels: list[int]) -> str:
     return f'<pre class="spotune-example">{"".join(parts)}</pre>'
 
 
-def show_examples(cfg: Any, data_path: str | Path, tokenizer_path: str, n: int, color: bool = False) -> str:
-    """The first `n` rows of `data_path` rendered with `cfg` (a DataConfig), trained tokens marked."""
+def show_examples(cfg: DataConfig, tokenizer_path: str, n: int, color: bool = False) -> str:
+    """The first `n` rows of each training source of `cfg` (`data.path`, or each of `data.sources`,
+    located and read as prepare reads them), rendered with that source's format and fields, trained
+    tokens marked."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=False)
-    ds = read_rows(data_path, key="data.path")
-    head = list(ds.select(range(min(max(n, HEAD_ROWS), len(ds)))))
-    columns = list(ds.column_names)
-    tok = tokenize_for(cfg, tokenizer, str(data_path)).settle(columns, head, tokenizer_path)
-    rows = head[:n]
-    out = tok({c: [r[c] for r in rows] for c in columns} | {ROW_COLUMN: list(range(len(rows)))})
-    template = template_name(tok.chat_template) if tok.template is not None else "none (raw text)"
-    lines = [
-        f"{data_path}: format {tok.fmt}" + (f" ({tok.reason})" if tok.reason else "") + f", chat template: {template}",
-        "trained tokens are " + ("highlighted" if color else f"between {OPEN} and {CLOSE}"),
-    ]
-    for i, (ids, labels, status) in enumerate(zip(out["input_ids"], out["labels"], out["status"], strict=True)):
-        if status:
-            lines.append(f"\n--- row {i + 1}: dropped ({status})")
-            continue
-        trained = sum(lab != IGNORE_INDEX for lab in labels)
-        lines.append(f"\n--- row {i + 1}: {len(ids)} tokens, {trained} trained")
-        lines.append(example_text(tokenizer, ids, labels, color))
+    lines = ["trained tokens are " + ("highlighted" if color else f"between {OPEN} and {CLOSE}")]
+    for src in sources_of(cfg, FORMAT_FIELDS):
+        loc = locate(src)
+        ds = read(loc)
+        head = list(ds.select(range(min(max(n, HEAD_ROWS), len(ds)))))
+        columns = list(ds.column_names)
+        tok = tokenize_for(src.data_config(cfg, FORMAT_FIELDS), tokenizer, loc.label)
+        tok = tok.settle(columns, head, tokenizer_path)
+        rows = head[:n]
+        out = tok({c: [r[c] for r in rows] for c in columns} | {ROW_COLUMN: list(range(len(rows)))})
+        template = template_name(tok.chat_template) if tok.template is not None else "none (raw text)"
+        name = f"{src.key} {loc.label}" if cfg.sources else loc.label
+        why = f" ({tok.reason})" if tok.reason else ""
+        lines.append(f"\n{name}: format {tok.fmt}{why}, chat template: {template}")
+        for i, (ids, labels, status) in enumerate(zip(out["input_ids"], out["labels"], out["status"], strict=True)):
+            if status:
+                lines.append(f"\n--- row {i + 1}: dropped ({status})")
+                continue
+            trained = sum(lab != IGNORE_INDEX for lab in labels)
+            lines.append(f"\n--- row {i + 1}: {len(ids)} tokens, {trained} trained")
+            lines.append(example_text(tokenizer, ids, labels, color))
     return "\n".join(lines)

@@ -169,6 +169,7 @@ class Tokenize:
         for i, ex in chats:
             assert ex.messages is not None and ex.trainable is not None
             try:
+                ex = _system_as_served(render, ex)
                 text, turns = masking.assistant_turns(render, ex.messages, gen_prompt, special, end_of_turn)
             except TemplateError:  # the template refuses this conversation (e.g. roles that do not alternate)
                 status[i] = TEMPLATE_ERROR
@@ -190,6 +191,8 @@ class Tokenize:
                 if not ends_with_assistant or turns[-1].stop_is_token
                 else bool(trained) and trained[-1] is turns[-1]
             )
+            if eos_rule:  # what the template writes after the last end mark (chatml's "\n") leads to the
+                spans[-1] = (spans[-1][0], len(text))  # trained EOS: trained too, or nothing teaches it
             kept.append((i, text, spans, eos_rule))
         enc = self.tokenizer([k[1] for k in kept], add_special_tokens=False, return_offsets_mapping=True)
         out = []
@@ -222,6 +225,28 @@ class Tokenize:
         out["labels"].append(list(labels))
         out["length"].append(length)
         out["status"].append(status)
+
+
+def _system_as_served(render: masking.Render, ex: formats.Example) -> formats.Example:
+    """`ex` with its system prompt where the template serves it (masking.system_as_served), said once."""
+    assert ex.messages is not None and ex.trainable is not None
+    folded = masking.system_as_served(render, ex.messages)
+    if folded is None:
+        return ex
+    global _SAID_SYSTEM
+    if not _SAID_SYSTEM:
+        _SAID_SYSTEM = True
+        print(
+            "spotune: the chat template writes the system prompt only before the generation prompt (as Mistral "
+            "v0.3 does); it is trained inside the last user turn, where a chat endpoint sends it",
+            file=sys.stderr,
+            flush=True,
+        )
+    flags = [ok for m, ok in zip(ex.messages, ex.trainable, strict=True) if m["role"] != "system"]
+    return dataclasses.replace(ex, messages=folded, trainable=flags)
+
+
+_SAID_SYSTEM = False
 
 
 def _assistant_flags(ex: formats.Example) -> list[bool]:

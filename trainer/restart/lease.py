@@ -229,7 +229,7 @@ class Lease(Fence):
             try:
                 self._write((self.generation or 0) + 1, etag, new=current is None)
             except Refused:
-                return  # someone wrote it meanwhile: the next try reads who
+                self._settle()  # our own PUT resent after it landed goes on; anyone else's write is a loss
         if self.offline_since is not None:
             self.message(
                 f"spotune: {self.store.shown} answers again and the run's lease was still this attempt's; took it "

@@ -28,8 +28,12 @@ from trainer.atomic import temp_sibling
 from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE
 from trainer.restart.storage import Store, _short
 
-RUN_FILES = ("config.yaml", "metrics.jsonl", LEDGER_FILE, HEARTBEAT_FILE)
-"""Uploaded after every checkpoint; the ledger before its heartbeat (see remote.fetch_run_files)."""
+RAN_OUT_FILE = "auto-out-of-memory.json"
+"""The `auto` memory setting that ran out of memory (trainer/training/autofit.py): a run file, so a
+replacement machine does not choose it again."""
+
+RUN_FILES = ("config.yaml", "metrics.jsonl", RAN_OUT_FILE, LEDGER_FILE, HEARTBEAT_FILE)
+"""Uploaded after every checkpoint (absent ones skipped); the ledger before its heartbeat (see remote.fetch_run_files)."""
 
 
 @dataclass

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.plan.memory import GIB, MemoryEstimate
+from trainer.restart import uploader
 
 HEADROOM_SHARE = 0.05
 """Of the device's memory kept free beyond the estimate: the estimate's own error (the issue's
@@ -134,9 +135,10 @@ def estimate(cfg: Any, shape: Any, s: Setting, shards: int = 1) -> MemoryEstimat
     return job.memory(shards)
 
 
-RAN_OUT_FILE = "auto-out-of-memory.json"
-"""In the run directory: the `auto` setting that ran out of memory. Every later choice of the run
-takes only settings after it (slower) whose estimate is smaller; one retry, then exit 5."""
+RAN_OUT_FILE = uploader.RAN_OUT_FILE
+"""In the run directory (and the store, with the run files): the `auto` setting that ran out of memory.
+Every later choice of the run takes only settings after it (slower) whose estimate is smaller; one
+retry, then exit 5."""
 
 
 @dataclass(frozen=True)

@@ -63,13 +63,18 @@ def saved_config(run_dir: Path) -> C.RunConfig | None:
         return None
 
 
+def resolved_data(cfg: C.RunConfig) -> C.DataConfig:
+    """`cfg.data` with the built-in dataset names (`builtin:...`) turned into their files."""
+    d = cfg.data
+    sources = tuple(dataclasses.replace(s, path=builtin_assets.resolve_data(s.path)) for s in d.sources)
+    return dataclasses.replace(d, path=builtin_assets.resolve_data(d.path), sources=sources)
+
+
 def prepare_data(cfg: C.RunConfig, progress: bool = True) -> Any:
     """Prepare (or reuse) the packed dataset of `cfg` and print its summary."""
     from trainer import data
 
-    d = cfg.data
-    sources = tuple(dataclasses.replace(s, path=builtin_assets.resolve_data(s.path)) for s in d.sources)
-    data_cfg = dataclasses.replace(d, path=builtin_assets.resolve_data(d.path), sources=sources)
+    data_cfg = resolved_data(cfg)
     cache_root = data_cache_root(cfg.data.cache_dir, cfg.output_dir)
     prepared = data.prepare(data_cfg, tokenizer_path(cfg), cache_root, progress=progress, seed=cfg.seed)
     if progress:

@@ -110,7 +110,12 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
         except shutdown.OutOfMemory as e:  # exit 5 with the figures, or an `auto` setting retried smaller
             books.ledger.close("out_of_memory")
             hf_config = proc.accelerator.unwrap_model(model).config
-            return autofit.after_out_of_memory(e, cfg, hf_config, proc.accelerator, auto, proc.out)
+            outcome = autofit.after_out_of_memory(e, cfg, hf_config, proc.accelerator, auto, proc.out)
+            # The ledger row and the setting that ran out reach the store before the process ends,
+            # so a replacement machine neither loses this attempt nor chooses that setting again.
+            proc.remote.finish(preempted=True, notice_seconds=cfg.checkpoint.notice_seconds)
+            proc.remote.close()
+            return outcome
         return _finish(cfg, proc, sched, model, reason, books), False
 
 
