@@ -51,7 +51,7 @@ from trainer.plan import memory  # noqa: E402
 from trainer.training.batches import to_device  # noqa: E402
 
 GIB = memory.GIB
-PUBLISHED_LONGEST = 342_000  # the best published 8B QLoRA figure on one 80 GB GPU (Unsloth: 342,733)
+PUBLISHED_LONGEST = 342_000  # the best published 8B QLoRA figure on one 80 GB GPU (Unsloth: 342,733)
 MODES = [(False, False), (True, False), (True, True)]  # (gradient checkpointing, activation offloading)
 
 

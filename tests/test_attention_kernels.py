@@ -169,7 +169,7 @@ def test_packed_bf16_on_cuda_equals_each_document_alone(tiny_llama: Any, impl: s
             alone = alone_model(input_ids=micro["input_ids"][r : r + 1, s:e], use_cache=False).logits[0]
             worst = max(worst, ((packed[r, s:e] - alone).norm() / alone.norm()).item())
     print(f"{impl}: largest relative error against each document alone {worst:.2e}")
-    # On the H100 (GPU-FINDINGS.md) bf16 sdpa/eager/flex were within 7.7e-4 and dropping the
+    # On the H100 (docs/gpu.md) bf16 sdpa/eager/flex were within 7.7e-4 and dropping the
     # bounds cost 7.0e-3: the bound sits between the two.
     if impl == "test_blind":
         assert worst > 3e-3

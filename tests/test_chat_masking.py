@@ -1,4 +1,4 @@
-"""Masking on the REAL official tokenizers (../shared/data/tokenizers): exactly the assistant's text and its
+"""Masking on the REAL official tokenizers (the shared data's tokenizers/, conftest.SHARED_DATA): exactly the assistant's text and its
 end-of-turn token carry labels, including templates that rewrite earlier turns once later ones arrive."""
 
 from __future__ import annotations

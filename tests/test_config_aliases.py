@@ -220,6 +220,47 @@ def test_every_problem_names_its_file_and_line(tmp_path: Path) -> None:
     assert got == want
 
 
+def test_problems_inside_a_list_of_sources_name_their_line(tmp_path: Path) -> None:
+    """`data.sources` entries are sections too: their keys, values and roles are checked at load,
+    each problem named by its file and line (sharegpt_roles values included)."""
+    recipe = tmp_path / "mix.yaml"
+    recipe.write_text(
+        "data:\n"  # 1
+        "  sharegpt_roles:\n"  # 2
+        "    narrator: usr\n"  # 3
+        "    bot: assistant\n"  # 4
+        "  sources:\n"  # 5
+        "    - path: a.jsonl\n"  # 6
+        "      colour: red\n"  # 7
+        "    - path: b.jsonl\n"  # 8
+        "      format: sharegtp\n"  # 9
+        "      rows: 0\n"  # 10
+        "    - path: c.jsonl\n"  # 11
+        "      format: text\n"  # 12
+    )
+    with pytest.raises(C.ConfigError) as err:
+        C.load(recipe, [])
+    assert sorted(err.value.problems) == sorted(
+        [
+            f"{recipe}:3: data.sharegpt_roles.narrator: 'usr' is not a role; map the speaker to one of "
+            "system, user, assistant, tool",
+            f"{recipe}:7: data.sources[0].colour: unknown key; valid keys here: "
+            + ", ".join(
+                f"data.sources[0].{k}"
+                for k in ("path", "subset", "split", "revision", "format", "fields", "rows", "fraction")
+            ),
+            f"{recipe}:9: data.sources[1].format: expected one of 'auto', 'alpaca', 'prompt_completion', 'messages', "
+            "'sharegpt', 'text', 'chat' or null, got 'sharegtp'",
+            f"{recipe}:10: data.sources[1].rows: must be at least 1, got 0",
+        ]
+    )
+    # The control: the same entries, fixed, load (and the third source's format is kept).
+    fixed = recipe.read_text().replace("usr", "user").replace("      colour: red\n", "")
+    recipe.write_text(fixed.replace("sharegtp", "sharegpt").replace("rows: 0", "rows: 2"))
+    cfg = C.load(recipe, [])
+    assert [s.format for s in cfg.data.sources] == [None, "sharegpt", "text"]
+
+
 def test_a_problem_with_a_default_names_no_line(tmp_path: Path) -> None:
     recipe = tmp_path / "r.yaml"
     recipe.write_text("train:\n  epochs: 1\n")

@@ -107,6 +107,41 @@ def citations(text: str) -> list[str]:
 # ---------------------------------------------------------------------------- the checks
 
 
+def front_door_problems(text: str) -> list[str]:
+    """What a newcomer must meet in the README, in order: the two set-up commands before anything
+    else runs, a row of data of each common format, a quick start that ends talking to the result,
+    and the supported-models table saying where each was checked."""
+    problems = []
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    if not blocks or [ln.split("#")[0].strip() for ln in blocks[0].splitlines()] != ["make demo", "make test"]:
+        problems.append("the first command block is not `make demo` then `make test`")
+    for fmt, field in [
+        ("alpaca", '"instruction"'),
+        ("prompt_completion", '"completion"'),
+        ("messages", '"role"'),
+        ("sharegpt", '"from"'),
+        ("text", '"text"'),
+    ]:
+        if not re.search(rf"^\| `{fmt}`.*{field}", text, flags=re.M):
+            problems.append(f"no row of {fmt} data")
+    quick = next((b for b in blocks if "spotune train" in b), "")
+    commands = [ln for ln in quick.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    if not commands or not commands[-1].startswith("spotune chat"):
+        problems.append("the quick start does not end with `spotune chat`")
+    if not re.search(r"^\| model family \| recipe \| CPU tests \| GPU \|$", text, flags=re.M):
+        problems.append("no supported-models table (model family, recipe, CPU tests, GPU)")
+    return problems
+
+
+def test_readme_is_a_front_door() -> None:
+    assert not front_door_problems(README.read_text())
+    # The control: a README that starts with set-up internals and ends its quick start with an export.
+    moved = README.read_text().replace("make demo", "bash scripts/setup.sh", 1)
+    assert "the first command block is not `make demo` then `make test`" in front_door_problems(moved)
+    ends_in_export = README.read_text().replace("spotune chat runs/", "spotune export runs/")
+    assert "the quick start does not end with `spotune chat`" in front_door_problems(ends_in_export)
+
+
 def test_readme_is_short() -> None:
     n = len(README.read_text().splitlines())
     assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES}): move detail to docs/"
@@ -135,8 +170,9 @@ def test_code_cites_no_issue_numbers_or_outside_files() -> None:
     of the repository does not have."""
     found = []
     files = [REPO / name for name in ("Makefile", "pyproject.toml", "CONTRIBUTING.md", ".ci/run")]
-    for folder in ("trainer", "scripts", "benchmarks", "docker", "recipes"):
+    for folder in ("trainer", "scripts", "benchmarks", "docker", "recipes", "tests"):
         files += sorted((REPO / folder).rglob("*"))
+    files.remove(Path(__file__))  # it names what it looks for
     for path in files:
         if path.is_file() and path.suffix in {".py", ".sh", ".yaml", ".yml", ".sbatch", ".j2", ".toml", ".md", ""}:
             for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):

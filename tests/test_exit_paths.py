@@ -26,7 +26,7 @@ from trainer.training import shutdown
 
 REPO = Path(__file__).resolve().parents[1]
 BOUND_S = 20.0
-"""How long after the failure the process may take to be gone (the issue's bound)."""
+"""How long after the failure the process may take to be gone (what a supervisor waiting on it may expect)."""
 
 # Replaces `module.attr` with a function that raises on call number `after + 1`, writing the
 # moment it raised to $FAILED_AT; `oom` raises what CUDA raises when an allocation fails.

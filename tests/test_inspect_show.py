@@ -54,8 +54,8 @@ def test_example_html_and_colour(tiny_tokenizer: Path) -> None:
 def test_inspect_show_reads_every_source_of_a_mix_as_prepare_does(
     tmp_path: Path,
     tiny_llama: Path,
-    fake_hub: Any,
-    capsys: pytest.CaptureFixture,  # noqa: F811
+    fake_hub: Any,  # noqa: F811
+    capsys: pytest.CaptureFixture,
 ) -> None:
     """A hub dataset (read from the cache, offline) and a local folder, each in its own format: `--show`
     shows both, not the default `data.path` (the built-in rows) that `data.sources` leaves unset."""

@@ -1,5 +1,5 @@
 """trainer/plan/memory.py: the named terms add up, each moves the way the settings move it, and
-the two GPU rows measured so far (../shared/GPU-FINDINGS.md) come out within 10%."""
+the two GPU rows measured so far (docs/gpu.md, the H100 session) come out within 10%."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def test_frugal_settings_shrink_what_they_should() -> None:
 @pytest.mark.parametrize(
     "row, measured_gib, changes",
     [
-        # ../shared/GPU-FINDINGS.md (H100, spotune at 346a543, spotune_varlen attention, liger):
+        # docs/gpu.md's H100 session (spotune at 346a543, spotune_varlen attention, liger):
         # max_memory_allocated of the benchmark's LoRA step and of its QLoRA step (checkpointed).
         ("lora", 38.6, {}),
         ("qlora", 7.96, {"weight_format": "nf4", "gradient_checkpointing": True}),

@@ -125,7 +125,7 @@ def test_a_data_problem_is_still_an_error(tmp_path: Path) -> None:
     assert str(bad) in str(err.value) or "data.path" in str(err.value)
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "tokenizers").is_dir(), reason="../shared/data/tokenizers is absent")
+@pytest.mark.skipif(not (SHARED_DATA / "tokenizers").is_dir(), reason=f"{SHARED_DATA / 'tokenizers'} is absent")
 def test_chat_recipe_estimates_conversations_through_the_models_template(tmp_path: Path) -> None:
     """The Llama recipe on conversations, tokenized by Llama 3.1 Instruct's own tokenizer and template."""
     data = tmp_path / "chats.jsonl"

@@ -17,7 +17,15 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import Any, Literal, Protocol, Union
 
-from trainer.config.schema import AdapterConfig, CheckpointConfig, DataConfig, MetricsConfig, ModelConfig, TrainConfig
+from trainer.config.schema import (
+    CHAT_ROLES,
+    AdapterConfig,
+    CheckpointConfig,
+    DataConfig,
+    MetricsConfig,
+    ModelConfig,
+    TrainConfig,
+)
 from trainer.config.source import Mark
 from trainer.urls import remote_problems
 
@@ -72,7 +80,7 @@ def build(cls: type, raw: Any, prefix: str, problems: list[str], marks: Mapping[
             if not isinstance(value, (list, tuple)):
                 problems.append(f"{name}: expected a list of mappings, got {value!r}")
                 continue
-            kwargs[key] = tuple(build(item, v, f"{name}[{i}].", problems) for i, v in enumerate(value))
+            kwargs[key] = tuple(build(item, v, f"{name}[{i}].", problems, marks) for i, v in enumerate(value))
             continue
         ok, coerced, expected = _check(hint, value)
         typed = marks[name].text if name in marks else None
@@ -243,6 +251,11 @@ def _source_checks(d: DataConfig) -> list[str]:
     p: list[str] = []
     if d.sources and d.path != DataConfig.path:
         p.append("data.sources: set either data.path (one source) or data.sources (a mix), not both; remove data.path")
+    for speaker, role in d.sharegpt_roles.items():
+        if role not in CHAT_ROLES:
+            p.append(
+                f"data.sharegpt_roles.{speaker}: {role!r} is not a role; map the speaker to one of {', '.join(CHAT_ROLES)}"
+            )
     for i, s in enumerate(d.sources):
         key = f"data.sources[{i}]"
         if not s.path:

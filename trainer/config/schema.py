@@ -60,6 +60,13 @@ class AdapterConfig:
     """Compute the LoRA A matmuls of q/k/v, and of gate/up, as one wider matmul each (with dropout 0); checkpoints stay plain peft files."""
 
 
+DataFormat = Literal["auto", "alpaca", "prompt_completion", "messages", "sharegpt", "text", "chat"]
+"""The values of `data.format` and of each `data.sources[i].format`."""
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+"""The roles a conversation's turns may take (what `data.sharegpt_roles` maps speakers to)."""
+
+
 @dataclass(frozen=True)
 class SourceConfig:
     """One entry of `data.sources`: a source of its own, mixed with the others before packing."""
@@ -72,8 +79,8 @@ class SourceConfig:
     """The split whose files are read, as `data.split`."""
     revision: str | None = None
     """Hub dataset: branch, tag or commit, pinned to a commit on the run's first start, as `data.revision`."""
-    format: str | None = None
-    """This source's data format; unset: `data.format`."""
+    format: DataFormat | None = None
+    """This source's data format (a value of `data.format`); unset: `data.format`."""
     fields: dict[str, str] = field(default_factory=dict)
     """Role -> column of this source (e.g. `{instruction: question, output: answer}`); unset roles: `data.*_field`."""
     rows: int | None = None
@@ -94,7 +101,7 @@ class DataConfig:
     """Hub dataset: branch, tag or commit. The run's first start pins the commit it resolved to (saved in the run's config.yaml, which travels with its checkpoints); every restart reads that commit."""
     sources: tuple[SourceConfig, ...] = ()
     """Several sources mixed into one training set instead of `path`: a list of {path, subset, split, revision, format, fields, rows or fraction}."""
-    format: Literal["auto", "alpaca", "prompt_completion", "messages", "sharegpt", "text", "chat"] = "auto"
+    format: DataFormat = "auto"
     """`auto` (picked from the columns of the first rows, and said), `alpaca` (instruction/input/output, optional system), `prompt_completion` (TRL's prompt/completion, strings or message lists), `messages` (OpenAI role/content; `chat` is its former name), `sharegpt` (conversations of from/value), `text` (every token trained)."""
     seq_len: int = 2048
     """Tokens per packed row."""

@@ -85,6 +85,11 @@ def _walk(node: yaml.MappingNode, prefix: str, path: str, marks: Marks, twice: l
         marks[dotted] = Mark(f"{path}:{key_node.start_mark.line + 1}", value_node.value if plain else None)
         if isinstance(value_node, yaml.MappingNode):
             _walk(value_node, f"{dotted}.", path, marks, twice)
+        elif isinstance(value_node, yaml.SequenceNode):  # a list of sections (data.sources): `key[i].sub`
+            for i, item in enumerate(value_node.value):
+                marks[f"{dotted}[{i}]"] = Mark(f"{path}:{item.start_mark.line + 1}")
+                if isinstance(item, yaml.MappingNode):
+                    _walk(item, f"{dotted}[{i}].", path, marks, twice)
 
 
 def read_overrides(overrides: Sequence[str]) -> tuple[dict[str, Any], Marks, list[str]]:
@@ -120,7 +125,9 @@ def _shown(key: str, value: str) -> str:
         return "..."
 
 
-_KEY = re.compile(r"^([A-Za-z_][\w.]*):")
+_KEY = re.compile(r"^([A-Za-z_][\w.\[\]]*):")
+_LAST = re.compile(r"(\.[^.\[]+|\[\d+\])$")
+"""The last part of a dotted key: `.sub` or a list index `[i]`."""
 
 
 def locate(problem: str, marks: Mapping[str, Mark]) -> str:
@@ -134,5 +141,6 @@ def locate(problem: str, marks: Mapping[str, Mark]) -> str:
     while key:
         if key in marks:
             return f"{marks[key].where}: {problem}"
-        key = key.rpartition(".")[0] if key.count(".") > 1 else ""
+        parent = _LAST.sub("", key)
+        key = parent if "." in parent or "[" in parent else ""  # never a section's line alone
     return problem

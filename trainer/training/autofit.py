@@ -34,7 +34,7 @@ from trainer.plan.memory import GIB, MemoryEstimate
 from trainer.restart import uploader
 
 HEADROOM_SHARE = 0.05
-"""Of the device's memory kept free beyond the estimate: the estimate's own error (the issue's
+"""Of the device's memory kept free beyond the estimate: the estimate's own error (the planner's
 target is within 10%, measured +3% on the 8B rows, trainer/plan/memory.py) and allocations the
 step does not make (another process, NCCL buffers)."""
 MAX_MICRO_BATCH = 64
