@@ -271,6 +271,7 @@ def write_sample(
         k = min(len(table), max(1, round(size * len(table) / total)))
         path = directory / f"sample-{i}.jsonl"
         table.select(range(k)).to_json(str(path), lines=True)
-        entries.append(SourceConfig(path=str(path), format=loc.source.fmt, fields=dict(loc.source.fields)))
+        fmt: Any = loc.source.fmt  # a value of data.format: sources_of checked it against format_fields
+        entries.append(SourceConfig(path=str(path), format=fmt, fields=dict(loc.source.fields)))
         sampled += k
     return dataclasses.replace(cfg, sources=tuple(entries), num_proc=1), total, sampled

@@ -170,6 +170,7 @@ class Tokenize:
             assert ex.messages is not None and ex.trainable is not None
             try:
                 ex = _system_as_served(render, ex)
+                assert ex.messages is not None
                 text, turns = masking.assistant_turns(render, ex.messages, gen_prompt, special, end_of_turn)
             except TemplateError:  # the template refuses this conversation (e.g. roles that do not alternate)
                 status[i] = TEMPLATE_ERROR
