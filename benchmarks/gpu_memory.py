@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import tempfile
 import time
@@ -48,6 +49,7 @@ from trainer.model import flops  # noqa: E402
 from trainer.model.load import build  # noqa: E402
 from trainer.model.loss import token_loss_sum  # noqa: E402
 from trainer.plan import memory  # noqa: E402
+from trainer.plan.longest import bisect_longest  # noqa: E402
 from trainer.training.batches import to_device  # noqa: E402
 
 GIB = memory.GIB
@@ -116,8 +118,21 @@ def load(path: Path, qlora: bool, r: int, ckpt: bool, offload: bool, tiny: bool,
     return model
 
 
-def run_steps(model: Any, seq: int, steps: int, vocab: int) -> dict[str, Any]:
-    """`steps` optimizer steps of one packed row each; peak memory and tokens/s of the last ones."""
+def document_rows(seq: int, n_rows: int, vocab: int, seed: int = 0) -> list[Any]:
+    """Rows of one document each that fills the row, every position labelled: the long legal or code
+    document `--longest` is about (packed short documents would leave out most of its attention cost
+    and, their prompts masked, part of the head's)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n_rows):
+        ids = [rng.randrange(3, vocab) for _ in range(seq)]
+        rows.append([(ids, list(ids))])
+    return rows
+
+
+def run_steps(model: Any, seq: int, steps: int, vocab: int, document: bool = False) -> dict[str, Any]:
+    """`steps` optimizer steps of one row each (packed from the length sample, or one `document`);
+    peak memory and tokens/s of the last ones (of the only one when `steps` is 1)."""
     device = next(p for p in model.parameters() if p.requires_grad).device
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
@@ -125,7 +140,7 @@ def run_steps(model: Any, seq: int, steps: int, vocab: int) -> dict[str, Any]:
         p.grad = torch.zeros_like(p)
     opt.step()  # zero gradients, no weight decay: the weights do not move
     opt.zero_grad(set_to_none=True)
-    rows = packed_rows(seq, steps, vocab)
+    rows = document_rows(seq, steps, vocab) if document else packed_rows(seq, steps, vocab)
     free()
     times = []
     for row in rows:
@@ -183,24 +198,19 @@ def memory_table(path: Path, args: argparse.Namespace, vocab: int) -> list[dict[
 
 
 def longest(path: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
-    """Bisection over sequence lengths (multiples of 1024) for 8B QLoRA r32, checkpointing + offloading."""
+    """Bisection over sequence lengths (multiples of 1024) for 8B QLoRA r32, checkpointing + offloading,
+    one document per row. Each probe is one optimizer step: near 512k tokens about 17 minutes on an
+    H100 by the estimate's tokens/s, so the search needs a session of its own (docs/long-context.md)."""
     cuda = torch.cuda.is_available()
     total = torch.cuda.get_device_properties(0).total_memory if cuda else args.memory_gib * GIB
     unit = 64 if args.tiny else 1024
 
     tiled = not args.no_tiling
 
-    def estimated_longest(tiling: bool) -> int:
-        def fits(seq: int) -> bool:
-            return estimate(path, True, 32, seq, True, True, args.tiny, tiling).total <= total
-
-        lo, hi = unit, unit
-        while fits(hi) and hi < (1 << 24):
-            lo, hi = hi, hi * 2
-        while hi - lo > unit:
-            mid = (lo + hi) // 2 // unit * unit
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo
+    def estimated_longest(tiling: bool) -> int:  # the search `spotune estimate --longest` makes
+        return bisect_longest(
+            lambda seq: estimate(path, True, 32, seq, True, True, args.tiny, tiling).total <= total, unit
+        )
 
     predicted = estimated_longest(tiled)
     at_predicted = estimate(path, True, 32, predicted, True, True, args.tiny, tiled)
@@ -222,7 +232,7 @@ def longest(path: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
 
     def fits(seq: int) -> bool:
         try:
-            result = run_steps(model, seq, 1, vocab)
+            result = run_steps(model, seq, 1, vocab, document=True)
             tried.append({"seq": seq, **result})
             print(f"  seq {seq}: fits, {result}", flush=True)
             return True

@@ -30,6 +30,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="real tokens per epoch of the data, for time and cost without the data file (default: count the "
         "recipe's data.path; without it, the memory fit alone)",
     )
+    p.add_argument(
+        "--longest",
+        action="store_true",
+        help="the longest one-document row (data.seq_len, micro-batch 1) each GPU trains with the recipe's "
+        "settings, its GPU and host memory and tokens/s, instead of the run's forecast",
+    )
     p.add_argument("--gpus", type=int, default=1, help="GPUs per run")
     p.add_argument("--gpu", help="forecast for this catalogue GPU only")
     p.add_argument("--deadline-hours", type=float, help="recommend the cheapest option finishing within this")
@@ -62,8 +68,14 @@ def run(args: argparse.Namespace) -> int:
 
 def estimate_command(cfg: C.RunConfig, args: Any) -> int:
     """Print the table (or JSON); exit 0."""
-    from trainer.cli.world import estimate_for_run, pilot_dir
+    from trainer.cli.world import estimate_for_run, longest_for_run, pilot_dir
+    from trainer.plan.longest import format_longest
     from trainer.plan.table import format_estimate
+
+    if getattr(args, "longest", False):
+        found = longest_for_run(cfg, gpus=args.gpus, gpu=args.gpu, catalog_path=args.catalog, mfu=args.mfu)
+        print(json.dumps(found, indent=2) if args.json else format_longest(found))
+        return 0
 
     pilot_json = args.pilot
     if pilot_json is None:

@@ -60,18 +60,8 @@ def estimate_for_run(
     except cat.CatalogError as e:
         raise PlanError(str(e)) from None
     model = builtin_assets.resolve_model(cfg.model.name_or_path)
-    shape, hf_name, bytes_per_param = _shape(cfg, model)
-    job = Job(
-        name_or_path=cfg.model.name_or_path,
-        shape=shape,
-        hf_model_type=hf_name,
-        model=cfg.model,
-        adapter=cfg.adapter,
-        train=cfg.train,
-        checkpoint=cfg.checkpoint,
-        seq_len=cfg.data.seq_len,
-        price_per_hour=cfg.metrics.price_per_hour,
-    )
+    job, bytes_per_param = _job(cfg, model)
+    shape = job.shape
     measured = _read_pilot(Path(pilot_json)) if pilot_json else None
     if manifest is None and measured is not None:
         manifest = _pilot_manifest(cfg, measured)  # the data the pilot prepared, when it is this run's
@@ -86,6 +76,42 @@ def estimate_for_run(
     rate = choose(cfg.adapter.method, measured, throughput, cfg.metrics.gpu, mfu)
     target = _target(cfg, model, shape.total_params() * bytes_per_param, work, download_mb_s, vm_start_seconds)
     return estimate(job, work, rate, catalog, constraints, Measured(measured), target)
+
+
+def longest_for_run(
+    cfg: RunConfig, *, gpus: int = 1, gpu: str | None = None, catalog_path: Path | None = None, mfu: float | None = None
+) -> dict[str, Any]:
+    """The longest one-document row of `cfg`'s model and settings per catalogue GPU (trainer/plan/longest.py)."""
+    from trainer.plan.longest import longest_rows
+
+    if gpus < 1:
+        raise PlanError(f"--gpus must be at least 1, got {gpus}")
+    try:
+        catalog = cat.load_catalog(catalog_path)
+        chosen = [cat.find_gpu(gpu, catalog)] if gpu is not None else catalog
+    except cat.CatalogError as e:
+        raise PlanError(str(e)) from None
+    if mfu is not None and not 0 < mfu <= 1:
+        raise PlanError(f"--mfu must be within (0, 1], got {mfu}")
+    job, _ = _job(cfg, builtin_assets.resolve_model(cfg.model.name_or_path))
+    return longest_rows(job, chosen, gpus, mfu)
+
+
+def _job(cfg: RunConfig, model: str) -> tuple[Job, int]:
+    """What the estimate is asked about, and the bytes per parameter of the model's published weights."""
+    shape, hf_name, bytes_per_param = _shape(cfg, model)
+    job = Job(
+        name_or_path=cfg.model.name_or_path,
+        shape=shape,
+        hf_model_type=hf_name,
+        model=cfg.model,
+        adapter=cfg.adapter,
+        train=cfg.train,
+        checkpoint=cfg.checkpoint,
+        seq_len=cfg.data.seq_len,
+        price_per_hour=cfg.metrics.price_per_hour,
+    )
+    return job, bytes_per_param
 
 
 def pilot_dir(cfg: RunConfig) -> Path:
