@@ -176,3 +176,33 @@ def test_bad_path_exits_2_naming_it(tmp_path: Path, capsys: pytest.CaptureFixtur
     empty.mkdir()
     assert spotune(["chat", str(empty), "--prompt", "hi"]) == EXIT_BAD_INPUT
     assert "no final/ adapter and no verified checkpoint" in capsys.readouterr().err
+
+
+def test_chat_and_merge_show_the_base_models_download(
+    run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a fresh machine `spotune chat` and `export --merge` download the base model first: both ask
+    from_pretrained for the hub's download progress (a bar, or lines in a log file), as train does."""
+    import transformers
+
+    from trainer.export import export
+    from trainer.model import load
+
+    monkeypatch.setattr(load, "_takes_download_bar", lambda: True)  # a transformers that reads tqdm_class
+    real = transformers.AutoModelForCausalLM.from_pretrained
+    seen: list[bool] = []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append("tqdm_class" in kwargs)
+        kwargs.pop("tqdm_class", None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    Chat(find_source(run_dir), "cpu")
+    export(run_dir, tmp_path / "merged", merge=True)
+    assert seen == [True, True]
+    # The control: a load that asks for no progress passes no bar.
+    from trainer import config as C
+
+    load.load_base(C.ModelConfig(name_or_path=find_source(run_dir).base, dtype="float32"), C.AdapterConfig())
+    assert seen == [True, True, False]

@@ -160,7 +160,7 @@ class Chat:
         adapter_cfg = source.adapter
         if adapter_cfg.method == "qlora" and self.device.type != "cuda":
             adapter_cfg = dataclasses.replace(adapter_cfg, method="lora")
-        base = load_base(model_cfg, adapter_cfg, device=self.device)
+        base = load_base(model_cfg, adapter_cfg, device=self.device, progress=True)  # a fresh machine downloads it
         if adapter_cfg.method != "qlora":
             torch.nn.Module.to(base, self.device)  # in place (nn.Module.to); 4-bit weights were placed while loading
         with quiet_hf_progress(), peft_wrapping():

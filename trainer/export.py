@@ -96,7 +96,7 @@ def merge_adapter(adapter_dir: Path, out: Path, model_cfg: ModelConfig, chat_tem
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from trainer.model.load import peft_wrapping, quiet_hf_progress
+    from trainer.model.load import download_bar_kwargs, peft_wrapping, quiet_hf_progress
 
     base_path = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if not base_path:
@@ -110,12 +110,14 @@ def merge_adapter(adapter_dir: Path, out: Path, model_cfg: ModelConfig, chat_tem
     dtype = getattr(torch, model_cfg.dtype)
     # A QLoRA adapter is merged into the unquantised base: merging into 4-bit weights would
     # round the update away, and serving stacks want plain weights anyway.
-    with quiet_hf_progress(), peft_wrapping():  # spotune's own messages, not the libraries' bars
+    # The base's download shows (a bar, or lines in a log file); the libraries' loading bars do not.
+    with quiet_hf_progress(downloads=True), peft_wrapping():
         base = AutoModelForCausalLM.from_pretrained(
             base_path,
             dtype=dtype,
             revision=model_cfg.revision,
             trust_remote_code=model_cfg.trust_remote_code,
+            **download_bar_kwargs(),
         )
         merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
         merged.save_pretrained(str(out), safe_serialization=True)

@@ -181,9 +181,7 @@ def load_base(
     try:
         # `progress`: the download shows (trainer/progress.py: a bar, or lines in a log file).
         with quiet_hf_progress(downloads=progress):
-            if progress and _takes_download_bar():
-                kwargs["tqdm_class"] = progress_lib.hub_download_bar()
-            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs, **(download_bar_kwargs() if progress else {}))
     except OSError as e:
         raise ConfigError(
             [
@@ -192,6 +190,12 @@ def load_base(
             ]
         ) from e
     return model
+
+
+def download_bar_kwargs() -> dict[str, Any]:
+    """`from_pretrained`'s keyword for the hub download's progress (trainer/progress.py: a bar on a
+    terminal, lines in a log file), where this transformers takes one."""
+    return {"tqdm_class": progress_lib.hub_download_bar()} if _takes_download_bar() else {}
 
 
 def build(
