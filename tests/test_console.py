@@ -22,7 +22,7 @@ from trainer.training.console import Console
 
 REPO = Path(__file__).resolve().parents[1]
 STEP_LINE = re.compile(
-    r"^spotune: step (\d+)/(\d+) loss (\d+\.\d{4}) \| ([\d,]+) tok/s \| ([\d.e+-]+) step/s, ETA (\d+:\d\d:\d\d)$"
+    r"^spotune: step (\d+)/(\d+) loss (\d+\.\d{4})(?: eval_loss \d+\.\d{4})? \| ([\d,]+) tok/s \| ([\d.e+-]+) step/s, ETA (\d+:\d\d:\d\d)$"
 )
 
 
@@ -57,14 +57,16 @@ def test_resumed_rate_and_eta_count_only_this_attempts_steps() -> None:
 
 
 def test_eval_and_messages_are_lines_and_other_ranks_are_silent() -> None:
-    out = io.StringIO()
-    console = Console(10, bar=False, stream=out)
+    out, clock = io.StringIO(), Clock()
+    console = Console(10, bar=False, stream=out, clock=clock)
     console.start(0)
     console.evaluated(5, 2.25, 1.5)
     console.message("spotune: checkpoint saved at step 5 (0.1 s)")
+    console.step(6, {"loss": 2.0})  # the step lines after an eval carry the latest eval loss
     assert out.getvalue().splitlines() == [
         "spotune: eval at step 5: eval_loss 2.2500 (1.5 s)",
         "spotune: checkpoint saved at step 5 (0.1 s)",
+        "spotune: step 6/10 loss 2.0000 eval_loss 2.2500",  # no time passed: no rate, no ETA
     ]
     quiet = io.StringIO()
     other = Console(10, bar=False, is_main=False, stream=quiet)

@@ -4,6 +4,7 @@ A scheduler's log file gets lines a person and `grep` can read (trainer/progress
 
     spotune: step 20/200 loss 2.3456 | 1,234 tok/s | MFU 41.2% | 0.52 step/s, ETA 0:05:46 | $0.42 so far, $3.10 projected
     spotune: eval at step 20: eval_loss 2.4012 (3.1 s)
+    spotune: step 30/200 loss 2.3012 eval_loss 2.4012 | 1,236 tok/s | ...
 
 and the events the bar shows (checkpoint saved, resumed from step N, preempted) as `spotune: ...`
 lines in both modes. Rate and ETA count only the steps this attempt ran, from its first step:
@@ -86,7 +87,8 @@ class Console:
         return (step - self._first_step) / elapsed if elapsed > 0 else None
 
     def step_line(self, step: int, row: dict[str, Any]) -> str:
-        parts = [f"spotune: step {step}/{self.total} loss {_fmt(row.get('loss'))}"]
+        evaluated = f" eval_loss {_fmt(self._eval)}" if self._eval is not None else ""  # the latest measured
+        parts = [f"spotune: step {step}/{self.total} loss {_fmt(row.get('loss'))}{evaluated}"]
         if row.get("tokens_per_s") is not None:
             parts.append(f"{row['tokens_per_s']:,.0f} tok/s")
         if row.get("mfu") is not None:
