@@ -467,6 +467,42 @@ def test_slurm_multinode_script_launches_one_torchrun_per_node_in_the_text() -> 
     subprocess.run(["bash", "-n", str(SLURM_NODES)], check=True)
 
 
+def _most_specific(files: list[Path]) -> str:
+    """The multi-node script's own merge of the nodes' exit files (its `most_specific` function)."""
+    text = SLURM_NODES.read_text()
+    priority = re.search(r'^PRIORITY="([\d ]+)"$', text, re.MULTILINE)
+    function = re.search(r"^most_specific\(\) \{.*?^\}$", text, re.MULTILINE | re.DOTALL)
+    assert priority and function
+    script = f'PRIORITY="{priority.group(1)}"\n{function.group(0)}\nmost_specific "$@"'
+    return subprocess.run(
+        ["bash", "-c", script, "merge", *map(str, files)], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def test_the_multinode_script_reports_the_most_specific_code_of_every_node(tmp_path: Path) -> None:
+    """Each node's ranks write their own node's file (a rank on node 1 out of memory never reaches
+    node 0's disk); the script merges the files in trainer/exit_codes.py's order."""
+    text = SLURM_NODES.read_text()
+    assert f'PRIORITY="{" ".join(map(str, E.PRIORITY))}"' in text  # the order, in step with the code
+    assert 'export SPOTUNE_EXIT_FILE="$EXIT_DIR/node-$SLURM_NODEID"' in text
+
+    def files(*codes: str) -> list[Path]:
+        out = []
+        for i, code in enumerate(codes):
+            f = tmp_path / f"{'-'.join(codes)}-node-{i}"
+            f.write_text(code + "\n")
+            out.append(f)
+        return out
+
+    assert _most_specific(files("143", "5")) == "5"  # node 0 saved and stopped, node 1 ran out of memory
+    assert _most_specific(files("143", "143", "1")) == "143"  # a rank whose collective broke: 1 loses
+    assert _most_specific(files("0", "0")) == "0"
+    assert _most_specific(files("134", "0")) == "1"  # a signal's code counts as an error
+    assert _most_specific([tmp_path / "none-1", tmp_path / "none-2"]) == ""  # no file: torchrun's code stands
+    for codes in (["143", "5"], ["0", "75"], ["3", "2", "143"]):  # the control: the Python rule agrees
+        assert _most_specific(files(*codes)) == str(E.most_specific([int(c) for c in codes]))
+
+
 def test_sbatch_accepts_the_multinode_script_on_as_many_nodes_as_there_are(slurm: dict[str, str]) -> None:
     one = ["sbatch", "--test-only", "--nodes=1", "--gres=gpu:1", str(SLURM_NODES)]
     done = subprocess.run(one, env=slurm, capture_output=True, text=True)
