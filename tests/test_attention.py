@@ -112,7 +112,7 @@ def test_varlen_refuses_to_run_without_bounds(tiny_llama: Path) -> None:
         model(input_ids=micro["input_ids"], position_ids=micro["position_ids"], use_cache=False)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gpt2", "qwen3", "phi3", "gemma3"])
 def test_loss_is_the_same_under_every_implementation(tiny_model: Callable[..., Path], arch: str) -> None:
     """token_loss_sum (our head and loss, bounds per implementation) equals the plain per-document
     computation with the model's own head, for each architecture's decoder body."""

@@ -89,3 +89,47 @@ def test_activation_checkpointing_gives_the_same_gradients(tiny_llama: Path) -> 
 def test_attention_choice() -> None:
     assert resolve_attn_implementation("auto", torch.device("cpu")) == "sdpa"
     assert resolve_attn_implementation("eager", torch.device("cpu")) == "eager"
+
+
+ADAPTED = {
+    "qwen3": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"},
+    "phi3": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"},  # Phi-4 fuses q/k/v and gate/up
+    "gemma3": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"},
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ADAPTED))
+def test_the_recipes_newer_families_train_with_lora_on_the_decoder_only(
+    tiny_model: Callable[..., Path], tiny_data: Path, tmp_path: Path, arch: str
+) -> None:
+    """Qwen3, Phi-4 (Phi3ForCausalLM) and Gemma 3 (an image-text model) through `spotune train` on packed
+    rows: every linear layer of the decoder adapted (the recipes' all-linear), nothing outside it."""
+    from safetensors.torch import load_file
+
+    from trainer import config as C
+    from trainer.training import run
+
+    path = tiny_model(arch)
+    out = tmp_path / arch
+    overrides = {
+        "output_dir": str(out),
+        "model.name_or_path": str(path),
+        "model.dtype": "float32",
+        "data.path": str(tiny_data),
+        "data.seq_len": 128,
+        "train.max_steps": 2,
+        "train.micro_batch_size": 2,
+        "metrics.progress": False,
+        "checkpoint.every_minutes": None,
+    }
+    assert run.train(C.RunConfig().replace(**overrides)) == 0
+    keys = load_file(out / "final" / "adapter_model.safetensors").keys()
+    adapted = {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in keys}
+    assert adapted == ADAPTED[arch], sorted(keys)[:6]
+    assert not any("vision" in k or "projector" in k for k in keys)
+    if arch == "gemma3":  # the control: peft's own all-linear on this model reaches the vision tower
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        plain = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(r=4, target_modules="all-linear"))
+        assert any("vision_tower" in n for n, p in plain.named_parameters() if p.requires_grad)

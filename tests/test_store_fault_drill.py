@@ -178,6 +178,42 @@ def test_every_killed_attempt_on_a_wiped_machine_is_booked(
     assert all("estimated_tail_seconds" in r for r in killed if r["exit_reason"] == "killed")
 
 
+@pytest.mark.slow
+def test_an_outage_past_the_limit_saves_locally_and_exits_restartable(
+    tmp_path: Path,
+    tiny_llama: Path,
+    moto_endpoint: str,
+    s3_remote: str,
+    procs: list,  # noqa: F811
+) -> None:
+    """`spotune train` cut off from the store for longer than checkpoint.store_outage_seconds: it trains
+    on with local checkpoints, then saves one more and exits 143 (restart it), never 75 (do not)."""
+    data = tiny.write_dataset(tmp_path / "train.jsonl", n=16)
+    proxy = FaultProxy(moto_endpoint, tmp_path)
+    out = tmp_path / "vm"
+    try:
+        env = {
+            **s3_env(proxy.url),
+            "AWS_MAX_ATTEMPTS": "1",
+            PAUSE_ENV: "1.0",
+        }  # saves of 1 s: the run outlasts the limit
+        opts = {"remote": s3_remote, "lease_seconds": 2, "store_outage_seconds": 3, "notice_seconds": 2}
+        a = _start(procs, _write_recipe(tmp_path, out, tiny_llama, data, **opts), tmp_path / "a.log", env)
+        store = Store(s3_remote)  # the test itself talks to moto directly
+        assert _wait(a, lambda: bool(store.committed()), timeout=120), (tmp_path / "a.log").read_text()
+        proxy.set(down=True)
+        code = a.wait(timeout=120)
+    finally:
+        proxy.stop()
+    log = (tmp_path / "a.log").read_text()
+    assert code == EXIT_PREEMPTED, log
+    assert "checkpoint.store_outage_seconds" in log and "lost the lease" not in log, log
+    local = sorted(int(p.parent.name.rsplit("-", 1)[1]) for p in (out / "checkpoints").glob("step-*/MANIFEST.json"))
+    store.fs.invalidate_cache()
+    assert local and local[-1] > store.committed()[-1], (local, store.committed())  # saved where it could
+    assert local[-1] < STEPS  # the control: it stopped early, it did not merely finish
+
+
 def test_unreachable_at_start_without_a_checkpoint_exits_restartable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:

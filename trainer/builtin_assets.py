@@ -15,12 +15,13 @@ import random
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from trainer.atomic import fsync_tree, temp_sibling
 from trainer.config import BUILTIN_TINY_DATA, BUILTIN_TINY_MODEL
 
-Arch = Literal["llama", "qwen2", "mistral", "gpt2"]
+Arch = Literal["llama", "qwen2", "mistral", "gpt2", "qwen3", "phi3", "gemma3"]
+"""Architectures of the recipes' model families (gemma3: the image-text model Gemma 3 4B/12B load as)."""
 ASSET_VERSION = "v5"  # bump when the generated assets change, so stale caches are not reused
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
@@ -260,7 +261,7 @@ def build_model(
     )
     ffn = intermediate or 2 * hidden
     if arch == "gpt2":
-        config = transformers.GPT2Config(
+        config: Any = transformers.GPT2Config(
             n_embd=hidden,
             n_layer=layers,
             n_head=heads,
@@ -274,7 +275,13 @@ def build_model(
             "llama": transformers.LlamaConfig,
             "qwen2": transformers.Qwen2Config,
             "mistral": transformers.MistralConfig,
+            "qwen3": transformers.Qwen3Config,
+            "phi3": transformers.Phi3Config,
+            "gemma3": transformers.Gemma3TextConfig,
         }[arch]
+        extra: dict = {"head_dim": hidden // heads} if arch in ("qwen3", "gemma3") else {}
+        if arch == "phi3":
+            extra["pad_token_id"] = ids["pad_token_id"] if ids["pad_token_id"] is not None else ids["eos_token_id"]
         config = cls(
             hidden_size=hidden,
             num_hidden_layers=layers,
@@ -284,8 +291,28 @@ def build_model(
             max_position_embeddings=max_positions,
             tie_word_embeddings=False,
             initializer_range=init_std,
-            **ids,
+            **(ids | extra),
         )
+        if arch == "gemma3":  # as Gemma 3 4B/12B ship: the text model inside an image-text model
+            vision = transformers.SiglipVisionConfig(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                image_size=28,
+                patch_size=14,
+            )
+            top = len(tok) - 1  # image tokens never occur in text data: any ids in the vocabulary do
+            config = transformers.Gemma3Config(
+                text_config=config,
+                vision_config=vision,
+                mm_tokens_per_image=4,
+                image_token_index=top,
+                boi_token_index=top - 1,
+                eoi_token_index=top - 2,
+                tie_word_embeddings=False,
+                **ids,
+            )
     from trainer.model.load import quiet_hf_progress
 
     torch.manual_seed(seed)

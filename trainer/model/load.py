@@ -15,6 +15,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -235,6 +236,7 @@ def build(
         lora_alpha=adapter_cfg.alpha,  # type: ignore[arg-type]  # annotated int; peft scales by alpha / r as a float
         lora_dropout=adapter_cfg.dropout,
         target_modules="all-linear" if targets == ["all-linear"] else targets,
+        exclude_modules=outside_the_decoder(base),
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -311,6 +313,23 @@ def compile_seconds() -> float:
         return float(sum(sum(compilation_time_metrics.get(k, [])) for k in keys))
     except Exception:  # noqa: BLE001 (a private timer table: its absence must not fail a run)
         return 0.0
+
+
+def outside_the_decoder(base: torch.nn.Module) -> str | None:
+    """A regex (peft's `exclude_modules`) for every module outside the language model's decoder, or
+    None where the decoder is the only stack. Image-text checkpoints (Gemma 3 4B/12B load as
+    Gemma3ForConditionalGeneration) also have a vision tower whose attention is named q_proj, k_proj,
+    v_proj: adapted there, its LoRA weights would never see a gradient in text training, ride along
+    in the adapter, and stop DDP at its first step (a parameter that took part in no backward)."""
+    get = getattr(base, "get_decoder", None)
+    decoder = get() if callable(get) else None
+    if decoder is None or decoder is base:
+        return None
+    name = next((n for n, m in base.named_modules() if m is decoder), None)
+    if not name:
+        return None
+    # Every module name that is not the decoder itself or below it (lm_head included: never a target).
+    return rf"(?!{re.escape(name)}(?:\.|$)).*"
 
 
 def decoder_layers(model: torch.nn.Module, key: str, fix: str) -> torch.nn.ModuleList:

@@ -64,7 +64,9 @@ class Preemption:
         # Printed here, not through the console: a signal handler must not wait on the bar's lock. On a
         # terminal the newline ends the bar's line first; a log file gets the plain line alone.
         lead = "\n" if sys.stderr.isatty() else ""
-        print(f"{lead}{reason}: finishing this step, saving a checkpoint, then exiting{hint}", file=sys.stderr, flush=True)
+        print(
+            f"{lead}{reason}: finishing this step, saving a checkpoint, then exiting{hint}", file=sys.stderr, flush=True
+        )
         return True
 
     def install(self) -> Preemption:
