@@ -143,6 +143,35 @@ def test_a_file_a_folder_of_files_and_a_saved_dataset_give_the_same_rows(tmp_pat
     assert "splits: train, test" in _error(tmp_path, tiny_tokenizer, path=str(saved), split="validation")
 
 
+def test_compressed_files_and_arrow_shards_give_the_same_rows(tmp_path: Path, tiny_tokenizer: Path) -> None:
+    """What hub repositories ship besides plain files: .jsonl.gz, a JSON array in .json.bz2, .csv.xz, and the
+    .arrow shards of a pushed save_to_disk."""
+    import bz2
+    import gzip
+    import lzma
+
+    one = _prep(tmp_path, tiny_tokenizer, path=str(_jsonl(tmp_path / "all.jsonl", ALPACA)))
+    folder = tmp_path / "packed"
+    folder.mkdir()
+    (folder / "a.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in ALPACA[:4]).encode()))
+    (folder / "b.json.bz2").write_bytes(bz2.compress(json.dumps(ALPACA[4:8]).encode()))
+    csv = io.StringIO()
+    pd.DataFrame(ALPACA[8:]).to_csv(csv, index=False)
+    (folder / "c.csv.xz").write_bytes(lzma.compress(csv.getvalue().encode()))
+    many = _prep(tmp_path, tiny_tokenizer, path=str(folder))
+    assert _docs(many) == _docs(one) and many.manifest["train"]["examples_in"] == len(ALPACA)
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list(ALPACA).save_to_disk(str(saved))
+    (shard,) = saved.glob("*.arrow")
+    assert _docs(_prep(tmp_path, tiny_tokenizer, path=str(shard))) == _docs(one)
+    # The control: a compressed file of another kind is named, with what is read.
+    (tmp_path / "x.txt.gz").write_bytes(gzip.compress(b"hello"))
+    assert "unknown data format" in _error(tmp_path, tiny_tokenizer, path=str(tmp_path / "x.txt.gz"))
+    broken = tmp_path / "broken.jsonl.gz"
+    broken.write_bytes(gzip.compress(b'{"instruction": "a", "output": "b"}\n{oops\n'))
+    assert f"{broken}:2: malformed JSON line" in _error(tmp_path, tiny_tokenizer, path=str(broken))
+
+
 def test_a_folder_picks_the_split_by_file_and_folder_names(tmp_path: Path, tiny_tokenizer: Path) -> None:
     folder = tmp_path / "snap"
     _jsonl(folder / "data" / "train-00000-of-00001.jsonl", ALPACA)

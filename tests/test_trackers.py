@@ -137,7 +137,7 @@ def test_sigkilled_twice_is_one_tracker_run_with_every_step_once(
         run_id, rows = wandb_history(f)
         assert run_id in ("", ids["wandb"]), f  # "": a SIGKILL before W&B's service wrote the run record
         steps = [r["_step"] for r in rows]
-        assert steps == sorted(steps), (f, steps)
+        assert steps == sorted(set(steps)), (f, steps)  # rising, and no step twice within an attempt
         histories.append(rows)
     kept = as_wandb_keeps(histories)
     assert sorted(kept) == list(range(1, STEPS + 1))

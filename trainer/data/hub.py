@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.data.layout import CARD
-from trainer.data.read import DATA_SUFFIXES, DataError
+from trainer.data.read import DATA_ENDINGS, DataError
 
 PREFIX = "hf://datasets/"
 _REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -49,7 +49,7 @@ def parse(path: str) -> HubId | None:
         return HubId(repo, rev or None)
     if path.startswith("hf://"):
         raise DataError(f"{path}: only hub datasets are read; write {PREFIX}org/name[@revision]")
-    if Path(path).exists() or not _REPO.match(path) or path.lower().endswith(DATA_SUFFIXES):
+    if Path(path).exists() or not _REPO.match(path) or path.lower().endswith(DATA_ENDINGS):
         return None
     return HubId(path, None)
 
@@ -138,4 +138,4 @@ def data_patterns(split_patterns: list[str] | None) -> list[str]:
     """What to download: the card and the split's files (the card's `configs:`), else every data file."""
     if split_patterns is not None:
         return [CARD, *split_patterns]
-    return [CARD, *(f"*{suffix}" for suffix in DATA_SUFFIXES)]
+    return [CARD, *(f"*{ending}" for ending in DATA_ENDINGS)]

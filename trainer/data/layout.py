@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainer.data.read import DATA_SUFFIXES, DataError
+from trainer.data.read import DATA_ENDINGS, DataError, data_suffix
 
 CARD = "README.md"
 SPLIT_WORDS = ("train", "training", "test", "testing", "validation", "valid", "val", "dev", "eval", "evaluation")
@@ -71,7 +71,7 @@ def pick_files(root: Path, subset: str | None, split: str, key: str, where: str 
         files = under
     if not files:
         raise DataError(
-            f"{key}: {where} holds no data file ({', '.join(DATA_SUFFIXES)}); with HF_HUB_OFFLINE=1 the "
+            f"{key}: {where} holds no data file ({', '.join(DATA_ENDINGS)}); with HF_HUB_OFFLINE=1 the "
             "cache may lack them: run once online."
         )
     named = {f: _splits_named(f.relative_to(root)) for f in files}
@@ -95,7 +95,7 @@ def _data_files(root: Path) -> list[Path]:
         rel = f.relative_to(root)
         if any(part in _IGNORED_DIRS or part.startswith(".") for part in rel.parts):
             continue
-        if f.is_file() and f.suffix.lower() in DATA_SUFFIXES:
+        if f.is_file() and data_suffix(f) is not None:
             out.append(f)
     return sorted(out, key=lambda f: f.relative_to(root).as_posix())
 

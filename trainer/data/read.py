@@ -15,8 +15,26 @@ import datasets
 import pandas as pd
 import pyarrow.parquet as pq
 
-DATA_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet", ".csv")
-SUPPORTED = (*DATA_SUFFIXES, "a directory written by datasets' save_to_disk", "a folder of such files")
+DATA_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet", ".csv", ".arrow")
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
+"""Compressions a text file (JSONL, JSON, CSV) may carry, as hub datasets often ship them (`.jsonl.gz`)."""
+DATA_ENDINGS = (*DATA_SUFFIXES, *(t + c for t in (".jsonl", ".ndjson", ".json", ".csv") for c in COMPRESSED))
+"""Every file name ending read as data."""
+SUPPORTED = (
+    *DATA_SUFFIXES,
+    "JSONL/JSON/CSV compressed (.gz, .bz2, .xz, .zst)",
+    "a directory written by datasets' save_to_disk",
+    "a folder of such files",
+)
+
+
+def data_suffix(p: Path | str) -> str | None:
+    """The data format's suffix of a file name (`.jsonl` for `x.jsonl.gz`), None when it is not data."""
+    name = str(p).lower()
+    ending = next((e for e in DATA_ENDINGS if name.endswith(e)), None)
+    if ending is None:
+        return None
+    return next(s for s in DATA_SUFFIXES if ending.startswith(s))
 
 
 class DataError(ValueError):
@@ -28,7 +46,7 @@ def check_source(path: str | Path, *, key: str = "data.path") -> Path:
     p = Path(path)
     if not p.exists():
         raise DataError(f"{key}: {p} does not exist; point {key} at a data file or a saved datasets directory.")
-    if p.is_file() and p.suffix.lower() not in DATA_SUFFIXES:
+    if p.is_file() and data_suffix(p) is None:
         raise DataError(
             f"{key}: unknown data format {p.suffix or '(no extension)'!r} for {p}; supported: {', '.join(SUPPORTED)}."
         )
@@ -46,7 +64,7 @@ def read_rows(path: str | Path, *, key: str = "data.path", split: str = "train")
     if p.is_dir():
         ds = _read_saved(p, key, split)
     else:
-        suffix = p.suffix.lower()
+        suffix = data_suffix(p)
         if suffix in (".jsonl", ".ndjson"):
             ds = _from_records(_read_jsonl(p), p, key)
         elif suffix == ".json":
@@ -58,8 +76,11 @@ def read_rows(path: str | Path, *, key: str = "data.path", split: str = "train")
         elif suffix == ".csv":
             # keep_default_na=False: an empty CSV cell is the empty string (an alpaca `input`),
             # not NaN, which would reach the template as a float.
-            frame = pd.read_csv(p, keep_default_na=False, dtype=str)
+            with _open_text(p) as f:
+                frame = pd.read_csv(f, keep_default_na=False, dtype=str)
             ds = datasets.Dataset.from_pandas(frame, preserve_index=False)
+        elif suffix == ".arrow":  # a shard of a saved dataset (datasets' Arrow stream), as some hub repos hold
+            ds = datasets.Dataset.from_file(str(p), in_memory=True)
         else:
             raise DataError(
                 f"{key}: unknown data format {p.suffix or '(no extension)'!r} for {p}; "
@@ -71,9 +92,19 @@ def read_rows(path: str | Path, *, key: str = "data.path", split: str = "train")
     return ds
 
 
+def _open_text(p: Path) -> Any:
+    """`p` as text, decompressed by its ending (fsspec's codecs; `.zst` needs the zstandard package)."""
+    import fsspec
+
+    try:
+        return fsspec.open(str(p), "rt", encoding="utf-8", compression="infer").open()
+    except (ImportError, ValueError) as e:
+        raise DataError(f"{p}: cannot decompress it ({e}); pip install zstandard for .zst, or decompress it.") from None
+
+
 def _read_jsonl(p: Path) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    with p.open("r", encoding="utf-8") as f:
+    with _open_text(p) as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue  # blank lines (often a trailing newline) are not examples
@@ -90,7 +121,8 @@ def _read_jsonl(p: Path) -> list[dict[str, Any]]:
 
 
 def _read_json(p: Path) -> list[dict[str, Any]]:
-    text = p.read_text(encoding="utf-8")
+    with _open_text(p) as f:
+        text = f.read()
     if not text.lstrip().startswith("["):
         try:
             whole = json.loads(text)
