@@ -178,6 +178,10 @@ def test_every_killed_attempt_on_a_wiped_machine_is_booked(
     assert all("estimated_tail_seconds" in r for r in killed if r["exit_reason"] == "killed")
 
 
+LONG = 60
+"""Steps of the outage-limit drill: at 1 s a save every 2 steps, far more than the outage takes."""
+
+
 @pytest.mark.slow
 def test_an_outage_past_the_limit_saves_locally_and_exits_restartable(
     tmp_path: Path,
@@ -198,7 +202,11 @@ def test_an_outage_past_the_limit_saves_locally_and_exits_restartable(
             PAUSE_ENV: "1.0",
         }  # saves of 1 s: the run outlasts the limit
         opts = {"remote": s3_remote, "lease_seconds": 2, "store_outage_seconds": 3, "notice_seconds": 2}
-        a = _start(procs, _write_recipe(tmp_path, out, tiny_llama, data, **opts), tmp_path / "a.log", env)
+        recipe = _write_recipe(tmp_path, out, tiny_llama, data, **opts)
+        raw = yaml.safe_load(recipe.read_text())
+        raw["train"]["max_steps"] = LONG  # long enough to outlast the outage's limit
+        recipe.write_text(yaml.safe_dump(raw))
+        a = _start(procs, recipe, tmp_path / "a.log", env)
         store = Store(s3_remote)  # the test itself talks to moto directly
         assert _wait(a, lambda: bool(store.committed()), timeout=120), (tmp_path / "a.log").read_text()
         proxy.set(down=True)
@@ -211,7 +219,44 @@ def test_an_outage_past_the_limit_saves_locally_and_exits_restartable(
     local = sorted(int(p.parent.name.rsplit("-", 1)[1]) for p in (out / "checkpoints").glob("step-*/MANIFEST.json"))
     store.fs.invalidate_cache()
     assert local and local[-1] > store.committed()[-1], (local, store.committed())  # saved where it could
-    assert local[-1] < STEPS  # the control: it stopped early, it did not merely finish
+    assert local[-1] < LONG and not (out / "final").exists()  # the control: it stopped early, it did not finish
+
+
+@pytest.mark.slow
+def test_a_run_that_finishes_cut_off_exits_restartable_and_the_rerun_uploads_it(
+    tmp_path: Path,
+    tiny_llama: Path,
+    moto_endpoint: str,
+    s3_remote: str,
+    procs: list,  # noqa: F811
+) -> None:
+    """Finished on a machine cut off from the store: exit 143, not 0 (a spot VM torn down after 0 would
+    take the result with it); the same command, the store back, uploads the last step and exits 0."""
+    data = tiny.write_dataset(tmp_path / "train.jsonl", n=16)
+    proxy = FaultProxy(moto_endpoint, tmp_path)
+    out = tmp_path / "vm"
+    store = Store(s3_remote)  # the test itself talks to moto directly
+    try:
+        env = {**s3_env(proxy.url), "AWS_MAX_ATTEMPTS": "1"}
+        opts = {"remote": s3_remote, "lease_seconds": 2, "notice_seconds": 2}  # the outage limit stays 900 s
+        recipe = _write_recipe(tmp_path, out, tiny_llama, data, **opts)
+        a = _start(procs, recipe, tmp_path / "a.log", {**env, PAUSE_ENV: "1.0"})
+        assert _wait(a, lambda: bool(store.committed()), timeout=120), (tmp_path / "a.log").read_text()
+        proxy.set(down=True)
+        assert a.wait(timeout=120) == EXIT_PREEMPTED, (tmp_path / "a.log").read_text()
+        store.fs.invalidate_cache()
+        assert (out / "final").is_dir() and store.committed()[-1] < STEPS  # done here, not in the store
+        proxy.set()
+        b = _start(procs, recipe, tmp_path / "b.log", env)
+        assert b.wait(timeout=120) == 0, (tmp_path / "b.log").read_text()
+    finally:
+        proxy.stop()
+    log_a, log_b = (tmp_path / "a.log").read_text(), (tmp_path / "b.log").read_text()
+    assert "lacks its last checkpoint: exit 143" in log_a, log_a
+    assert f"lacks step {STEPS} (saved while cut off from it): uploading it" in log_b, log_b
+    store.fs.invalidate_cache()
+    assert store.committed()[-1] == STEPS
+    assert [r["exit_reason"] for r in read_rows(out)] == ["finished", "finished"]
 
 
 def test_unreachable_at_start_without_a_checkpoint_exits_restartable(

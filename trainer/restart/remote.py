@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import torch
 
 from trainer.atomic import write_bytes
+from trainer.exit_codes import EXIT_FINISHED, EXIT_PREEMPTED
 from trainer.restart.checkpoint import MANIFEST, CheckpointError, CheckpointManager, resolve_resume
 from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, read_rows
 from trainer.restart.storage import Fence, Store, StoreError, StoreUnreachable, _short
@@ -58,6 +59,8 @@ class RemoteRun:
         self.reachable = False
         self.uploader: Uploader | None = None
         self.flushed = False
+        self.behind = False
+        """The store lacks this attempt's last checkpoint after `finish` (it was cut off, or its upload timed out)."""
         self.fence: Fence | None = None  # the run's lease (trainer/restart/lease.py), set by run.py
 
     # ------------------------------------------------------------------ start
@@ -219,6 +222,18 @@ class RemoteRun:
             self.store, self.run_dir, self.keep_last, self.message, heartbeat_seconds=heartbeat_seconds
         ).start(remote[-1] if remote else None)
 
+    def catch_up(self, checkpoint: Path | None) -> None:
+        """Rank 0: upload the checkpoint this attempt resumes from when the store lacks it (an earlier
+        attempt saved it while cut off from the store, or stopped before its upload finished), so a
+        run that ends with no step left to train still leaves its last step in the store."""
+        if self.uploader is None or checkpoint is None or self.store is None:
+            return
+        step = CheckpointManager.step_of(checkpoint)
+        if self.uploader.remote_step is not None and step <= self.uploader.remote_step:
+            return
+        self.message(f"spotune: {self.store.shown} lacks step {step} (saved while cut off from it): uploading it")
+        self.uploader.submit(step, checkpoint)
+
     def submit(self, step: int, checkpoint: Path) -> None:
         if self.uploader is not None:
             self.uploader.submit(step, checkpoint)
@@ -235,6 +250,7 @@ class RemoteRun:
         # hold a finished run for ten minutes; the local checkpoint stays either way.
         timeout = notice_seconds if preempted or self.uploader.failing else FINISH_TIMEOUT
         done = self.flushed = self.uploader.flush(timeout, run_files=False)
+        self.behind = not done
         safe = self.uploader.remote_step
         where = self.store.show_dir(safe) if self.store is not None and safe is not None else None
         if done:
@@ -244,6 +260,24 @@ class RemoteRun:
                 f"spotune: the upload did not finish within {timeout:g}s; the newest checkpoint safe remotely is "
                 f"step {safe} ({where or 'none'}); the local one is step {self.uploader.local_step}"
             )
+
+    def exit_code(self, code: int, final: Path) -> int:
+        """`code`, or 143 for a finished run whose last checkpoint the store lacks: done here, not yet
+        safe (a spot VM torn down after exit 0 takes the result with it); the supervisor then runs the
+        same command, which uploads it (`catch_up`) and exits 0."""
+        if code != EXIT_FINISHED or not self.behind:
+            return code
+        self.message(
+            f"spotune: training finished ({final}), but {redact(self.url or '')} lacks its last checkpoint: "
+            f"exit {EXIT_PREEMPTED}; run the same command again to upload it"
+        )
+        return EXIT_PREEMPTED
+
+    def push_run_files(self, notice_seconds: float) -> None:
+        """Before an early exit that saved no checkpoint (out of memory): the ledger row and the run files
+        (the `auto` setting that ran out among them) reach the store, within the notice window."""
+        self.finish(preempted=True, notice_seconds=notice_seconds)
+        self.close()
 
     def close(self) -> None:
         """Push the run files (with the ledger row this attempt just wrote) and stop uploading."""

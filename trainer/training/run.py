@@ -39,9 +39,8 @@ from trainer.training.telemetry import Budget, JsonlSink, Telemetry, flat_config
 
 
 def train(cfg: C.RunConfig, wait: float | None = None) -> int:
-    """Train (resuming when a checkpoint verifies) and return the process exit code. One writer per
-    run: holds the directory's lock and the remote's lease throughout (raises RunBusy, after `wait`s).
-    An `auto` setting that ran out of memory is retried once, here when this is the only rank."""
+    """Train (resuming when a checkpoint verifies); the exit code. Holds the run's lock and lease throughout
+    (RunBusy after `wait`s); an `auto` setting that ran out of memory is retried once here on one rank."""
     code, retry = _attempt(cfg, wait)
     if retry:  # autofit.after_out_of_memory: from the last checkpoint, with the next smaller setting
         shutdown.release_memory()
@@ -111,10 +110,7 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
             books.ledger.close("out_of_memory")
             hf_config = proc.accelerator.unwrap_model(model).config
             outcome = autofit.after_out_of_memory(e, cfg, hf_config, proc.accelerator, auto, proc.out)
-            # The ledger row and the setting that ran out reach the store before the process ends,
-            # so a replacement machine neither loses this attempt nor chooses that setting again.
-            proc.remote.finish(preempted=True, notice_seconds=cfg.checkpoint.notice_seconds)
-            proc.remote.close()
+            proc.remote.push_run_files(cfg.checkpoint.notice_seconds)  # a new VM skips the setting that ran out
             return outcome
         return _finish(cfg, proc, sched, model, reason, books), False
 
@@ -280,6 +276,7 @@ def _saver(
     if compiled is not None:  # model.compile: an earlier attempt's artifacts, loaded when the key matches
         books.ledger.compile_cache, books.telemetry.compiling = compiled.outcome, compiled.account
         books.console.message(f"spotune: model.compile: compiled artifacts {compiled.outcome}")
+    proc.remote.catch_up(resume)  # a local checkpoint the store lacks (saved while cut off) goes up first
     return Saver(
         model=model,
         optimizer=optimizer,
@@ -376,8 +373,7 @@ def _finish(
     with ledger.timed("flush"):
         proc.remote.finish(preempted=reason == "preempted", notice_seconds=cfg.checkpoint.notice_seconds)
     if proc.is_main:  # after the flush: a preempted machine spends its notice on the upload first
-        # Before the ledger row, so the ledger counts what the user pays for: the page shows
-        # this attempt from the heartbeat, ended and up to date but for the page's own time.
+        # Before the ledger row (it counts what the user pays for): the page shows this attempt from the heartbeat.
         ledger.reporting()
         from trainer.report import report_after_train
 
@@ -391,7 +387,7 @@ def _finish(
     books.console.close()
     if proc.is_main:
         books.console.message(books.telemetry.final_summary(reason, sched.steps, summary, proc.out))
-    return exit_codes.FOR_STOP[reason]
+    return proc.remote.exit_code(exit_codes.FOR_STOP[reason], proc.out / "final")
 
 
 # ---------------------------------------------------------------------------- pieces
