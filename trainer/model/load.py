@@ -325,11 +325,15 @@ def outside_the_decoder(base: torch.nn.Module) -> str | None:
     decoder = get() if callable(get) else None
     if decoder is None or decoder is base:
         return None
-    name = next((n for n, m in base.named_modules() if m is decoder), None)
+    names = {id(m): n for n, m in base.named_modules()}
+    name = names.get(id(decoder))
     if not name:
         return None
-    # Every module name that is not the decoder itself or below it (lm_head included: never a target).
-    return rf"(?!{re.escape(name)}(?:\.|$)).*"
+    # Every module that is not the decoder or below it, but the head: a recipe may name lm_head
+    # (and is refused with the reason, trainer/model/loss.py), which must not vanish silently here.
+    head = getattr(base, "get_output_embeddings", lambda: None)()
+    keep = rf"(?!{re.escape(names[id(head)])}$)" if head is not None and id(head) in names else ""
+    return rf"(?!{re.escape(name)}(?:\.|$)){keep}.*"
 
 
 def decoder_layers(model: torch.nn.Module, key: str, fix: str) -> torch.nn.ModuleList:
