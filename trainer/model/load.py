@@ -332,7 +332,15 @@ def outside_the_decoder(base: torch.nn.Module) -> str | None:
     # Every module that is not the decoder or below it, but the head: a recipe may name lm_head
     # (and is refused with the reason, trainer/model/loss.py), which must not vanish silently here.
     head = getattr(base, "get_output_embeddings", lambda: None)()
-    keep = rf"(?!{re.escape(names[id(head)])}$)" if head is not None and id(head) in names else ""
+    head_name = names.get(id(head)) if head is not None else None
+    outside = [
+        n
+        for n, m in base.named_modules()
+        if isinstance(m, torch.nn.Linear) and n != head_name and not (n == name or n.startswith(f"{name}."))
+    ]
+    if not outside:  # a plain causal LM: nothing to exclude (peft warns about an exclusion that matches nothing)
+        return None
+    keep = rf"(?!{re.escape(head_name)}$)" if head_name else ""
     return rf"(?!{re.escape(name)}(?:\.|$)){keep}.*"
 
 
