@@ -260,6 +260,31 @@ def build_model(
         vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
     )
     ffn = intermediate or 2 * hidden
+    config = _config(arch, ids, len(tok), hidden, layers, heads, kv_heads, ffn, max_positions, init_std)
+    from trainer.model.load import quiet_hf_progress
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with quiet_hf_progress():
+        model.save_pretrained(out)
+    return out
+
+
+def _config(
+    arch: Arch,
+    ids: dict[str, Any],
+    vocab: int,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    ffn: int,
+    max_positions: int,
+    init_std: float,
+) -> Any:
+    """The transformers config of a tiny `arch` model."""
+    import transformers
+
     if arch == "gpt2":
         config: Any = transformers.GPT2Config(
             n_embd=hidden,
@@ -302,7 +327,7 @@ def build_model(
                 image_size=28,
                 patch_size=14,
             )
-            top = len(tok) - 1  # image tokens never occur in text data: any ids in the vocabulary do
+            top = vocab - 1  # image tokens never occur in text data: any ids in the vocabulary do
             config = transformers.Gemma3Config(
                 text_config=config,
                 vision_config=vision,
@@ -313,10 +338,4 @@ def build_model(
                 tie_word_embeddings=False,
                 **ids,
             )
-    from trainer.model.load import quiet_hf_progress
-
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with quiet_hf_progress():
-        model.save_pretrained(out)
-    return out
+    return config

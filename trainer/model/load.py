@@ -15,7 +15,6 @@ import contextlib
 import functools
 import inspect
 import logging
-import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedMod
 from trainer import progress as progress_lib
 from trainer.config import AdapterConfig, ConfigError, ModelConfig, TrainConfig
 from trainer.model import attention, lora_fused, offload, tiling
-from trainer.model.wrappers import causal_lm
+from trainer.model.wrappers import causal_lm, outside_the_decoder
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -313,35 +312,6 @@ def compile_seconds() -> float:
         return float(sum(sum(compilation_time_metrics.get(k, [])) for k in keys))
     except Exception:  # noqa: BLE001 (a private timer table: its absence must not fail a run)
         return 0.0
-
-
-def outside_the_decoder(base: torch.nn.Module) -> str | None:
-    """A regex (peft's `exclude_modules`) for every module outside the language model's decoder, or
-    None where the decoder is the only stack. Image-text checkpoints (Gemma 3 4B/12B load as
-    Gemma3ForConditionalGeneration) also have a vision tower whose attention is named q_proj, k_proj,
-    v_proj: adapted there, its LoRA weights would never see a gradient in text training, ride along
-    in the adapter, and stop DDP at its first step (a parameter that took part in no backward)."""
-    get = getattr(base, "get_decoder", None)
-    decoder = get() if callable(get) else None
-    if decoder is None or decoder is base:
-        return None
-    names = {id(m): n for n, m in base.named_modules()}
-    name = names.get(id(decoder))
-    if not name:
-        return None
-    # Every module that is not the decoder or below it, but the head: a recipe may name lm_head
-    # (and is refused with the reason, trainer/model/loss.py), which must not vanish silently here.
-    head = getattr(base, "get_output_embeddings", lambda: None)()
-    head_name = names.get(id(head)) if head is not None else None
-    outside = [
-        n
-        for n, m in base.named_modules()
-        if isinstance(m, torch.nn.Linear) and n != head_name and not (n == name or n.startswith(f"{name}."))
-    ]
-    if not outside:  # a plain causal LM: nothing to exclude (peft warns about an exclusion that matches nothing)
-        return None
-    keep = rf"(?!{re.escape(head_name)}$)" if head_name else ""
-    return rf"(?!{re.escape(name)}(?:\.|$)){keep}.*"
 
 
 def decoder_layers(model: torch.nn.Module, key: str, fix: str) -> torch.nn.ModuleList:
