@@ -117,6 +117,22 @@ def test_ranks_that_see_different_free_memory_choose_the_same(tmp_path: Path, ti
     assert later[0][0] == later[1][0] != got[0][0]
 
 
+def _auto_run(out: Path, model: Path, data: Path) -> dict[str, Any]:
+    """Two steps of the tiny model with an `auto` micro-batch of a global batch of 4 rows."""
+    return {
+        "output_dir": str(out),
+        "model.name_or_path": str(model),
+        "model.dtype": "float32",
+        "data.path": str(data),
+        "data.seq_len": 128,
+        "train.micro_batch_size": "auto",
+        "train.global_batch_size": 4,
+        "train.max_steps": 2,
+        "metrics.progress": False,
+        "checkpoint.every_minutes": None,
+    }
+
+
 def test_an_auto_choice_that_runs_out_is_retried_smaller_in_the_same_process(
     tmp_path: Path, tiny_llama: Path, tiny_data: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
@@ -130,19 +146,7 @@ def test_an_auto_choice_that_runs_out_is_retried_smaller_in_the_same_process(
         return real(model, micro)
 
     monkeypatch.setattr(loop, "token_loss_sum", four_rows_do_not_fit)
-    overrides = {
-        "output_dir": str(tmp_path / "auto"),
-        "model.name_or_path": str(tiny_llama),
-        "model.dtype": "float32",
-        "model.gradient_checkpointing": "auto",
-        "data.path": str(tiny_data),
-        "data.seq_len": 128,
-        "train.micro_batch_size": "auto",
-        "train.global_batch_size": 4,
-        "train.max_steps": 2,
-        "metrics.progress": False,
-        "checkpoint.every_minutes": None,
-    }
+    overrides = _auto_run(tmp_path / "auto", tiny_llama, tiny_data) | {"model.gradient_checkpointing": "auto"}
     assert run.train(config.RunConfig().replace(**overrides)) == 0
     err = capsys.readouterr().err
     assert "the `auto` choice micro_batch_size=4" in err and "retrying with micro_batch_size=2" in err
@@ -169,19 +173,7 @@ def test_the_setting_that_ran_out_reaches_the_store_for_a_replacement_machine(
 
     monkeypatch.setattr(loop, "token_loss_sum", nothing_fits)
     out = tmp_path / "vm1"
-    overrides = {
-        "output_dir": str(out),
-        "model.name_or_path": str(tiny_llama),
-        "model.dtype": "float32",
-        "data.path": str(tiny_data),
-        "data.seq_len": 128,
-        "train.micro_batch_size": "auto",
-        "train.global_batch_size": 4,
-        "train.max_steps": 2,
-        "metrics.progress": False,
-        "checkpoint.every_minutes": None,
-        "checkpoint.remote": s3_remote,
-    }
+    overrides = _auto_run(out, tiny_llama, tiny_data) | {"checkpoint.remote": s3_remote}
     assert run.train(config.RunConfig().replace(**overrides)) == EXIT_OUT_OF_MEMORY  # 4 rows, then 2: both ran out
     first = autofit.read_ran_out(out)
     assert first is not None and first.micro_batch_size == 4
