@@ -62,6 +62,23 @@ def test_upload_puts_the_manifest_last_and_an_unfinished_upload_is_never_trusted
     assert not store.fs.exists(store.step_path(4)) and store.committed() == [2]
 
 
+def test_uploading_a_committed_checkpoint_again_sends_nothing_and_keeps_it_committed(
+    tmp_path: Path, s3_remote: str
+) -> None:
+    """A resumed checkpoint caught up after a start that could not see the store may be there already:
+    the same bytes are left committed (a kill mid-way cannot uncommit them); other bytes at that step
+    (a step redone after a resume) replace it."""
+    store = Store(s3_remote)
+    local = _commit(CheckpointManager(tmp_path / "a", keep_last=3), 2)
+    assert store.upload(local, 2) > 0
+    assert store.upload(local, 2) == 0 and store.committed() == [2]
+    redone = _commit(CheckpointManager(tmp_path / "b", keep_last=3), 3)  # other bytes ...
+    assert store.upload(redone, 2) > 0  # ... at step 2: the control, sent again
+    assert store.committed() == [2]
+    there = json.loads(store.fs.cat_file(store.step_path(2, MANIFEST)))["files"]
+    assert there == json.loads((redone / MANIFEST).read_text())["files"]
+
+
 def test_download_verifies_size_and_sha256_and_names_the_bad_object(tmp_path: Path, s3_remote: str) -> None:
     store = Store(s3_remote)
     manager = CheckpointManager(tmp_path / "a" / "checkpoints")

@@ -233,8 +233,12 @@ class Store:
         pause = float(os.environ.get(UPLOAD_PAUSE_ENV, "0") or 0)
         self.fs.invalidate_cache()
         self.fence.check()
-        if self.fs.exists(self.step_path(step, MANIFEST)):  # the same step again (a redone step after a
-            self.fs.rm_file(self.step_path(step, MANIFEST))  # resume): uncommit it before any file changes
+        if self.fs.exists(self.step_path(step, MANIFEST)):
+            there = json.loads(self.fs.cat_file(self.step_path(step, MANIFEST)))
+            if there.get("files") == manifest["files"]:  # these very bytes are committed there already
+                return 0  # (a resumed checkpoint caught up after a start that could not see the store)
+            # The same step again with other bytes (a redone step after a resume): uncommit it first.
+            self.fs.rm_file(self.step_path(step, MANIFEST))
         if not _is_object_store(self.fs):
             self.fs.makedirs(self.step_path(step), exist_ok=True)
         sent = 0
