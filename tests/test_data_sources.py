@@ -389,9 +389,8 @@ def test_bad_mix_entries_name_their_key(tmp_path: Path, tiny_tokenizer: Path) ->
             prepare(_mix_cfg(entries), str(tiny_tokenizer), tmp_path / "cache", progress=False)
         return str(err.value)
 
-    assert "data.sources[1].format: unknown format 'sharegpt-ish'" in fails(
-        [sources[0], dict(sources[1], format="sharegpt-ish")]
-    )
+    with pytest.raises(C.ConfigError, match=r"data.sources\[1\].format: expected one of 'auto', 'alpaca'"):
+        _mix_cfg([sources[0], dict(sources[1], format="sharegpt-ish")])  # refused at load, with its line
     msg = fails([sources[0], dict(sources[1], fields={"question": "question"})])
     assert "data.sources[1].fields: 'question' is not a field of format 'alpaca'" in msg
     msg = fails([sources[0], {"path": sources[1]["path"]}])  # the qa columns are not the alpaca defaults
