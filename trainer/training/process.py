@@ -100,7 +100,7 @@ def make_accelerator(cfg: C.RunConfig) -> Any:
         raise C.ConfigError(["train.mixed_precision: fp16 needs a CUDA GPU; use bf16 or no on CPU"])
     trackers = list(cfg.metrics.trackers)
     missing = [t for t in trackers if importlib.util.find_spec(t) is None]
-    if missing:  # accelerate would only log a warning and drop the tracker
+    if missing:  # said before the model loads, not at the first metrics row (trainer/training/trackers.py)
         raise C.ConfigError(
             [
                 f"metrics.trackers: {', '.join(missing)} is not installed; pip install {' '.join(missing)} "
@@ -111,7 +111,6 @@ def make_accelerator(cfg: C.RunConfig) -> Any:
     return Accelerator(
         cpu=not cuda,
         mixed_precision=cfg.train.mixed_precision,
-        log_with=trackers or None,
         project_dir=cfg.output_dir,
         kwargs_handlers=[InitProcessGroupKwargs(backend=backend)] if backend else None,
     )
