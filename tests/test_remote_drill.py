@@ -164,9 +164,22 @@ def test_kill_delete_output_dir_rerun_from_the_bucket(
 def _divergence(seed: int, ref_out: Path, out: Path, logs: Path) -> str:
     """What a failed comparison needs to be understood: the first step whose logged loss differs
     from the uninterrupted run's, and where each attempt resumed from."""
-    ref = {r["step"]: r.get("loss") for r in _metric_rows(ref_out) if "loss" in r}
-    got = [(r["step"], r.get("loss")) for r in _metric_rows(out) if "loss" in r]
-    first = next((f"step {st}: {loss!r} vs {ref.get(st)!r}" for st, loss in got if loss != ref.get(st)), "none")
+    ref = {r["step"]: r for r in _metric_rows(ref_out) if "loss" in r}
+    got = [r for r in _metric_rows(out) if "loss" in r]
+    first = next(
+        (
+            f"step {r['step']} (attempt {r.get('attempt')}): loss {r['loss']!r} vs {ref[r['step']]['loss']!r}"
+            for r in got
+            if r["loss"] != ref.get(r["step"], {}).get("loss")
+        ),
+        "none",
+    )
+    # Each row in file order against the uninterrupted run: = when loss and grad norm are bit-equal.
+    marks = [
+        f"{r['step']}{'=' if (r['loss'], r.get('grad_norm')) == (ref.get(r['step'], {}).get('loss'), ref.get(r['step'], {}).get('grad_norm')) else '!'}"
+        for r in got
+    ]
+    first += f"; rows {' '.join(marks)}"
     said = [
         f"{f.name}: "
         + " | ".join(
