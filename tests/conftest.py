@@ -52,3 +52,11 @@ def tiny_llama(tiny_model: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return builtin_assets.write_dataset(tmp_path_factory.mktemp("tiny-data") / "train.jsonl", n=400)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:  # noqa: ARG001
+    """The environment the suite started with (tests that start `spotune` processes compare to it)."""
+    STARTING_ENV.update(os.environ)
+
+
+STARTING_ENV: dict[str, str] = {}

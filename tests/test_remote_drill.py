@@ -187,7 +187,16 @@ def _divergence(seed: int, ref_out: Path, out: Path, logs: Path) -> str:
         )
         for f in sorted(logs.glob("attempt*.log"))
     ]
-    return "\n".join([f"kill schedule seed {seed}; first loss that differs: {first}", *said])
+    from conftest import STARTING_ENV
+
+    grown = sorted(k for k in os.environ if os.environ[k] != STARTING_ENV.get(k))  # what earlier tests left
+    return "\n".join(
+        [
+            f"kill schedule seed {seed}; first loss that differs: {first}",
+            *said,
+            f"environment set since the start: {grown}",
+        ]
+    )
 
 
 def _step_of(key: str) -> int:
