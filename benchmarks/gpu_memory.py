@@ -92,10 +92,11 @@ def assumed_tokens_per_s(path: Path, seq: int, r: int) -> float:
     document filling the row: a guess (+/-30%) to set beside a measurement, not one."""
     from trainer import catalog
     from trainer.plan import throughput
+    from trainer.plan.longest import document_tokens_per_s
 
     shape, h100 = _shape(path), catalog.find_gpu("H100-SXM")
-    per_token = flops.train_flops(shape, seq, float(seq) ** 2, shape.matmul_params(), flops.lora_params(shape, r)) / seq
-    return h100.peak_bf16_flops * throughput.DEFAULT_MFU["qlora"] / per_token
+    mfu = throughput.DEFAULT_MFU["qlora"]
+    return document_tokens_per_s(shape, flops.lora_params(shape, r), seq, h100.peak_bf16_flops, mfu)
 
 
 def load(path: Path, qlora: bool, r: int, ckpt: bool, offload: bool, tiny: bool, tiled: bool = False) -> Any:

@@ -106,7 +106,7 @@ def test_the_last_turn_trains_on_the_prompt_a_chat_endpoint_sends(name: str, mon
     if name == "mistral-7b-instruct-v0.3":  # the control: rendered as the template renders a finished conversation
         from trainer.data import masking
 
-        monkeypatch.setattr(masking, "system_as_served", lambda render, messages: None)
+        monkeypatch.setattr(masking, "system_served_late", lambda render: False)
         ids, _, _ = _labels(name, CONVERSATION)
         assert ids[: len(served)] != served
 

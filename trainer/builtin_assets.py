@@ -260,7 +260,7 @@ def build_model(
         vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
     )
     ffn = intermediate or 2 * hidden
-    config = _config(arch, ids, len(tok), hidden, layers, heads, kv_heads, ffn, max_positions, init_std)
+    config = _config(arch, ids, hidden, layers, heads, kv_heads, ffn, max_positions, init_std)
     from trainer.model.load import quiet_hf_progress
 
     torch.manual_seed(seed)
@@ -273,7 +273,6 @@ def build_model(
 def _config(
     arch: Arch,
     ids: dict[str, Any],
-    vocab: int,
     hidden: int,
     layers: int,
     heads: int,
@@ -327,7 +326,7 @@ def _config(
                 image_size=28,
                 patch_size=14,
             )
-            top = vocab - 1  # image tokens never occur in text data: any ids in the vocabulary do
+            top = ids["vocab_size"] - 1  # image tokens never occur in text data: any ids in the vocabulary do
             config = transformers.Gemma3Config(
                 text_config=config,
                 vision_config=vision,

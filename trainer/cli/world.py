@@ -91,10 +91,9 @@ def longest_for_run(
         chosen = [cat.find_gpu(gpu, catalog)] if gpu is not None else catalog
     except cat.CatalogError as e:
         raise PlanError(str(e)) from None
-    if mfu is not None and not 0 < mfu <= 1:
-        raise PlanError(f"--mfu must be within (0, 1], got {mfu}")
+    assumed = choose(cfg.adapter.method, None, None, None, mfu).assumed_mfu  # --mfu checked as the estimate does
     job, _ = _job(cfg, builtin_assets.resolve_model(cfg.model.name_or_path))
-    return longest_rows(job, chosen, gpus, mfu)
+    return longest_rows(job, chosen, gpus, assumed)
 
 
 def _job(cfg: RunConfig, model: str) -> tuple[Job, int]:

@@ -48,35 +48,39 @@ def generation_prompt(render: Render) -> str:
     return primed[len(bare) :] if primed.startswith(bare) else ""
 
 
-def system_as_served(render: Render, messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
-    """The conversation with its system prompt where serving puts it, when the template leaves it out
-    of a conversation that ends with the assistant but writes it for the served prompt (Mistral v0.3
-    writes it into the last `[INST]` only, so a training row would never see it); None otherwise.
+def system_served_late(render: Render) -> bool:
+    """Whether the template leaves the system prompt out of a conversation that ends with the
+    assistant yet writes it for the served prompt, joined to the user turn with a blank line (Mistral
+    v0.3 writes it into the last `[INST]` only, so a training row would never see it). A property of
+    the template: probed once, like `generation_prompt`."""
+    system, user, answer = (
+        {"role": "system", "content": "spotune-probe-system"},
+        {"role": "user", "content": "ping"},
+        {"role": "assistant", "content": "pong"},
+    )
+    if system["content"] in render([system, user, answer], False):
+        return False
+    served = render([system, user], True)
+    folded = dict(user, content=f"{system['content']}\n\n{user['content']}")
+    return system["content"] in served and render([folded], True) == served
 
-    The system text joins the last user turn before the last assistant one with a blank line, as
-    Mistral's template joins them, and is kept only when that renders the served prompt exactly:
-    the final turn then trains on what a chat endpoint sends. Earlier turns keep their own context."""
-    system = [m for m in messages if m["role"] == "system" and m.get("content")]
+
+def system_as_served(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """For a template that serves the system prompt late (`system_served_late`): the conversation with
+    its system text joined to the last user turn before the last assistant one, where a chat endpoint
+    puts it, so the final turn trains on what is served (earlier turns keep their own context); None
+    when there is no system text or no such user turn."""
+    system = [str(m["content"]) for m in messages if m["role"] == "system" and m.get("content")]
     answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if not system or not answers:
+    users = [i for i in range(answers[-1]) if messages[i]["role"] == "user"] if answers else []
+    if not system or not users:
         return None
-    full = render(messages, False)
-    if all(str(m["content"]) in full for m in system):
-        return None
-    users = [i for i in range(answers[-1]) if messages[i]["role"] == "user"]
-    if not users:
-        return None
-    served = render(messages[: users[-1] + 1], True)
-    if not all(str(m["content"]) in served for m in system):
-        return None  # the template leaves it out when serving too: training matches that already
-    joined = "\n\n".join(str(m["content"]) for m in system)
-    folded = [
+    joined = "\n\n".join(system)
+    return [
         dict(m, content=f"{joined}\n\n{m['content']}") if i == users[-1] else m
         for i, m in enumerate(messages)
         if m["role"] != "system"
     ]
-    cut = sum(1 for m in messages[: users[-1] + 1] if m["role"] != "system")
-    return folded if render(folded[:cut], True) == served else None
 
 
 def assistant_turns(

@@ -163,13 +163,18 @@ class Tokenize:
             )
 
         gen_prompt = masking.generation_prompt(render)
+        try:
+            late_system = masking.system_served_late(render)
+        except TemplateError:  # a template that refuses system turns: nothing is served late
+            late_system = False
         special = sorted({t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special})
         end_of_turn = END_OF_TURN.get(self.chat_template or "") if self.chat_template in NAMED else None
         kept: list[tuple[int, str, list[tuple[int, int]], bool | None]] = []
         for i, ex in chats:
             assert ex.messages is not None and ex.trainable is not None
             try:
-                ex = _system_as_served(render, ex)
+                if late_system:
+                    ex = _system_as_served(ex)
                 assert ex.messages is not None
                 text, turns = masking.assistant_turns(render, ex.messages, gen_prompt, special, end_of_turn)
             except TemplateError:  # the template refuses this conversation (e.g. roles that do not alternate)
@@ -228,10 +233,10 @@ class Tokenize:
         out["status"].append(status)
 
 
-def _system_as_served(render: masking.Render, ex: formats.Example) -> formats.Example:
+def _system_as_served(ex: formats.Example) -> formats.Example:
     """`ex` with its system prompt where the template serves it (masking.system_as_served), said once."""
     assert ex.messages is not None and ex.trainable is not None
-    folded = masking.system_as_served(render, ex.messages)
+    folded = masking.system_as_served(ex.messages)
     if folded is None:
         return ex
     global _SAID_SYSTEM

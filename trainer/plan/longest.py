@@ -14,7 +14,6 @@ from trainer import catalog as cat
 from trainer.model import flops
 from trainer.plan import memory as mem
 from trainer.plan.job import Job
-from trainer.plan.throughput import DEFAULT_MFU
 
 UNIT = 1024
 """Rows are searched in multiples of this many tokens."""
@@ -48,20 +47,18 @@ def one_row(job: Job, seq_len: int) -> Job:
     return dataclasses.replace(job, seq_len=seq_len, train=dataclasses.replace(job.train, micro_batch_size=1))
 
 
-def document_tokens_per_s(job: Job, seq_len: int, peak_flops: float, mfu: float) -> float:
+def document_tokens_per_s(
+    shape: flops.ModelShape, lora_params: int, seq_len: int, peak_flops: float, mfu: float
+) -> float:
     """Tokens/s of one document of `seq_len` tokens at `mfu` of `peak_flops`: attention grows with
     the square of the document's length, so a long one is slower per token than packed short ones."""
-    shape = job.shape
-    work = flops.train_flops(shape, seq_len, float(seq_len) ** 2, shape.matmul_params(), job.lora_params)
+    work = flops.train_flops(shape, seq_len, float(seq_len) ** 2, shape.matmul_params(), lora_params)
     return peak_flops * mfu * seq_len / work
 
 
-def longest_rows(
-    job: Job, gpus: list[cat.GPU], devices: int = 1, mfu: float | None = None, unit: int = UNIT
-) -> dict[str, Any]:
+def longest_rows(job: Job, gpus: list[cat.GPU], devices: int, assumed: float, unit: int = UNIT) -> dict[str, Any]:
     """Per GPU: the longest one-document row that fits (on `devices` of it, sharded under FSDP), the
-    GPU and host memory at that length and its tokens/s at `mfu` (default the planner's assumed MFU)."""
-    assumed = mfu if mfu is not None else DEFAULT_MFU[job.adapter.method]
+    GPU and host memory at that length and its tokens/s at the `assumed` MFU."""
     # With the MLP untiled, say what `model.tiled_mlp=auto` would reach: usually twice as long.
     tiled = dataclasses.replace(job, model=dataclasses.replace(job.model, tiled_mlp="auto"))
     rows = []
@@ -76,7 +73,9 @@ def longest_rows(
                 "longest_seq_len": seq,
                 "gpu_gib": at.total / mem.GIB if at else None,
                 "host_gib": at.offloaded / mem.GIB if at else None,
-                "tokens_per_s": document_tokens_per_s(job, seq, g.peak_bf16_flops, assumed) if seq else None,
+                "tokens_per_s": (
+                    document_tokens_per_s(job.shape, job.lora_params, seq, g.peak_bf16_flops, assumed) if seq else None
+                ),
                 "longest_seq_len_tiled": (
                     longest_on(tiled, budget, devices, unit) if job.model.tiled_mlp == "off" else None
                 ),

@@ -59,8 +59,8 @@ class RemoteRun:
         self.reachable = False
         self.uploader: Uploader | None = None
         self.flushed = False
-        self.behind = False
-        """The store lacks this attempt's last checkpoint after `finish` (it was cut off, or its upload timed out)."""
+        self.resumed: Path | None = None
+        """Rank 0: the checkpoint this attempt resumes from (`resolve`), uploaded first if the store lacks it."""
         self.fence: Fence | None = None  # the run's lease (trainer/restart/lease.py), set by run.py
 
     # ------------------------------------------------------------------ start
@@ -118,6 +118,7 @@ class RemoteRun:
             return None, notes
         step, rank0_path, digest = picked
         here = Path(rank0_path) if self.is_main else root / f"step-{step:06d}"
+        self.resumed = here if self.is_main else None
         lacks = self.is_local_main and not self.is_main and not _holds(root, here, digest)
         lacking = [r for r, flag in enumerate(_gather(lacks)) if flag]
         if lacking:
@@ -221,18 +222,15 @@ class RemoteRun:
         self.uploader = Uploader(
             self.store, self.run_dir, self.keep_last, self.message, heartbeat_seconds=heartbeat_seconds
         ).start(remote[-1] if remote else None)
-
-    def catch_up(self, checkpoint: Path | None) -> None:
-        """Rank 0: upload the checkpoint this attempt resumes from when the store lacks it (an earlier
-        attempt saved it while cut off from the store, or stopped before its upload finished), so a
-        run that ends with no step left to train still leaves its last step in the store."""
-        if self.uploader is None or checkpoint is None or self.store is None:
+        # The checkpoint resumed from goes up first when the store lacks it (an earlier attempt saved it
+        # while cut off, or stopped before its upload finished): a run with no step left to train still
+        # leaves its last step in the store.
+        if self.resumed is None:
             return
-        step = CheckpointManager.step_of(checkpoint)
-        if self.uploader.remote_step is not None and step <= self.uploader.remote_step:
-            return
-        self.message(f"spotune: {self.store.shown} lacks step {step} (saved while cut off from it): uploading it")
-        self.uploader.submit(step, checkpoint)
+        step = CheckpointManager.step_of(self.resumed)
+        if self.uploader.remote_step is None or step > self.uploader.remote_step:
+            self.message(f"spotune: {self.store.shown} lacks step {step} (saved while cut off from it): uploading it")
+            self.uploader.submit(step, self.resumed)
 
     def submit(self, step: int, checkpoint: Path) -> None:
         if self.uploader is not None:
@@ -250,7 +248,6 @@ class RemoteRun:
         # hold a finished run for ten minutes; the local checkpoint stays either way.
         timeout = notice_seconds if preempted or self.uploader.failing else FINISH_TIMEOUT
         done = self.flushed = self.uploader.flush(timeout, run_files=False)
-        self.behind = not done
         safe = self.uploader.remote_step
         where = self.store.show_dir(safe) if self.store is not None and safe is not None else None
         if done:
@@ -264,8 +261,8 @@ class RemoteRun:
     def exit_code(self, code: int, final: Path) -> int:
         """`code`, or 143 for a finished run whose last checkpoint the store lacks: done here, not yet
         safe (a spot VM torn down after exit 0 takes the result with it); the supervisor then runs the
-        same command, which uploads it (`catch_up`) and exits 0."""
-        if code != EXIT_FINISHED or not self.behind:
+        same command, which uploads it first (`start_uploads`) and exits 0."""
+        if code != EXIT_FINISHED or self.uploader is None or self.flushed:
             return code
         self.message(
             f"spotune: training finished ({final}), but {redact(self.url or '')} lacks its last checkpoint: "

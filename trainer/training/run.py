@@ -276,7 +276,6 @@ def _saver(
     if compiled is not None:  # model.compile: an earlier attempt's artifacts, loaded when the key matches
         books.ledger.compile_cache, books.telemetry.compiling = compiled.outcome, compiled.account
         books.console.message(f"spotune: model.compile: compiled artifacts {compiled.outcome}")
-    proc.remote.catch_up(resume)  # a local checkpoint the store lacks (saved while cut off) goes up first
     return Saver(
         model=model,
         optimizer=optimizer,
