@@ -23,6 +23,8 @@ from trainer.model import compile_cache as cc
 from trainer.restart.checkpoint import MANIFEST, CheckpointManager
 from trainer.restart.ledger import read_rows
 
+pytestmark = pytest.mark.bitwise  # separate runs agree bit for bit: one intra-op thread (conftest.py)
+
 REPO = Path(__file__).resolve().parents[1]
 KEY = {"torch": torch.__version__, "python": "3.11.7", "device": "cpu x86_64 avx512", "model_shape": "0123456789abcdef"}
 

@@ -15,6 +15,8 @@ from trainer import config as C
 from trainer.restart.preemption import STOP_AFTER_ENV
 from trainer.training import determinism, run
 
+pytestmark = pytest.mark.bitwise  # separate runs agree bit for bit: one intra-op thread (conftest.py)
+
 
 def test_the_switches_are_on_inside_and_put_back_after(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
@@ -95,3 +97,9 @@ def test_on_cuda_runs_and_resumes_are_bit_identical(tmp_path: Path, tiny_tokeniz
     assert _identical(a, resumed), "the resumed run differs from the uninterrupted one"
     assert run.train(_cfg(tmp_path, "short", model, data, gpu, **{**bf16, "max_steps": 5})) == 0
     assert not _identical(a, _adapter(tmp_path / "short"))  # control: the comparison sees one step
+
+
+def test_a_bitwise_module_trains_with_one_intra_op_thread() -> None:
+    """conftest.py pins this module (and every process it starts) to one intra-op thread."""
+    assert torch.get_num_threads() == 1
+    assert os.environ["OMP_NUM_THREADS"] == "1"

@@ -28,6 +28,8 @@ from trainer.restart.checkpoint import CheckpointManager
 from trainer.restart.state import TrainState
 from trainer.training import run
 
+pytestmark = pytest.mark.bitwise  # separate runs agree bit for bit: one intra-op thread (conftest.py)
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 8
 

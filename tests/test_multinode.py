@@ -38,6 +38,8 @@ from trainer.restart.remote import fetch_run_files
 from trainer.restart.storage import Store
 from trainer.training import run
 
+pytestmark = pytest.mark.bitwise  # separate runs agree bit for bit: one intra-op thread (conftest.py)
+
 GLOBAL_BATCH = 2  # one row per rank per step on two nodes; two micro-batches in one process
 
 

@@ -38,7 +38,7 @@ from trainer.restart.lock import holder
 from trainer.restart.storage import Store
 from trainer.training import run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.bitwise]
 
 
 @pytest.fixture

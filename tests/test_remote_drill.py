@@ -32,6 +32,8 @@ from trainer.restart.ledger import read_rows
 from trainer.restart.storage import UPLOAD_PAUSE_ENV, Store
 from trainer.training import run
 
+pytestmark = pytest.mark.bitwise  # separate runs agree bit for bit: one intra-op thread (conftest.py)
+
 
 @pytest.mark.slow
 def test_kill_delete_output_dir_rerun_from_the_bucket(

@@ -38,6 +38,8 @@ from trainer.restart.ledger import read_rows
 from trainer.restart.storage import Store
 from trainer.training import run
 
+pytestmark = pytest.mark.bitwise  # separate runs agree bit for bit: one intra-op thread (conftest.py)
+
 
 def _write_recipe(tmp: Path, out: Path, model: Path, data: Path, **checkpoint: Any) -> Path:
     raw = _recipe(out, model, data, data.parent / "cache")
