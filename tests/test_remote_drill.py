@@ -22,7 +22,7 @@ import torch
 import yaml
 from moto_fixture import SECRET, s3_env
 from safetensors.torch import load_file
-from test_kill_anywhere import REPO, STEPS, _metric_rows, _recipe, _wait, procs  # noqa: F401 (procs: a fixture)
+from test_kill_anywhere import REPO, STEPS, _metric_rows, _recipe, _wait, drill_seed, procs  # noqa: F401 (procs: a fixture)
 
 from trainer import builtin_assets
 from trainer import config as C
@@ -43,9 +43,7 @@ def test_kill_delete_output_dir_rerun_from_the_bucket(
     s3_remote: str,
     procs: list,  # noqa: F811
 ) -> None:
-    # A schedule of its own each run (earlier tests seed `random`, which made it the same one in every
-    # suite run); SPOTUNE_DRILL_SEED replays one.
-    seed = int(os.environ.get("SPOTUNE_DRILL_SEED") or random.SystemRandom().randrange(1 << 30))
+    seed = drill_seed()
     rnd = random.Random(seed)
     print(f"kill schedule seed {seed}")
     data = builtin_assets.write_dataset(tmp_path / "train.jsonl", n=16)

@@ -26,7 +26,7 @@ import yaml
 from fault_proxy import FaultProxy
 from moto_fixture import free_port, s3_env
 from safetensors.torch import load_file
-from test_kill_anywhere import REPO, STEPS, _metric_rows, _recipe, _wait, procs  # noqa: F401 (procs: a fixture)
+from test_kill_anywhere import REPO, STEPS, _metric_rows, _recipe, _wait, drill_seed, procs  # noqa: F401 (procs: a fixture)
 
 from trainer import builtin_assets as tiny
 from trainer import config as C
@@ -143,7 +143,7 @@ def test_every_killed_attempt_on_a_wiped_machine_is_booked(
     s3_remote: str,
     procs: list,  # noqa: F811
 ) -> None:
-    seed = random.randrange(1 << 30)
+    seed = drill_seed()
     rnd = random.Random(seed)
     data = tiny.write_dataset(tmp_path / "train.jsonl", n=16)
     out = tmp_path / "vm"
