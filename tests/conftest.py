@@ -76,22 +76,11 @@ def _one_intra_op_thread(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     import torch
 
-    threads, before = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        if before is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = before
-
-
-def pytest_sessionstart(session: pytest.Session) -> None:  # noqa: ARG001
-    """The environment the suite started with (tests that start `spotune` processes compare to it)."""
-    STARTING_ENV.update(os.environ)
-
-
-STARTING_ENV: dict[str, str] = {}
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)

@@ -194,7 +194,7 @@ def _torchrun(procs: list, recipe: Path, log: Path) -> subprocess.Popen:
         subprocess.Popen(
             cmd,
             cwd=REPO,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            env=os.environ.copy(),  # one intra-op thread per rank: the module is `bitwise`
             stdout=open(log, "w"),
             stderr=subprocess.STDOUT,
             start_new_session=True,

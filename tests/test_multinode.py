@@ -121,7 +121,7 @@ def test_two_nodes_resume_from_rank0s_step_after_a_kill(
         [*_args(tiny_llama, tiny_data, d / "cache", d / "run", GLOBAL_BATCH), f"checkpoint.remote={s3_remote}"]
         for d in disks
     ]
-    env = {**os.environ, **s3_env(moto_endpoint), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, **s3_env(moto_endpoint), "PYTHONPATH": str(REPO)}  # OMP_NUM_THREADS=1: `bitwise`
     env["PYTHONUNBUFFERED"] = "1"
     logs = [tmp_path / "node0-a.log", tmp_path / "node1-a.log"]
     procs = _launch(nodes, logs, {**env, PAUSE_ENV: "0.2"})  # slow saves: a fast machine cannot finish before the kill
