@@ -52,7 +52,7 @@ gpu-check:
 # .gpu-carry/: the wheels a GPU image with its own torch lacks, the checks' data and run.sh;
 # prints what travels (it and the repository) against its 60 MiB cap.
 gpu-carry:
-	python3 scripts/gpu_carry.py
+	$(if $(wildcard $(PY)),$(PY),python3) scripts/gpu_carry.py
 
 bench: setup-test
 	$(PY) benchmarks/packing.py

@@ -384,7 +384,8 @@ def run_arm(name: str, path: Path, steps: list[list[Row]], args: argparse.Namesp
 
 
 def write(path: Path | None, result: dict[str, Any]) -> None:
-    """The JSON as it stands (atomically: a reader never sees half of it)."""
+    """The JSON as it stands (atomically: a reader never sees half of it), with the ratios so far."""
+    result["ratios"] = ratios(result["arms"])
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_text(path, json.dumps(result, indent=2))

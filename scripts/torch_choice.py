@@ -136,7 +136,9 @@ def choose(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--system-python", default="python3", help="the interpreter whose torch (and packages) may be reused")
+    ap.add_argument(
+        "--system-python", default="python3", help="the interpreter whose torch (and packages) may be reused"
+    )
     ap.add_argument("--pyproject", type=Path, default=Path(__file__).resolve().parents[1] / "pyproject.toml")
     ap.add_argument("--cpu-spec", default="torch==2.13.0")
     args = ap.parse_args(argv)

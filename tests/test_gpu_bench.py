@@ -21,7 +21,17 @@ def test_gpu_benchmark_tiny_run_writes_its_json(tmp_path: Path) -> None:
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert set(result) == {"date", "device", "versions", "setup", "memory_estimate_gib", "arms", "pending", "levers"}
+    assert set(result) == {
+        "date",
+        "device",
+        "versions",
+        "setup",
+        "memory_estimate_gib",
+        "arms",
+        "pending",
+        "levers",
+        "ratios",
+    }
     assert result["memory_estimate_gib"]["lora"]["estimate"] > 0  # measured on CUDA only
     assert "lora peak memory GiB: estimate" in done.stdout
     # Every arm, in the order that keeps Liger's module-wide patches last; each measured or skipped with why.
@@ -44,6 +54,7 @@ def test_gpu_benchmark_tiny_run_writes_its_json(tmp_path: Path) -> None:
         assert result["arms"][qlora] == {"skipped": "bitsandbytes 4-bit training needs CUDA"}
         assert f"{qlora} skipped: bitsandbytes 4-bit training needs CUDA" in done.stdout
     assert "LoRA spotune / HF+PEFT: tokens/s" in done.stdout
+    assert [r.split(":")[0] for r in result["ratios"]] == ["LoRA spotune / HF+PEFT"]  # QLoRA's: CUDA only
     # The profile: every bucket and idle, summing to the step's span; printed as the profile summary.
     profile = result["arms"]["spotune"]["profile"]
     assert sum(profile["ms"].values()) == pytest.approx(profile["total_ms"]) and profile["ms"]["base_matmul"] > 0
