@@ -81,16 +81,16 @@ target=.
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "setup: installing spotune${EXTRAS:+[$EXTRAS]} and its dependencies"
   # Build with the environment's own setuptools where it is recent enough: nothing to download.
-  build=()
+  isolation=()
   if "$VENV/bin/python" -c "import sys, setuptools, wheel; sys.exit(int(setuptools.__version__.split('.')[0]) < 68)" \
     2>/dev/null; then
-    build=(--no-build-isolation)
+    isolation=(--no-build-isolation)
   fi
   if [ -n "$WHEELS" ]; then
-    [ ${#build[@]} -gt 0 ] || pip install "${local_only[@]}" setuptools wheel
+    [ ${#isolation[@]} -gt 0 ] || pip install "${local_only[@]}" setuptools wheel
     pip install "${local_only[@]}" --no-build-isolation -e "$target"
   else
-    pip install "${build[@]}" -e "$target"
+    pip install "${isolation[@]}" -e "$target"
   fi
   touch "$stamp"
 fi
