@@ -2,6 +2,9 @@
 
     python scripts/gpu_carry.py [--dest .gpu-carry]      # needs the package index once, here
     bash .gpu-carry/run.sh                               # there, from the repository root
+    python scripts/gpu_carry.py --wheels DIR --extras test,gpu [--python 3.12]
+        # scripts/fetch_wheels.sh's torch-less folder: spotune[EXTRAS]'s dependencies for a machine
+        # whose environment has torch already (never torch, triton or an nvidia-* wheel)
 
 It holds (git ignores it):
   wheels/   what the check needs and the GPU image lacks (`CARRY`, then what each requires that
@@ -28,7 +31,13 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover (3.10: pip's own copy)
+    from pip._vendor import tomli as tomllib
 
 try:
     from packaging.markers import default_environment
@@ -63,14 +72,11 @@ def image_packages() -> set[str]:
     return {canonicalize_name(n) for n in lines if n.strip() and not n.startswith("#")}
 
 
-def project_specs() -> dict[str, str]:
-    """pyproject.toml's requirement of each package, by canonical name (dependencies and extras)."""
-    text = (REPO / "pyproject.toml").read_text()
-    specs = {}
-    for quoted in re.findall(r'"([A-Za-z0-9_.\-\[\]]+\s*[<>=!~][^"]*)"', text):
-        with_name = Requirement(quoted)
-        specs[canonicalize_name(with_name.name)] = str(with_name.specifier)
-    return specs
+def project_requirements() -> list[Requirement]:
+    """pyproject.toml's dependencies and every extra's."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    listed = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
+    return [Requirement(r) for r in listed]
 
 
 def wanted(name: str, specifier: str) -> str:
@@ -84,29 +90,29 @@ def wanted(name: str, specifier: str) -> str:
     return f"{name}=={here}" if req.specifier.contains(Version(here), prereleases=True) else f"{name}{specifier}"
 
 
-def download(requirement: str, dest: Path) -> Path:
-    """One wheel for the image's Python and platform, no dependencies (they are walked here)."""
+def download(requirement: str, dest: Path, python: str = PYTHON) -> Path:
+    """One wheel for the target's Python and platform, no dependencies (they are walked here)."""
     before = set(dest.glob("*.whl"))
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps"]
-    cmd += ["--only-binary=:all:", "--python-version", PYTHON, "--implementation", "cp", "-d", str(dest)]
+    cmd += ["--only-binary=:all:", "--python-version", python, "--implementation", "cp", "-d", str(dest)]
     cmd += [a for p in PLATFORMS for a in ("--platform", p)]
     done = subprocess.run([*cmd, requirement], capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"gpu_carry: pip could not download {requirement} for Python {PYTHON}:\n{done.stderr[-2000:]}")
+        raise SystemExit(f"gpu_carry: pip could not download {requirement} for Python {python}:\n{done.stderr[-2000:]}")
     name = canonicalize_name(Requirement(requirement).name)
     found = [w for w in dest.glob("*.whl") if canonicalize_name(w.name.split("-")[0]) == name]
     new = [w for w in found if w not in before] or found
     return max(new, key=lambda w: Version(w.name.split("-")[1]))
 
 
-def requires(wheel: Path) -> list[Requirement]:
-    """The wheel's own requirements that apply on the image (Linux x86-64, Python PYTHON, no extra)."""
+def requires(wheel: Path, python: str) -> list[Requirement]:
+    """The wheel's own requirements that apply on the target (Linux x86-64, `python`, no extra)."""
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         lines = z.read(meta).decode().splitlines()
     env = default_environment() | {
-        "python_version": PYTHON,
-        "python_full_version": f"{PYTHON}.0",
+        "python_version": python,
+        "python_full_version": f"{python}.0",
         "sys_platform": "linux",
         "platform_system": "Linux",
         "platform_machine": "x86_64",
@@ -118,29 +124,55 @@ def requires(wheel: Path) -> list[Requirement]:
     return [r for r in reqs if r.marker is None or r.marker.evaluate(env)]
 
 
-def fetch_wheels(dest: Path) -> list[dict[str, str]]:
-    """CARRY and what each requires that the image lacks, one wheel each; why each is there."""
+def fetch_wheels(
+    dest: Path, wanted_reqs: list[tuple[str, str]], provided: Callable[[str], bool], python: str = PYTHON
+) -> list[dict[str, str]]:
+    """Each (name, specifier) of `wanted_reqs` and what each requires that is not `provided` (the
+    target has it), one wheel each, none of torch's CUDA stack; what each is and why it is there."""
     dest.mkdir(parents=True, exist_ok=True)
-    image, specs = image_packages(), project_specs()
-    queue = [(canonicalize_name(n), specs.get(canonicalize_name(n), ""), "spotune's GPU check") for n in CARRY]
+    queue = [(canonicalize_name(n), spec, "asked for") for n, spec in wanted_reqs]
     carried: dict[str, dict[str, str]] = {}
     while queue:
         name, specifier, why = queue.pop(0)
         if name in carried:
             continue
         if NEVER.match(name):
-            raise SystemExit(f"gpu_carry: {why} requires {name}, which the carry never holds (the image's own)")
-        wheel = download(wanted(name, specifier), dest)
+            raise SystemExit(f"gpu_carry: {why} requires {name}, which is never carried (the target's own)")
+        wheel = download(wanted(name, specifier), dest, python)
         carried[name] = {"wheel": wheel.name, "why": why}
-        for req in requires(wheel):
+        for req in requires(wheel, python):
             dep = canonicalize_name(req.name)
-            if dep not in image and dep not in carried:
-                queue.append((dep, str(req.specifier), f"required by {name} ({req}), not in the image"))
+            if not provided(dep) and dep not in carried:
+                queue.append((dep, str(req.specifier), f"required by {name} ({req}), not on the target"))
     keep = {c["wheel"] for c in carried.values()}
     for stale in dest.glob("*.whl"):
         if stale.name not in keep:
             stale.unlink()
     return list(carried.values())
+
+
+def carry_wheels(dest: Path) -> list[dict[str, str]]:
+    """CARRY and what it needs that the GPU image lacks."""
+    image = image_packages()
+    specs = {canonicalize_name(r.name): str(r.specifier) for r in project_requirements()}
+    wheels = fetch_wheels(dest, [(n, specs.get(canonicalize_name(n), "")) for n in CARRY], image.__contains__)
+    for w in wheels:
+        w["why"] = w["why"].replace("asked for", "spotune's GPU check").replace("not on the target", "not in the image")
+    return wheels
+
+
+def project_top(extras: list[str]) -> list[tuple[str, str]]:
+    """spotune[extras]'s requirements (and the build's), as (name, specifier), but torch's CUDA stack."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    reqs = list(project["dependencies"]) + ["setuptools>=68", "wheel"]
+    for extra in extras:
+        reqs += project["optional-dependencies"][extra]
+    return [(r.name, str(r.specifier)) for r in map(Requirement, reqs) if not NEVER.match(canonicalize_name(r.name))]
+
+
+def project_wheels(dest: Path, extras: list[str], python: str) -> list[dict[str, str]]:
+    """spotune[extras]'s dependencies but torch's CUDA stack, for an environment that has torch."""
+    return fetch_wheels(dest, project_top(extras), lambda name: bool(NEVER.match(name)), python)
 
 
 def copy_data(dest: Path) -> list[str]:
@@ -173,9 +205,18 @@ def travelling_bytes(carry: Path) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dest", type=Path, default=REPO / ".gpu-carry")
+    ap.add_argument(
+        "--wheels", type=Path, help="instead: spotune[--extras]'s dependencies but torch's into this folder"
+    )
+    ap.add_argument("--extras", default="", help="with --wheels: the extras, comma-separated")
+    ap.add_argument("--python", default=PYTHON, help="with --wheels: the target's Python version")
     args = ap.parse_args(argv)
+    if args.wheels:
+        wheels = project_wheels(args.wheels, [e for e in args.extras.split(",") if e], args.python)
+        print(f"gpu_carry: {len(wheels)} wheels in {args.wheels}, no torch, triton or nvidia-* wheel")
+        return 0
     dest = args.dest.resolve()
-    wheels = fetch_wheels(dest / "wheels")
+    wheels = carry_wheels(dest / "wheels")
     data = copy_data(dest / "data")
     shutil.copyfile(REPO / "scripts" / "gpu_carry_run.sh", dest / "run.sh")
     (dest / "run.sh").chmod(0o755)

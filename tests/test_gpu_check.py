@@ -142,11 +142,13 @@ def test_a_failing_part_is_reported_and_the_others_still_run(tmp_path: Path, par
     assert result["parts"]["fine"]["status"] == "pass"
 
 
-def _wheel(folder: Path, name: str, version: str) -> Path:
+def _wheel(folder: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> Path:
     """A pure-Python wheel of one module `name` holding VERSION (RECORD hashes included)."""
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    metadata += "".join(f"Requires-Dist: {r}\n" for r in requires)
     files = {
         f"{name}/__init__.py": f"VERSION = {version!r}\n",
-        f"{name}-{version}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{name}-{version}.dist-info/METADATA": metadata,
         f"{name}-{version}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
     record = [
