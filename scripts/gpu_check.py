@@ -94,17 +94,18 @@ class Spec:
 def run_capped(args: argparse.Namespace, part: Part, cmd: list[str]) -> int | None:
     """Run `cmd` as this part's process tree, its output into the part's log; its exit code, or
     None when the cap ended it. At the cap, and after a normal exit too, every process of the
-    tree is killed: its session, and each descendant that started a session of its own (the
-    resume drill's trainer does), so nothing of one part outlives it or holds the GPU."""
+    tree is killed: its process group, and each descendant that started a group or session of
+    its own (the resume drill's trainer does), so nothing of one part outlives it or holds the GPU."""
     log_path = args.out / "logs" / f"{part.name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cap = part.cap_s
     with open(log_path, "ab") as log:
         log.write(f"$ {' '.join(cmd)}\n".encode())
         log.flush()
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=part_env(args), start_new_session=True
-        )
+        # A process group of its own, in this session: killed as one at the cap, and still ended with
+        # the command if the whole check is killed (a new session would outlive it).
+        group: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=part_env(args), **group)
         args.running = proc
         try:
             code: int | None = proc.wait(timeout=cap)
@@ -122,17 +123,17 @@ def run_capped(args: argparse.Namespace, part: Part, cmd: list[str]) -> int | No
 
 
 def kill_tree(proc: subprocess.Popen) -> int:
-    """SIGKILL every process of `proc`'s tree and session; how many besides `proc` were alive."""
+    """SIGKILL every process of `proc`'s tree and group; how many besides `proc` were alive."""
     try:
         tree = psutil.Process(proc.pid).children(recursive=True)
     except psutil.Error:
         tree = []
-    in_session = []
+    in_group = []  # orphans of the group (their parent gone) are no longer in the tree
     for p in psutil.process_iter():
         with contextlib.suppress(psutil.Error, ProcessLookupError, PermissionError):
-            if p.pid != proc.pid and os.getsid(p.pid) == proc.pid:
-                in_session.append(p)
-    alive = {p.pid: p for p in tree + in_session}
+            if p.pid != proc.pid and os.getpgid(p.pid) == proc.pid and p.status() != psutil.STATUS_ZOMBIE:
+                in_group.append(p)
+    alive = {p.pid: p for p in tree + in_group}
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     for p in alive.values():
@@ -204,7 +205,7 @@ def setup(args: argparse.Namespace, part: Part) -> None:
     """The carried wheels into this Python (no venv inside its venv): into its own site-packages
     where it may write, else with --target into a folder the later parts put on PYTHONPATH.
     Without dependencies: the carry holds exactly what the image lacks (scripts/gpu_carry.py);
-    what they require of the image is checked after, and named where it falls short."""
+    what they require of the image is checked after (`pip check`), and named where it falls short."""
     wheels = sorted((args.carry / "wheels").glob("*.whl")) if args.carry else []
     if not wheels:
         part.status = "pass"
@@ -212,12 +213,10 @@ def setup(args: argparse.Namespace, part: Part) -> None:
         return
     site = Path(sysconfig.get_paths()["purelib"])
     target = args.install_into or (None if os.access(site, os.W_OK) else args.out / "site-packages")
-    cmd = [PY, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-index", "--no-deps"]
-    cmd += ["--no-compile", "--no-cache-dir"]
+    options = ["--target", str(target), "--upgrade"] if target is not None else []
     if target is not None:
-        cmd += ["--target", str(target), "--upgrade"]
         args.pythonpath.insert(0, str(target))
-    code = run_capped(args, part, cmd + [str(w) for w in wheels])
+    code = run_capped(args, part, [PY, "-c", INSTALL, *options, *map(str, wheels)])
     names = ", ".join(w.name.split("-")[0] + " " + w.name.split("-")[1] for w in wheels)
     where = f"--target {target} (on PYTHONPATH)" if target is not None else str(site)
     if code is None:
@@ -226,22 +225,27 @@ def setup(args: argparse.Namespace, part: Part) -> None:
     if code != 0:
         part.figure = f"pip install of {names} into {where} failed (the log says why)"
         return
-    unmet = unmet_requirements(args, [w.name.split("-")[0].replace("_", "-").lower() for w in wheels])
+    ours = {w.name.split("-")[0].replace("_", "-").lower() for w in wheels}
+    unmet = [
+        line.strip()
+        for line in part.log.splitlines()
+        if line.split(" ")[0].replace("_", "-").lower() in ours
+        and (" requires " in line or " has requirement " in line)
+    ]
     part.status = "pass"
-    part.figure = f"{len(wheels)} wheels into {where}: {names}" + (f"; unmet: {'; '.join(unmet)}" if unmet else "")
+    part.figure = f"{len(wheels)} wheels into {where}: {names}" + (f"; unmet: {'; '.join(unmet[:5])}" if unmet else "")
 
 
-def unmet_requirements(args: argparse.Namespace, names: list[str]) -> list[str]:
-    """`pip check`'s lines about the packages just installed (the image's own conflicts are not ours)."""
-    done = subprocess.run(
-        [PY, "-m", "pip", "check", "--disable-pip-version-check"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=part_env(args),
-    )
-    ours = [line for line in done.stdout.splitlines() if line.split(" ")[0].lower().replace("_", "-") in names]
-    return ours[:5]
+INSTALL = """
+import subprocess, sys
+pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+options = ["install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir"]
+code = subprocess.call(pip + options + sys.argv[1:])
+if code == 0:
+    subprocess.call(pip + ["check"])  # the image's own conflicts are listed too: the part keeps its packages'
+sys.exit(code)
+"""
+"""pip install, then pip check, as one process under the set-up's cap."""
 
 
 def environment(args: argparse.Namespace, part: Part) -> None:
@@ -339,14 +343,21 @@ def _bench_cmd(args: argparse.Namespace, out: Path, gpu: list[str], dry: list[st
     cmd = [PY, "benchmarks/gpu.py", "--json", str(out)]
     shm = Path("/dev/shm")  # the random 8B weights load from memory (16 GB), not from disk, on every arm
     if not args.dry and shm.is_dir() and shutil.disk_usage(shm).free > 40 * 2**30:
-        cmd += ["--work", str(shm / "spotune-gpu-check")]
+        cmd += ["--work", str(SHM_WORK)]
     return cmd + (dry if args.dry else gpu)
+
+
+SHM_WORK = Path("/dev/shm/spotune-gpu-check")
+"""Removed after every benchmark part: a part cut at its cap leaves its 16 GB of weights there."""
 
 
 def bench_part(args: argparse.Namespace, part: Part, out: Path, cmd: list[str]) -> None:
     """benchmarks/gpu.py: its table from the JSON it rewrites after every arm, cut or not."""
     out.unlink(missing_ok=True)
-    code = run_capped(args, part, cmd)
+    try:
+        code = run_capped(args, part, cmd)
+    finally:
+        shutil.rmtree(SHM_WORK, ignore_errors=True)
     found = _json(out)
     if found is None:
         part.figure = "benchmarks/gpu.py wrote no JSON" + (" before its cap" if code is None else f" (exit {code})")
@@ -453,8 +464,11 @@ def slice_compile(args: argparse.Namespace, part: Part) -> None:
         part.status = "cut" if code is None else "fail"
         part.figure = f"no compile figures ({'cut at the cap' if code is None else f'exit {code}'})"
         return
-    attempts = [line.strip() for line in part.log.splitlines() if " compile " in line and " process " in line]
-    part.figure = found[-1] + " (" + "; ".join(re.sub(r"\s+", " ", a) for a in attempts) + ")"
+    attempts = [
+        f"{m.group(1)} {m.group(2)} s"
+        for m in re.finditer(r"^\s+(\S.*?)\s+compile\s+([\d.]+) s\s+process", part.log, flags=re.MULTILINE)
+    ]
+    part.figure = found[-1] + " (compile seconds: " + "; ".join(attempts) + ")"
     part.status = "pass" if code == 0 else "fail"
 
 

@@ -168,7 +168,8 @@ def test_the_carried_wheels_install_with_target_and_every_later_part_imports_the
     """--target (a Python whose site-packages cannot be written): the later parts' PYTHONPATH has the
     folder. Control: the same part without the set-up before it cannot import the package."""
     gpu_check = parts
-    _wheel(tmp_path / "carry" / "wheels", "spotune_carry_probe", "1.2")
+    # It requires what the "image" lacks: installed anyway, and the set-up names the shortfall.
+    _wheel(tmp_path / "carry" / "wheels", "spotune_carry_probe", "1.2", ("spotune-absent-dep>=1",))
 
     def probe(args: argparse.Namespace, part: Any) -> None:
         cmd = [sys.executable, "-c", "import spotune_carry_probe as p, trainer; print('found', p.VERSION)"]
@@ -180,7 +181,10 @@ def test_the_carried_wheels_install_with_target_and_every_later_part_imports_the
     args = ["--out", str(tmp_path / "check"), "--carry", str(tmp_path / "carry"), "--install-into", str(site)]
     assert gpu_check.main(args) == 0
     result = json.loads((tmp_path / "check" / "gpu-check.json").read_text())["parts"]
-    assert result["setup"]["figure"] == f"1 wheels into --target {site} (on PYTHONPATH): spotune_carry_probe 1.2"
+    assert result["setup"]["figure"] == (
+        f"1 wheels into --target {site} (on PYTHONPATH): spotune_carry_probe 1.2; "
+        "unmet: spotune-carry-probe 1.2 requires spotune-absent-dep, which is not installed."
+    )
     assert result["probe"]["figure"] == "found 1.2"
     assert (site / "spotune_carry_probe" / "__init__.py").is_file()
     # control: the probe alone, without the set-up's folder on its path
@@ -225,3 +229,80 @@ def test_a_pytest_part_cut_at_its_cap_counts_what_finished(monkeypatch: pytest.M
     part = gpu_check.Part("gpu-tests", 120)
     gpu_check.gpu_tests(argparse.Namespace(dry=False), part)
     assert (part.status, part.figure) == ("cut", "cut at the 120 s cap after 2 passed, 1 failed")
+
+
+def _arm(tokens_per_s: float, peak: float | None) -> dict[str, Any]:
+    figures = {"attn_implementation": "spotune_varlen", "tokens_per_s": tokens_per_s, "step_seconds": 1.5}
+    return figures | {"mfu": 0.3, "mfu_lora": 0.3, "mfu_6n": 0.5, "peak_memory_gib": peak, "first_step_seconds": 9.0}
+
+
+# What each GPU-only part's program leaves behind on a GPU (its JSON, or its printed lines), as the
+# reader of that part's figure meets it: these readers run nowhere else before a GPU session.
+GPU_OUTPUTS: dict[str, tuple[str, Any, str]] = {
+    "speed-8b": (
+        "bench-gpu.json",
+        {
+            "arms": {"spotune": _arm(10970, 38.6), "hf_peft": _arm(7590, 50.6), "spotune_qlora": _arm(5100, 7.96)},
+            "pending": ["hf_peft_qlora", "hf_peft_liger", "hf_peft_liger_qlora"],
+            "ratios": ["LoRA spotune / HF+PEFT: tokens/s 1.45, peak memory 0.76"],
+            "memory_estimate_gib": {"lora": {"estimate": 39.6, "measured": 38.6}},
+        },
+        "cut at the 145 s cap: spotune 10970 tok/s, 38.6 GiB; hf_peft 7590 tok/s, 50.6 GiB; spotune_qlora 5100 tok/s, "
+        "8.0 GiB; LoRA spotune / HF+PEFT: tokens/s 1.45, peak memory 0.76; not measured: hf_peft_qlora, "
+        "hf_peft_liger, hf_peft_liger_qlora",
+    ),
+    "longest": (
+        "bench-longest.json",
+        {"probe": {"seq": 131072, "estimate": {"allocated": 41.2}, "allocated_gib": 39.0, "seconds": 48.2}},
+        "8B QLoRA r32, one 131072-token row: fits, 39.0 GiB allocated, 48 s; estimate 41.2 GiB allocated",
+    ),
+    "nf4": (
+        "bench-nf4.json",
+        {
+            "shapes": [
+                {
+                    "shape": "gate_up 14336x4096",
+                    "rows": [{"tokens": 16384, "bf16_dense": {"ms": 1.1}, "bnb_invoke_quant": "out of memory"}],
+                }
+            ]
+        },
+        "gate_up 14336x4096 x16384: bf16_dense 1.10 ms, bnb_invoke_quant out of memory",
+    ),
+    "compile": (
+        "",
+        "device: cuda; model builtin:tiny-llama (bfloat16), seq_len 128\n"
+        "  first attempt (from scratch)         compile    42.1 s   process   60.2 s   {'hit': False}\n"
+        "  resumed, with the artifacts          compile     3.2 s   process   20.1 s   {'hit': True}\n"
+        "compile seconds: resumed / first 0.08\n",
+        "compile seconds: resumed / first 0.08 (compile seconds: first attempt (from scratch) 42.1 s; "
+        "resumed, with the artifacts 3.2 s)",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(GPU_OUTPUTS))
+def test_each_gpu_part_reads_its_figure_from_what_its_program_leaves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    gpu_check = _gpu_check()
+    artifact, output, figure = GPU_OUTPUTS[name]
+
+    def program(args: argparse.Namespace, part: Any, cmd: list[str]) -> int | None:
+        if artifact:
+            (args.out / artifact).write_text(json.dumps(output))
+        part.log = "" if artifact else output
+        return None if name == "speed-8b" else 0  # the speed part cut at its cap, the others ended
+
+    monkeypatch.setattr(gpu_check, "run_capped", program)
+    spec = {**gpu_check.PARTS, **gpu_check.SLICES}[name]
+    part = gpu_check.Part(name, spec.cap_s)
+    spec.run(argparse.Namespace(dry=False, out=tmp_path), part)
+    assert part.figure == figure
+    assert part.status == ("cut" if name == "speed-8b" else "pass")
+    if name == "speed-8b":  # the memory point reads the same JSON
+        memory = gpu_check.Part("memory", 10)
+        gpu_check.memory_point(argparse.Namespace(dry=False, out=tmp_path), memory)
+        assert (memory.status, memory.figure) == (
+            "pass",
+            "lora estimate 39.60 GiB / measured 38.60 GiB = 1.03 (goal 0.90-1.10)",
+        )
