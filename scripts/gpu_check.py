@@ -593,7 +593,7 @@ def summary(parts: list[Part], pending: list[str], args: argparse.Namespace) -> 
     failed = [p.name for p in parts if p.status != "pass"]
     lines.append("")
     if failed:
-        lines.append(f"Not passed: {', '.join(failed)} (logs in gpu-check.json and logs/).")
+        lines.append(f"Not passed: {', '.join(failed)} (logs in {args.stem}.json, {args.stem}.log and logs/).")
     elif pending:
         lines.append(f"Still to run: {', '.join(pending)}.")
     else:
@@ -647,10 +647,11 @@ def run_parts(chosen: dict[str, Spec], args: argparse.Namespace) -> list[Part]:
         part = Part(name, spec.cap_s * (DRY_CAP_FACTOR if args.dry else 1))
         started = time.monotonic()
         print(f"gpu-check: {name} (cap {part.cap_s:.0f} s) ...", flush=True)
+        stopped = False
         try:
             spec.run(args, part)
         except Interrupted as e:
-            part.status, part.figure = "cut", f"the check itself was stopped ({e}) during this part"
+            part.status, part.figure, stopped = "cut", f"the check itself was stopped ({e}) during this part", True
             if args.running is not None:
                 kill_tree(args.running)
         except Exception as e:  # a part that breaks is a failed part, not a failed check
@@ -660,7 +661,7 @@ def run_parts(chosen: dict[str, Spec], args: argparse.Namespace) -> list[Part]:
         parts.append(part)
         pending.remove(name)
         write_report(parts, pending, args)
-        if part.figure.startswith("the check itself was stopped"):
+        if stopped:
             break
     return parts
 

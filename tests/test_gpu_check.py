@@ -9,8 +9,10 @@ import base64
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -117,6 +119,29 @@ def test_a_part_over_its_cap_is_cut_with_its_whole_tree_and_the_report_follows_e
     final = json.loads((tmp_path / "check" / "gpu-check.json").read_text())
     assert {k: v["status"] for k, v in final["parts"].items()} == {"slow": "cut", "after": "pass"}
     assert "Not passed: slow" in (tmp_path / "OUT" / "gpu-check.md").read_text()
+
+
+def test_a_check_stopped_by_sigterm_reports_the_part_in_flight_and_ends_its_tree(tmp_path: Path, parts: Any) -> None:
+    gpu_check = parts
+    started: dict[str, int] = {}
+
+    def sleeping(args: argparse.Namespace, part: Any) -> None:
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()  # the command's own limit
+        proc_seen = threading.Timer(0.5, lambda: started.update(pid=args.running.pid))
+        proc_seen.start()
+        gpu_check.run_capped(args, part, [sys.executable, "-c", "import time; time.sleep(60)"])
+
+    def never(args: argparse.Namespace, part: Any) -> None:
+        raise AssertionError("a stopped check runs no further part")
+
+    gpu_check.PARTS.update({"first": gpu_check.Spec(sleeping, 30, "-"), "next": gpu_check.Spec(never, 5, "-")})
+    previous = signal.getsignal(signal.SIGTERM)
+    assert gpu_check.main(["--out", str(tmp_path)]) == 1
+    assert signal.getsignal(signal.SIGTERM) is previous  # the check's handler is gone with it
+    result = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert result["parts"]["first"]["status"] == "cut" and result["pending"] == ["next"]
+    assert result["parts"]["first"]["figure"] == "the check itself was stopped (SIGTERM) during this part"
+    assert not psutil.pid_exists(started["pid"]) or psutil.Process(started["pid"]).status() == psutil.STATUS_ZOMBIE
 
 
 def test_a_failing_part_is_reported_and_the_others_still_run(tmp_path: Path, parts: Any) -> None:
