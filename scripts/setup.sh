@@ -74,8 +74,8 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import torch" 2>/dev/
   fi
 fi
 
-stamp="$VENV/.spotune-installed-${EXTRAS:-runtime}"
-stamp=${stamp//,/-}
+extras_tag=${EXTRAS:-runtime}
+stamp="$VENV/.spotune-installed-${extras_tag//,/-}"
 target=.
 [ -z "$EXTRAS" ] || target=".[$EXTRAS]"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
