@@ -4,16 +4,21 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo lint test test-fast test-floor bench bench-gpu gpu-check clean
+.PHONY: setup setup-test demo lint test test-fast test-floor bench bench-gpu gpu-check gpu-carry clean
 
+# The runtime alone (plus the `gpu` extra where a GPU answers nvidia-smi): what `make demo` and a
+# training machine need. `setup-test` adds the test and benchmark tools (docs/install.md has the sizes).
 setup:
 	bash scripts/setup.sh
+
+setup-test:
+	EXTRAS=test,bench bash scripts/setup.sh
 
 demo: setup
 	$(PY) scripts/demo.py
 
 # ruff (lint + format) and mypy over the code; part of `make test`, so CI runs them.
-lint: setup
+lint: setup-test
 	$(VENV)/bin/ruff check trainer tests benchmarks scripts
 	$(VENV)/bin/ruff format --check trainer tests benchmarks scripts
 	$(VENV)/bin/mypy
@@ -21,7 +26,7 @@ lint: setup
 test: lint
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
 
-test-fast: setup
+test-fast: setup-test
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
 
 # The model/loss/attention tests on the lowest transformers/peft/accelerate pyproject allows.
@@ -35,15 +40,21 @@ test-floor:
 bench-gpu: setup
 	$(PY) benchmarks/gpu.py --json runs/bench-gpu.json
 
-# On a CUDA machine, offline, < 9 min on one H100: the -m gpu tests, the exit paths, a kill-and-resume
-# drill on a ~1B Llama and the 8B benchmark; writes gpu-check.md + gpu-check.json (docs/gpu.md).
-# GPU extras from a wheel folder: WHEELS=dir make gpu-check. CI runs the dry path (tests/test_gpu_check.py).
+# On a CUDA machine with a network: every part of the GPU check (`python scripts/gpu_check.py --plan`),
+# each under its cap, into runs/gpu-check/gpu-check.md + .json (docs/gpu.md). CI runs the dry path
+# (tests/test_gpu_check.py). A GPU box without a network: `make gpu-carry` here, then
+# `bash .gpu-carry/run.sh` there.
 GPU_CHECK_OUT ?= runs/gpu-check
 gpu-check:
-	EXTRAS=test,bench,gpu bash scripts/setup.sh
+	EXTRAS=test,gpu bash scripts/setup.sh
 	$(PY) scripts/gpu_check.py --out $(GPU_CHECK_OUT)
 
-bench: setup
+# .gpu-carry/: the wheels a GPU image with its own torch lacks, the checks' data and run.sh;
+# prints what travels (it and the repository) against its 60 MiB cap.
+gpu-carry:
+	$(if $(wildcard $(PY)),$(PY),python3) scripts/gpu_carry.py
+
+bench: setup-test
 	$(PY) benchmarks/packing.py
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/resume.py

@@ -13,14 +13,16 @@ What it runs, in one process, on the same packed rows:
 - spotune: trainer.model.load.build + trainer.model.loss.token_loss_sum (our head and fused loss,
   document bounds to the attention kernel `auto` picks) + fused AdamW (`--model` another shape);
 - HF Trainer + PEFT: the same rows flattened by transformers' DataCollatorWithFlattening
-  (padding-free, position_ids), sdpa, the model's own head and loss; then again with
+  (padding-free, position_ids), sdpa, the model's own head and loss; and with
   `use_liger_kernel=True` (skipped, with the reason printed, without liger-kernel or CUDA);
-- then QLoRA (bitsandbytes NF4, bf16 compute, gradient checkpointing) peak memory for both;
+- each of those as LoRA and as QLoRA (bitsandbytes NF4, bf16 compute, gradient checkpointing;
+  CUDA only): the arms of `ARMS`, run in that order (what decides most first), `--arms` a subset;
 - `spotune estimate`'s per-device peak (trainer/plan/memory.py, less CUDA context and allocator
   slack) beside spotune's max_memory_allocated, for LoRA and QLoRA (goal: within 10%).
 
-For each: real tokens/s, MFU by trainer/model/flops.py's three counts (`mfu`: the published LoRA count,
+For each arm: real tokens/s, MFU by trainer/model/flops.py's three counts (`mfu`: the published LoRA count,
 4*N + attention, NVIDIA's 40.6%; `mfu_lora`; `mfu_6n`), peak memory, step time, first step (compile).
+`--json` is rewritten after the estimate and after every arm, so a run cut short keeps what it measured.
 `--profile`: one more spotune step under torch.profiler, its time in buckets (gpu_profile.py).
 `--levers a,b`: spotune again with each lever on (`compile`: regional torch.compile, `fused`: LoRA
 A matmuls of q/k/v and gate/up fused, `liger`: Liger's RMSNorm, SwiGLU and rotary, `mbsN`: N
@@ -39,6 +41,7 @@ import random
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +54,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_hf  # noqa: E402
 import gpu_profile  # noqa: E402
 
+from trainer import atomic  # noqa: E402
 from trainer.config import AdapterConfig, ModelConfig  # noqa: E402
 from trainer.data.pack import pack_lengths  # noqa: E402
 from trainer.data.template import IGNORE_INDEX  # noqa: E402
@@ -204,13 +208,52 @@ def measure(fn: Any, path: Path, steps: list[list[Row]], args: argparse.Namespac
     return out
 
 
-def hf_liger(path: Path, steps: list[list[Row]], args: argparse.Namespace, peak: float | None) -> dict:
-    """HF Trainer + PEFT with use_liger_kernel=True, or why it was skipped."""
-    reason = gpu_hf.liger_skip_reason()
-    if args.skip_hf or reason:
-        print(f"HF+PEFT+Liger skipped: {reason or '--skip-hf'}")
-        return {"skipped": reason or "--skip-hf"}
-    return measure(lambda *a, **k: gpu_hf.run_hf(*a, **k, liger=True), path, steps, args, peak)
+@dataclass(frozen=True)
+class Arm:
+    """One row of the table: who trains the rows (a `RUNNERS` name), LoRA or QLoRA, with Liger or not.
+    A new comparison (another trainer, another objective) is a runner and an entry of `ARMS`."""
+
+    runner: str
+    qlora: bool = False
+    liger: bool = False  # HF Trainer's use_liger_kernel=True
+
+    def skip_reason(self, args: argparse.Namespace) -> str | None:
+        if self.runner == "hf" and args.skip_hf:
+            return "--skip-hf"
+        if self.qlora and args.skip_qlora:
+            return "--skip-qlora"
+        if self.qlora and not torch.cuda.is_available():
+            return "bitsandbytes 4-bit training needs CUDA"
+        return gpu_hf.liger_skip_reason() if self.liger else None
+
+    def run(self, path: Path, steps: list[list[Row]], args: argparse.Namespace) -> dict[str, Any]:
+        options = {"qlora": self.qlora} | ({"liger": True} if self.liger else {})
+        return RUNNERS[self.runner](path, steps, args, **options)
+
+
+RUNNERS: dict[str, Any] = {"spotune": run_spotune, "hf": gpu_hf.run_hf}
+ARMS: dict[str, Arm] = {
+    "spotune": Arm("spotune"),
+    "hf_peft": Arm("hf"),
+    "spotune_qlora": Arm("spotune", qlora=True),
+    "hf_peft_qlora": Arm("hf", qlora=True),
+    # Liger's patches reach module-level functions of transformers' Llama (rotary), so every arm
+    # that must run without them comes first, and the levers (`--levers`) run before these two.
+    "hf_peft_liger": Arm("hf", liger=True),
+    "hf_peft_liger_qlora": Arm("hf", qlora=True, liger=True),
+}
+"""The table's arms in the order they run: what decides most first, Liger's last (see above)."""
+LABELS = {"spotune": "spotune", "hf_peft": "HF+PEFT", "hf_peft_liger": "HF+PEFT+Liger"}
+
+
+def chosen_arms(text: str | None) -> list[str]:
+    """`--arms a,b` in ARMS's order (the order Liger needs), every arm without it."""
+    if not text:
+        return list(ARMS)
+    wanted = [a for a in text.split(",") if a]
+    if unknown := [a for a in wanted if a not in ARMS]:
+        raise SystemExit(f"--arms: unknown arm {', '.join(unknown)}; known: {', '.join(ARMS)}")
+    return [a for a in ARMS if a in wanted]
 
 
 def levers(path: Path, steps: list[list[Row]], args: argparse.Namespace, peak: float | None) -> dict:
@@ -229,16 +272,6 @@ def levers(path: Path, steps: list[list[Row]], args: argparse.Namespace, peak: f
             raise SystemExit(f"--levers: unknown lever {lever!r}; known: compile, fused, liger, mbsN")
         out[lever] = measure(run_spotune, path, steps, on, peak)
     return out
-
-
-def qlora_peak(fn: Any, path: Path, steps: list[list[Row]], args: argparse.Namespace) -> float | None:
-    if not torch.cuda.is_available():
-        return None  # bitsandbytes 4-bit training needs CUDA
-    free()
-    fn(path, steps[: args.warmup + 2], args, qlora=True)
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    free()
-    return peak
 
 
 def estimated_peak_gib(path: Path, args: argparse.Namespace, qlora: bool) -> float:
@@ -271,8 +304,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny Llama on CPU, a few steps (CI)")
     ap.add_argument("--model", type=Path, default=CONFIGS / "llama-3.1-8b.json", help="a Llama config.json")
-    ap.add_argument("--json", type=Path, help="write the results here")
-    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per side (default 12, tiny 3)")
+    ap.add_argument("--json", type=Path, help="write the results here (rewritten after every arm)")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per arm (default 12, tiny 3)")
     ap.add_argument("--warmup", type=int, default=None, help="steps left out of the figures (default 3, tiny 1)")
     ap.add_argument("--seq", type=int, default=None, help="tokens per packed row (default 4096, tiny 256)")
     ap.add_argument("--mbs", type=int, default=1, help="rows per micro-batch")
@@ -283,18 +316,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--trace", help="with --profile: write its Chrome trace here")
     ap.add_argument("--fused", action="store_true", help="spotune: adapter.fused (q/k/v, gate/up A as one matmul)")
     ap.add_argument("--levers", default="", help="spotune again with each lever on: compile, fused, mbs2, ...")
-    ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--skip-qlora", action="store_true")
+    ap.add_argument("--arms", help=f"these arms only, comma-separated (default all: {','.join(ARMS)})")
+    ap.add_argument("--skip-hf", action="store_true", help="no HF Trainer arm")
+    ap.add_argument("--skip-qlora", action="store_true", help="no QLoRA arm")
+    ap.add_argument(
+        "--work", type=Path, help="folder for the random weights (default: a temporary folder; /dev/shm loads fastest)"
+    )
     args = ap.parse_args(argv)
     args.steps = args.steps or (3 if args.tiny else 12)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
     args.seq = args.seq or (256 if args.tiny else 4096)
+    arms = chosen_arms(args.arms)
     if not args.tiny and not torch.cuda.is_available():
         ap.error("no CUDA device: run on a GPU machine, or pass --tiny for the CPU smoke run")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     peak = metrics.resolve_peak_flops(None, None, device)
     rows_per_step = args.mbs * args.grad_accum
-    with tempfile.TemporaryDirectory() as tmp:
+    if args.work:
+        args.work.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         args.work = Path(tmp)
         path = make_model(args.work, args.tiny, args.model)
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
@@ -306,31 +346,49 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "versions": _versions(),
             "setup": {k: getattr(args, k) for k in ("tiny", "steps", "warmup", "seq", "mbs", "grad_accum")}
             | {"model": args.model.name},
-            "spotune": measure(run_spotune, path, steps, args, peak),
-            "hf_peft": None if args.skip_hf else measure(gpu_hf.run_hf, path, steps, args, peak),
-            "levers": levers(path, steps, args, peak),  # before Liger, which patches rotary module-wide
-            "hf_peft_liger": hf_liger(path, steps, args, peak),
-        }
-        skip_q = args.skip_qlora or device.type != "cuda"
-        result["qlora_peak_memory_gib"] = {
-            "spotune": None if skip_q else qlora_peak(run_spotune, path, steps, args),
-            "hf_peft": None if skip_q or args.skip_hf else qlora_peak(gpu_hf.run_hf, path, steps, args),
-        }
-        result["memory_estimate_gib"] = {
-            "lora": {
-                "estimate": estimated_peak_gib(path, args, False),
-                "measured": result["spotune"]["peak_memory_gib"],
+            "memory_estimate_gib": {
+                method: {"estimate": estimated_peak_gib(path, args, method == "qlora"), "measured": None}
+                for method in ("lora", "qlora")
             },
-            "qlora": {
-                "estimate": estimated_peak_gib(path, args, True),
-                "measured": result["qlora_peak_memory_gib"]["spotune"],
-            },
+            "arms": {},
+            "pending": list(arms),  # arms not measured yet: what a run cut short lacks
+            "levers": {},
         }
+        write(args.json, result)
+        for name in arms:
+            if ARMS[name].liger and args.levers and not result["levers"]:
+                result["levers"] = levers(path, steps, args, peak)  # before Liger, which patches rotary module-wide
+            result["arms"][name] = run_arm(name, path, steps, args, peak)
+            result["pending"].remove(name)
+            measured = result["arms"][name].get("peak_memory_gib")
+            if name in ("spotune", "spotune_qlora"):
+                result["memory_estimate_gib"]["qlora" if ARMS[name].qlora else "lora"]["measured"] = measured
+            write(args.json, result)
+        if args.levers and not result["levers"]:
+            result["levers"] = levers(path, steps, args, peak)
+            write(args.json, result)
     print(table(result))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
     return result
+
+
+def run_arm(name: str, path: Path, steps: list[list[Row]], args: argparse.Namespace, peak: float | None) -> dict:
+    """One arm's figures, or why it was skipped (printed)."""
+    reason = ARMS[name].skip_reason(args)
+    if reason:
+        print(f"{name} skipped: {reason}", flush=True)
+        return {"skipped": reason}
+    started = time.monotonic()
+    figures = measure(ARMS[name].run, path, steps, args, peak)
+    print(f"{name}: {figures['tokens_per_s']:.0f} tokens/s ({time.monotonic() - started:.0f} s)", flush=True)
+    return figures
+
+
+def write(path: Path | None, result: dict[str, Any]) -> None:
+    """The JSON as it stands (atomically: a reader never sees half of it), with the ratios so far."""
+    result["ratios"] = ratios(result["arms"])
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic.write_text(path, json.dumps(result, indent=2))
 
 
 def _versions() -> dict[str, str]:
@@ -364,36 +422,48 @@ def table(result: dict[str, Any]) -> str:
 
     lines = [
         f"{result['device']}  {result['versions']}  {result['setup']}",
-        f"{'':16} {'attention':>16} {'tokens/s':>10} {'step s':>8} {'MFU':>6} {'MFU lora':>9} {'MFU 6N':>7} "
+        f"{'':20} {'attention':>16} {'tokens/s':>10} {'step s':>8} {'MFU':>6} {'MFU lora':>9} {'MFU 6N':>7} "
         f"{'peak GiB':>9} {'1st step s':>10}",
     ]
-    sides = {"spotune": result["spotune"], "hf_peft": result["hf_peft"], "hf_peft_liger": result["hf_peft_liger"]}
-    sides |= {f"spotune+{k}": v for k, v in result["levers"].items()}
+    arms = result["arms"]
+    sides = dict(arms) | {f"spotune+{k}": v for k, v in result["levers"].items()}
     for name, r in sides.items():
-        if r is None or "skipped" in r:
+        if "skipped" in r:
+            lines.append(f"{name:20} skipped: {r['skipped']}")
             continue
         lines.append(
-            f"{name:16} {r['attn_implementation']:>16} {fmt(r['tokens_per_s'], '10.0f')} {fmt(r['step_seconds'], '8.3f')} "
+            f"{name:20} {r['attn_implementation']:>16} {fmt(r['tokens_per_s'], '10.0f')} {fmt(r['step_seconds'], '8.3f')} "
             f"{fmt(r['mfu'], '6.1%')} {fmt(r['mfu_lora'], '9.1%')} {fmt(r['mfu_6n'], '7.1%')} "
             f"{fmt(r['peak_memory_gib'], '9.1f')} {fmt(r['first_step_seconds'], '10.2f')}"
         )
-    q = result["qlora_peak_memory_gib"]
-    lines.append(f"QLoRA peak memory GiB: spotune {fmt(q['spotune'], '.1f')}, HF+PEFT {fmt(q['hf_peft'], '.1f')}")
+    if result["pending"]:
+        lines.append(f"not measured (cut short): {', '.join(result['pending'])}")
     for name, m in result["memory_estimate_gib"].items():
         ratio = m["estimate"] / m["measured"] if m["measured"] else None
         lines.append(
             f"{name} peak memory GiB: estimate {m['estimate']:.1f}, measured {fmt(m['measured'], '.1f')} "
             f"(estimate/measured {fmt(ratio, '.2f')}; goal 0.90-1.10)"
         )
-    for name in ("hf_peft", "hf_peft_liger"):
-        if sides[name] and "skipped" not in sides[name]:
-            ratio = result["spotune"]["tokens_per_s"] / sides[name]["tokens_per_s"]
-            lines.append(
-                f"tokens/s ratio spotune / {name.replace('hf_peft', 'HF+PEFT').replace('_liger', '+Liger')}: {ratio:.2f}"
-            )
-    if "profile" in result["spotune"]:
-        lines.append(gpu_profile.summary(result["spotune"]["profile"]))
+    lines += ratios(arms)
+    if "profile" in arms.get("spotune", {}):
+        lines.append(gpu_profile.summary(arms["spotune"]["profile"]))
     return "\n".join(lines)
+
+
+def ratios(arms: dict[str, dict[str, Any]]) -> list[str]:
+    """spotune's tokens/s and peak memory over each HF arm of the same method (LoRA with LoRA, QLoRA with QLoRA)."""
+    lines = []
+    for method in ("", "_qlora"):
+        ours = arms.get("spotune" + method, {})
+        for other in ("hf_peft", "hf_peft_liger"):
+            theirs = arms.get(other + method, {})
+            if "tokens_per_s" not in ours or "tokens_per_s" not in theirs:
+                continue
+            line = f"{'QLoRA' if method else 'LoRA'} spotune / {LABELS[other]}: tokens/s {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}"
+            if ours["peak_memory_gib"] and theirs["peak_memory_gib"]:
+                line += f", peak memory {ours['peak_memory_gib'] / theirs['peak_memory_gib']:.2f}"
+            lines.append(line)
+    return lines
 
 
 if __name__ == "__main__":

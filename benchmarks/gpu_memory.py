@@ -20,6 +20,10 @@ estimate without tiling), and the tokens/s the planner's assumed MFU gives at th
 `--no-tiling` searches without tiling. Published: 342,733 tokens (Unsloth, 8B QLoRA) and
 500k (Arctic Long Sequence Training, 8B, one H100) on one 80 GB GPU.
 
+`--probe SEQ`: the same setting, one optimizer step at SEQ tokens only (fits or runs out of
+memory; its peak and seconds beside the estimate at SEQ): the search's first probe, in the time
+a short GPU window has (131,072 tokens: `bash .gpu-carry/run.sh --slice longest`, docs/gpu.md).
+
 `--tiny` runs the same code on CPU with a tiny Llama (CI keeps it working; CPU has no caching
 allocator, so its measured columns are empty and its figures mean nothing).
 """
@@ -259,6 +263,21 @@ def longest(path: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     return {**found, "measured_longest": good, "tried": tried}
 
 
+def probe(path: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """One 8B QLoRA r32 step at `args.probe` tokens (checkpointing, offloading, tiling as --longest)."""
+    tiled = not args.no_tiling
+    e = estimate(path, True, 32, args.probe, True, True, args.tiny, tiled)
+    found: dict[str, Any] = {"seq": args.probe, "tiled_mlp": tiled, "estimate": e.as_gib()}
+    model = load(path, True, 32, True, True, args.tiny, tiled)
+    started = time.perf_counter()
+    try:
+        found.update(run_steps(model, args.probe, 1, vocab, document=True))
+    except oom_types() as exc:
+        found["error"] = f"out of memory: {str(exc).splitlines()[0][:120]}"
+    found["seconds"] = time.perf_counter() - started
+    return found
+
+
 def fmt(v: Any, spec: str) -> str:
     width = int("".join(c for c in spec.split(".")[0] if c.isdigit()) or 1)
     return "-".rjust(width) if v is None else format(v, spec)
@@ -293,7 +312,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     ap.add_argument("--longest", action="store_true", help="search the longest sequence for 8B QLoRA r32 instead")
     ap.add_argument("--longest-cap", type=int, default=524_288, help="do not try sequences longer than this")
-    ap.add_argument("--no-tiling", action="store_true", help="--longest without tiling (model.tiled_mlp=off)")
+    ap.add_argument("--no-tiling", action="store_true", help="--longest/--probe without tiling (model.tiled_mlp=off)")
+    ap.add_argument(
+        "--probe", type=int, help="one 8B QLoRA r32 step at this many tokens instead (as --longest's probes)"
+    )
     ap.add_argument(
         "--estimate-only", action="store_true", help="--longest: the estimate's figures only (no model, runs on CPU)"
     )
@@ -319,7 +341,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else:
             path = make_model(Path(tmp), args.tiny, CONFIGS / "llama-3.1-8b.json")
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-        if args.longest:
+        if args.probe:
+            result["probe"] = found = probe(path, args, vocab)
+            alloc = found.get("allocated_gib")
+            print(
+                f"{result['device']}: 8B QLoRA r32, one {args.probe}-token row: "
+                + (found["error"] if "error" in found else f"fits, {fmt(alloc, '.1f')} GiB allocated")
+                + f" in {found['seconds']:.0f} s; estimate {found['estimate']['allocated']:.1f} GiB allocated"
+            )
+        elif args.longest:
             result["longest"] = found = longest(path, args, vocab)
             print(
                 f"{result['device']}: longest 8B QLoRA r32 sequence (checkpointing + offloading"

@@ -1,9 +1,13 @@
-"""The end-to-end resume drill of `make gpu-check`: train, SIGKILL after a checkpoint, run the same command.
+"""The end-to-end resume drill of the GPU check: train, SIGKILL after a checkpoint, run the same command.
 
 On a GPU: a ~1B random Llama (meta-llama/Llama-3.2-1B's shipped config, its vocabulary cut to the
 tokenizer's) in bf16 on real instruction data; with `dry`, the built-in tiny Llama on CPU. The
 checks are the same: the second process resumes from the newest checkpoint and finishes, the
 ledger holds one row per attempt (`killed`, then `finished`), and report.html is written.
+Sized to fit its part's cap in scripts/gpu_check.py: 30 steps of 8 rows of 2048 tokens on a GPU,
+killed after the step-20 checkpoint.
+
+    python scripts/resume_drill.py WORK [--data FILE --tokenizer DIR] [--dry] [--json RESULT]
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ def recipe(work: Path, model: Path, data: Path, dry: bool) -> dict[str, Any]:
         # The Llama 2 tokenizer of a base model ships no chat template: the named Stanford prompt.
         "data": {"path": str(data), "format": "alpaca", "chat_template": "alpaca", "seq_len": 128 if dry else 2048},
         "train": {
-            "max_steps": 8 if dry else 60,
+            "max_steps": 8 if dry else 30,
             "micro_batch_size": 2 if dry else 4,
             "grad_accum": 2,
             "lr": 2e-4,
@@ -77,6 +81,10 @@ def drill(work: Path, *, data: Path | None, tokenizer: Path | None, dry: bool) -
     cmd = [sys.executable, "-m", "trainer", "train", str(path)]
     kill_after = 2 * cfg["checkpoint"]["every_steps"]
     manager = CheckpointManager(out / "checkpoints", keep_last=3)
+    print(
+        f"drill: attempt 1 ({cfg['train']['max_steps']} steps), SIGKILL after the step-{kill_after} checkpoint",
+        flush=True,
+    )
     with open(work / "attempt1.log", "w") as log:
         first = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 600
@@ -88,6 +96,10 @@ def drill(work: Path, *, data: Path | None, tokenizer: Path | None, dry: bool) -
         os.killpg(first.pid, signal.SIGKILL)  # the VM vanishes: no save, no ledger row
         first.wait()
     killed_at = max(int(p.name.split("-")[1]) for p in manager.committed())
+    print(
+        f"drill: attempt 1 killed with the step-{killed_at} checkpoint committed; attempt 2 (the same command)",
+        flush=True,
+    )
     second = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     log = _read(work / "attempt1.log") + "\n--- attempt 2 ---\n" + second.stdout + second.stderr
     ledger = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
@@ -127,8 +139,12 @@ if __name__ == "__main__":
     ap.add_argument("work", type=Path)
     ap.add_argument("--data", type=Path)
     ap.add_argument("--tokenizer", type=Path)
-    ap.add_argument("--dry", action="store_true")
+    ap.add_argument("--dry", action="store_true", help="the built-in tiny Llama on CPU (CI)")
+    ap.add_argument("--json", type=Path, help="write {ok, figure} here")
     a = ap.parse_args()
-    ok, fig, _ = drill(a.work, data=a.data, tokenizer=a.tokenizer, dry=a.dry)
+    ok, fig, log = drill(a.work, data=a.data, tokenizer=a.tokenizer, dry=a.dry)
+    print(log)
     print(("pass: " if ok else "fail: ") + fig)
+    if a.json:
+        a.json.write_text(json.dumps({"ok": ok, "figure": fig}))
     sys.exit(0 if ok else 1)

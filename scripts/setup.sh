@@ -1,23 +1,29 @@
 #!/usr/bin/env bash
 # Create .venv and install spotune with the right torch for this machine. Idempotent:
-# a second run only checks. Called by `make demo` and `make test`.
+# a second run only checks. Called by `make demo` (the runtime) and `make test` (EXTRAS=test,bench).
 #   - torch already importable in .venv: kept as it is.
 #   - otherwise scripts/torch_choice.py decides, and says why in one line:
+#       a torch in the Python that runs this (PYTHON: a venv, a conda env or the system's) that
+#       satisfies pyproject.toml (and, on a GPU machine, sees the GPU)
+#                                -> .venv sees that environment's packages: nothing downloaded
 #       no GPU                   -> the CPU build (never the several GB of CUDA packages)
-#       a GPU and a system torch that sees it and satisfies pyproject.toml
-#                                -> the venv reuses it (--system-site-packages): nothing downloaded
 #       a GPU, no usable torch   -> the CUDA build the driver supports (nvidia-smi's CUDA Version)
 #   - WHEELS=dir: install everything from that wheel folder only (air-gapped clusters; fill it
 #     with scripts/fetch_wheels.sh on a machine with a network).
 # After installing: if nvidia-smi sees a GPU but torch does not, stop with the reason and the fix.
-# Overrides: TORCH_SPEC (the CPU build, default torch==2.13.0), TORCH_CPU_INDEX, EXTRAS.
+# Overrides: TORCH_SPEC (the CPU build, default torch==2.13.0), TORCH_CPU_INDEX, EXTRAS (default: the
+# runtime alone, plus `gpu` where a GPU answers nvidia-smi).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
-EXTRAS=${EXTRAS:-test,bench}
+if [ -z "${EXTRAS+set}" ]; then
+  EXTRAS=""
+  # Liger's fused loss is the default loss on CUDA: a GPU machine gets it; a CPU one does not need Triton.
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then EXTRAS=gpu; fi
+fi
 WHEELS=${WHEELS:-}
 
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
@@ -29,7 +35,18 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import torch" 2>/dev/
   eval "$("$PY" scripts/torch_choice.py --system-python "$PY" --cpu-spec "$TORCH_SPEC")"
   echo "setup: torch: $CHOICE ($WHY)"
   if [ "$CHOICE" = system ]; then
-    [ -x "$VENV/bin/python" ] || "$PY" -m venv --system-site-packages "$VENV"
+    # --system-site-packages alone shows .venv the packages of $PY's BASE interpreter: where $PY is
+    # itself a venv (a GPU image's python3 often is) its torch would be hidden. So .venv also lists
+    # every site folder $PY reads, in $PY's order, after its own. Its pip is $PY's where $PY has one
+    # (an ensurepip'd setuptools of its own would shadow the environment's, and need a download to build).
+    if [ ! -x "$VENV/bin/python" ]; then
+      without_pip=()
+      "$PY" -m pip --version >/dev/null 2>&1 && without_pip=(--without-pip)
+      "$PY" -m venv --system-site-packages "${without_pip[@]}" "$VENV"
+    fi
+    site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    "$PY" -c "import sys; print('\n'.join(p for p in sys.path if p.endswith(('site-packages', 'dist-packages'))))" \
+      > "$site/spotune-environment.pth"
   else
     [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
   fi
@@ -57,14 +74,23 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import torch" 2>/dev/
   fi
 fi
 
-stamp="$VENV/.spotune-installed-${EXTRAS//,/-}"
+extras_tag=${EXTRAS:-runtime}
+stamp="$VENV/.spotune-installed-${extras_tag//,/-}"
+target=.
+[ -z "$EXTRAS" ] || target=".[$EXTRAS]"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  echo "setup: installing spotune[$EXTRAS] and its dependencies"
+  echo "setup: installing spotune${EXTRAS:+[$EXTRAS]} and its dependencies"
+  # Build with the environment's own setuptools where it is recent enough: nothing to download.
+  isolation=()
+  if "$VENV/bin/python" -c "import sys, setuptools, wheel; sys.exit(int(setuptools.__version__.split('.')[0]) < 68)" \
+    2>/dev/null; then
+    isolation=(--no-build-isolation)
+  fi
   if [ -n "$WHEELS" ]; then
-    pip install "${local_only[@]}" setuptools wheel
-    pip install "${local_only[@]}" --no-build-isolation -e ".[$EXTRAS]"
+    [ ${#isolation[@]} -gt 0 ] || pip install "${local_only[@]}" setuptools wheel
+    pip install "${local_only[@]}" --no-build-isolation -e "$target"
   else
-    pip install -e ".[$EXTRAS]"
+    pip install "${isolation[@]}" -e "$target"
   fi
   touch "$stamp"
 fi

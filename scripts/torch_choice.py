@@ -1,9 +1,10 @@
 """Which torch `scripts/setup.sh` installs on this machine, and why (stdlib only: it runs before torch).
 
 Prints shell assignments that setup.sh evaluates:
-  CHOICE   cpu     the CPU build (no GPU here): never the multi-GB CUDA wheels
-           system  a torch already on this machine sees the GPU and satisfies pyproject.toml:
-                   the venv reuses it (--system-site-packages) instead of downloading another
+  CHOICE   system  the Python that runs set-up (a venv, a conda env or the system's) has a torch that
+                   satisfies pyproject.toml and, on a GPU machine, sees the GPU: .venv sees that
+                   environment's packages instead of downloading another torch
+           cpu     the CPU build (no GPU here): never the multi-GB CUDA wheels
            cuda    the CUDA build whose CUDA version the driver supports, from that build's index
   INDEX    the package index of the chosen build (cpu and cuda)
   BUILD    the local version label of the CUDA build (cu128): setup.sh installs torch from INDEX
@@ -85,7 +86,16 @@ def choose(
 ) -> dict[str, str]:
     floor_text = ".".join(map(str, floor))
     if gpu is None:
-        return {"CHOICE": "cpu", "INDEX": INDEX + "cpu", "SPEC": cpu_spec, "WHY": "no GPU answers nvidia-smi"}
+        if system is not None and _version(system["version"]) >= floor:
+            return {
+                "CHOICE": "system",
+                "INDEX": "",
+                "SPEC": "",
+                "WHY": f"no GPU answers nvidia-smi; this environment's torch {system['version']} satisfies "
+                f"torch>={floor_text}: reused, nothing downloaded",
+            }
+        why = f"; the environment's torch {system['version']} is older than torch>={floor_text}" if system else ""
+        return {"CHOICE": "cpu", "INDEX": INDEX + "cpu", "SPEC": cpu_spec, "WHY": "no GPU answers nvidia-smi" + why}
     name, driver_cuda = gpu
     if system is not None and system.get("cuda") and _version(system["version"]) >= floor:
         return {
@@ -126,12 +136,14 @@ def choose(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--system-python", default="python3", help="the interpreter whose torch may be reused")
+    ap.add_argument(
+        "--system-python", default="python3", help="the interpreter whose torch (and packages) may be reused"
+    )
     ap.add_argument("--pyproject", type=Path, default=Path(__file__).resolve().parents[1] / "pyproject.toml")
     ap.add_argument("--cpu-spec", default="torch==2.13.0")
     args = ap.parse_args(argv)
     gpu = gpu_driver()
-    system = system_torch(args.system_python) if gpu is not None else None
+    system = system_torch(args.system_python)
     for key, value in choose(gpu, system, torch_floor(args.pyproject), args.cpu_spec).items():
         print(f"{key}={shlex.quote(value)}")
     return 0

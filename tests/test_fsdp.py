@@ -66,7 +66,9 @@ def _one_process(overrides: dict[str, Any]) -> None:
 
 def _torchrun(overrides: dict[str, Any], log: Path, ranks: int = 2) -> str:
     args = [f"{k}={'null' if v is None else v}" for k, v in overrides.items()]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    # Extends PYTHONPATH: packages installed with --target (the GPU check's carried wheels) stay importable.
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
         "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),

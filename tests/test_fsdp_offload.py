@@ -36,6 +36,8 @@ def _torchrun(overrides: dict[str, Any], log: Path, pythonpath: str = str(REPO))
     args = [f"{k}={'null' if v is None else v}" for k, v in overrides.items()]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
     cmd += ["--master_port", str(_free_port()), "-m", "trainer", "train", *args]
+    # Extends PYTHONPATH: packages installed with --target (the GPU check's carried wheels) stay importable.
+    pythonpath = os.pathsep.join(p for p in (pythonpath, os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     log.write_text(done.stdout + done.stderr)

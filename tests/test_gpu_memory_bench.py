@@ -46,6 +46,15 @@ def test_longest_search_tiny_run(tmp_path: Path) -> None:
     assert "longest 8B QLoRA r32 sequence" in stdout and "tiling (norms, MLP)" in stdout
 
 
+def test_one_probe_at_a_given_length_tiny_run(tmp_path: Path) -> None:
+    """`--probe SEQ` (the GPU check's `longest` slice): one step at that length, beside the estimate there."""
+    result, stdout = _run(tmp_path, "--probe", "512")
+    probe = result["probe"]
+    assert probe["seq"] == 512 and probe["tiled_mlp"] and probe["tokens_per_s"] > 0 and probe["seconds"] > 0
+    assert probe["offloaded_gib"] > 0 and probe["estimate"]["allocated"] > 0 and "error" not in probe
+    assert "8B QLoRA r32, one 512-token row: fits" in stdout
+
+
 def test_longest_estimate_of_the_8b_shape_on_cpu(tmp_path: Path) -> None:
     """The estimate's figures for the real Llama-3.1-8B shape need no GPU (docs/long-context.md quotes them)."""
     out = tmp_path / "longest.json"

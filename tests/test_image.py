@@ -78,6 +78,44 @@ def extras_for(scheme: str, pyproject: dict) -> set[str]:
     return {n for n, reqs in extras.items() if n != "test" and any(Requirement(r).name == package for r in reqs)}
 
 
+def apt_packages(dockerfile: str) -> set[str]:
+    """Every package an `apt-get install` of the Dockerfile names (line continuations joined)."""
+    joined = dockerfile.replace("\\\n", " ")
+    found: set[str] = set()
+    for m in re.finditer(r"apt-get install ([^&;\n]*)", joined):
+        found |= {w for w in m.group(1).split() if not w.startswith("-")}
+    return found
+
+
+def triton_problems(dockerfile: str) -> list[str]:
+    """What Triton lacks to compile its launcher at run time: a C compiler, the C library's headers, Python.h."""
+    packages = apt_packages(dockerfile)
+    needs = {
+        "a C compiler (gcc)": {"gcc", "clang", "build-essential"},
+        "the C library's headers (libc6-dev)": {"libc6-dev", "build-essential"},
+        "Python's headers (python3-dev)": {"python3-dev", "libpython3-dev"}
+        | {p for p in packages if re.fullmatch(r"python3\.\d+-dev", p)},
+    }
+    return [
+        f"docker/Dockerfile installs no {what}: Triton's launcher build fails, so Liger's loss and model.compile do"
+        for what, any_of in needs.items()
+        if not packages & any_of
+    ]
+
+
+def test_image_can_build_tritons_launcher() -> None:
+    dockerfile = DOCKERFILE.read_text()
+    assert {"python3", "python3-venv", "ca-certificates"} <= apt_packages(dockerfile)
+    assert triton_problems(dockerfile) == []
+    # control: the image as it was (python3 python3-venv ca-certificates) lacks all three
+    old = re.sub(r"python3-dev gcc libc6-dev ", "", dockerfile)
+    assert [p.split(" installs no ")[1].split(":")[0] for p in triton_problems(old)] == [
+        "a C compiler (gcc)",
+        "the C library's headers (libc6-dev)",
+        "Python's headers (python3-dev)",
+    ]
+
+
 def extras_problems(installed: set[str], schemes: dict[str, set[str]], pyproject: dict, where: str) -> list[str]:
     problems = []
     for template, found in schemes.items():

@@ -434,7 +434,7 @@ def test_shell_scripts_pass_shellcheck(tmp_path: Path) -> None:
         SLURM,
         DOCKER_RUN,
         ENTRYPOINT,
-        *(REPO / "scripts" / n for n in ("ci_tools.sh", "setup.sh", "fetch_wheels.sh")),
+        *(REPO / "scripts" / n for n in ("ci_tools.sh", "setup.sh", "fetch_wheels.sh", "gpu_carry_run.sh")),
     ]
     done = subprocess.run(["shellcheck", *map(str, scripts)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout

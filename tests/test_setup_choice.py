@@ -59,6 +59,18 @@ def test_no_gpu_gets_the_cpu_build(tmp_path: Path) -> None:
     assert code == 0 and got["CHOICE"] == "cpu" and got["INDEX"].endswith("/cpu") and got["SPEC"] == "torch==2.13.0"
 
 
+@pytest.mark.parametrize("version, choice", [("2.13.0+cpu", "system"), ("2.11.0+cu130", "system"), ("2.9.1", "cpu")])
+def test_no_gpu_and_a_torch_in_the_environment_reuses_it_if_recent_enough(
+    tmp_path: Path, version: str, choice: str
+) -> None:
+    code, got, _ = _choose(tmp_path, None, {"version": version, "cuda": False, "built": None})
+    assert code == 0 and got["CHOICE"] == choice
+    if choice == "system":
+        assert f"torch {version} satisfies torch>=2.11: reused, nothing downloaded" in got["WHY"]
+    else:  # control: too old a torch is not reused, and the reason says so
+        assert got["SPEC"] == "torch==2.13.0" and "torch 2.9.1 is older than torch>=2.11" in got["WHY"]
+
+
 def test_a_system_torch_that_sees_the_gpu_is_reused(tmp_path: Path) -> None:
     code, got, _ = _choose(tmp_path, "13.0", {"version": "2.11.0+cu130", "cuda": True, "built": "13.0"})
     assert code == 0 and got["CHOICE"] == "system"

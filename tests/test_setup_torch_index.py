@@ -46,6 +46,8 @@ def test_torch_comes_from_its_build_index_alone_then_its_dependencies(tmp_path: 
     assert installs[0].endswith("install --no-deps torch>=2.11 --index-url https://download.pytorch.org/whl/cu128")
     assert "--extra-index-url" not in installs[0]
     assert "torch==2.13.0+cu128 --index-url https://download.pytorch.org/whl/cu128" in installs[1]
+    # A GPU machine's runtime with the `gpu` extra (Liger's loss is CUDA's default), not the test tools.
+    assert sum(c.endswith(" -e .[gpu]") for c in calls) == 1 and not any("test" in c for c in calls)
 
 
 @pytest.mark.parametrize("installed", ["2.16.0", "2.16.0+cu130"])
