@@ -23,7 +23,7 @@ from trainer import exit_codes
 from trainer.data.cache import in_turns
 from trainer.data.sampler import StepSampler, run_steps
 from trainer.exit_codes import StopReason
-from trainer.export import write_final
+from trainer.serve.final import write_final
 from trainer.model import compile_cache, distributed, flops
 from trainer.model.load import build, build_optimizer, count_params
 from trainer.restart import owner

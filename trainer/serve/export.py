@@ -1,4 +1,4 @@
-"""`final/` at the end of `train` (`write_final`), and `spotune export RUN_DIR [--merge] [--out DIR]`.
+"""`spotune export RUN_DIR [--merge] [--out DIR]`.
 
 Without --merge: copy the adapter (adapter_model.safetensors, adapter_config.json and the
 tokenizer files) to DIR. With --merge: load the base model unquantised in the recipe's
@@ -15,13 +15,8 @@ import json
 import shutil
 from pathlib import Path
 
-import torch
-
-from trainer.atomic import fsync_tree, publish_dir, remove_temp_siblings, temp_sibling
 from trainer.config import ConfigError, ModelConfig, load
-from trainer.model import distributed
-from trainer.model.wrappers import unwrap_peft
-from trainer.restart.state import adapter_state
+from trainer.serve.final import save_tokenizer
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 TOKENIZER_FILES = (
@@ -79,18 +74,6 @@ def _run_config(run_dir: Path) -> tuple[ModelConfig, str | None]:
     return cfg.model, cfg.data.chat_template
 
 
-def save_tokenizer(tokenizer: str | Path, out: Path, chat_template: str | None) -> None:
-    """The tokenizer at `tokenizer`, carrying the chat template the run trained with (`data.chat_template`
-    resolved as the data pipeline resolves it), saved to `out`: tokenizer_config.json / chat_template.jinja."""
-    from transformers import AutoTokenizer
-
-    from trainer.data.chat_templates import apply_to_saved
-
-    tok = AutoTokenizer.from_pretrained(str(tokenizer))
-    apply_to_saved(tok, chat_template)
-    tok.save_pretrained(str(out))
-
-
 def merge_adapter(adapter_dir: Path, out: Path, model_cfg: ModelConfig, chat_template: str | None = None) -> None:
     import torch
     from peft import PeftModel
@@ -124,25 +107,3 @@ def merge_adapter(adapter_dir: Path, out: Path, model_cfg: ModelConfig, chat_tem
     tok_dir = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base_path
     # final/ already carries the trained template; a checkpoint has no tokenizer, so the base's gets it here
     save_tokenizer(tok_dir, out, chat_template)
-
-
-def write_final(
-    directory: Path, model: torch.nn.Module, tokenizer: str, is_main: bool = True, chat_template: str | None = None
-) -> None:
-    """`final/`: the PEFT adapter (adapter_model.safetensors + adapter_config.json) and the tokenizer,
-    carrying the chat template the data was rendered with (`chat_template` is data.chat_template).
-
-    Every rank calls it (under FSDP the adapter is gathered from the shards); the main rank
-    writes. Written into a temp directory, fsynced and renamed into place like a checkpoint, so
-    a kill mid-write never leaves a torn adapter that `export` or a server would pick up.
-    """
-    whole = adapter_state(model) if is_main or distributed.is_sharded(model) else None
-    if not is_main:
-        return
-    peft_model = unwrap_peft(model)
-    remove_temp_siblings(directory)
-    tmp = temp_sibling(directory)
-    peft_model.save_pretrained(str(tmp), safe_serialization=True, state_dict=whole)
-    save_tokenizer(tokenizer, tmp, chat_template)
-    fsync_tree(tmp)
-    publish_dir(tmp, directory)

@@ -31,7 +31,7 @@ from transformers import AutoTokenizer, TextStreamer
 from trainer import builtin_assets
 from trainer import config as C
 from trainer.data.chat_templates import resolve_chat_template
-from trainer.export import adapter_source
+from trainer.serve.export import adapter_source
 
 ADAPTER_CONFIG = "adapter_config.json"
 EXIT_WORDS = ("/exit", "/quit")
