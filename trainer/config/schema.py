@@ -63,8 +63,8 @@ class AdapterConfig:
 DataFormat = Literal["auto", "alpaca", "prompt_completion", "messages", "sharegpt", "text", "chat"]
 """The values of `data.format` and of each `data.sources[i].format`."""
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-"""The roles a conversation's turns may take (what `data.sharegpt_roles` maps speakers to)."""
+CHAT_ROLES = ("system", "user", "assistant", "tool", "tool_call")
+"""The roles a conversation's turns may take (what `data.sharegpt_roles` maps speakers to); `tool_call` is an assistant turn whose value is a call."""
 
 
 @dataclass(frozen=True)
@@ -111,8 +111,12 @@ class DataConfig:
     """What to do with examples longer than `seq_len`."""
     tokenizer: str | None = None
     """Tokenizer path or id; defaults to `model.name_or_path`."""
+    tokenizer_revision: str | None = None
+    """Hub revision (branch, tag or commit) of `data.tokenizer`; unset: `model.revision` when the tokenizer is the model's, so tokenizer, chat template and weights load at one commit."""
     chat_template: str | None = None
     """The chat template every conversational format is rendered with, and that `final/` and exports carry: unset is the tokenizer's own; `chatml`, `llama3`, `alpaca` (the Stanford prompt) name a built-in one for a base model without one; anything else is Jinja text."""
+    template_date: str | None = None
+    """The day (YYYY-MM-DD) a chat template that writes today's date (`strftime_now`, as Llama 3.2/3.3 do) writes into every row, so the same data renders alike on any day; unset: the day of the run's first start, kept in its config.yaml across restarts (today, for a prepare outside a run)."""
     train_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
     """Which assistant turns carry labels (with their end-of-turn token): every one, or only the conversation's last."""
     train_on_inputs: bool = False
@@ -134,7 +138,9 @@ class DataConfig:
     conversations_field: str = "conversations"
     """Field holding `sharegpt` data (turns of `from`/`value`)."""
     sharegpt_roles: dict[str, str] = field(default_factory=dict)
-    """ShareGPT speaker -> role, added to the defaults human/user -> user, gpt/assistant -> assistant, system, tool (a turn with another speaker drops its row, counted as unknown_role)."""
+    """ShareGPT speaker -> role, added to the defaults human/user -> user, gpt/assistant -> assistant, system, tool/observation -> tool, function_call -> tool_call (an assistant turn whose value is a JSON call `{name, arguments}`); a turn with another speaker drops its row, counted as unknown_role."""
+    tools_field: str = "tools"
+    """Field holding a conversation's tools (function schemas, a list or its JSON text), for `messages`, `sharegpt` and `prompt_completion` rows that call functions; rendered by the chat template's tools header (never trained). Optional."""
     text_field: str = "text"
     """Field holding raw text for `text` format."""
     cache_dir: str | None = None

@@ -25,7 +25,10 @@ from datasets.utils import tqdm
 
 from trainer.config import DataConfig, SourceConfig
 from trainer.data import hub, layout
-from trainer.data.read import DataError, check_source, is_saved_dataset, read_rows
+from trainer.data.read import INTERNAL, DataError, check_source, data_columns, is_saved_dataset, read_rows
+
+FILE_COLUMN = INTERNAL + "file"
+"""Which of a located source's files a raw row came from (an index into `Located.files`)."""
 
 # (config key, role, required) per format: prepare.FORMAT_FIELDS, passed in (prepare imports this module).
 FormatFields = Mapping[str, tuple[tuple[str, str, bool], ...]]
@@ -160,23 +163,35 @@ def local_files(located: list[Located]) -> list[Path]:
 
 
 def read(loc: Located) -> datasets.Dataset:
-    """Every raw row of `loc`, its files concatenated in order."""
+    """Every raw row of `loc`, its files concatenated in order, with every column any file has and,
+    per row, its file (`FILE_COLUMN`, an index into `loc.files`) and line (`read.LINE_COLUMN`)."""
     key = _path_key(loc.source.key)
     # datasets' tqdm follows its global progress switch (prepare's `progress`): a bar on a terminal.
     files = tqdm(loc.files, desc=f"read {loc.source.key}", unit="file", disable=len(loc.files) < 2)
-    parts = [read_rows(f, key=key, split=loc.source.split) for f in files]
-    if len(parts) == 1:
-        return parts[0]
+    parts = []
+    for i, f in enumerate(files):
+        rows = read_rows(f, key=key, split=loc.source.split)
+        parts.append(rows.add_column(FILE_COLUMN, np.full(len(rows), i, dtype=np.int32)))
+    return parts[0] if len(parts) == 1 else _concatenate(parts, loc, key)
+
+
+def _concatenate(parts: list[datasets.Dataset], loc: Located, key: str) -> datasets.Dataset:
+    """The files' rows as one table: a column some file lacks is None in its rows, and files of one
+    layout that differ in storage types (Parquet's large_string, JSON's string) take the first's."""
+    union: dict[str, Any] = {}
+    for p in parts:
+        for name, feature in p.features.items():
+            union.setdefault(name, feature)
+    features = datasets.Features(union)
     try:
-        # Files of one layout may still differ in storage types (Parquet's large_string, JSON's
-        # string): cast each to the first one's features when the columns are the same.
-        first = parts[0].features
-        parts = [
-            p.select_columns(list(first)).cast(first) if p.features != first and set(p.features) == set(first) else p
-            for p in parts
-        ]
-        return datasets.concatenate_datasets(parts)
-    except (ValueError, TypeError) as e:  # columns or types that differ between files
+        whole = []
+        for p in parts:
+            for name in union.keys() - set(p.column_names):
+                p = p.add_column(name, [None] * len(p), feature=union[name])
+            p = p.select_columns(list(union))
+            whole.append(p if p.features == features else p.cast(features))
+        return datasets.concatenate_datasets(whole)
+    except (ValueError, TypeError) as e:  # types that differ between files
         names = ", ".join(f.name for f in loc.files[:5])
         raise DataError(
             f"{key}: the files of {loc.label} ({names}...) do not share one schema ({e}); "
@@ -270,7 +285,8 @@ def write_sample(
     for i, (loc, table) in enumerate(zip(located, tables, strict=True)):
         k = min(len(table), max(1, round(size * len(table) / total)))
         path = directory / f"sample-{i}.jsonl"
-        table.select(range(k)).to_json(str(path), lines=True)
+        sample = table.select(range(k))
+        sample.select_columns(data_columns(sample)).to_json(str(path), lines=True)
         fmt: Any = loc.source.fmt  # a value of data.format: sources_of checked it against format_fields
         entries.append(SourceConfig(path=str(path), format=fmt, fields=dict(loc.source.fields)))
         sampled += k

@@ -23,7 +23,6 @@ from trainer import exit_codes
 from trainer.data.cache import in_turns
 from trainer.data.sampler import StepSampler, run_steps
 from trainer.exit_codes import StopReason
-from trainer.serve.final import write_final
 from trainer.model import compile_cache, distributed, flops
 from trainer.model.load import build, build_optimizer, count_params
 from trainer.restart import owner
@@ -31,6 +30,7 @@ from trainer.restart.checkpoint import CheckpointManager
 from trainer.restart.ledger import Ledger, timed
 from trainer.restart.saving import Saver
 from trainer.restart.state import Counters, TrainState, check_compatible, restore_training_state
+from trainer.serve.final import write_final
 from trainer.training import autofit, determinism, loop, metrics, process, shutdown, trackers
 from trainer.training.batches import StepDataset, prefetching, step_loader
 from trainer.training.console import Console
