@@ -68,20 +68,24 @@ def is_saved_dataset(p: Path) -> bool:
     return (p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists()
 
 
-def read_rows(path: str | Path, *, key: str = "data.path", split: str = "train") -> datasets.Dataset:
+def read_rows(
+    path: str | Path, *, key: str = "data.path", split: str = "train", as_text: tuple[str, ...] = ()
+) -> datasets.Dataset:
     """All rows of the file or saved dataset at `path` (`split` of a saved DatasetDict), each with
-    its `LINE_COLUMN`; `key` names the config key in errors."""
+    its `LINE_COLUMN`; `key` names the config key in errors. JSON values of the `as_text` columns
+    (a conversation's tools) are kept as JSON text: Arrow would merge every row's schemas into one
+    struct of all their keys, reordered and null-filled."""
     p = check_source(path, key=key)
     if p.is_dir():
         ds = _numbered(_read_saved(p, key, split))
     else:
         suffix = data_suffix(p)
         if suffix in (".jsonl", ".ndjson"):
-            ds = _from_records(_read_jsonl(p), p, key)
+            ds = _from_records(_read_jsonl(p), p, key, as_text)
         elif suffix == ".json":
-            ds = _from_records(_read_json(p), p, key)
+            ds = _from_records(_read_json(p), p, key, as_text)
         elif suffix == ".csv":
-            ds = _from_records(_read_csv(p), p, key)
+            ds = _from_records(_read_csv(p), p, key, as_text)
         elif suffix == ".parquet":
             # Read straight through pyarrow (what datasets' builders use underneath) so that
             # nothing is written to the user's HF cache: the only artifact is our own cache dir.
@@ -214,13 +218,15 @@ def _read_csv(p: Path) -> Numbered:
     return rows
 
 
-def _from_records(rows: Numbered, p: Path, key: str) -> datasets.Dataset:
+def _from_records(rows: Numbered, p: Path, key: str, as_text: tuple[str, ...]) -> datasets.Dataset:
     """A dataset with every key any row has (datasets.Dataset.from_list takes the first row's keys
     only, silently dropping a column the first row lacks), and each row's line."""
     if not rows:
         raise DataError(f"{key}: {p} holds no examples; give a file with at least one row.")
     columns = list(dict.fromkeys(k for _, row in rows for k in row))
     table = {c: [row.get(c) for _, row in rows] for c in columns}
+    for c in set(as_text) & set(table):
+        table[c] = [json.dumps(v, ensure_ascii=False) if isinstance(v, (dict, list)) else v for v in table[c]]
     table[LINE_COLUMN] = [line for line, _ in rows]
     try:
         return datasets.Dataset.from_dict(table)

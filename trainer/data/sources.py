@@ -168,9 +168,10 @@ def read(loc: Located) -> datasets.Dataset:
     key = _path_key(loc.source.key)
     # datasets' tqdm follows its global progress switch (prepare's `progress`): a bar on a terminal.
     files = tqdm(loc.files, desc=f"read {loc.source.key}", unit="file", disable=len(loc.files) < 2)
+    as_text = tuple(c for role, c in loc.source.fields.items() if role == "tools")
     parts = []
     for i, f in enumerate(files):
-        rows = read_rows(f, key=key, split=loc.source.split)
+        rows = read_rows(f, key=key, split=loc.source.split, as_text=as_text)
         parts.append(rows.add_column(FILE_COLUMN, np.full(len(rows), i, dtype=np.int32)))
     return parts[0] if len(parts) == 1 else _concatenate(parts, loc, key)
 

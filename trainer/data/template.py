@@ -217,6 +217,8 @@ class Tokenize:
             if eos_rule:  # what the template writes after the last end mark (chatml's "\n") leads to the
                 spans[-1] = (spans[-1][0], len(text))  # trained EOS: trained too, or nothing teaches it
             kept.append((i, text, spans, eos_rule))
+        if not kept:  # every conversation of the batch was dropped (a fast tokenizer refuses an empty batch)
+            return []
         enc = self.tokenizer([k[1] for k in kept], add_special_tokens=False, return_offsets_mapping=True)
         out = []
         for (i, _, spans, eos_rule), ids, offsets in zip(kept, enc["input_ids"], enc["offset_mapping"], strict=True):
