@@ -132,22 +132,30 @@ def _source(
 
 
 def locate(src: Source) -> Located:
-    """The files of `src` (downloading a hub dataset's files into the HF cache)."""
+    """The files of `src`, resolved as `datasets.load_dataset` resolves them (layout.py); a hub
+    dataset's split files are downloaded into the HF cache, and only those."""
     hub_id = hub.parse(src.path)
     if hub_id is None:
         path = check_source(src.path, key=_path_key(src.key))
         if path.is_file() or is_saved_dataset(path):
             return Located(src, (path,), None, str(path))
-        files = layout.pick_files(path, src.subset, src.split, _path_key(src.key))
+        files = layout.split_files(path, src.subset, src.split, _path_key(src.key))
         return Located(src, tuple(files), None, str(path))
     revision = src.revision or hub_id.revision
     key = _path_key(src.key)
     # First the card alone: it resolves the commit and may name the split's files (its configs:).
-    folder, commit = hub.download(hub_id, revision, [layout.CARD], key)
-    patterns = layout.card_patterns(folder / layout.CARD, src.subset, src.split, hub_id.url(commit), key)
-    folder, commit = hub.download(hub_id, commit, hub.data_patterns(patterns), key)
-    files = layout.pick_files(folder, src.subset, src.split, key, where=hub_id.url(commit))
-    return Located(src, tuple(files), commit, hub_id.url(commit))
+    folder, commit = hub.download(hub_id, revision, list(layout.METADATA), key)
+    where = hub_id.url(commit)
+    listed = hub.listing(hub_id, commit, folder, key)
+    wanted = layout.split_files_listed(listed, folder, src.subset, src.split, key, where)
+    folder, commit = hub.download(hub_id, commit, hub.exactly([*layout.METADATA, *wanted]), key)
+    missing = [rel for rel in wanted if not (folder / rel).is_file()]
+    if missing:
+        raise DataError(
+            f"{key}: {where}: {', '.join(missing[:3])} did not arrive; with HF_HUB_OFFLINE=1 the cache may lack them: "
+            "run once online."
+        )
+    return Located(src, tuple(folder / rel for rel in wanted), commit, where)
 
 
 def _path_key(key: str) -> str:
@@ -268,7 +276,7 @@ def _pin(key: str, path: str, revision: str | None, pinned: str | None, notes: l
             "(the run's config.yaml); commits pushed since are not read by this run"
         )
         return pinned
-    _, commit = hub.download(hub_id, asked, [layout.CARD], _path_key(key))
+    _, commit = hub.download(hub_id, asked, list(layout.METADATA), _path_key(key))
     notes.append(f"{key}: {hub_id.repo_id}@{asked or 'main'} is commit {commit[:12]}; this run reads that commit")
     return commit
 
