@@ -304,3 +304,23 @@ def tokenize_for(cfg: Any, tokenizer: Any, source: str) -> Tokenize:
         train_on_inputs=cfg.train_on_inputs,
         template_date=cfg.template_date,
     )
+
+
+def end_of_turn_ids(tokenizer: Any, chat_template: str | None, fmt: str) -> list[int]:
+    """The tokens a run trains as the end of an assistant turn: what generation must stop on.
+
+    Conversational data: the last trained token of a probe conversation tokenised exactly as the
+    rows are (the template's end-of-turn token, `<|im_end|>`, `<|eot_id|>`..., or the EOS appended
+    where the template ends a turn with none); raw text and raw prompt/completion: EOS. `auto` and
+    prompt/completion may be either, so both count."""
+    ids: list[int] = []
+    fmt = formats.normalise(fmt)
+    if fmt != "text" and resolve_chat_template(chat_template, tokenizer) is not None:
+        probe = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
+        out = Tokenize("messages", tokenizer, {"messages": "messages"}, 1 << 20, "truncate", chat_template)(
+            {"messages": [probe]}
+        )
+        ids += [lab for lab in out["labels"][0] if lab != IGNORE_INDEX][-1:]
+    if fmt in ("text", "auto", "prompt_completion") and tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    return list(dict.fromkeys(ids))

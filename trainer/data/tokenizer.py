@@ -29,6 +29,17 @@ PATTERNS = [
 """The files of a hub model that make its tokenizer (not its weights)."""
 
 
+def revision_of(
+    tokenizer: str | None, tokenizer_revision: str | None, model: str, model_revision: str | None
+) -> str | None:
+    """The revision the tokenizer (and its chat template) loads at: `data.tokenizer_revision`, else the
+    weights' `model.revision` when the tokenizer is the model's (`data.tokenizer` unset or the same id),
+    so the two come from one commit."""
+    if tokenizer_revision is not None:
+        return tokenizer_revision
+    return model_revision if tokenizer in (None, model) else None
+
+
 def local_dir(name_or_path: str, revision: str | None, key: str = "data.tokenizer") -> str:
     """A folder holding the tokenizer `name_or_path` names: itself when it is a folder, else the hub
     model's tokenizer files at `revision` (None: its default branch) in the HF cache."""

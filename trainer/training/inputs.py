@@ -23,20 +23,16 @@ def model_path(cfg: C.RunConfig) -> str:
     return builtin_assets.resolve_model(cfg.model.name_or_path)
 
 
-def tokenizer_revision(cfg: C.RunConfig) -> str | None:
-    """The revision the tokenizer (and its chat template) loads at: `data.tokenizer_revision`, else the
-    weights' `model.revision` when the tokenizer is the model's, so the two come from one commit."""
-    if cfg.data.tokenizer_revision is not None:
-        return cfg.data.tokenizer_revision
-    return cfg.model.revision if cfg.data.tokenizer in (None, cfg.model.name_or_path) else None
-
-
 def tokenizer_path(cfg: C.RunConfig) -> str:
-    """The tokenizer's local folder: `data.tokenizer` or the model's, a hub id's files fetched at its revision."""
-    from trainer.data.tokenizer import local_dir
+    """The tokenizer's local folder: `data.tokenizer` or the model's, a hub id's files fetched at the
+    revision the weights load at (trainer/data/tokenizer.py, `revision_of`)."""
+    from trainer.data.tokenizer import local_dir, revision_of
 
-    key = "data.tokenizer" if cfg.data.tokenizer else "model.name_or_path"
-    return local_dir(cfg.data.tokenizer or model_path(cfg), tokenizer_revision(cfg), key)
+    d, m = cfg.data, cfg.model
+    key = "data.tokenizer" if d.tokenizer else "model.name_or_path"
+    return local_dir(
+        d.tokenizer or model_path(cfg), revision_of(d.tokenizer, d.tokenizer_revision, m.name_or_path, m.revision), key
+    )
 
 
 def pin_data(cfg: C.RunConfig, is_main: bool = True) -> C.RunConfig:

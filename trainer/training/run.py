@@ -366,7 +366,9 @@ def _finish(
     ledger.winding_down(reason)
     if reason in ("finished", "budget"):
         with ledger.timed("final"):  # a collective under FSDP
-            write_final(proc.out / "final", model, tokenizer_path(cfg), proc.is_main, cfg.data.chat_template)
+            write_final(
+                proc.out / "final", model, tokenizer_path(cfg), proc.is_main, cfg.data.chat_template, cfg.data.format
+            )
     proc.accelerator.wait_for_everyone()
     summary = books.meter.summary()
     with ledger.timed("flush"):
