@@ -78,8 +78,10 @@ class FakeHub:
     def __init__(self, home: Path) -> None:
         self.cache = home / "hub"
 
-    def push(self, repo: str, files: dict[str, bytes | str], commit: str, ref: str = "main") -> Path:
-        root = self.cache / f"datasets--{repo.replace('/', '--')}"
+    def push(
+        self, repo: str, files: dict[str, bytes | str], commit: str, ref: str = "main", kind: str = "datasets"
+    ) -> Path:
+        root = self.cache / f"{kind}--{repo.replace('/', '--')}"
         snap = root / "snapshots" / commit
         for rel, data in files.items():
             raw = data.encode() if isinstance(data, str) else data
