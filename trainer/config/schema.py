@@ -192,8 +192,8 @@ class TrainConfig:
     """`adamw` (fused on CUDA), or bitsandbytes 8-bit / paged 8-bit AdamW."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping)."""
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
-    """Autocast for the trainable path; fp16 adds a gradient scaler."""
+    mixed_precision: Literal["no", "bf16", "fp16", "auto"] = "no"
+    """Autocast for the trainable path; fp16 adds a gradient scaler; `auto` (Axolotl's `bf16: auto`): bf16 on a GPU that has it (Ampere or newer), else no, decided by each process at its start."""
     max_bad_steps: int = 5
     """Stop after this many consecutive steps with a non-finite loss or gradient norm."""
     eval_every: int | None = None
@@ -261,8 +261,8 @@ class MetricsConfig:
     """Peak FLOP/s of one device; overrides the table."""
     trackers: tuple[Literal["tensorboard", "wandb", "mlflow"], ...] = ()
     """Experiment trackers; every attempt of the run continues the same tracker run (docs/trackers-and-logs.md)."""
-    project: str = "spotune"
-    """The W&B project / MLflow experiment the run is logged under."""
+    project: str | None = None
+    """The W&B project / MLflow experiment the run is logged under; unset: the tracker's own setting (`WANDB_PROJECT`, `MLFLOW_EXPERIMENT_NAME`), else `spotune`."""
     run_name: str | None = None
     """The tracker run's display name (default: the output directory's name)."""
     tags: tuple[str, ...] = ()

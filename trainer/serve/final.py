@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from trainer.atomic import fsync_tree, publish_dir, remove_temp_siblings, temp_sibling
+from trainer.config import DataConfig
 from trainer.data.template import end_of_turn_ids
 from trainer.model import distributed
 from trainer.model.wrappers import unwrap_peft
@@ -55,12 +56,11 @@ def write_final(
     model: torch.nn.Module,
     tokenizer: str,
     is_main: bool = True,
-    chat_template: str | None = None,
-    data_format: str = "auto",
+    data: DataConfig | None = None,
 ) -> None:
     """`final/`: the PEFT adapter (adapter_model.safetensors + adapter_config.json), the tokenizer,
-    carrying the chat template the data was rendered with (`chat_template` is data.chat_template), and
-    the base model's generation config with the trained end of turn among its EOS ids.
+    carrying the chat template the data was rendered with (`data.chat_template`), and the base model's
+    generation config with what the run trained as the end of a turn (per `data.format`) among its EOS ids.
 
     Every rank calls it (under FSDP the adapter is gathered from the shards); the main rank
     writes. Written into a temp directory, fsynced and renamed into place like a checkpoint, so
@@ -73,8 +73,9 @@ def write_final(
     remove_temp_siblings(directory)
     tmp = temp_sibling(directory)
     peft_model.save_pretrained(str(tmp), safe_serialization=True, state_dict=whole)
-    tok = save_tokenizer(tokenizer, tmp, chat_template)
+    data = data or DataConfig()
+    tok = save_tokenizer(tokenizer, tmp, data.chat_template)
     base = getattr(peft_model.get_base_model(), "generation_config", None)
-    served_generation_config(base, tok, None, data_format).save_pretrained(str(tmp))  # tok carries the template
+    served_generation_config(base, tok, None, data.format).save_pretrained(str(tmp))  # tok carries the template
     fsync_tree(tmp)
     publish_dir(tmp, directory)

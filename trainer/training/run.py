@@ -65,6 +65,7 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
             )
         )
         proc = process.start(cfg, phases, closing, fence=holding.lease)  # accelerator, DDP/FSDP, store, stop paths
+        cfg = process.resolved_precision(cfg, proc.accelerator)  # `auto`: what the accelerator runs on this GPU
         device = proc.accelerator.device
         with timed(phases, "data"):
             cfg = pin_data(cfg, proc.is_main)  # hub datasets stay at the commit of the run's first start
@@ -366,9 +367,7 @@ def _finish(
     ledger.winding_down(reason)
     if reason in ("finished", "budget"):
         with ledger.timed("final"):  # a collective under FSDP
-            write_final(
-                proc.out / "final", model, tokenizer_path(cfg), proc.is_main, cfg.data.chat_template, cfg.data.format
-            )
+            write_final(proc.out / "final", model, tokenizer_path(cfg), proc.is_main, cfg.data)
     proc.accelerator.wait_for_everyone()
     summary = books.meter.summary()
     with ledger.timed("flush"):
