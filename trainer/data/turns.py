@@ -92,11 +92,9 @@ def _message(t: dict[str, Any], roles: dict[str, str] | None, n: int) -> dict[st
 
 def tool_calls_of(value: Any, n: int) -> list[dict[str, Any]] | Drop:
     """OpenAI `tool_calls` (or a ShareGPT call: JSON text of one call or a list) -> normalised calls."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            return Drop(BAD_MESSAGES, f"turn {n}: the tool call is not JSON ({e.msg})")
+    value = _parsed(value, BAD_MESSAGES, f"turn {n}: the tool call")
+    if isinstance(value, Drop):
+        return value
     items = [value] if isinstance(value, dict) else value
     if not isinstance(items, (list, tuple)) or not items:
         return Drop(BAD_MESSAGES, f"turn {n}: expected one tool call or a list of them")
@@ -107,12 +105,9 @@ def tool_calls_of(value: Any, n: int) -> list[dict[str, Any]] | Drop:
         if not isinstance(name, str) or not name:
             return Drop(BAD_MESSAGES, f"turn {n}: a tool call without a function name")
         assert isinstance(fn, dict) and isinstance(item, dict)
-        args = fn.get("arguments", fn.get("parameters"))
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError as e:
-                return Drop(BAD_MESSAGES, f"turn {n}: the arguments of {name!r} are not JSON ({e.msg})")
+        args = _parsed(fn.get("arguments", fn.get("parameters")), BAD_MESSAGES, f"turn {n}: the arguments of {name!r}")
+        if isinstance(args, Drop):
+            return args
         if not isinstance(args, dict) and args is not None:
             return Drop(BAD_MESSAGES, f"turn {n}: the arguments of {name!r} are not an object")
         call: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": _plain(args or {})}}
@@ -125,18 +120,24 @@ def tool_calls_of(value: Any, n: int) -> list[dict[str, Any]] | Drop:
 def tools_of(value: Any) -> list[dict[str, Any]] | None | Drop:
     """A row's `tools` column (a list of function schemas, or its JSON text) -> the template's `tools`;
     a bare `{name, description, parameters}` is wrapped as OpenAI's `{"type": "function", "function": ...}`."""
-    if value is None or value == "":
-        return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            return Drop(BAD_TOOLS, f"the tools are not JSON ({e.msg})")
+    value = _parsed(value, BAD_TOOLS, "the tools")
+    if value is None or isinstance(value, Drop):
+        return value
     items = [value] if isinstance(value, dict) else value
     if not isinstance(items, (list, tuple)) or not all(isinstance(t, dict) for t in items):
         return Drop(BAD_TOOLS, "expected a list of function schemas")
     tools = [_plain(t) for t in items]
     return [t if "function" in t else {"type": "function", "function": t} for t in tools] or None
+
+
+def _parsed(value: Any, reason: str, what: str) -> Any:
+    """`value`, or the JSON its text holds (empty text: None); a Drop naming `what` when it is not JSON."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value) if value.strip() else None
+    except json.JSONDecodeError as e:
+        return Drop(reason, f"{what} is not JSON ({e.msg})")
 
 
 def _plain(value: Any) -> Any:
