@@ -134,7 +134,7 @@ def test_every_dropped_row_is_listed_with_its_file_line_and_reason(tmp_path: Pat
     array = tmp_path / "b.json"
     array.write_text(json.dumps([ROWS[1], no_output, ROWS[2]], indent=1))  # items open on lines 2, 7 and 11
     csv = tmp_path / "c.csv"
-    csv.write_text('instruction,input,output\n"Two\nlines.",,ok\nNo answer.,\n')  # the second row lacks a cell
+    csv.write_text('instruction,input,output\n"Two\nlines.",,ok\n\nNo answer.,\n')  # the last row lacks a cell
     parquet = tmp_path / "d.parquet"
     pd.DataFrame([ROWS[3], {**ROWS[3], "output": None}, {**ROWS[2], "output": None}]).to_parquet(parquet)
     sources = [{"path": str(f)} for f in (jsonl, array, csv, parquet)]
@@ -150,7 +150,7 @@ def test_every_dropped_row_is_listed_with_its_file_line_and_reason(tmp_path: Pat
         (str(jsonl), 3, "null_field", missing),
         (str(jsonl), 4, "overlong", "319 tokens, data.seq_len is 128"),
         (str(array), 7, "null_field", missing),
-        (str(csv), 4, "null_field", missing),
+        (str(csv), 5, "null_field", missing),
         (str(parquet), 2, "null_field", missing),
         (str(parquet), 3, "null_field", missing),
     ]

@@ -202,19 +202,24 @@ def _array_items(text: str) -> Iterator[tuple[int, Any]]:
 
 
 def _read_csv(p: Path) -> Numbered:
-    """CSV rows as strings: an empty cell is the empty string (an alpaca `input`), never NaN."""
+    """CSV rows as strings: an empty cell is the empty string (an alpaca `input`), never NaN; a row
+    with fewer cells than the header lacks the last columns. Each row's line is where it starts (a
+    quoted cell may span lines; blank lines are skipped but counted)."""
     rows: Numbered = []
     with _open_text(p, encoding="utf-8-sig") as f:  # -sig: a spreadsheet's byte-order mark is not a column name
-        reader = csv.DictReader(f)
-        start = 2
-        for row in reader:
-            if None in row:
+        reader = csv.reader(f)
+        header = next(reader, [])
+        done = reader.line_num  # the last line read so far
+        for cells in reader:
+            start, done = done + 1, reader.line_num
+            if not cells:
+                continue
+            if len(cells) > len(header):
                 raise DataError(
-                    f"{p}:{start}: more cells than the header has columns ({', '.join(reader.fieldnames or [])}); "
-                    "quote cells that hold commas."
+                    f"{p}:{start}: {len(cells)} cells but the header has {len(header)} columns "
+                    f"({', '.join(header)}); quote cells that hold commas."
                 )
-            rows.append((start, row))
-            start = reader.line_num + 1
+            rows.append((start, dict(zip(header, cells, strict=False))))
     return rows
 
 
