@@ -138,11 +138,10 @@ def listing(hub: HubId, commit: str, snapshot: Path, key: str) -> list[str]:
     the hub out of reach, the files of that commit the cache holds."""
     if not _offline():
         from huggingface_hub import HfApi
-        from huggingface_hub.errors import HfHubHTTPError
 
         try:
             return HfApi().list_repo_files(hub.repo_id, repo_type="dataset", revision=commit)
-        except (HfHubHTTPError, OSError) as e:  # requests' connection errors are OSErrors
+        except Exception as e:  # a network or server fault (httpx's are no OSErrors): the cache's copy of the commit
             print(f"spotune: {key}: cannot list {hub.url(commit)} ({type(e).__name__}); reading what the cache holds")
     return sorted(
         f.relative_to(snapshot).as_posix()
