@@ -82,7 +82,8 @@ def test_final_the_merged_model_and_chat_stop_on_the_trained_end_of_turn(tmp_pat
     base_config = GenerationConfig.from_pretrained(base)
     assert base_config.eos_token_id == base_stop  # base-shaped: the base model stops on its own EOS only
     merged = export(tmp_path / "run", tmp_path / "merged", merge=True)
-    served = {p: GenerationConfig.from_pretrained(p) for p in (tmp_path / "run" / "final", merged)}
+    copied = export(tmp_path / "run", tmp_path / "adapter")
+    served = {p: GenerationConfig.from_pretrained(p) for p in (tmp_path / "run" / "final", merged, copied)}
     for where, config in served.items():
         assert config.eos_token_id == [base_stop, stop], where  # the base's EOS, and the trained one
     assert Chat(find_source(tmp_path / "run"), "cpu").generation.eos_token_id == [base_stop, stop]
