@@ -282,10 +282,10 @@ def _tokenize_pack_save(
     else:
         bins_local, algorithm = one_per_row(doc_lens), "one_per_row"
     bins = [[int(kept[i]) for i in b] for b in bins_local]
-    rows = build_rows(ids_arr.values.to_numpy(), lab_arr.values.to_numpy(), offsets, bins, cfg.seq_len, job.pad_id)
-    _save_rows(rows, cfg.seq_len, out_dir / name)
+    packed = build_rows(ids_arr.values.to_numpy(), lab_arr.values.to_numpy(), offsets, bins, cfg.seq_len, job.pad_id)
+    _save_rows(packed, cfg.seq_len, out_dir / name)
 
-    n_rows, real = len(bins), int(rows["num_real"].sum())
+    n_rows, real = len(bins), int(packed["num_real"].sum())
     return {
         **{k: per_source[0][k] for k in ("format", "format_reason", "chat_template")},  # the first source's
         "examples_in": len(status),
@@ -294,7 +294,7 @@ def _tokenize_pack_save(
         "dropped_rows": split_lost[: dropped.SHOWN],
         "truncated": int((lengths[kept] > cfg.seq_len).sum()),
         "real_tokens": real,
-        "trainable_tokens": int(rows["num_trainable"].sum()),
+        "trainable_tokens": int(packed["num_trainable"].sum()),
         "rows": n_rows,
         "packing_efficiency": real / (n_rows * cfg.seq_len),
         "packing_algorithm": algorithm,
@@ -308,13 +308,13 @@ def _tokenize_pack_save(
     }
 
 
-def _save_rows(rows: dict[str, np.ndarray], seq_len: int, path: Path) -> None:
+def _save_rows(packed: dict[str, np.ndarray], seq_len: int, path: Path) -> None:
     cols = {}
     for k in ("input_ids", "labels", "position_ids"):
-        flat = pa.array(rows[k].reshape(-1), type=pa.int32())
+        flat = pa.array(packed[k].reshape(-1), type=pa.int32())
         cols[k] = pa.FixedSizeListArray.from_arrays(flat, seq_len)
-    cols["num_real"] = pa.array(rows["num_real"], type=pa.int32())
-    cols["num_trainable"] = pa.array(rows["num_trainable"], type=pa.int32())
+    cols["num_real"] = pa.array(packed["num_real"], type=pa.int32())
+    cols["num_trainable"] = pa.array(packed["num_trainable"], type=pa.int32())
     datasets.Dataset(pa.table(cols)).save_to_disk(str(path))
 
 
