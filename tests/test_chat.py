@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import yaml
 
-from trainer.chat import Chat, Conversation, Sampling, chat, find_source
 from trainer.cli.main import main as spotune
 from trainer.exit_codes import EXIT_BAD_INPUT
+from trainer.serve.chat import Chat, Conversation, Sampling, chat, find_source
 
 REPO = Path(__file__).resolve().parents[1]
 # A 4-step adapter tends to end its turn at once: the reply is held to some tokens to test streaming.
@@ -185,8 +185,8 @@ def test_chat_and_merge_show_the_base_models_download(
     from_pretrained for the hub's download progress (a bar, or lines in a log file), as train does."""
     import transformers
 
-    from trainer.export import export
     from trainer.model import load
+    from trainer.serve.export import export
 
     monkeypatch.setattr(load, "_takes_download_bar", lambda: True)  # a transformers that reads tqdm_class
     real = transformers.AutoModelForCausalLM.from_pretrained

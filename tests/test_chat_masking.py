@@ -3,9 +3,12 @@ end-of-turn token carry labels, including templates that rewrite earlier turns o
 
 from __future__ import annotations
 
+import json
 from functools import cache
+from pathlib import Path
 from typing import Any
 
+import datasets
 import pytest
 from conftest import SHARED_DATA
 from transformers import AutoTokenizer
@@ -161,3 +164,127 @@ def test_untrained_turns_and_refused_conversations_are_counted() -> None:
         roles={**SHAREGPT_ROLES, "narrator": "user"},
     )({"conversations": [stranger]})
     assert mapped["status"] == [""]
+
+
+# ----------------------------------------------------------------------------- tool calls
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+ASK, RESULT, ANSWER = "Weather in Paris?", '{"temp_c": 21}', "It is 21 degrees."
+CALL = {"id": "call00001", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+# As OpenAI's fine-tuning files hold it: a call's content null, its arguments JSON text.
+TOOL_CONVERSATION = [
+    {"role": "user", "content": ASK},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [dict(CALL, function={**CALL["function"], "arguments": '{"city": "Paris"}'})],
+    },
+    {"role": "tool", "tool_call_id": "call00001", "content": RESULT},
+    {"role": "assistant", "content": ANSWER},
+]
+# What each template that renders tools writes as the model's turns: the call, then the answer.
+TOOL_CASES: dict[str, list[str]] = {
+    "qwen2.5-instruct": [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+    ],
+    "qwen3": ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'],
+    "llama-3.1-instruct": ['{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>'],
+    "mistral-7b-instruct-v0.3": [
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "call00001"}]</s>'
+    ],
+}
+ANSWERS = {"qwen2.5-instruct": ANSWER + "<|im_end|>", "qwen3": f"<think>\n\n</think>\n\n{ANSWER}<|im_end|>"}
+ANSWERS |= {"llama-3.1-instruct": ANSWER + "<|eot_id|>", "mistral-7b-instruct-v0.3": ANSWER + "</s>"}
+
+
+def _tool_labels(name: str, conversation: list[dict[str, Any]], tools: Any = None) -> dict[str, list[Any]]:
+    fields = {"messages": "messages", "tools": "tools"}
+    return Tokenize("messages", _tokenizer(name), fields, 4096, "truncate")(
+        {"messages": [conversation], "tools": [tools]}
+    )
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_CASES))
+def test_tool_calls_and_answers_are_trained_tool_results_and_tools_are_not(name: str) -> None:
+    tok = _tokenizer(name)
+    out = _tool_labels(name, TOOL_CONVERSATION, json.dumps(TOOLS))  # the tools column as JSON text
+    ids, labels = out["input_ids"][0], out["labels"][0]
+    served = [TOOL_CONVERSATION[0], dict(TOOL_CONVERSATION[1], content="", tool_calls=[CALL]), *TOOL_CONVERSATION[2:]]
+    rendered = tok.apply_chat_template(served, tools=TOOLS, tokenize=False)
+    assert (
+        ids == tok(rendered, add_special_tokens=False)["input_ids"]
+    )  # the template's own rendering, tools header included
+    assert _runs(tok, ids, labels) == [*TOOL_CASES[name], ANSWERS[name]]
+    offsets = tok(rendered, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    for text in (ASK, "temp_c", "Weather in a city."):  # the question, the tool's result, the tools header
+        at = rendered.find(text)
+        assert at >= 0, text
+        inside = [lab for lab, (s, e) in zip(labels, offsets, strict=True) if s < at + len(text) and e > at]
+        assert inside and all(lab == IGNORE_INDEX for lab in inside), text
+    # control: the call's turn marked untrained leaves only the answer; the comparison sees the call
+    untrained = [TOOL_CONVERSATION[0], dict(TOOL_CONVERSATION[1], weight=0), *TOOL_CONVERSATION[2:]]
+    out = _tool_labels(name, untrained, TOOLS)  # the tools column as a list of schemas
+    assert out["input_ids"][0] == ids and _runs(tok, ids, out["labels"][0]) == [ANSWERS[name]]
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-instruct", "llama-3.1-instruct"])
+def test_sharegpt_function_call_and_observation_are_a_tool_call_and_its_result(name: str) -> None:
+    """LLaMA-Factory's ShareGPT tool rows (a `function_call` turn whose value is the call, an
+    `observation`, the tools as JSON text) train exactly as the OpenAI form of the same conversation."""
+    call = json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})
+    turns = [{"from": "human", "value": ASK}, {"from": "function_call", "value": call}]
+    turns += [{"from": "observation", "value": RESULT}, {"from": "gpt", "value": ANSWER}]
+    fields = {"conversations": "conversations", "tools": "tools"}
+    sharegpt = Tokenize("sharegpt", _tokenizer(name), fields, 4096, "truncate")(
+        {"conversations": [turns], "tools": [json.dumps(TOOLS)]}
+    )
+    no_ids = [TOOL_CONVERSATION[0], dict(TOOL_CONVERSATION[1], tool_calls=[{"function": CALL["function"]}])]
+    openai = _tool_labels(name, [*no_ids, {"role": "tool", "content": RESULT}, TOOL_CONVERSATION[3]], TOOLS)
+    assert sharegpt["status"] == [""] and sharegpt["input_ids"] == openai["input_ids"]
+    assert sharegpt["labels"] == openai["labels"]
+    assert _runs(_tokenizer(name), sharegpt["input_ids"][0], sharegpt["labels"][0]) == [
+        *TOOL_CASES[name],
+        ANSWERS[name],
+    ]
+
+
+def test_a_template_without_tools_drops_tool_rows_by_reason() -> None:
+    """Phi-4's template writes no tool calls (Gemma 3's refuses a tool turn): such a row is a counted
+    drop that says why, never a conversation trained without its calls; a call that is not JSON names its turn."""
+    out = _tool_labels("phi-4", TOOL_CONVERSATION, TOOLS)
+    assert out["status"] == [TEMPLATE_ERROR] and out["detail"] == ["the chat template does not render tool calls"]
+    out = _tool_labels("gemma-3-it", TOOL_CONVERSATION, TOOLS)
+    assert out["status"] == [TEMPLATE_ERROR] and "roles must alternate" in out["detail"][0]  # the template's words
+    broken = [
+        TOOL_CONVERSATION[0],
+        dict(TOOL_CONVERSATION[1], tool_calls=[{"function": {"name": "f", "arguments": "{"}}]),
+    ]
+    out = _tool_labels("qwen2.5-instruct", broken)
+    assert out["status"] == ["malformed_messages"] and out["detail"][0].startswith("turn 2: the arguments of 'f'")
+
+
+def test_a_tool_file_prepares_every_row_with_its_tools(tmp_path: Path) -> None:
+    """OpenAI's fine-tuning JSONL (tools as objects, arguments as JSON text) whose first row calls
+    nothing: the later row keeps its tools and calls, trained as the template writes them."""
+    from trainer.config import DataConfig
+    from trainer.data import prepare
+
+    plain = {"messages": [{"role": "user", "content": Q1}, {"role": "assistant", "content": "Paris."}]}
+    data = tmp_path / "tools.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in (plain, {"messages": TOOL_CONVERSATION, "tools": TOOLS})))
+    name = "qwen2.5-instruct"
+    p = prepare(DataConfig(path=str(data), seq_len=1024), str(TOKENIZERS / name), tmp_path / "cache", progress=False)
+    assert p.manifest["train"]["examples_out"] == 2 and p.manifest["train"]["format"] == "messages"
+    row = datasets.load_from_disk(str(p.train_path))[0]
+    real = row["num_real"]
+    runs = _runs(_tokenizer(name), row["input_ids"][:real], row["labels"][:real])
+    assert [*TOOL_CASES[name], ANSWERS[name]] in [runs[:2], runs[1:]]  # packed beside the plain row

@@ -81,11 +81,10 @@ STAGES: dict[str, int] = {
     "model": 3,
     "builtin_assets": 4,  # the built-in tiny model and dataset: written with model/'s loaders
     "restart": 4,
-    "export": 5,
     "report": 5,
     "plan": 5,  # forecasts from numbers; the run reads its memory arithmetic (training/autofit.py)
-    "training": 6,  # run.py wires the whole train command, down to export and report
-    "chat": 6,  # talks to the adapter export finds (export.adapter_source)
+    "serve": 5,  # final/, export and chat: what is done with a trained run
+    "training": 6,  # run.py wires the whole train command, down to final/ (serve/) and the report
     "cli": 8,
     "__main__": 9,
 }
@@ -176,7 +175,7 @@ def test_no_import_circle() -> None:
 def test_the_stage_checks_can_fail() -> None:
     """Controls: an upward import, an import between two stages of one rank, and a circle are seen."""
     assert upward_imports("trainer.config.rules", {"trainer.restart.storage"})  # config reaching up into restart
-    assert upward_imports("trainer.export", {"trainer.report.load"})  # same rank: neither may import the other
+    assert upward_imports("trainer.serve.export", {"trainer.report.load"})  # same rank: neither may import the other
     assert not upward_imports("trainer.restart.state", {"trainer.model.distributed", "trainer.restart.rng"})
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
     assert not cycles({"a": {"b"}, "b": {"c"}, "c": set()})

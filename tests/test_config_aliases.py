@@ -243,7 +243,7 @@ def test_problems_inside_a_list_of_sources_name_their_line(tmp_path: Path) -> No
     assert sorted(err.value.problems) == sorted(
         [
             f"{recipe}:3: data.sharegpt_roles.narrator: 'usr' is not a role; map the speaker to one of "
-            "system, user, assistant, tool",
+            "system, user, assistant, tool, tool_call",
             f"{recipe}:7: data.sources[0].colour: unknown key; valid keys here: "
             + ", ".join(
                 f"data.sources[0].{k}"
@@ -315,3 +315,61 @@ def test_a_key_given_twice_in_a_recipe_names_both_lines(tmp_path: Path) -> None:
     ]
     recipe.write_text("train:\n  lr: 1e-4\n  epochs: 3\n")  # control: once each
     assert C.load(recipe).train.epochs == 3
+
+
+@pytest.mark.parametrize(
+    ("pair", "expected"),
+    [
+        ("bf16: true\nfp16: false\n", "bf16"),  # how HF's TrainingArguments and Axolotl write bf16
+        ("fp16: false\nbf16: true\n", "bf16"),  # in either order
+        ("bf16: false\nfp16: true\n", "fp16"),
+        ("bf16: false\nfp16: false\n", "no"),
+        ("bf16: auto\nfp16: false\n", "auto"),  # Axolotl: bf16 where the GPU has it
+        ("bf16: true\ntrain:\n  mixed_precision: bf16\n", "bf16"),  # two names, one setting
+        ("fp16: false\ntrain:\n  mixed_precision: bf16\n", "bf16"),
+    ],
+)
+def test_hf_precision_flags_read_as_a_pair(pair: str, expected: str, tmp_path: Path) -> None:
+    recipe = tmp_path / "hf.yaml"
+    recipe.write_text(pair + ("model:\n  dtype: float16\n" if expected == "fp16" else ""))
+    assert C.load(recipe).train.mixed_precision == expected
+
+
+@pytest.mark.parametrize(
+    "pair", ["bf16: true\nfp16: true\n", "bf16: false\ntrain:\n  mixed_precision: bf16\n", "fp16: true\nbf16: auto\n"]
+)
+def test_precision_flags_that_disagree_are_named(pair: str, tmp_path: Path) -> None:
+    """The control: two settings that each ask for something are still one too many."""
+    recipe = tmp_path / "hf.yaml"
+    recipe.write_text(pair)
+    with pytest.raises(C.ConfigError, match="train.mixed_precision is also set by"):
+        C.load(recipe)
+
+
+def test_values_as_other_tools_write_them_in_any_section(tmp_path: Path) -> None:
+    """HF's `max_steps: -1` is no limit (the epochs decide), and a value map applies where the name is
+    a spotune key too (`train.optimizer: adamw_torch`)."""
+    recipe = tmp_path / "hf.yaml"
+    recipe.write_text("max_steps: -1\nnum_train_epochs: 2\ntrain:\n  optimizer: adamw_torch_fused\n")
+    cfg = C.load(recipe)
+    assert (cfg.train.max_steps, cfg.train.epochs, cfg.train.optimizer) == (None, 2.0, "adamw")
+    assert C.load(None, ["train.max_steps=-1", "train.optimizer=adamw_bnb_8bit"]).train.optimizer == "adamw_8bit"
+    assert C.load(None, ["train.max_steps=-1"]).train.max_steps is None
+    with pytest.raises(C.ConfigError, match="train.max_steps: must be at least 1 or null, got -2"):
+        C.load(None, ["max_steps=-2"])  # control: only HF's -1 means "no limit"
+
+
+def test_bf16_auto_is_what_the_device_runs() -> None:
+    """`auto` resolves to bf16 where the GPU computes it, else no: on this CPU, no (the accelerator
+    built for the run and the config the run goes on with agree); a set precision stays as set."""
+    import torch
+
+    from trainer.training import process
+
+    cfg = C.load(None, ["bf16=auto", "output_dir=/tmp/unused"])
+    accelerator = process.make_accelerator(cfg)
+    expected = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    assert accelerator.mixed_precision == expected
+    assert process.resolved_precision(cfg, accelerator).train.mixed_precision == expected
+    fixed = C.load(None, ["bf16=true"])
+    assert process.resolved_precision(fixed, accelerator) is fixed  # control: only `auto` is decided here

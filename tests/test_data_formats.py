@@ -3,6 +3,7 @@ picked; a file read as the wrong format names the one to set; named templates fo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -148,3 +149,23 @@ def test_a_conversation_without_a_trained_turn_is_a_counted_drop(tiny_tokenizer:
         {"messages": [r["messages"] for r in rows]}
     )
     assert out["status"] == ["", "no_trainable_tokens", "null_field", "null_field"]
+    assert out["detail"] == ["", "no token to train (no assistant turn, or every one untrained)"] + [
+        "field 'messages' is missing or null",
+        "turn 1 (user) has no content",
+    ]
+
+
+def test_an_unknown_template_name_lists_the_known_ones(tmp_path: Path, tiny_tokenizer: Path) -> None:
+    """A misspelt name is never rendered as Jinja text (a template holds `{{` or `{%`)."""
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(ROWS["alpaca"]) + "\n")
+    cfg = DataConfig(path=str(data), chat_template="chatlm", seq_len=256)
+    with pytest.raises(DataError) as err:
+        prepare(cfg, str(tiny_tokenizer), tmp_path / "cache", progress=False)
+    assert str(err.value) == (
+        "data.chat_template: 'chatlm' is not a known template; did you mean chatml? set it to one of chatml, "
+        "llama3, alpaca, to Jinja text (a template holds {{ or {%), or unset it for the tokenizer's own."
+    )
+    jinja = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # control: Jinja text is rendered as given
+    p = prepare(dataclasses.replace(cfg, chat_template=jinja), str(tiny_tokenizer), tmp_path / "cache", progress=False)
+    assert p.manifest["train"]["chat_template"] == "data.chat_template (Jinja)"

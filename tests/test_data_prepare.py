@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 from transformers import AutoTokenizer
 
-from trainer.config import DataConfig
+from trainer.config import DataConfig, SourceConfig
 from trainer.data import DataError, Prepared, prepare
 from trainer.data.chat_templates import alpaca_prompt
 from trainer.data.formats import alpaca_messages
@@ -103,6 +103,62 @@ def test_configurable_field_names(tmp_path: Path, tiny_tokenizer: Path) -> None:
     )
     ref = _prep(tmp_path, tiny_tokenizer, path=str(_jsonl(tmp_path / "d.jsonl", ROWS)))
     assert _rows(p)["input_ids"] == _rows(ref)["input_ids"]
+
+
+def test_a_column_the_first_row_lacks_is_read_in_every_row(tmp_path: Path, tiny_tokenizer: Path) -> None:
+    """Rows are read with the union of their keys: a later row's `input` and `system` reach its prompt
+    (datasets' from_list, the former reader, takes the first row's keys for every row)."""
+    rows = [
+        {"instruction": "Name a year.", "output": "1789"},
+        {"instruction": "When did it start?", "input": "French Revolution", "system": "Be brief.", "output": "1789"},
+    ]
+    explicit = [dict(rows[0], input="", system=None), rows[1]]  # every key in the first row
+    reference = _docs(_rows(_prep(tmp_path, tiny_tokenizer, path=str(_jsonl(tmp_path / "all.jsonl", explicit)))))
+    (tmp_path / "d.json").write_text(json.dumps(rows, indent=1))
+    for path in (_jsonl(tmp_path / "d.jsonl", rows), tmp_path / "d.json"):
+        p = _prep(tmp_path, tiny_tokenizer, path=str(path), format="auto")
+        assert _docs(_rows(p)) == reference, path
+        assert p.manifest["train"]["examples_out"] == 2
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer)
+    text = "".join(tok.decode(ids) for ids, _ in reference)
+    assert "When did it start?\n\nFrench Revolution" in text and "Be brief." in text
+    assert "input" not in datasets.Dataset.from_list(rows).column_names  # control: the first row's keys only
+
+
+def test_every_dropped_row_is_listed_with_its_file_line_and_reason(tmp_path: Path, tiny_tokenizer: Path) -> None:
+    """JSONL (blank lines count), a JSON array, CSV (a quoted cell over two lines) by line; Parquet by row."""
+    no_output = {"instruction": "Say nothing.", "input": ""}
+    long = {"instruction": "Repeat.", "input": "", "output": " ".join(["word"] * 300)}
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_text(json.dumps(ROWS[0]) + "\n\n" + json.dumps(no_output) + "\n" + json.dumps(long) + "\n")
+    array = tmp_path / "b.json"
+    array.write_text(json.dumps([ROWS[1], no_output, ROWS[2]], indent=1))  # items open on lines 2, 7 and 11
+    csv = tmp_path / "c.csv"
+    csv.write_text('instruction,input,output\n"Two\nlines.",,ok\n\nNo answer.,\n')  # the last row lacks a cell
+    parquet = tmp_path / "d.parquet"
+    pd.DataFrame([ROWS[3], {**ROWS[3], "output": None}, {**ROWS[2], "output": None}]).to_parquet(parquet)
+    sources = [{"path": str(f)} for f in (jsonl, array, csv, parquet)]
+    p = prepare(
+        DataConfig(sources=tuple(SourceConfig(**s) for s in sources), format="alpaca", seq_len=128, overlong="drop"),
+        str(tiny_tokenizer),
+        tmp_path / "cache",
+        progress=False,
+    )
+    listed = [json.loads(x) for x in (p.train_path.parent / "dropped.jsonl").read_text().splitlines()]
+    missing = "field 'output' is missing or null"
+    assert [(e["file"], e.get("line", e.get("row")), e["reason"], e["detail"]) for e in listed] == [
+        (str(jsonl), 3, "null_field", missing),
+        (str(jsonl), 4, "overlong", "319 tokens, data.seq_len is 128"),
+        (str(array), 7, "null_field", missing),
+        (str(csv), 5, "null_field", missing),
+        (str(parquet), 2, "null_field", missing),
+        (str(parquet), 3, "null_field", missing),
+    ]
+    assert p.manifest["train"]["examples_in"] == 11 and p.manifest["train"]["examples_out"] == 5
+    summary = p.summary()
+    assert f"dropped rows (5 of 6 shown; every one in {p.train_path.parent / 'dropped.jsonl'}):" in summary
+    assert f"    {jsonl}:3: null_field ({missing})" in summary and f"    {parquet} row 2: null_field" in summary
+    assert f"{parquet} row 3" not in summary  # the first few in the console; every one in the file
 
 
 # ----------------------------------------------------------------------------- templates and masking
@@ -235,7 +291,7 @@ def test_bad_inputs_fail_with_one_clear_sentence(tmp_path: Path, tiny_tokenizer:
     msg = _error(tmp_path, tiny_tokenizer, path=str(tmp_path / "nope.jsonl"))
     assert "does not exist" in msg and "data.path" in msg
     msg = _error(tmp_path, tmp_path / "no-tokenizer-here", path=str(_jsonl(tmp_path / "ok.jsonl", ROWS)))
-    assert "cannot load a tokenizer" in msg and "data.tokenizer" in msg
+    assert "neither a local folder nor a hub model id" in msg and "data.tokenizer" in msg
     assert not any((tmp_path / "cache").iterdir())  # no failed attempt left anything behind
 
 

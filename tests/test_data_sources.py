@@ -13,6 +13,7 @@ import io
 import json
 import shutil
 from pathlib import Path
+from tempfile import TemporaryDirectory
 from typing import Any
 
 import datasets
@@ -77,8 +78,10 @@ class FakeHub:
     def __init__(self, home: Path) -> None:
         self.cache = home / "hub"
 
-    def push(self, repo: str, files: dict[str, bytes | str], commit: str, ref: str = "main") -> Path:
-        root = self.cache / f"datasets--{repo.replace('/', '--')}"
+    def push(
+        self, repo: str, files: dict[str, bytes | str], commit: str, ref: str = "main", kind: str = "datasets"
+    ) -> Path:
+        root = self.cache / f"{kind}--{repo.replace('/', '--')}"
         snap = root / "snapshots" / commit
         for rel, data in files.items():
             raw = data.encode() if isinstance(data, str) else data
@@ -128,9 +131,8 @@ def test_a_file_a_folder_of_files_and_a_saved_dataset_give_the_same_rows(tmp_pat
 
     folder = tmp_path / "folder"
     _jsonl(folder / "part-a.jsonl", ALPACA[:5])
-    (folder / "sub").mkdir()
-    pd.DataFrame(ALPACA[5:]).to_parquet(folder / "sub" / "part-b.parquet", index=False)
-    (folder / "notes.txt").write_text("not data")  # not a data file: ignored
+    _jsonl(folder / "sub" / "part-b.jsonl", ALPACA[5:])
+    (folder / "notes.txt").write_text("not data")  # another format than the folder's: not read
     many = _prep(tmp_path, tiny_tokenizer, path=str(folder))
     assert _docs(many) == _docs(one) and many.manifest["train"]["examples_in"] == len(ALPACA)
 
@@ -157,8 +159,9 @@ def test_compressed_files_and_arrow_shards_give_the_same_rows(tmp_path: Path, ti
     (folder / "b.json.bz2").write_bytes(bz2.compress(json.dumps(ALPACA[4:8]).encode()))
     csv = io.StringIO()
     pd.DataFrame(ALPACA[8:]).to_csv(csv, index=False)
-    (folder / "c.csv.xz").write_bytes(lzma.compress(csv.getvalue().encode()))
-    many = _prep(tmp_path, tiny_tokenizer, path=str(folder))
+    (tmp_path / "c.csv.xz").write_bytes(lzma.compress(csv.getvalue().encode()))
+    sources = [{"path": str(folder)}, {"path": str(tmp_path / "c.csv.xz")}]
+    many = prepare(_mix_cfg(sources, seq_len=128, format="auto"), str(tiny_tokenizer), tmp_path / "c", progress=False)
     assert _docs(many) == _docs(one) and many.manifest["train"]["examples_in"] == len(ALPACA)
     saved = tmp_path / "saved"
     datasets.Dataset.from_list(ALPACA).save_to_disk(str(saved))
@@ -172,24 +175,32 @@ def test_compressed_files_and_arrow_shards_give_the_same_rows(tmp_path: Path, ti
     assert f"{broken}:2: malformed JSON line" in _error(tmp_path, tiny_tokenizer, path=str(broken))
 
 
-def test_a_folder_picks_the_split_by_file_and_folder_names(tmp_path: Path, tiny_tokenizer: Path) -> None:
+def test_a_folder_resolves_its_splits_and_files_as_load_dataset_does(tmp_path: Path, tiny_tokenizer: Path) -> None:
+    """datasets' own rules (called, not copied): sharded names, split folders, split synonyms
+    (`training`, `dev`), a folder's one format; each split has the rows `load_dataset` gives it."""
     folder = tmp_path / "snap"
     _jsonl(folder / "data" / "train-00000-of-00001.jsonl", ALPACA)
     _jsonl(folder / "data" / "validation-00000-of-00001.jsonl", ALPACA[:3])
-    _jsonl(folder / "extra" / "test" / "part.jsonl", ALPACA[:2])
-    counts = {s: _prep(tmp_path, tiny_tokenizer, path=str(folder), split=s) for s in ("train", "validation", "test")}
-    assert {s: p.manifest["train"]["examples_in"] for s, p in counts.items()} == {
-        "train": 12,
-        "validation": 3,
-        "test": 2,
-    }
+    synonyms = tmp_path / "synonyms"
+    _jsonl(synonyms / "training.jsonl", ALPACA[:7])
+    _jsonl(synonyms / "dev.jsonl", ALPACA[:2])
+    _jsonl(synonyms / "testing.jsonl", ALPACA[:1])
+    mixed = tmp_path / "mixed"  # parquet wins a tie: load_dataset reads one format per folder
+    _jsonl(mixed / "a.jsonl", ALPACA[:5])
+    pd.DataFrame(ALPACA[5:]).to_parquet(_jsonl(mixed / "b.parquet", []), index=False)
+    cases = [(folder, "train"), (folder, "validation"), (synonyms, "train"), (synonyms, "validation")]
+    cases += [(synonyms, "test"), (mixed, "train")]
+    for path, split in cases:
+        n = _prep(tmp_path, tiny_tokenizer, path=str(path), split=split).manifest["train"]["examples_in"]
+        with TemporaryDirectory() as cache:
+            assert n == len(datasets.load_dataset(str(path), split=split, cache_dir=cache)), (path, split)
+    assert _prep(tmp_path, tiny_tokenizer, path=str(synonyms)).manifest["train"]["examples_in"] == 7  # training.jsonl
     msg = _error(tmp_path, tiny_tokenizer, path=str(folder), split="dev")
-    assert "no split 'dev'" in msg and "test, train, validation" in msg
-
-    flat = tmp_path / "flat"
-    _jsonl(flat / "a.jsonl", ALPACA)
-    assert "set the split to train" in _error(tmp_path, tiny_tokenizer, path=str(flat), split="test")
-    assert "folders: data, extra" in _error(tmp_path, tiny_tokenizer, path=str(folder), subset="nope")
+    assert "no split 'dev'" in msg and "splits: train, validation" in msg
+    assert "subsets: none; folders: data" in _error(tmp_path, tiny_tokenizer, path=str(folder), subset="nope")
+    # A subset without a card entry is a folder, read as load_dataset(path, data_dir=subset) reads it.
+    _jsonl(folder / "data" / "extra" / "train.jsonl", ALPACA[:4])
+    assert _prep(tmp_path, tiny_tokenizer, path=str(folder), subset="extra").manifest["train"]["examples_in"] == 4
 
 
 # ----------------------------------------------------------------------------- the hub
@@ -226,8 +237,10 @@ configs:
   data_files: "hard/*.jsonl"
 - config_name: mapped
   data_files:
-    train: "easy/*-train.jsonl"
-    test: ["hard/*.jsonl"]
+  - split: train
+    path: "easy/*-train.jsonl"
+  - split: test
+    path: ["hard/*.jsonl", "easy/none-*.jsonl"]
 ---
 # A dataset card
 """

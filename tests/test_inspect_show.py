@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 from test_data_sources import ALPACA, COMMIT_A, _hub_repo, fake_hub  # noqa: F401 (fake_hub: a fixture)
@@ -33,7 +34,7 @@ def test_inspect_show_marks_trained_text(tmp_path: Path, tiny_llama: Path, capsy
     )
     assert "<|user|>\nCapital of France?\n<|assistant|>\n[[Paris</s>]]\n" in out  # the user turn is not marked
     assert "[[<b> & ok</s>]]" in out
-    assert "--- row 3: dropped (no_trainable_tokens)" in out
+    assert f"--- {data}:3: dropped (no_trainable_tokens: no token to train" in out  # its file and line
     assert out.count("]]") == 1 + 2 and ANSI_ON not in out  # the legend, two answers; not a terminal: no colour
 
 
@@ -58,7 +59,8 @@ def test_inspect_show_reads_every_source_of_a_mix_as_prepare_does(
     capsys: pytest.CaptureFixture,
 ) -> None:
     """A hub dataset (read from the cache, offline) and a local folder, each in its own format: `--show`
-    shows both, not the default `data.path` (the built-in rows) that `data.sources` leaves unset."""
+    shows both, not the default `data.path` (the built-in rows) that `data.sources` leaves unset, and
+    each source's rows as they train: after its `rows` choice."""
     _hub_repo(fake_hub)
     folder = tmp_path / "chats"
     folder.mkdir()
@@ -83,8 +85,10 @@ def test_inspect_show_reads_every_source_of_a_mix_as_prepare_does(
     out = capsys.readouterr().out
     assert f"data.sources[0] hf://datasets/org/instruct@{COMMIT_A}: format alpaca" in out
     assert f"data.sources[1] {folder}: format sharegpt" in out
-    assert "[[Paris</s>]]" in out and ALPACA[0]["instruction"] in out
-    assert out.count("--- row 1:") == 2  # one row of each source
+    first = int(np.sort(np.random.default_rng([0, 0]).permutation(len(ALPACA))[:4])[0])  # sources.choose's rule
+    assert "[[Paris</s>]]" in out and f"{ALPACA[first]['instruction']}\n" in out
+    assert first != 0 and f"{ALPACA[0]['instruction']}\n" not in out  # control: the file's first row does not train
+    assert out.count(" row ") == 1 and out.count(f"{folder / 'train.jsonl'}:1:") == 1  # one row of each source
     # The control: the built-in dataset's rows, which the old `--show` printed for a mix, are absent.
     from trainer import builtin_assets
 

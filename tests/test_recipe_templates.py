@@ -15,7 +15,7 @@ from trainer import config as C
 from trainer.data import formats
 from trainer.data.chat_templates import own_template
 from trainer.data.template import tokenize_for
-from trainer.export import save_tokenizer
+from trainer.serve.final import save_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))

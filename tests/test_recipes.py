@@ -36,6 +36,8 @@ def test_recipe_validates(path: Path) -> None:
     assert cfg.output_dir == f"runs/{path.stem}"
     first = path.read_text().splitlines()[0]
     assert first.startswith("#"), "each recipe opens with a comment"
+    formats = [cfg.data.format, *(s.format for s in cfg.data.sources)]
+    assert "chat" not in formats, "recipes use the current format names (`messages`, not the former `chat`)"
 
 
 @pytest.mark.parametrize("path", GPU_RECIPES, ids=lambda p: p.name)
@@ -53,7 +55,7 @@ def test_gpu_recipe_settings(path: Path) -> None:
     assert cfg.checkpoint.preemption_notice == "auto"
     assert cfg.data.format != "alpaca"
     if any(mark in cfg.model.name_or_path for mark in CHAT_MODELS):
-        assert cfg.data.format == "chat", cfg.model.name_or_path
+        assert cfg.data.format == "messages", cfg.model.name_or_path  # the current name (`chat` is its former one)
         assert '"messages"' in header, "the header shows the data layout"
     if cfg.adapter.method == "qlora":
         assert cfg.adapter.quant_bits == 4 and cfg.model.dtype == "bfloat16"  # NF4 with bf16 compute

@@ -11,6 +11,7 @@ import socket
 import struct
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,15 +38,14 @@ def mlflow_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
     return uri
 
 
-def wandb_history(path: Path) -> tuple[str, list[dict[str, Any]]]:
-    """(run id, history rows) of an offline run's `.wandb` file: W&B's record log (a LevelDB-style
-    log of 32 KiB blocks, each record a `wandb_internal_pb2.Record`), as `wandb sync` reads it."""
+def wandb_records(path: Path) -> Iterator[Any]:
+    """The records of an offline run's `.wandb` file: W&B's record log (a LevelDB-style log of 32 KiB
+    blocks, each record a `wandb_internal_pb2.Record`), as `wandb sync` reads it."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     data = path.read_bytes()
     assert data[:4] == b":W&B", path
     pos, block, buf = 7, 32768, b""
-    run_id, rows = "", []
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
@@ -59,12 +59,19 @@ def wandb_history(path: Path) -> tuple[str, list[dict[str, Any]]]:
             record = pb.Record()
             record.ParseFromString(buf)
             buf = b""
-            if record.WhichOneof("record_type") == "run":
-                run_id = record.run.run_id
-            elif record.WhichOneof("record_type") == "history":
-                rows.append(
-                    {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
-                )
+            yield record
+
+
+def wandb_history(path: Path) -> tuple[str, list[dict[str, Any]]]:
+    """(run id, history rows) of an offline run's `.wandb` file."""
+    run_id, rows = "", []
+    for record in wandb_records(path):
+        if record.WhichOneof("record_type") == "run":
+            run_id = record.run.run_id
+        elif record.WhichOneof("record_type") == "history":
+            rows.append(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            )
     return run_id, rows
 
 
@@ -214,3 +221,54 @@ def test_a_tracker_that_cannot_start_is_named_and_the_others_go_on(
     err = capsys.readouterr().err
     assert "spotune: metrics.trackers: mlflow could not start (" in err and "nosuchscheme" in err, err
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))  # TensorBoard still wrote its row
+
+
+def test_the_trackers_own_settings_win_over_spotunes_defaults(
+    tmp_path: Path, mlflow_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """WANDB_DIR holds W&B's files (not the run directory), WANDB_PROJECT and MLFLOW_EXPERIMENT_NAME name
+    the project when metrics.project is unset, MLFLOW_TRACKING_URI is the store; a project set in the
+    recipe still wins, and without the variables spotune's defaults apply (the control)."""
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_uri)
+
+    def attempt(run_dir: Path, project: str | None) -> trackers.Trackers:
+        run = trackers.TrackerRun(("wandb", "mlflow"), project, "r", (), run_dir, {}, 0, attempt=1)
+        t = trackers.Trackers(run, None)
+        t.log({"loss": 1.0}, 1)
+        t.finish("finished", 0)
+        return t
+
+    mine = tmp_path / "my-wandb"
+    monkeypatch.setenv("WANDB_DIR", str(mine))
+    monkeypatch.setenv("WANDB_PROJECT", "team-project")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "team-experiment")
+    t = attempt(tmp_path / "run", None)
+    assert list(mine.glob("wandb/offline-run-*")) and not (tmp_path / "run" / "wandb").exists()
+    client = MlflowClient(mlflow_uri)
+    assert (
+        client.get_run(t.ids["mlflow"]).info.experiment_id
+        == client.get_experiment_by_name("team-experiment").experiment_id
+    )
+    assert _wandb_project(mine) == "team-project"
+    named = attempt(tmp_path / "named", "from-recipe")  # the recipe's own choice wins over the variables
+    assert (
+        client.get_run(named.ids["mlflow"]).info.experiment_id
+        == client.get_experiment_by_name("from-recipe").experiment_id
+    )
+    for name in ("WANDB_DIR", "WANDB_PROJECT", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(name)
+    plain = attempt(tmp_path / "plain", None)  # control: spotune's defaults
+    assert list((tmp_path / "plain" / "wandb").glob("offline-run-*"))
+    assert _wandb_project(tmp_path / "plain") == trackers.DEFAULT_PROJECT
+    experiment = client.get_experiment_by_name(trackers.DEFAULT_PROJECT)
+    assert client.get_run(plain.ids["mlflow"]).info.experiment_id == experiment.experiment_id
+
+
+def _wandb_project(root: Path) -> str:
+    """The project recorded in the (one) offline W&B run under `root`."""
+    (path,) = root.glob("wandb/offline-run-*/run-*.wandb")
+    return next(r.run.project for r in wandb_records(path) if r.WhichOneof("record_type") == "run")

@@ -21,10 +21,10 @@ from trainer import config as C
 from trainer.config import AdapterConfig, ModelConfig
 from trainer.data.chat_templates import NAMED
 from trainer.data.sampler import StepSampler
-from trainer.export import export
 from trainer.model import loss as micro_loss
 from trainer.model.load import build
 from trainer.restart.state import Counters
+from trainer.serve.export import export
 from trainer.training import batches as step_data
 from trainer.training import loop, run
 

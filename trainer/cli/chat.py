@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainer.chat import Sampling, chat
+    from trainer.serve.chat import Sampling, chat
 
     try:
         import readline  # noqa: F401  # line editing and history for input(), where the platform has it

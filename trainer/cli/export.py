@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainer.export import export
+    from trainer.serve.export import export
 
     out = export(args.run_dir, args.out, merge=args.merge)
     print(f"spotune: wrote {out}")

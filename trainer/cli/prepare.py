@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
 
         color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
         # Every source as prepare reads it: a folder, a hub dataset at its pinned commit, each of a mix.
-        print(show_examples(resolved_data(cfg), tokenizer_path(cfg), args.show, color), flush=True)
+        print(show_examples(resolved_data(cfg), tokenizer_path(cfg), args.show, color, cfg.seed), flush=True)
     prepared = prepare_data(cfg, progress=True)  # a run's hub datasets at its pinned commits
     if args.command == "inspect":
         plot = prepared.train_path.parent / "lengths.png"

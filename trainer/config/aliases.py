@@ -5,7 +5,11 @@ docs/config-reference.md, and docs/config.md lists every name (tests keep both i
 
 A known name is accepted in any section or at the top level (`learning_rate: 2e-4`,
 `train.learning_rate=2e-4`, `adapter.lora_r: 8`), as is a spotune key written in the wrong
-section when its name belongs to one section only (`lr: 1e-4` is `train.lr`). Each rewrite is
+section when its name belongs to one section only (`lr: 1e-4` is `train.lr`). A value is read as
+the other tool reads it wherever its name is written (`optimizer: adamw_torch` and
+`train.optimizer: adamw_torch`; HF's `max_steps: -1`, "no limit"), and HF's pair of flags means
+what it means there: `bf16: true` with `fp16: false` is bf16 (a false flag says only "not this one",
+and gives way to the other), `bf16: auto` (Axolotl) is bf16 where the GPU has it. Each rewrite is
 noted in the log once per process.
 """
 
@@ -28,6 +32,9 @@ class Alias:
     key: str
     values: Mapping[Any, Any] | None = None
     """The other tool's value -> spotune's; a value not listed passes unchanged to the type check."""
+    gives_way: tuple[Any, ...] = ()
+    """Mapped values that say only what is not wanted (`bf16: false`): another name setting the key wins,
+    unless it sets what this flag's `true` means."""
 
 
 _ADAMW = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw_bnb_8bit": "adamw_8bit"}
@@ -36,7 +43,7 @@ ALIASES: dict[str, Alias] = {
     "learning_rate": Alias("train.lr"),
     "num_epochs": Alias("train.epochs"),
     "num_train_epochs": Alias("train.epochs"),
-    "max_steps": Alias("train.max_steps"),
+    "max_steps": Alias("train.max_steps", {-1: None}),  # HF's "no limit": the epochs decide
     "warmup_steps": Alias("train.warmup_steps"),
     "micro_batch_size": Alias("train.micro_batch_size"),
     "global_batch_size": Alias("train.global_batch_size"),
@@ -49,8 +56,8 @@ ALIASES: dict[str, Alias] = {
     "lr_scheduler": Alias("train.schedule", {"constant_with_warmup": "constant"}),
     "optim": Alias("train.optimizer", _ADAMW),
     "optimizer": Alias("train.optimizer", _ADAMW),
-    "bf16": Alias("train.mixed_precision", {True: "bf16", False: "no"}),
-    "fp16": Alias("train.mixed_precision", {True: "fp16", False: "no"}),
+    "bf16": Alias("train.mixed_precision", {True: "bf16", False: "no", "auto": "auto"}, gives_way=("no",)),
+    "fp16": Alias("train.mixed_precision", {True: "fp16", False: "no", "auto": "auto"}, gives_way=("no",)),
     "eval_steps": Alias("train.eval_every"),
     "lora_r": Alias("adapter.r"),
     "lora_alpha": Alias("adapter.alpha"),
@@ -135,7 +142,10 @@ def resolve(
     for dotted, value in pairs.items():
         target, value, problem = _target(dotted, value, fields)
         if target in out and problem is None:
-            problem = f"{dotted}: {target} is also set by {origin[target]}; keep one of them"
+            if value == out[target] or _gives_way(dotted, value, out[target]):
+                continue  # the same setting twice, or `fp16: false` beside `bf16: true`
+            if not _gives_way(origin[target], out[target], value):
+                problem = f"{dotted}: {target} is also set by {origin[target]}; keep one of them"
         if problem is not None:
             problems.append(f"{marks[dotted].where}: {problem}" if dotted in marks else problem)
             continue
@@ -154,18 +164,33 @@ def _target(dotted: str, value: Any, fields: Mapping[str, frozenset[str]]) -> tu
         if dotted in fields and dotted in ANSWERS and isinstance(value, str):  # Axolotl's `adapter: qlora`
             return dotted, value, f"{dotted}: {ANSWERS[dotted].format(value=value)}"
         return dotted, value, None
-    if "." in section or (section and section not in fields) or leaf in fields.get(section, ()):
-        return dotted, value, None  # deeper keys, unknown sections and real keys: the schema's check
+    if "." in section or (section and section not in fields):
+        return dotted, value, None  # deeper keys and unknown sections: the schema's check
     alias = ALIASES.get(leaf)
+    if leaf in fields.get(section, ()):  # a real key, its value perhaps as another tool writes it
+        same = alias is not None and alias.key == dotted  # `train.optimizer: adamw_torch`
+        return dotted, _mapped(alias, value) if same and alias is not None else value, None
     if alias is not None:
-        mapped = alias.values.get(value, value) if alias.values and _hashable(value) else value
-        return alias.key, mapped, None
+        return alias.key, _mapped(alias, value), None
     if leaf in ANSWERS:
         return dotted, value, f"{dotted}: {ANSWERS[leaf].format(value=value)}"
     owners = [s for s, keys in fields.items() if s and leaf in keys]
     if len(owners) == 1:  # a spotune key in another section, or at the top level: `lr: 1e-4`
         return f"{owners[0]}.{leaf}", value, None
     return dotted, value, None
+
+
+def _mapped(alias: Alias, value: Any) -> Any:
+    return alias.values.get(value, value) if alias.values and _hashable(value) else value
+
+
+def _gives_way(name: str, value: Any, other: Any) -> bool:
+    """Whether `name: value` only says what is not wanted (`bf16: false`), so `other` wins, unless
+    `other` is what it refuses (`bf16: false` beside `mixed_precision: bf16`)."""
+    alias = ALIASES.get(name.rpartition(".")[2])
+    if alias is None or not _hashable(value) or value not in alias.gives_way:
+        return False
+    return other != _mapped(alias, True)
 
 
 def _hashable(value: Any) -> bool:

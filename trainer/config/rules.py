@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import datetime
 import difflib
 import inspect
 import json
@@ -251,6 +252,11 @@ def _source_checks(d: DataConfig) -> list[str]:
     p: list[str] = []
     if d.sources and d.path != DataConfig.path:
         p.append("data.sources: set either data.path (one source) or data.sources (a mix), not both; remove data.path")
+    if d.template_date is not None:
+        try:
+            datetime.date.fromisoformat(d.template_date)
+        except ValueError:
+            p.append(f"data.template_date: expected a day as YYYY-MM-DD, got {d.template_date!r}")
     for speaker, role in d.sharegpt_roles.items():
         if role not in CHAT_ROLES:
             p.append(

@@ -63,8 +63,8 @@ class AdapterConfig:
 DataFormat = Literal["auto", "alpaca", "prompt_completion", "messages", "sharegpt", "text", "chat"]
 """The values of `data.format` and of each `data.sources[i].format`."""
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-"""The roles a conversation's turns may take (what `data.sharegpt_roles` maps speakers to)."""
+CHAT_ROLES = ("system", "user", "assistant", "tool", "tool_call")
+"""The roles a conversation's turns may take (what `data.sharegpt_roles` maps speakers to); `tool_call` is an assistant turn whose value is a call."""
 
 
 @dataclass(frozen=True)
@@ -111,8 +111,12 @@ class DataConfig:
     """What to do with examples longer than `seq_len`."""
     tokenizer: str | None = None
     """Tokenizer path or id; defaults to `model.name_or_path`."""
+    tokenizer_revision: str | None = None
+    """Hub revision (branch, tag or commit) of `data.tokenizer`; unset: `model.revision` when the tokenizer is the model's, so tokenizer, chat template and weights load at one commit."""
     chat_template: str | None = None
     """The chat template every conversational format is rendered with, and that `final/` and exports carry: unset is the tokenizer's own; `chatml`, `llama3`, `alpaca` (the Stanford prompt) name a built-in one for a base model without one; anything else is Jinja text."""
+    template_date: str | None = None
+    """The day (YYYY-MM-DD) a chat template that writes today's date (`strftime_now`, as Llama 3.2/3.3 do) writes into every row, so the same data renders alike on any day; unset: the day of the run's first start, kept in its config.yaml across restarts (today, for a prepare outside a run)."""
     train_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
     """Which assistant turns carry labels (with their end-of-turn token): every one, or only the conversation's last."""
     train_on_inputs: bool = False
@@ -134,7 +138,9 @@ class DataConfig:
     conversations_field: str = "conversations"
     """Field holding `sharegpt` data (turns of `from`/`value`)."""
     sharegpt_roles: dict[str, str] = field(default_factory=dict)
-    """ShareGPT speaker -> role, added to the defaults human/user -> user, gpt/assistant -> assistant, system, tool (a turn with another speaker drops its row, counted as unknown_role)."""
+    """ShareGPT speaker -> role, added to the defaults human/user -> user, gpt/assistant -> assistant, system, tool/observation -> tool, function_call -> tool_call (an assistant turn whose value is a JSON call `{name, arguments}`); a turn with another speaker drops its row, counted as unknown_role."""
+    tools_field: str = "tools"
+    """Field holding a conversation's tools (function schemas, a list or its JSON text), for `messages`, `sharegpt` and `prompt_completion` rows that call functions; rendered by the chat template's tools header (never trained). Optional."""
     text_field: str = "text"
     """Field holding raw text for `text` format."""
     cache_dir: str | None = None
@@ -186,8 +192,8 @@ class TrainConfig:
     """`adamw` (fused on CUDA), or bitsandbytes 8-bit / paged 8-bit AdamW."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping)."""
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
-    """Autocast for the trainable path; fp16 adds a gradient scaler."""
+    mixed_precision: Literal["no", "bf16", "fp16", "auto"] = "no"
+    """Autocast for the trainable path; fp16 adds a gradient scaler; `auto` (Axolotl's `bf16: auto`): bf16 on a GPU that has it (Ampere or newer), else no, decided by each process at its start."""
     max_bad_steps: int = 5
     """Stop after this many consecutive steps with a non-finite loss or gradient norm."""
     eval_every: int | None = None
@@ -255,8 +261,8 @@ class MetricsConfig:
     """Peak FLOP/s of one device; overrides the table."""
     trackers: tuple[Literal["tensorboard", "wandb", "mlflow"], ...] = ()
     """Experiment trackers; every attempt of the run continues the same tracker run (docs/trackers-and-logs.md)."""
-    project: str = "spotune"
-    """The W&B project / MLflow experiment the run is logged under."""
+    project: str | None = None
+    """The W&B project / MLflow experiment the run is logged under; unset: the tracker's own setting (`WANDB_PROJECT`, `MLFLOW_EXPERIMENT_NAME`), else `spotune`."""
     run_name: str | None = None
     """The tracker run's display name (default: the output directory's name)."""
     tags: tuple[str, ...] = ()

@@ -22,17 +22,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from trainer.atomic import TEMP_MARK, fsync_path, fsync_tree, write_text
+from trainer.data.tokenizer import file_names
 
 T = TypeVar("T")
 
 # Bump when the pipeline's output for the same inputs changes (template text, masking, packing).
-PIPELINE_VERSION = "2"
+PIPELINE_VERSION = "3"
 MANIFEST = "manifest.json"
 _TMP = TEMP_MARK
 _STALE_SECONDS = 24 * 3600  # temp dirs from another host or an unknown pid older than this are stale
-
-# Files that define a tokenizer's behaviour; model weights in the same directory are not hashed.
-_TOKENIZER_PREFIXES = ("tokenizer", "special_tokens_map", "vocab", "merges", "added_tokens", "chat_template", "spiece")
 
 
 def data_cache_root(cache_dir: str | None, output_dir: str) -> Path:
@@ -70,16 +68,12 @@ def _hash_file(path: Path, h: Any) -> None:
     h.update(b"\0EOF\0")
 
 
-def hash_tokenizer(tokenizer_path: str, h: Any) -> None:
-    """Hash the tokenizer's files; a non-local id contributes its name only."""
-    p = Path(tokenizer_path)
-    if not p.is_dir():
-        h.update(f"tokenizer-id:{tokenizer_path}".encode())
-        return
-    for f in sorted(p.iterdir()):
-        if f.is_file() and (f.name.startswith(_TOKENIZER_PREFIXES) or f.suffix in (".model", ".tiktoken")):
-            h.update(f.name.encode() + b"\0")
-            _hash_file(f, h)
+def hash_tokenizer(tokenizer_dir: str, h: Any) -> None:
+    """Hash the bytes of the tokenizer's files, chat template included (a hub tokenizer is a local
+    folder by now: trainer/data/tokenizer.py), so another template or vocabulary is another fingerprint."""
+    for f in file_names(Path(tokenizer_dir)):
+        h.update(f.name.encode() + b"\0")
+        _hash_file(f, h)
 
 
 def fingerprint(data_paths: list[Path | None], tokenizer_path: str, settings: dict[str, Any]) -> str:

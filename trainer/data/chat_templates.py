@@ -7,6 +7,9 @@ that applies the saved template builds the prompts the model was trained on.
 
 from __future__ import annotations
 
+import datetime
+import difflib
+import re
 from typing import Any
 
 from trainer.data.read import DataError
@@ -73,10 +76,38 @@ def own_template(tokenizer: Any) -> str | None:
 def resolve_chat_template(setting: str | None, tokenizer: Any) -> str | None:
     """data.chat_template -> the Jinja text conversations are rendered with (None: there is none).
 
-    Unset: the tokenizer's own. A name of NAMED: that template. Anything else is Jinja text."""
+    Unset: the tokenizer's own. A name of NAMED: that template. Jinja text (it holds `{{` or `{%`):
+    itself. Anything else is a name that is not known (a misspelling is never rendered as text)."""
     if setting is None:
         return own_template(tokenizer)
-    return NAMED.get(setting, setting)
+    if setting in NAMED:
+        return NAMED[setting]
+    if "{{" in setting or "{%" in setting:
+        return setting
+    close = difflib.get_close_matches(setting, list(NAMED), n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    raise DataError(
+        f"data.chat_template: {setting!r} is not a known template; {hint}set it to one of {', '.join(NAMED)}, "
+        "to Jinja text (a template holds {{ or {%), or unset it for the tokenizer's own."
+    )
+
+
+_STRFTIME = re.compile(r"""strftime_now\(\s*(["'])(.*?)\1\s*\)""")
+
+
+def uses_date(template: str | None) -> bool:
+    """Whether a template writes the day it is rendered (Llama 3.2/3.3 write "Today Date: ...")."""
+    return template is not None and "strftime_now" in template
+
+
+def dated(template: str, date: str | None) -> str:
+    """`template` with each `strftime_now("<format>")` written as `date` (YYYY-MM-DD; None: today, UTC) in
+    that format, so a row renders the same on every day it is prepared (`data.template_date`). The
+    template that ships keeps `strftime_now`: a server writes its own day."""
+    if not uses_date(template):
+        return template
+    day = datetime.date.fromisoformat(date) if date else datetime.datetime.now(datetime.timezone.utc).date()
+    return _STRFTIME.sub(lambda m: '"' + day.strftime(m.group(2)).replace('"', '\\"') + '"', template)
 
 
 def template_name(setting: str | None) -> str:

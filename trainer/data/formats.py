@@ -1,18 +1,24 @@
 """Data formats: which columns each reads, telling them apart, and turning a row into what is trained.
 
-Every conversational format becomes one list of `{"role", "content"}` messages plus, per
-message, whether it may carry labels; the chat template then renders it (trainer/data/masking.py).
+Every conversational format becomes one list of `{"role", "content"}` messages (tool calls and
+results included, trainer/data/turns.py) plus, per message, whether it may carry labels, and the
+row's `tools`; the chat template then renders it (trainer/data/masking.py).
 `text` stays raw text. A string prompt/completion without any chat template stays raw too
 (TRL's "standard" form: the prompt is masked, the completion and EOS are trained).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+from trainer.data.turns import BAD_MESSAGES, NULL_FIELD, TOOL_CALL, UNKNOWN_ROLE, Drop, Example, messages_of, tools_of
+
+__all__ = ["BAD_MESSAGES", "FORMAT_FIELDS", "NULL_FIELD", "UNKNOWN_ROLE", "Drop", "Example", "to_example"]
+
 # The one map of data formats to the columns they read: (config key, role in Tokenize, required).
-# alpaca's `input` and `system` are optional (many sets have neither); the rest are required.
+# alpaca's `input` and `system` are optional (many sets have neither), as is the conversational
+# formats' `tools` (function schemas, for rows that call them); the rest are required.
+_TOOLS = ("tools_field", "tools", False)
 FORMAT_FIELDS: dict[str, tuple[tuple[str, str, bool], ...]] = {
     "alpaca": (
         ("instruction_field", "instruction", True),
@@ -20,9 +26,9 @@ FORMAT_FIELDS: dict[str, tuple[tuple[str, str, bool], ...]] = {
         ("output_field", "output", True),
         ("system_field", "system", False),
     ),
-    "prompt_completion": (("prompt_field", "prompt", True), ("completion_field", "completion", True)),
-    "messages": (("messages_field", "messages", True),),
-    "sharegpt": (("conversations_field", "conversations", True),),
+    "prompt_completion": (("prompt_field", "prompt", True), ("completion_field", "completion", True), _TOOLS),
+    "messages": (("messages_field", "messages", True), _TOOLS),
+    "sharegpt": (("conversations_field", "conversations", True), _TOOLS),
     "text": (("text_field", "text", True),),
 }
 FORMAT_FIELDS["chat"] = FORMAT_FIELDS["messages"]  # the earlier name of `messages`, still accepted
@@ -36,23 +42,9 @@ WHAT = {
     "text": "text (raw text, every token trained)",
 }
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-SHAREGPT_ROLES |= {"tool": "tool", "function_call": "assistant", "observation": "tool"}
-"""ShareGPT speaker -> chat role (data.sharegpt_roles adds to or overrides it)."""
-
-# Drop reasons a row can get here (the rest live in template.py).
-NULL_FIELD = "null_field"
-UNKNOWN_ROLE = "unknown_role"
-BAD_MESSAGES = "malformed_messages"
-
-
-@dataclass(frozen=True)
-class Example:
-    """One row, ready to render: a conversation, raw text, or a raw prompt + completion."""
-
-    messages: list[dict[str, Any]] | None = None
-    trainable: list[bool] | None = None  # per message: may it carry labels (only assistant ones ever do)
-    text: str | None = None
-    prompt: str | None = None  # raw prompt/completion (no chat template anywhere)
+SHAREGPT_ROLES |= {"tool": "tool", "function_call": TOOL_CALL, "observation": "tool"}
+"""ShareGPT speaker -> chat role (data.sharegpt_roles adds to or overrides it); `tool_call` is an
+assistant turn whose value is a call (turns.py)."""
 
 
 def normalise(fmt: str) -> str:
@@ -148,21 +140,28 @@ def mismatch(fmt: str, columns: list[str], head: list[dict[str, Any]], fields: d
 
 def to_example(
     fmt: str, row: dict[str, Any], fields: dict[str, str], roles: dict[str, str], has_template: bool
-) -> Example | str:
-    """The example of one row, or the reason it is dropped."""
+) -> Example | Drop:
+    """The example of one row, or why it is dropped."""
     fmt = normalise(fmt)
     if fmt == "text":
         text = row.get(fields["text"])
-        return NULL_FIELD if text is None else Example(text=str(text))
+        return _missing(fields["text"]) if text is None else Example(text=str(text))
     if fmt == "alpaca":
         return _alpaca(row, fields)
     if fmt == "prompt_completion":
-        return _prompt_completion(row, fields, has_template)
-    key = "messages" if fmt == "messages" else "conversations"
-    turns = row.get(fields[key])
-    if turns is None:
-        return NULL_FIELD
-    return _turns(turns, roles if fmt == "sharegpt" else None)
+        ex = _prompt_completion(row, fields, has_template)
+    else:
+        key = "messages" if fmt == "messages" else "conversations"
+        turns = row.get(fields[key])
+        ex = _missing(fields[key]) if turns is None else messages_of(turns, roles if fmt == "sharegpt" else None)
+    if isinstance(ex, Drop) or ex.messages is None:
+        return ex
+    tools = tools_of(row.get(fields["tools"])) if "tools" in fields else None
+    return tools if isinstance(tools, Drop) else Example(messages=ex.messages, trainable=ex.trainable, tools=tools)
+
+
+def _missing(column: str) -> Drop:
+    return Drop(NULL_FIELD, f"field {column!r} is missing or null")
 
 
 def alpaca_messages(instruction: str, input_text: str = "", system: str | None = None) -> list[dict[str, str]]:
@@ -173,55 +172,32 @@ def alpaca_messages(instruction: str, input_text: str = "", system: str | None =
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
 
 
-def _alpaca(row: dict[str, Any], fields: dict[str, str]) -> Example | str:
-    instruction, output = row.get(fields["instruction"]), row.get(fields["output"])
-    if instruction is None or output is None:
-        return NULL_FIELD
+def _alpaca(row: dict[str, Any], fields: dict[str, str]) -> Example | Drop:
+    for role in ("instruction", "output"):
+        if row.get(fields[role]) is None:
+            return _missing(fields[role])
+    # `input` and `system` are optional: missing, null or empty, the prompt has none.
     system = row.get(fields.get("system", "system"))
-    msgs = alpaca_messages(str(instruction), str(row.get(fields["input"]) or ""), str(system) if system else None)
-    msgs.append({"role": "assistant", "content": str(output)})
+    instruction, input_text = str(row[fields["instruction"]]), str(row.get(fields["input"]) or "")
+    msgs = alpaca_messages(instruction, input_text, str(system) if system else None)
+    msgs.append({"role": "assistant", "content": str(row[fields["output"]])})
     return Example(messages=msgs, trainable=[m["role"] == "assistant" for m in msgs])
 
 
-def _prompt_completion(row: dict[str, Any], fields: dict[str, str], has_template: bool) -> Example | str:
+def _prompt_completion(row: dict[str, Any], fields: dict[str, str], has_template: bool) -> Example | Drop:
     prompt, completion = row.get(fields["prompt"]), row.get(fields["completion"])
     if prompt is None or completion is None:
-        return NULL_FIELD
+        return _missing(fields["prompt" if prompt is None else "completion"])
     if isinstance(prompt, str) and isinstance(completion, str):
         if not has_template:
             return Example(prompt=prompt, text=completion)
         prompt, completion = [{"role": "user", "content": prompt}], [{"role": "assistant", "content": completion}]
     if not isinstance(prompt, list) or not isinstance(completion, list):
-        return BAD_MESSAGES
-    head = _turns(prompt, None)
-    tail = _turns(completion, None)
-    if isinstance(head, str) or isinstance(tail, str):
-        return head if isinstance(head, str) else str(tail)
+        return Drop(BAD_MESSAGES, "prompt and completion must both be text or both lists of messages")
+    head = messages_of(prompt, None)
+    tail = messages_of(completion, None)
+    if isinstance(head, Drop) or isinstance(tail, Drop):
+        return head if isinstance(head, Drop) else tail
     assert head.messages is not None and tail.messages is not None and tail.trainable is not None
     # Only the completion is trained (TRL's rule): an assistant turn inside the prompt is context.
     return Example(messages=head.messages + tail.messages, trainable=[False] * len(head.messages) + tail.trainable)
-
-
-def _turns(turns: Any, roles: dict[str, str] | None) -> Example | str:
-    """role/content (or, for sharegpt, from/value) turns -> messages; `weight: 0` marks a turn untrained."""
-    if not isinstance(turns, (list, tuple)):
-        return BAD_MESSAGES
-    msgs: list[dict[str, Any]] = []
-    trainable: list[bool] = []
-    for t in turns:
-        if not isinstance(t, dict):
-            return BAD_MESSAGES
-        # Arrow stores a list of structs with the union of keys; drop the None-filled extras.
-        t = {k: v for k, v in t.items() if v is not None}
-        role, content = (t.get("from"), t.get("value")) if "from" in t else (t.get("role"), t.get("content"))
-        if role is None or content is None:
-            return NULL_FIELD if ("from" in t or "role" in t) else BAD_MESSAGES
-        if roles is not None:
-            if role not in roles:
-                return UNKNOWN_ROLE
-            role = roles[role]
-        msg = {k: v for k, v in t.items() if k not in ("from", "value", "weight")}
-        msg.update(role=role, content=content)
-        msgs.append(msg)
-        trainable.append(role == "assistant" and t.get("weight", 1) not in (0, False))
-    return Example(messages=msgs, trainable=trainable)

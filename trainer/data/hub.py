@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.data.layout import CARD
 from trainer.data.read import DATA_ENDINGS, DataError
 
 PREFIX = "hf://datasets/"
@@ -134,8 +133,25 @@ def _offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def data_patterns(split_patterns: list[str] | None) -> list[str]:
-    """What to download: the card and the split's files (the card's `configs:`), else every data file."""
-    if split_patterns is not None:
-        return [CARD, *split_patterns]
-    return [CARD, *(f"*{ending}" for ending in DATA_ENDINGS)]
+def listing(hub: HubId, commit: str, snapshot: Path, key: str) -> list[str]:
+    """Every file of the dataset at `commit` (relative paths): the hub's listing, or, offline or with
+    the hub out of reach, the files of that commit the cache holds."""
+    if not _offline():
+        from huggingface_hub import HfApi
+
+        try:
+            return HfApi().list_repo_files(hub.repo_id, repo_type="dataset", revision=commit)
+        except Exception as e:  # a network or server fault (httpx's are no OSErrors): the cache's copy of the commit
+            print(f"spotune: {key}: cannot list {hub.url(commit)} ({type(e).__name__}); reading what the cache holds")
+    return sorted(
+        f.relative_to(snapshot).as_posix()
+        for f in snapshot.rglob("*")
+        if (f.is_file() or f.is_symlink()) and not any(p.startswith(".") for p in f.relative_to(snapshot).parts[:-1])
+    )
+
+
+def exactly(paths: list[str]) -> list[str]:
+    """`allow_patterns` that match these paths and nothing else (a `[` in a name is not a glob)."""
+    import glob
+
+    return [glob.escape(p) for p in paths]

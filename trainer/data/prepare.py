@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import datetime
 import shutil
 import sys
 import time
@@ -23,16 +25,15 @@ except ImportError:  # datasets 3.x spells a variable-length list `Sequence`
     from datasets import Sequence as List
 
 from trainer.config import DataConfig
-from trainer.data import cache
-from trainer.data.chat_templates import template_name
+from trainer.data import cache, dropped, rows, tokenizer
+from trainer.data.chat_templates import resolve_chat_template, template_name, uses_date
 from trainer.data.formats import FORMAT_FIELDS
 from trainer.data.pack import batch_pad_efficiency, build_rows, one_per_row, pack_lengths
-from trainer.data.read import DataError, require_fields
-from trainer.data.sources import Located, Source, choose, eval_sources, local_files, locate, sources_of
-from trainer.data.sources import read as read_source
+from trainer.data.read import DataError, data_columns
+from trainer.data.rows import Parts
+from trainer.data.sources import Located, eval_sources, local_files, locate, sources_of
 from trainer.data.stats import BASELINE_BATCH, format_summary, length_stats
-from trainer.data.template import HEAD_ROWS, Tokenize, tokenize_for
-from trainer.data.template import ROW_COLUMN as _ROW
+from trainer.data.template import Tokenize, tokenize_for
 
 _TOKENIZED = Features(
     {
@@ -40,6 +41,7 @@ _TOKENIZED = Features(
         "labels": List(Value("int32")),
         "length": Value("int32"),
         "status": Value("string"),
+        "detail": Value("string"),
     }
 )
 
@@ -63,6 +65,10 @@ class Prepared:
 class _Plan:
     """The located sources of one prepare and what identifies its output."""
 
+    cfg: DataConfig
+    """The data settings, with `template_date` set when the chat template writes the day."""
+    tokenizer_dir: str
+    """The tokenizer's local folder (a hub tokenizer's files in the HF cache)."""
     train: list[Located]
     eval: list[Located]
     """`data.eval_path`, or the training sources' `data.eval_split`; none: eval_fraction or no eval."""
@@ -82,7 +88,7 @@ def prepare(
     reused = manifest is not None
     if manifest is None:
         with cache.atomic_build(cache_root, fp) as tmp, _progress_bars(progress):
-            manifest = _build(cfg, tokenizer_path, tmp, plan, seed)
+            manifest = _build(tmp, plan, seed)
     final = cache_root / fp
     return Prepared(
         train_path=final / "train",
@@ -101,12 +107,24 @@ def data_fingerprint(cfg: DataConfig, tokenizer_path: str, seed: int = 0) -> str
 
 
 def _plan(cfg: DataConfig, tokenizer_path: str, seed: int) -> _Plan:
+    tokenizer_dir = tokenizer.local_dir(tokenizer_path, cfg.tokenizer_revision)
     train = [locate(s) for s in sources_of(cfg, FORMAT_FIELDS)]
     ev = [locate(s) for s in eval_sources(cfg, FORMAT_FIELDS)]
+    dated = _writes_date(cfg.chat_template, tokenizer_dir)
+    if dated and cfg.template_date is None:  # outside a run (a run pins its first day: training/inputs.py)
+        cfg = dataclasses.replace(cfg, template_date=datetime.datetime.now(datetime.timezone.utc).date().isoformat())
     settings = _settings(cfg, seed, train, ev)
+    settings["template_date"] = cfg.template_date if dated else None  # the day is data only where it is written
     # Local sources by their bytes; a hub source by its commit, which is in the settings.
     data: list[Path | None] = [*local_files(train), *(local_files(ev) if ev else [None])]
-    return _Plan(train, ev, settings, cache.fingerprint(data, tokenizer_path, settings))
+    return _Plan(cfg, tokenizer_dir, train, ev, settings, cache.fingerprint(data, tokenizer_dir, settings))
+
+
+def _writes_date(setting: str | None, tokenizer_dir: str) -> bool:
+    """Whether the chat template writes the day it renders (then the day is part of the data)."""
+    if setting is not None:
+        return uses_date(resolve_chat_template(setting, None))
+    return any(b"strftime_now" in f.read_bytes() for f in tokenizer.file_names(Path(tokenizer_dir)))
 
 
 def _settings(cfg: DataConfig, seed: int, train: list[Located], ev: list[Located]) -> dict[str, Any]:
@@ -131,20 +149,13 @@ def _settings(cfg: DataConfig, seed: int, train: list[Located], ev: list[Located
     }
 
 
-def _build(cfg: DataConfig, tokenizer_path: str, tmp: Path, plan: _Plan, seed: int) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
+def _build(tmp: Path, plan: _Plan, seed: int) -> dict[str, Any]:
     started = time.perf_counter()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        raise DataError(
-            f"cannot load a tokenizer from {tokenizer_path!r} ({type(e).__name__}: {str(e).splitlines()[0]}); "
-            "set data.tokenizer (or model.name_or_path) to a directory holding tokenizer files."
-        ) from None
-    train_parts, eval_parts, mix = _read_sources(cfg, plan, seed)
+    cfg, tokenizer_path = plan.cfg, plan.tokenizer_dir
+    tok = tokenizer.load_tokenizer(tokenizer_path)
+    read = rows.read_all(cfg, plan.train, plan.eval, seed)
 
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     pad_id = 0 if pad_id is None else pad_id  # pad tokens are never attended to by real tokens nor trained
     scratch = tmp / "scratch"
     scratch.mkdir()
@@ -157,83 +168,29 @@ def _build(cfg: DataConfig, tokenizer_path: str, tmp: Path, plan: _Plan, seed: i
             "train": _labels(plan.train),
             "eval": _labels(plan.eval),
             "tokenizer": tokenizer_path,
-            "mix": mix,
+            "mix": read.mix,
         },
         "pad_id": int(pad_id),
         "train": None,
         "eval": None,
     }
-    for name, parts in (("train", train_parts), ("eval", eval_parts)):
+    lost: list[dict[str, Any]] = []
+    for name, parts in (("train", read.train), ("eval", read.eval)):
         if parts:
-            job = _Job(tokenizer, tokenizer_path, cfg, name, scratch, plan.fingerprint, pad_id)
-            manifest[name] = _tokenize_pack_save(parts, job, tmp, seed)
+            job = _Job(tok, tokenizer_path, cfg, name, scratch, plan.fingerprint, pad_id)
+            manifest[name] = _tokenize_pack_save(parts, job, tmp, seed, lost)
     shutil.rmtree(scratch, ignore_errors=True)
+    dropped.write(tmp, lost)
     manifest["seconds"] = round(time.perf_counter() - started, 3)
     _plot(manifest, tmp / "lengths.png")
     cache.write_manifest(tmp, manifest)  # last: its presence marks the entry complete
     return manifest
 
 
-Parts = list[tuple[Located, datasets.Dataset]]
-
-
 def _labels(located: list[Located]) -> str | list[str] | None:
     """One source's label (what a single-source manifest always held), a mix's list, or None."""
     labels = [loc.label for loc in located]
     return labels[0] if len(labels) == 1 else (labels or None)
-
-
-def _read_sources(cfg: DataConfig, plan: _Plan, seed: int) -> tuple[Parts, Parts, list[dict[str, Any]]]:
-    """Each source's raw rows, cut to its share, then split into train and eval parts."""
-    train: Parts = []
-    evals: Parts = []
-    mix: list[dict[str, Any]] = []
-    for i, loc in enumerate(plan.train):
-        raw = _read(loc)
-        chosen = choose(raw, loc.source, seed, i)
-        mix.append(
-            {"key": loc.source.key, "source": loc.label, "commit": loc.commit, "rows": len(raw), "chosen": len(chosen)}
-        )
-        if not plan.eval and cfg.eval_fraction > 0:
-            kept, held = _split(chosen, cfg.eval_fraction, seed, loc.source.key)
-            train.append((loc, kept))
-            evals.append((loc, held))
-        else:
-            train.append((loc, chosen))
-    if plan.eval:
-        evals = [(loc, _read(loc)) for loc in plan.eval]
-    return train, evals, mix
-
-
-def _read(loc: Located) -> datasets.Dataset:
-    ds = read_source(loc)
-    return ds.add_column(_ROW, np.arange(len(ds), dtype=np.int64))
-
-
-def _check_fields(ds: datasets.Dataset, src: Source, source: str) -> None:
-    def key(cfg_key: str, role: str) -> str:  # the key a user sets to fix it
-        return f"{src.key}.fields.{role}" if src.key.startswith("data.sources[") else f"data.{cfg_key}"
-
-    need = {key(k, role): src.fields[role] for k, role, required in FORMAT_FIELDS[src.fmt] if required}
-    require_fields([c for c in ds.column_names if c != _ROW], need, source)
-
-
-def _head(ds: datasets.Dataset) -> list[dict[str, Any]]:
-    """The first rows, which `format: auto` and the format checks look at."""
-    return list(ds.select(range(min(HEAD_ROWS, len(ds)))))
-
-
-def _split(ds: datasets.Dataset, fraction: float, seed: int, key: str) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """Deterministic held-out split: a seeded permutation, the first share goes to eval."""
-    n = len(ds)
-    n_eval = max(1, round(n * fraction))
-    if n_eval >= n:
-        raise DataError(
-            f"data.eval_fraction={fraction} leaves no training example of {key} out of {n}; "
-            "lower data.eval_fraction or add data."
-        )
-    perm = np.random.default_rng(seed).permutation(n)
-    return ds.select(np.sort(perm[n_eval:])), ds.select(np.sort(perm[:n_eval]))
 
 
 @dataclass(frozen=True)
@@ -253,11 +210,11 @@ def _tokenize(loc: Located, raw: datasets.Dataset, job: _Job, j: int) -> tuple[d
     """One source's rows through its own template (format and fields)."""
     src = loc.source
     if src.key.startswith("data.sources[") and src.fmt != "auto":
-        _check_fields(raw, src, loc.label)  # names data.sources[i].fields.<role>, the key to fix
+        rows.check_fields(raw, src, loc.label)  # names data.sources[i].fields.<role>, the key to fix
     # The source's own DataConfig (its format and columns): built like a single-source prepare's.
     cfg = src.data_config(job.cfg, FORMAT_FIELDS)
     tok = tokenize_for(cfg, job.tokenizer, source=loc.label)
-    tok = tok.settle([c for c in raw.column_names if c != _ROW], _head(raw), job.tokenizer_path)
+    tok = tok.settle(data_columns(raw), rows.head(raw), job.tokenizer_path)
     tokenized = raw.map(
         tok,
         batched=True,
@@ -277,12 +234,16 @@ def _how(tok: Tokenize) -> dict[str, Any]:
     return {"format": tok.fmt, "format_reason": tok.reason, "chat_template": name}
 
 
-def _tokenize_pack_save(parts: Parts, job: _Job, out_dir: Path, seed: int) -> dict[str, Any]:
+def _tokenize_pack_save(
+    parts: Parts, job: _Job, out_dir: Path, seed: int, lost: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Tokenise, pack and save one split; every row it drops is appended to `lost`."""
     cfg, name = job.cfg, job.name
-    pieces, per_source = [], []
+    pieces, per_source, split_lost = [], [], []
     for j, (loc, raw) in enumerate(parts):
         piece, tok = _tokenize(loc, raw, job, j)
         st = np.asarray(piece["status"], dtype=object)
+        split_lost += dropped.entries(name, loc, raw, st, piece["detail"])
         n_kept = int((st == "").sum())
         counts = Counter(s for s in st.tolist() if s)
         if n_kept == 0:
@@ -313,25 +274,27 @@ def _tokenize_pack_save(parts: Parts, job: _Job, out_dir: Path, seed: int) -> di
     if not np.array_equal(offsets, lab_arr.offsets.to_numpy()):
         raise RuntimeError("internal error: input_ids and labels disagree in length")
     kept = np.flatnonzero(status == "")
-    dropped = Counter(s for s in status.tolist() if s)
+    drops = Counter(s for s in status.tolist() if s)
+    lost += split_lost
     doc_lens = np.diff(offsets)[kept]
     if cfg.packing:
         bins_local, algorithm = pack_lengths(doc_lens, cfg.seq_len)
     else:
         bins_local, algorithm = one_per_row(doc_lens), "one_per_row"
     bins = [[int(kept[i]) for i in b] for b in bins_local]
-    rows = build_rows(ids_arr.values.to_numpy(), lab_arr.values.to_numpy(), offsets, bins, cfg.seq_len, job.pad_id)
-    _save_rows(rows, cfg.seq_len, out_dir / name)
+    packed = build_rows(ids_arr.values.to_numpy(), lab_arr.values.to_numpy(), offsets, bins, cfg.seq_len, job.pad_id)
+    _save_rows(packed, cfg.seq_len, out_dir / name)
 
-    n_rows, real = len(bins), int(rows["num_real"].sum())
+    n_rows, real = len(bins), int(packed["num_real"].sum())
     return {
         **{k: per_source[0][k] for k in ("format", "format_reason", "chat_template")},  # the first source's
         "examples_in": len(status),
         "examples_out": int(kept.size),
-        "dropped": dict(sorted(dropped.items())),
+        "dropped": dict(sorted(drops.items())),
+        "dropped_rows": split_lost[: dropped.SHOWN],
         "truncated": int((lengths[kept] > cfg.seq_len).sum()),
         "real_tokens": real,
-        "trainable_tokens": int(rows["num_trainable"].sum()),
+        "trainable_tokens": int(packed["num_trainable"].sum()),
         "rows": n_rows,
         "packing_efficiency": real / (n_rows * cfg.seq_len),
         "packing_algorithm": algorithm,
@@ -345,13 +308,13 @@ def _tokenize_pack_save(parts: Parts, job: _Job, out_dir: Path, seed: int) -> di
     }
 
 
-def _save_rows(rows: dict[str, np.ndarray], seq_len: int, path: Path) -> None:
+def _save_rows(packed: dict[str, np.ndarray], seq_len: int, path: Path) -> None:
     cols = {}
     for k in ("input_ids", "labels", "position_ids"):
-        flat = pa.array(rows[k].reshape(-1), type=pa.int32())
+        flat = pa.array(packed[k].reshape(-1), type=pa.int32())
         cols[k] = pa.FixedSizeListArray.from_arrays(flat, seq_len)
-    cols["num_real"] = pa.array(rows["num_real"], type=pa.int32())
-    cols["num_trainable"] = pa.array(rows["num_trainable"], type=pa.int32())
+    cols["num_real"] = pa.array(packed["num_real"], type=pa.int32())
+    cols["num_trainable"] = pa.array(packed["num_trainable"], type=pa.int32())
     datasets.Dataset(pa.table(cols)).save_to_disk(str(path))
 
 

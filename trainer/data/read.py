@@ -1,18 +1,25 @@
 """Read raw examples from JSONL, JSON arrays, Parquet, CSV or a saved `datasets` directory.
 
-Every reader returns a `datasets.Dataset` of raw rows; nothing here knows about templates
-or tokenizers. JSON and JSONL are parsed line by line here rather than by datasets' json
-builder, because a bad line must be reported with its file and line number.
+Every reader returns a `datasets.Dataset` of raw rows with every column any row has (a key that
+one row lacks is None there, never dropped for all rows), plus `LINE_COLUMN`: where each row
+starts in its file (the line of JSONL, JSON and CSV; the row number of Parquet and Arrow), so a
+row that is dropped can be found. Nothing here knows about templates or tokenizers.
+
+JSON, JSONL and CSV are parsed here rather than by datasets' builders because a bad line must be
+reported with its file and line number, and every kept row must know its line; reading writes
+nothing to the user's HF cache (the only artifact is spotune's own cache directory).
 """
 
 from __future__ import annotations
 
+import csv
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import datasets
-import pandas as pd
+import numpy as np
 import pyarrow.parquet as pq
 
 DATA_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet", ".csv", ".arrow")
@@ -20,6 +27,10 @@ COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 """Compressions a text file (JSONL, JSON, CSV) may carry, as hub datasets often ship them (`.jsonl.gz`)."""
 DATA_ENDINGS = (*DATA_SUFFIXES, *(t + c for t in (".jsonl", ".ndjson", ".json", ".csv") for c in COMPRESSED))
 """Every file name ending read as data."""
+INTERNAL = "__spotune_"
+"""Columns spotune adds to raw rows start with this; they are never data."""
+LINE_COLUMN = INTERNAL + "line"
+"""Where a row starts in its file: its line (JSONL, JSON, CSV) or its row number (Parquet, Arrow), from 1."""
 SUPPORTED = (
     *DATA_SUFFIXES,
     "JSONL/JSON/CSV compressed (.gz, .bz2, .xz, .zst)",
@@ -57,30 +68,30 @@ def is_saved_dataset(p: Path) -> bool:
     return (p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists()
 
 
-def read_rows(path: str | Path, *, key: str = "data.path", split: str = "train") -> datasets.Dataset:
-    """All rows of the file or saved dataset at `path` (`split` of a saved DatasetDict); `key`
-    names the config key in errors."""
+def read_rows(
+    path: str | Path, *, key: str = "data.path", split: str = "train", as_text: tuple[str, ...] = ()
+) -> datasets.Dataset:
+    """All rows of the file or saved dataset at `path` (`split` of a saved DatasetDict), each with
+    its `LINE_COLUMN`; `key` names the config key in errors. JSON values of the `as_text` columns
+    (a conversation's tools) are kept as JSON text: Arrow would merge every row's schemas into one
+    struct of all their keys, reordered and null-filled."""
     p = check_source(path, key=key)
     if p.is_dir():
-        ds = _read_saved(p, key, split)
+        ds = _numbered(_read_saved(p, key, split))
     else:
         suffix = data_suffix(p)
         if suffix in (".jsonl", ".ndjson"):
-            ds = _from_records(_read_jsonl(p), p, key)
+            ds = _from_records(_read_jsonl(p), p, key, as_text)
         elif suffix == ".json":
-            ds = _from_records(_read_json(p), p, key)
-        elif suffix == ".parquet":
-            # Read straight through pyarrow/pandas (what datasets' builders use underneath) so that
-            # nothing is written to the user's HF cache: the only artifact is our own cache dir.
-            ds = datasets.Dataset(pq.read_table(p))
+            ds = _from_records(_read_json(p), p, key, as_text)
         elif suffix == ".csv":
-            # keep_default_na=False: an empty CSV cell is the empty string (an alpaca `input`),
-            # not NaN, which would reach the template as a float.
-            with _open_text(p) as f:
-                frame = pd.read_csv(f, keep_default_na=False, dtype=str)
-            ds = datasets.Dataset.from_pandas(frame, preserve_index=False)
+            ds = _from_records(_read_csv(p), p, key, as_text)
+        elif suffix == ".parquet":
+            # Read straight through pyarrow (what datasets' builders use underneath) so that
+            # nothing is written to the user's HF cache: the only artifact is our own cache dir.
+            ds = _numbered(datasets.Dataset(pq.read_table(p)))
         elif suffix == ".arrow":  # a shard of a saved dataset (datasets' Arrow stream), as some hub repos hold
-            ds = datasets.Dataset.from_file(str(p), in_memory=True)
+            ds = _numbered(datasets.Dataset.from_file(str(p), in_memory=True))
         else:
             raise DataError(
                 f"{key}: unknown data format {p.suffix or '(no extension)'!r} for {p}; "
@@ -92,18 +103,37 @@ def read_rows(path: str | Path, *, key: str = "data.path", split: str = "train")
     return ds
 
 
-def _open_text(p: Path) -> Any:
+def data_columns(ds: datasets.Dataset) -> list[str]:
+    """The columns of raw rows that hold data (not those spotune adds: where a row came from)."""
+    return [c for c in ds.column_names if not c.startswith(INTERNAL)]
+
+
+def numbered_by_line(p: Path | str) -> bool:
+    """Whether `LINE_COLUMN` of a file's rows is a line number (text formats) rather than a row number."""
+    return data_suffix(p) in (".jsonl", ".ndjson", ".json", ".csv")
+
+
+def _numbered(ds: datasets.Dataset) -> datasets.Dataset:
+    """A table's rows numbered from 1 (Parquet and Arrow have rows, not lines)."""
+    return ds.add_column(LINE_COLUMN, np.arange(1, len(ds) + 1, dtype=np.int64))
+
+
+def _open_text(p: Path, encoding: str = "utf-8") -> Any:
     """`p` as text, decompressed by its ending (fsspec's codecs; `.zst` needs the zstandard package)."""
     import fsspec
 
     try:
-        return fsspec.open(str(p), "rt", encoding="utf-8", compression="infer").open()
+        return fsspec.open(str(p), "rt", encoding=encoding, compression="infer", newline="").open()
     except (ImportError, ValueError) as e:
         raise DataError(f"{p}: cannot decompress it ({e}); pip install zstandard for .zst, or decompress it.") from None
 
 
-def _read_jsonl(p: Path) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
+Numbered = list[tuple[int, dict[str, Any]]]
+"""(line, row) pairs, in file order."""
+
+
+def _read_jsonl(p: Path) -> Numbered:
+    rows: Numbered = []
     with _open_text(p) as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -116,11 +146,11 @@ def _read_jsonl(p: Path) -> list[dict[str, Any]]:
                 ) from None
             if not isinstance(row, dict):
                 raise DataError(f"{p}:{lineno}: expected a JSON object per line, got {type(row).__name__}.")
-            rows.append(row)
+            rows.append((lineno, row))
     return rows
 
 
-def _read_json(p: Path) -> list[dict[str, Any]]:
+def _read_json(p: Path) -> Numbered:
     with _open_text(p) as f:
         text = f.read()
     if not text.lstrip().startswith("["):
@@ -135,20 +165,76 @@ def _read_json(p: Path) -> list[dict[str, Any]]:
             )
         return _read_jsonl(p)
     try:
-        data = json.loads(text)
+        items = list(_array_items(text))
     except json.JSONDecodeError as e:
         raise DataError(f"{p}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno}).") from None
-    for i, row in enumerate(data):
+    for i, (line, row) in enumerate(items):
         if not isinstance(row, dict):
-            raise DataError(f"{p}: item {i} of the JSON array is a {type(row).__name__}, expected an object.")
-    return data
+            raise DataError(f"{p}:{line}: item {i} of the JSON array is a {type(row).__name__}, expected an object.")
+    return items
 
 
-def _from_records(rows: list[dict[str, Any]], p: Path, key: str) -> datasets.Dataset:
+def _array_items(text: str) -> Iterator[tuple[int, Any]]:
+    """Each item of the JSON array `text` with the line it starts on (json.loads keeps no positions)."""
+    decoder = json.JSONDecoder()
+    ws = " \t\n\r"
+    at = text.index("[") + 1
+    line, counted = 1, 0
+    while True:
+        while at < len(text) and text[at] in ws:
+            at += 1
+        if text.startswith("]", at):
+            tail = text[at + 1 :].strip()
+            if tail:
+                raise json.JSONDecodeError("Extra data", text, at + 1 + text[at + 1 :].index(tail[0]))
+            return
+        item, end = decoder.raw_decode(text, at)
+        line += text.count("\n", counted, at)
+        counted = at
+        yield line, item
+        at = end
+        while at < len(text) and text[at] in ws:
+            at += 1
+        if text.startswith(",", at):
+            at += 1
+        elif not text.startswith("]", at):
+            raise json.JSONDecodeError("Expecting ',' delimiter", text, at)
+
+
+def _read_csv(p: Path) -> Numbered:
+    """CSV rows as strings: an empty cell is the empty string (an alpaca `input`), never NaN; a row
+    with fewer cells than the header lacks the last columns. Each row's line is where it starts (a
+    quoted cell may span lines; blank lines are skipped but counted)."""
+    rows: Numbered = []
+    with _open_text(p, encoding="utf-8-sig") as f:  # -sig: a spreadsheet's byte-order mark is not a column name
+        reader = csv.reader(f)
+        header = next(reader, [])
+        done = reader.line_num  # the last line read so far
+        for cells in reader:
+            start, done = done + 1, reader.line_num
+            if not cells:
+                continue
+            if len(cells) > len(header):
+                raise DataError(
+                    f"{p}:{start}: {len(cells)} cells but the header has {len(header)} columns "
+                    f"({', '.join(header)}); quote cells that hold commas."
+                )
+            rows.append((start, dict(zip(header, cells, strict=False))))
+    return rows
+
+
+def _from_records(rows: Numbered, p: Path, key: str, as_text: tuple[str, ...]) -> datasets.Dataset:
+    """A dataset with every key any row has (datasets.Dataset.from_list takes the first row's keys
+    only, silently dropping a column the first row lacks), and each row's line."""
     if not rows:
         raise DataError(f"{key}: {p} holds no examples; give a file with at least one row.")
+    columns = list(dict.fromkeys(k for _, row in rows for k in row))
+    table = {c: [row.get(c) for _, row in rows] for c in columns}
+    for c in set(as_text) & set(table):
+        table[c] = [json.dumps(v, ensure_ascii=False) if isinstance(v, (dict, list)) else v for v in table[c]]
+    table[LINE_COLUMN] = [line for line, _ in rows]
     try:
-        return datasets.Dataset.from_list(rows)
+        return datasets.Dataset.from_dict(table)
     except Exception as e:  # pyarrow type conflicts between rows, e.g. a field that is a string here and a list there
         raise DataError(f"{p}: rows do not share one schema ({type(e).__name__}: {e}).") from None
 

@@ -1,8 +1,10 @@
 """Look at what trains: examples rendered as the model sees them, trained tokens marked.
 
-`spotune inspect --show N` prints the first N rows of each source (ANSI colour on a terminal,
-`[[...]]` around trained text otherwise); `example_html` gives the same marks as HTML for a page
-(the report may embed it). Rows are tokenised by the very `Tokenize` that `prepare` uses.
+`spotune inspect --show N` prints the first N rows that train from each source (after its
+`rows`/`fraction` choice and the held-out split, as `prepare` reads them), each with its file and
+line (ANSI colour on a terminal, `[[...]]` around trained text otherwise); `example_html` gives the
+same marks as HTML for a page (the report may embed it). Rows are tokenised by the very `Tokenize`
+that `prepare` uses.
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ import html
 from typing import Any
 
 from trainer.config import DataConfig
+from trainer.data import dropped, rows
 from trainer.data.chat_templates import template_name
 from trainer.data.formats import FORMAT_FIELDS
-from trainer.data.sources import locate, read, sources_of
-from trainer.data.template import HEAD_ROWS, IGNORE_INDEX, ROW_COLUMN, tokenize_for
+from trainer.data.read import LINE_COLUMN, data_columns
+from trainer.data.sources import FILE_COLUMN, eval_sources, locate, sources_of
+from trainer.data.template import HEAD_ROWS, IGNORE_INDEX, tokenize_for
 
 OPEN, CLOSE = "[[", "]]"
 ANSI_ON, ANSI_OFF = "\x1b[30;42m", "\x1b[0m"  # black on green: trained
@@ -47,32 +51,34 @@ def example_html(tokenizer: Any, ids: list[int], labels: list[int]) -> str:
     return f'<pre class="spotune-example">{"".join(parts)}</pre>'
 
 
-def show_examples(cfg: DataConfig, tokenizer_path: str, n: int, color: bool = False) -> str:
-    """The first `n` rows of each training source of `cfg` (`data.path`, or each of `data.sources`,
-    located and read as prepare reads them), rendered with that source's format and fields, trained
-    tokens marked."""
-    from transformers import AutoTokenizer
+def show_examples(cfg: DataConfig, tokenizer_path: str, n: int, color: bool = False, seed: int = 0) -> str:
+    """The first `n` training rows of each source of `cfg` (`data.path`, or each of `data.sources`,
+    located, read and chosen as prepare reads them with `seed`), rendered with that source's format
+    and fields, trained tokens marked."""
+    from trainer.data.tokenizer import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=False)
+    tokenizer = load_tokenizer(tokenizer_path)
     lines = ["trained tokens are " + ("highlighted" if color else f"between {OPEN} and {CLOSE}")]
-    for src in sources_of(cfg, FORMAT_FIELDS):
-        loc = locate(src)
-        ds = read(loc)
-        head = list(ds.select(range(min(max(n, HEAD_ROWS), len(ds)))))
-        columns = list(ds.column_names)
-        tok = tokenize_for(src.data_config(cfg, FORMAT_FIELDS), tokenizer, loc.label)
-        tok = tok.settle(columns, head, tokenizer_path)
-        rows = head[:n]
-        out = tok({c: [r[c] for r in rows] for c in columns} | {ROW_COLUMN: list(range(len(rows)))})
+    located = [locate(src) for src in sources_of(cfg, FORMAT_FIELDS)]
+    held_out = bool(eval_sources(cfg, FORMAT_FIELDS))
+    for loc, ds in rows.read_training(cfg, located, held_out, seed).train:
+        shown = rows.head(ds, max(n, HEAD_ROWS))
+        tok = tokenize_for(loc.source.data_config(cfg, FORMAT_FIELDS), tokenizer, loc.label)
+        tok = tok.settle(data_columns(ds), shown, tokenizer_path)
+        shown = shown[:n]
+        out = tok({c: [r[c] for r in shown] for c in ds.column_names})
         template = template_name(tok.chat_template) if tok.template is not None else "none (raw text)"
-        name = f"{src.key} {loc.label}" if cfg.sources else loc.label
+        name = f"{loc.source.key} {loc.label}" if cfg.sources else loc.label
         why = f" ({tok.reason})" if tok.reason else ""
         lines.append(f"\n{name}: format {tok.fmt}{why}, chat template: {template}")
-        for i, (ids, labels, status) in enumerate(zip(out["input_ids"], out["labels"], out["status"], strict=True)):
+        for row, ids, labels, status, detail in zip(
+            shown, out["input_ids"], out["labels"], out["status"], out["detail"], strict=True
+        ):
+            place = dropped.place(loc.files[row[FILE_COLUMN]], row[LINE_COLUMN])
             if status:
-                lines.append(f"\n--- row {i + 1}: dropped ({status})")
+                lines.append(f"\n--- {place}: dropped ({status}{': ' + detail if detail else ''})")
                 continue
             trained = sum(lab != IGNORE_INDEX for lab in labels)
-            lines.append(f"\n--- row {i + 1}: {len(ids)} tokens, {trained} trained")
+            lines.append(f"\n--- {place}: {len(ids)} tokens, {trained} trained")
             lines.append(example_text(tokenizer, ids, labels, color))
     return "\n".join(lines)

@@ -25,7 +25,10 @@ from datasets.utils import tqdm
 
 from trainer.config import DataConfig, SourceConfig
 from trainer.data import hub, layout
-from trainer.data.read import DataError, check_source, is_saved_dataset, read_rows
+from trainer.data.read import INTERNAL, DataError, check_source, data_columns, is_saved_dataset, read_rows
+
+FILE_COLUMN = INTERNAL + "file"
+"""Which of a located source's files a raw row came from (an index into `Located.files`)."""
 
 # (config key, role, required) per format: prepare.FORMAT_FIELDS, passed in (prepare imports this module).
 FormatFields = Mapping[str, tuple[tuple[str, str, bool], ...]]
@@ -129,22 +132,30 @@ def _source(
 
 
 def locate(src: Source) -> Located:
-    """The files of `src` (downloading a hub dataset's files into the HF cache)."""
+    """The files of `src`, resolved as `datasets.load_dataset` resolves them (layout.py); a hub
+    dataset's split files are downloaded into the HF cache, and only those."""
     hub_id = hub.parse(src.path)
     if hub_id is None:
         path = check_source(src.path, key=_path_key(src.key))
         if path.is_file() or is_saved_dataset(path):
             return Located(src, (path,), None, str(path))
-        files = layout.pick_files(path, src.subset, src.split, _path_key(src.key))
+        files = layout.split_files(path, src.subset, src.split, _path_key(src.key))
         return Located(src, tuple(files), None, str(path))
     revision = src.revision or hub_id.revision
     key = _path_key(src.key)
     # First the card alone: it resolves the commit and may name the split's files (its configs:).
-    folder, commit = hub.download(hub_id, revision, [layout.CARD], key)
-    patterns = layout.card_patterns(folder / layout.CARD, src.subset, src.split, hub_id.url(commit), key)
-    folder, commit = hub.download(hub_id, commit, hub.data_patterns(patterns), key)
-    files = layout.pick_files(folder, src.subset, src.split, key, where=hub_id.url(commit))
-    return Located(src, tuple(files), commit, hub_id.url(commit))
+    folder, commit = hub.download(hub_id, revision, list(layout.METADATA), key)
+    where = hub_id.url(commit)
+    listed = hub.listing(hub_id, commit, folder, key)
+    wanted = layout.split_files_listed(listed, folder, src.subset, src.split, key, where)
+    folder, commit = hub.download(hub_id, commit, hub.exactly([*layout.METADATA, *wanted]), key)
+    missing = [rel for rel in wanted if not (folder / rel).is_file()]
+    if missing:
+        raise DataError(
+            f"{key}: {where}: {', '.join(missing[:3])} did not arrive; with HF_HUB_OFFLINE=1 the cache may lack them: "
+            "run once online."
+        )
+    return Located(src, tuple(folder / rel for rel in wanted), commit, where)
 
 
 def _path_key(key: str) -> str:
@@ -160,23 +171,36 @@ def local_files(located: list[Located]) -> list[Path]:
 
 
 def read(loc: Located) -> datasets.Dataset:
-    """Every raw row of `loc`, its files concatenated in order."""
+    """Every raw row of `loc`, its files concatenated in order, with every column any file has and,
+    per row, its file (`FILE_COLUMN`, an index into `loc.files`) and line (`read.LINE_COLUMN`)."""
     key = _path_key(loc.source.key)
     # datasets' tqdm follows its global progress switch (prepare's `progress`): a bar on a terminal.
     files = tqdm(loc.files, desc=f"read {loc.source.key}", unit="file", disable=len(loc.files) < 2)
-    parts = [read_rows(f, key=key, split=loc.source.split) for f in files]
-    if len(parts) == 1:
-        return parts[0]
+    as_text = tuple(c for role, c in loc.source.fields.items() if role == "tools")
+    parts = []
+    for i, f in enumerate(files):
+        rows = read_rows(f, key=key, split=loc.source.split, as_text=as_text)
+        parts.append(rows.add_column(FILE_COLUMN, np.full(len(rows), i, dtype=np.int32)))
+    return parts[0] if len(parts) == 1 else _concatenate(parts, loc, key)
+
+
+def _concatenate(parts: list[datasets.Dataset], loc: Located, key: str) -> datasets.Dataset:
+    """The files' rows as one table: a column some file lacks is None in its rows, and files of one
+    layout that differ in storage types (Parquet's large_string, JSON's string) take the first's."""
+    union: dict[str, Any] = {}
+    for p in parts:
+        for name, feature in p.features.items():
+            union.setdefault(name, feature)
+    features = datasets.Features(union)
     try:
-        # Files of one layout may still differ in storage types (Parquet's large_string, JSON's
-        # string): cast each to the first one's features when the columns are the same.
-        first = parts[0].features
-        parts = [
-            p.select_columns(list(first)).cast(first) if p.features != first and set(p.features) == set(first) else p
-            for p in parts
-        ]
-        return datasets.concatenate_datasets(parts)
-    except (ValueError, TypeError) as e:  # columns or types that differ between files
+        whole = []
+        for p in parts:
+            for name in union.keys() - set(p.column_names):
+                p = p.add_column(name, [None] * len(p), feature=union[name])
+            p = p.select_columns(list(union))
+            whole.append(p if p.features == features else p.cast(features))
+        return datasets.concatenate_datasets(whole)
+    except (ValueError, TypeError) as e:  # types that differ between files
         names = ", ".join(f.name for f in loc.files[:5])
         raise DataError(
             f"{key}: the files of {loc.label} ({names}...) do not share one schema ({e}); "
@@ -252,7 +276,7 @@ def _pin(key: str, path: str, revision: str | None, pinned: str | None, notes: l
             "(the run's config.yaml); commits pushed since are not read by this run"
         )
         return pinned
-    _, commit = hub.download(hub_id, asked, [layout.CARD], _path_key(key))
+    _, commit = hub.download(hub_id, asked, list(layout.METADATA), _path_key(key))
     notes.append(f"{key}: {hub_id.repo_id}@{asked or 'main'} is commit {commit[:12]}; this run reads that commit")
     return commit
 
@@ -270,7 +294,8 @@ def write_sample(
     for i, (loc, table) in enumerate(zip(located, tables, strict=True)):
         k = min(len(table), max(1, round(size * len(table) / total)))
         path = directory / f"sample-{i}.jsonl"
-        table.select(range(k)).to_json(str(path), lines=True)
+        sample = table.select(range(k))
+        sample.select_columns(data_columns(sample)).to_json(str(path), lines=True)
         fmt: Any = loc.source.fmt  # a value of data.format: sources_of checked it against format_fields
         entries.append(SourceConfig(path=str(path), format=fmt, fields=dict(loc.source.fields)))
         sampled += k

@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 
+from trainer.data import dropped
+
 CANDIDATE_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 HIST_BINS = 20
 BASELINE_BATCH = 8  # batch size of the "pad each batch to its longest" baseline in the manifest
@@ -83,6 +85,7 @@ def format_summary(manifest: dict[str, Any], reused: bool, where: str) -> str:
         st = manifest.get(split)
         if st:
             lines.extend(_split_lines(split, st, s["seq_len"], s["overlong"]))
+            lines.extend(dropped.summary_lines(st, where))  # each dropped row's file and line
     return "\n".join(lines)
 
 

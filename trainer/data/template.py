@@ -10,8 +10,9 @@ is rendered by the chat template that `final/` will carry (trainer/data/chat_tem
 assistant's characters are found in that one rendering (trainer/data/masking.py).
 
 `Tokenize` is a picklable callable for `datasets.map(batched=True)`. It returns, per row, the
-(possibly truncated) ids and labels, the full token length before truncation, and a status:
-"" (kept) or the reason the row is dropped (counted in the manifest, never dropped silently).
+(possibly truncated) ids and labels, the full token length before truncation, a status: ""
+(kept) or the reason the row is dropped (counted in the manifest, never dropped silently), and
+the drop's detail (which field or turn; listed with the row's file and line).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from trainer.data import formats, masking
-from trainer.data.chat_templates import END_OF_TURN, NAMED, require_template, resolve_chat_template
+from trainer.data.chat_templates import END_OF_TURN, NAMED, dated, require_template, resolve_chat_template
+from trainer.data.formats import Drop
 from trainer.data.read import DataError
 
 IGNORE_INDEX = -100
@@ -31,8 +33,8 @@ IGNORE_INDEX = -100
 
 ROW_COLUMN = "__spotune_row"
 
-# Drop reasons, as they appear in the manifest and the summary (formats.py adds null_field,
-# unknown_role and malformed_messages).
+# Drop reasons, as they appear in the manifest and the summary (turns.py adds null_field,
+# unknown_role, malformed_messages and malformed_tools).
 OVERLONG = "overlong"
 NO_TRAINABLE = "no_trainable_tokens"
 NO_TRAINABLE_AFTER_TRUNCATION = "no_trainable_after_truncation"
@@ -58,6 +60,7 @@ class Tokenize:
     train_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
     train_on_inputs: bool = False
     reason: str = ""  # why `auto` chose fmt
+    template_date: str | None = None  # YYYY-MM-DD a template's strftime_now writes (data.template_date)
 
     def settle(self, columns: list[str], head: list[dict[str, Any]], tokenizer_path: str = "") -> Tokenize:
         """This Tokenize for data with `columns` whose first rows are `head`: `auto` resolved (and said
@@ -94,20 +97,19 @@ class Tokenize:
     def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
         columns = list(batch)
         rows = [dict(zip(columns, values, strict=True)) for values in zip(*batch.values(), strict=True)]
-        status = [""] * len(rows)
+        drops: list[Drop | None] = [None] * len(rows)
         template = self.template
         examples: list[formats.Example | None] = []
         for i, row in enumerate(rows):
             ex = formats.to_example(self.fmt, row, self.fields, self.roles, template is not None)
-            if isinstance(ex, str):
-                status[i] = ex  # the reason this row is dropped
-            examples.append(None if isinstance(ex, str) else ex)
-        pairs = self._pairs(examples, rows, status, template)
-        out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "length": [], "status": []}
+            drops[i] = ex if isinstance(ex, Drop) else None
+            examples.append(None if isinstance(ex, Drop) else ex)
+        pairs = self._pairs(examples, rows, drops, template)
+        out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "length": [], "status": [], "detail": []}
         eos = self.tokenizer.eos_token_id
-        for (ids, labels, eos_trained), st in zip(pairs, status, strict=True):
-            if st:
-                self._emit(out, [], [], 0, st)
+        for (ids, labels, eos_trained), drop in zip(pairs, drops, strict=True):
+            if drop is not None:
+                self._emit(out, [], [], 0, drop)
                 continue
             if eos is not None and eos_trained is not None and (not ids or ids[-1] != eos):
                 # EOS teaches the model to stop: trained after raw text, a raw completion, and a
@@ -127,7 +129,7 @@ class Tokenize:
         self,
         examples: list[formats.Example | None],
         rows: list[dict[str, Any]],
-        status: list[str],
+        drops: list[Drop | None],
         template: str | None,
     ) -> list[Pair]:
         pairs: list[Pair] = [([], [], None)] * len(examples)
@@ -146,29 +148,41 @@ class Tokenize:
         chats = [(i, ex) for i, ex in enumerate(examples) if ex is not None and ex.messages is not None]
         if chats:
             assert template is not None  # settle() required one for every conversational format
-            for i, pair in self._chat(chats, rows, status, template):
+            for i, pair in self._chat(chats, rows, drops, template):
                 pairs[i] = pair
         return pairs
 
-    def _chat(
-        self, chats: list[tuple[int, formats.Example]], rows: list[dict[str, Any]], status: list[str], template: str
-    ) -> list[tuple[int, Pair]]:
-        from jinja2 import TemplateError
+    def renderer(self, template: str, tools: list[dict[str, Any]] | None = None) -> masking.Render:
+        """messages, add_generation_prompt -> the text `template` renders (with the conversation's
+        `tools`, and the run's date where the template writes today's)."""
+        text = dated(template, self.template_date)
 
         def render(msgs: list[dict[str, Any]], gen: bool) -> str:
             return str(
                 self.tokenizer.apply_chat_template(
-                    msgs, chat_template=template, tokenize=False, add_generation_prompt=gen
+                    msgs, chat_template=text, tools=tools, tokenize=False, add_generation_prompt=gen
                 )
             )
 
-        gen_prompt = masking.generation_prompt(render)
+        return render
+
+    def _chat(
+        self,
+        chats: list[tuple[int, formats.Example]],
+        rows: list[dict[str, Any]],
+        drops: list[Drop | None],
+        template: str,
+    ) -> list[tuple[int, Pair]]:
+        from jinja2 import TemplateError
+
+        render = self.renderer(template)
+        special = sorted({t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special})
+        end_of_turn = END_OF_TURN.get(self.chat_template or "") if self.chat_template in NAMED else None
+        shape = masking.shape(render, special, end_of_turn)
         try:
             late_system = masking.system_served_late(render)
         except TemplateError:  # a template that refuses system turns: nothing is served late
             late_system = False
-        special = sorted({t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special})
-        end_of_turn = END_OF_TURN.get(self.chat_template or "") if self.chat_template in NAMED else None
         kept: list[tuple[int, str, list[tuple[int, int]], bool | None]] = []
         for i, ex in chats:
             assert ex.messages is not None and ex.trainable is not None
@@ -176,11 +190,14 @@ class Tokenize:
                 if late_system:
                     ex = _system_as_served(ex)
                 assert ex.messages is not None
-                text, turns = masking.assistant_turns(render, ex.messages, gen_prompt, special, end_of_turn)
-            except TemplateError:  # the template refuses this conversation (e.g. roles that do not alternate)
-                status[i] = TEMPLATE_ERROR
+                text, turns = masking.assistant_turns(self.renderer(template, ex.tools), ex.messages, shape)
+            except TemplateError as e:  # the template refuses this conversation (e.g. roles that do not alternate)
+                drops[i] = Drop(TEMPLATE_ERROR, str(e).splitlines()[0] if str(e) else "")
                 continue
             except masking.TemplateShapeError as e:
+                if shape.call_lead is None and any(m.get("tool_calls") for m in ex.messages or ()):
+                    drops[i] = Drop(TEMPLATE_ERROR, str(e))  # a template without tool calls: these rows cannot train
+                    continue
                 row = rows[i].get(ROW_COLUMN, i)
                 raise DataError(
                     f"{self.source}: row {int(row) + 1}: {e}, so its tokens cannot be labelled; "
@@ -200,6 +217,8 @@ class Tokenize:
             if eos_rule:  # what the template writes after the last end mark (chatml's "\n") leads to the
                 spans[-1] = (spans[-1][0], len(text))  # trained EOS: trained too, or nothing teaches it
             kept.append((i, text, spans, eos_rule))
+        if not kept:  # every conversation of the batch was dropped (a fast tokenizer refuses an empty batch)
+            return []
         enc = self.tokenizer([k[1] for k in kept], add_special_tokens=False, return_offsets_mapping=True)
         out = []
         for (i, _, spans, eos_rule), ids, offsets in zip(kept, enc["input_ids"], enc["offset_mapping"], strict=True):
@@ -210,27 +229,32 @@ class Tokenize:
 
     def _finish(self, out: dict[str, list[Any]], ids: list[int], labels: list[int]) -> None:
         length = len(ids)
-        status = ""
+        drop = None
         if length > self.seq_len:
             if self.overlong == "drop":
-                self._emit(out, [], [], length, OVERLONG)
+                self._emit(out, [], [], length, Drop(OVERLONG, f"{length} tokens, data.seq_len is {self.seq_len}"))
                 return
             ids, labels = ids[: self.seq_len], labels[: self.seq_len]
             if all(x == IGNORE_INDEX for x in labels):
-                status = NO_TRAINABLE_AFTER_TRUNCATION
+                drop = Drop(
+                    NO_TRAINABLE_AFTER_TRUNCATION, f"nothing trained in its first {self.seq_len} of {length} tokens"
+                )
         elif all(x == IGNORE_INDEX for x in labels):
-            status = NO_TRAINABLE
-        if status:
-            self._emit(out, [], [], length, status)
+            drop = Drop(NO_TRAINABLE, "no token to train (no assistant turn, or every one untrained)")
+        if drop is not None:
+            self._emit(out, [], [], length, drop)
         else:
-            self._emit(out, ids, labels, length, "")
+            self._emit(out, ids, labels, length, None)
 
     @staticmethod
-    def _emit(out: dict[str, list[Any]], ids: Sequence[int], labels: Sequence[int], length: int, status: str) -> None:
+    def _emit(
+        out: dict[str, list[Any]], ids: Sequence[int], labels: Sequence[int], length: int, drop: Drop | None
+    ) -> None:
         out["input_ids"].append(list(ids))
         out["labels"].append(list(labels))
         out["length"].append(length)
-        out["status"].append(status)
+        out["status"].append(drop.reason if drop is not None else "")
+        out["detail"].append(drop.detail if drop is not None else "")
 
 
 def _system_as_served(ex: formats.Example) -> formats.Example:
@@ -278,4 +302,25 @@ def tokenize_for(cfg: Any, tokenizer: Any, source: str) -> Tokenize:
         roles={**formats.SHAREGPT_ROLES, **cfg.sharegpt_roles},
         train_on=cfg.train_on,
         train_on_inputs=cfg.train_on_inputs,
+        template_date=cfg.template_date,
     )
+
+
+def end_of_turn_ids(tokenizer: Any, chat_template: str | None, fmt: str) -> list[int]:
+    """The tokens a run trains as the end of an assistant turn: what generation must stop on.
+
+    Conversational data: the last trained token of a probe conversation tokenised exactly as the
+    rows are (the template's end-of-turn token, `<|im_end|>`, `<|eot_id|>`..., or the EOS appended
+    where the template ends a turn with none); raw text and raw prompt/completion: EOS. `auto` and
+    prompt/completion may be either, so both count."""
+    ids: list[int] = []
+    fmt = formats.normalise(fmt)
+    if fmt != "text" and resolve_chat_template(chat_template, tokenizer) is not None:
+        probe = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
+        out = Tokenize("messages", tokenizer, {"messages": "messages"}, 1 << 20, "truncate", chat_template)(
+            {"messages": [probe]}
+        )
+        ids += [lab for lab in out["labels"][0] if lab != IGNORE_INDEX][-1:]
+    if fmt in ("text", "auto", "prompt_completion") and tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    return list(dict.fromkeys(ids))

@@ -8,6 +8,7 @@ dataset is read at the commit the run's first start resolved it to (`pin_data`).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,15 @@ def model_path(cfg: C.RunConfig) -> str:
 
 
 def tokenizer_path(cfg: C.RunConfig) -> str:
-    return cfg.data.tokenizer or model_path(cfg)
+    """The tokenizer's local folder: `data.tokenizer` or the model's, a hub id's files fetched at the
+    revision the weights load at (trainer/data/tokenizer.py, `revision_of`)."""
+    from trainer.data.tokenizer import local_dir, revision_of
+
+    d, m = cfg.data, cfg.model
+    key = "data.tokenizer" if d.tokenizer else "model.name_or_path"
+    return local_dir(
+        d.tokenizer or model_path(cfg), revision_of(d.tokenizer, d.tokenizer_revision, m.name_or_path, m.revision), key
+    )
 
 
 def pin_data(cfg: C.RunConfig, is_main: bool = True) -> C.RunConfig:
@@ -38,6 +47,7 @@ def pin_data(cfg: C.RunConfig, is_main: bool = True) -> C.RunConfig:
     if is_main:
         saved = saved_config(Path(cfg.output_dir))
         data, notes = pin_revisions(cfg.data, saved.data if saved is not None else None)
+        data = dataclasses.replace(data, template_date=_template_date(cfg.data, saved))
         pinned = dataclasses.replace(cfg, data=data)
         for note in notes:
             print(f"spotune: {note}", flush=True)
@@ -49,6 +59,16 @@ def pin_data(cfg: C.RunConfig, is_main: bool = True) -> C.RunConfig:
         pinned = box[0]
     assert pinned is not None
     return pinned
+
+
+def _template_date(data: C.DataConfig, saved: C.RunConfig | None) -> str:
+    """`data.template_date` as set, else the day of the run's first start (its config.yaml), else today:
+    a chat template that writes the day renders every restart's rows as the first start did."""
+    if data.template_date is not None:
+        return data.template_date
+    if saved is not None and saved.data.template_date is not None:
+        return saved.data.template_date
+    return datetime.datetime.now(datetime.timezone.utc).date().isoformat()
 
 
 def saved_config(run_dir: Path) -> C.RunConfig | None:

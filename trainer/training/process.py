@@ -81,6 +81,13 @@ def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitSt
     return Process(accelerator, sharding, remote, stop, out)
 
 
+def resolved_precision(cfg: C.RunConfig, accelerator: Any) -> C.RunConfig:
+    """`cfg` with `train.mixed_precision: auto` replaced by what `make_accelerator` chose for this GPU."""
+    if cfg.train.mixed_precision != "auto":
+        return cfg
+    return cfg.replace(**{"train.mixed_precision": accelerator.mixed_precision})
+
+
 def make_accelerator(cfg: C.RunConfig) -> Any:
     """Accelerate owns device placement, autocast (+ fp16 grad scaler) and DDP wrapping; FSDP
     sharding is ours (trainer/model/distributed.py says why).
@@ -98,6 +105,9 @@ def make_accelerator(cfg: C.RunConfig) -> Any:
         raise C.ConfigError([unusable])
     if cfg.train.mixed_precision == "fp16" and not cuda:
         raise C.ConfigError(["train.mixed_precision: fp16 needs a CUDA GPU; use bf16 or no on CPU"])
+    precision = cfg.train.mixed_precision
+    if precision == "auto":  # bf16 where this GPU computes it natively (every rank of a job has the same GPUs)
+        precision = "bf16" if cuda and torch.cuda.is_bf16_supported() else "no"
     trackers = list(cfg.metrics.trackers)
     missing = [t for t in trackers if importlib.util.find_spec(t) is None]
     if missing:  # said before the model loads, not at the first metrics row (trainer/training/trackers.py)
@@ -110,7 +120,7 @@ def make_accelerator(cfg: C.RunConfig) -> Any:
     backend = distributed.process_group_backend(cfg.train.distributed, cfg.train.fsdp_cpu_offload, cuda)
     return Accelerator(
         cpu=not cuda,
-        mixed_precision=cfg.train.mixed_precision,
+        mixed_precision=precision,
         project_dir=cfg.output_dir,
         kwargs_handlers=[InitProcessGroupKwargs(backend=backend)] if backend else None,
     )

@@ -23,7 +23,6 @@ from trainer import exit_codes
 from trainer.data.cache import in_turns
 from trainer.data.sampler import StepSampler, run_steps
 from trainer.exit_codes import StopReason
-from trainer.export import write_final
 from trainer.model import compile_cache, distributed, flops
 from trainer.model.load import build, build_optimizer, count_params
 from trainer.restart import owner
@@ -31,6 +30,7 @@ from trainer.restart.checkpoint import CheckpointManager
 from trainer.restart.ledger import Ledger, timed
 from trainer.restart.saving import Saver
 from trainer.restart.state import Counters, TrainState, check_compatible, restore_training_state
+from trainer.serve.final import write_final
 from trainer.training import autofit, determinism, loop, metrics, process, shutdown, trackers
 from trainer.training.batches import StepDataset, prefetching, step_loader
 from trainer.training.console import Console
@@ -65,6 +65,7 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
             )
         )
         proc = process.start(cfg, phases, closing, fence=holding.lease)  # accelerator, DDP/FSDP, store, stop paths
+        cfg = process.resolved_precision(cfg, proc.accelerator)  # `auto`: what the accelerator runs on this GPU
         device = proc.accelerator.device
         with timed(phases, "data"):
             cfg = pin_data(cfg, proc.is_main)  # hub datasets stay at the commit of the run's first start
@@ -366,7 +367,7 @@ def _finish(
     ledger.winding_down(reason)
     if reason in ("finished", "budget"):
         with ledger.timed("final"):  # a collective under FSDP
-            write_final(proc.out / "final", model, tokenizer_path(cfg), proc.is_main, cfg.data.chat_template)
+            write_final(proc.out / "final", model, tokenizer_path(cfg), proc.is_main, cfg.data)
     proc.accelerator.wait_for_everyone()
     summary = books.meter.summary()
     with ledger.timed("flush"):

@@ -28,6 +28,10 @@ redoes and the new ones, each tracker by its own rule of what it already holds:
   the redone steps written again. Its writer is flushed at each row, so no backfill is needed.
 Every row carries `attempt` (the ledger's attempt number) and, where the tracker takes text
 (W&B), `machine` (the host name); MLflow and TensorBoard get `machine` as a tag / text per attempt.
+
+The trackers' own settings win over spotune's defaults: `WANDB_DIR` (else the run directory),
+`WANDB_PROJECT` / `MLFLOW_EXPERIMENT_NAME` when `metrics.project` is unset (else `spotune`), and
+`MLFLOW_TRACKING_URI` (spotune never sets one).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import secrets
 import socket
 import sys
@@ -50,6 +55,8 @@ from trainer.config import MetricsConfig
 log = logging.getLogger(__name__)
 
 IDS_FILE = "trackers.json"
+DEFAULT_PROJECT = "spotune"
+"""The W&B project / MLflow experiment when neither `metrics.project` nor the tracker's own variable names one."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +64,8 @@ class TrackerRun:
     """What the trackers are told about the run and this attempt."""
 
     kinds: tuple[str, ...]
-    project: str
+    project: str | None
+    """`metrics.project`; unset: the tracker's own setting, else DEFAULT_PROJECT."""
     run_name: str
     tags: tuple[str, ...]
     run_dir: Path
@@ -143,14 +151,16 @@ class _Wandb:
         import wandb
 
         ids.setdefault("wandb", secrets.token_hex(8))  # W&B takes [a-z0-9] ids; made once per run
-        (run.run_dir / "wandb").mkdir(parents=True, exist_ok=True)
+        where = None if os.environ.get("WANDB_DIR") else str(run.run_dir)  # W&B's own setting wins
+        if where is not None:
+            (run.run_dir / "wandb").mkdir(parents=True, exist_ok=True)
         self.wandb_run = wandb.init(
-            project=run.project,
+            project=run.project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
             id=ids["wandb"],
             resume="allow",
             name=run.run_name,
             tags=list(run.tags) or None,
-            dir=str(run.run_dir),
+            dir=where,
         )
         # Settings may change on a resume (checkpoint.allow_config_change): the latest wins.
         self.wandb_run.config.update(run.config, allow_val_change=True)
@@ -177,8 +187,9 @@ class _Mlflow:
         if run_id is not None and self._resume(run_id):
             self.run_id = run_id
         else:
-            experiment = client.get_experiment_by_name(run.project)
-            experiment_id = experiment.experiment_id if experiment else client.create_experiment(run.project)
+            name = run.project or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_PROJECT
+            experiment = client.get_experiment_by_name(name)
+            experiment_id = experiment.experiment_id if experiment else client.create_experiment(name)
             tags = {tag: "true" for tag in run.tags}
             self.run_id = client.create_run(experiment_id, run_name=run.run_name, tags=tags).info.run_id
             ids["mlflow"] = self.run_id

@@ -1,4 +1,4 @@
-"""`final/` at the end of `train` (`write_final`), and `spotune export RUN_DIR [--merge] [--out DIR]`.
+"""`spotune export RUN_DIR [--merge] [--out DIR]`.
 
 Without --merge: copy the adapter (adapter_model.safetensors, adapter_config.json and the
 tokenizer files) to DIR. With --merge: load the base model unquantised in the recipe's
@@ -15,13 +15,9 @@ import json
 import shutil
 from pathlib import Path
 
-import torch
-
-from trainer.atomic import fsync_tree, publish_dir, remove_temp_siblings, temp_sibling
-from trainer.config import ConfigError, ModelConfig, load
-from trainer.model import distributed
-from trainer.model.wrappers import unwrap_peft
-from trainer.restart.state import adapter_state
+from trainer.config import ConfigError, DataConfig, ModelConfig, load
+from trainer.data.tokenizer import revision_of
+from trainer.serve.final import GENERATION_CONFIG, save_tokenizer, served_generation_config
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 TOKENIZER_FILES = (
@@ -60,41 +56,31 @@ def export(run_dir: Path | str, out_dir: Path | str | None = None, merge: bool =
         raise ConfigError([f"--out {out} is the adapter's own directory; choose another"], "command line")
     out.mkdir(parents=True, exist_ok=True)
     if not merge:
-        for name in ADAPTER_FILES + TOKENIZER_FILES:
+        for name in (*ADAPTER_FILES, *TOKENIZER_FILES, GENERATION_CONFIG):
             if (src / name).is_file():
                 shutil.copy2(src / name, out / name)
         return out
-    model_cfg, chat_template = _run_config(run_dir)
-    merge_adapter(src, out, model_cfg, chat_template)
+    model_cfg, data_cfg = _run_config(run_dir)
+    merge_adapter(src, out, model_cfg, data_cfg)
     return out
 
 
-def _run_config(run_dir: Path) -> tuple[ModelConfig, str | None]:
-    """The run's `model` section and `data.chat_template` through the config loader, so defaults are the
-    schema's (a config.yaml that omits `model.dtype` means the schema default, not some export default)."""
+def _run_config(run_dir: Path) -> tuple[ModelConfig, DataConfig]:
+    """The run's `model` and `data` sections through the config loader, so defaults are the schema's
+    (a config.yaml that omits `model.dtype` means the schema default, not some export default)."""
     path = run_dir / "config.yaml"
     if not path.is_file():
-        return ModelConfig(), None
+        return ModelConfig(), DataConfig()
     cfg = load(path)
-    return cfg.model, cfg.data.chat_template
+    return cfg.model, cfg.data
 
 
-def save_tokenizer(tokenizer: str | Path, out: Path, chat_template: str | None) -> None:
-    """The tokenizer at `tokenizer`, carrying the chat template the run trained with (`data.chat_template`
-    resolved as the data pipeline resolves it), saved to `out`: tokenizer_config.json / chat_template.jinja."""
-    from transformers import AutoTokenizer
-
-    from trainer.data.chat_templates import apply_to_saved
-
-    tok = AutoTokenizer.from_pretrained(str(tokenizer))
-    apply_to_saved(tok, chat_template)
-    tok.save_pretrained(str(out))
-
-
-def merge_adapter(adapter_dir: Path, out: Path, model_cfg: ModelConfig, chat_template: str | None = None) -> None:
+def merge_adapter(adapter_dir: Path, out: Path, model_cfg: ModelConfig, data_cfg: DataConfig | None = None) -> None:
+    """The base model with the adapter merged in, saved to `out` with the run's tokenizer and chat
+    template and a generation config that stops where training ended a turn (final/'s when it has one)."""
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     from trainer.model.load import download_bar_kwargs, peft_wrapping, quiet_hf_progress
 
@@ -120,29 +106,15 @@ def merge_adapter(adapter_dir: Path, out: Path, model_cfg: ModelConfig, chat_tem
             **download_bar_kwargs(),
         )
         merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    d = data_cfg or DataConfig()
+    if (adapter_dir / "tokenizer_config.json").is_file():  # final/ carries the trained tokenizer and template
+        tok = save_tokenizer(adapter_dir, out, d.chat_template)
+    else:  # a checkpoint carries none: the run's tokenizer, at the weights' revision, gets the template here
+        revision = revision_of(d.tokenizer, d.tokenizer_revision, base_path, model_cfg.revision)
+        tok = save_tokenizer(d.tokenizer or base_path, out, d.chat_template, revision)
+    if (adapter_dir / GENERATION_CONFIG).is_file():
+        merged.generation_config = GenerationConfig.from_pretrained(str(adapter_dir))
+    else:
+        merged.generation_config = served_generation_config(merged.generation_config, tok, None, d.format)
+    with quiet_hf_progress():
         merged.save_pretrained(str(out), safe_serialization=True)
-    tok_dir = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base_path
-    # final/ already carries the trained template; a checkpoint has no tokenizer, so the base's gets it here
-    save_tokenizer(tok_dir, out, chat_template)
-
-
-def write_final(
-    directory: Path, model: torch.nn.Module, tokenizer: str, is_main: bool = True, chat_template: str | None = None
-) -> None:
-    """`final/`: the PEFT adapter (adapter_model.safetensors + adapter_config.json) and the tokenizer,
-    carrying the chat template the data was rendered with (`chat_template` is data.chat_template).
-
-    Every rank calls it (under FSDP the adapter is gathered from the shards); the main rank
-    writes. Written into a temp directory, fsynced and renamed into place like a checkpoint, so
-    a kill mid-write never leaves a torn adapter that `export` or a server would pick up.
-    """
-    whole = adapter_state(model) if is_main or distributed.is_sharded(model) else None
-    if not is_main:
-        return
-    peft_model = unwrap_peft(model)
-    remove_temp_siblings(directory)
-    tmp = temp_sibling(directory)
-    peft_model.save_pretrained(str(tmp), safe_serialization=True, state_dict=whole)
-    save_tokenizer(tokenizer, tmp, chat_template)
-    fsync_tree(tmp)
-    publish_dir(tmp, directory)

@@ -26,12 +26,14 @@ from typing import Any
 
 import torch
 import yaml
-from transformers import AutoTokenizer, TextStreamer
+from transformers import AutoTokenizer, GenerationConfig, TextStreamer
 
 from trainer import builtin_assets
 from trainer import config as C
 from trainer.data.chat_templates import resolve_chat_template
-from trainer.export import adapter_source
+from trainer.data.tokenizer import revision_of
+from trainer.serve.export import adapter_source
+from trainer.serve.final import GENERATION_CONFIG, served_generation_config
 
 ADAPTER_CONFIG = "adapter_config.json"
 EXIT_WORDS = ("/exit", "/quit")
@@ -49,12 +51,13 @@ class ChatSource:
     """The base model's local directory or hub id."""
     tokenizer: str
     """Directory (or id) the tokenizer and its chat template are loaded from."""
+    tokenizer_revision: str | None
     chat_template: str | None
     """The run's `data.chat_template`, applied when the tokenizer is not the one saved with the adapter."""
     model: C.ModelConfig
     adapter: C.AdapterConfig
-    format: str = "chat"
-    """The run's `data.format`: how a conversation becomes a prompt (chat when no config.yaml says)."""
+    format: str = "messages"
+    """The run's `data.format`: how a conversation becomes a prompt (messages when no config.yaml says)."""
 
 
 @dataclass(frozen=True)
@@ -112,18 +115,23 @@ def find_source(path: Path | str) -> ChatSource:
     # final/ saves the tokenizer (with the template the run trained with); a run directory may hold one too
     saved = next((d for d in (adapter_dir, run_dir) if d is not None and (d / "tokenizer_config.json").is_file()), None)
     saved_tokenizer = saved is not None
+    revision = None
     if saved is not None:
         tokenizer = str(saved)
     else:
         tokenizer = (cfg.data.tokenizer if cfg is not None else None) or base
+        if cfg is not None:  # the weights' revision (or data.tokenizer_revision), as the run loaded it
+            d = cfg.data
+            revision = revision_of(d.tokenizer, d.tokenizer_revision, cfg.model.name_or_path, cfg.model.revision)
     return ChatSource(
         adapter_dir=adapter_dir,
         base=base,
         tokenizer=tokenizer,
+        tokenizer_revision=revision,
         chat_template=None if saved_tokenizer or cfg is None else cfg.data.chat_template,
         model=cfg.model if cfg is not None else C.ModelConfig(name_or_path=base),
         adapter=cfg.adapter if cfg is not None else C.AdapterConfig(),
-        format=cfg.data.format if cfg is not None else "chat",
+        format=cfg.data.format if cfg is not None else "messages",
     )
 
 
@@ -143,7 +151,7 @@ class Chat:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        self.tokenizer = AutoTokenizer.from_pretrained(source.tokenizer)
+        self.tokenizer = AutoTokenizer.from_pretrained(source.tokenizer, revision=source.tokenizer_revision)
         if source.chat_template:  # a name (chatml, llama3, alpaca) or Jinja text, as the data pipeline reads it
             self.tokenizer.chat_template = resolve_chat_template(source.chat_template, self.tokenizer)
         if source.format in CONVERSATIONAL and not self.tokenizer.chat_template:
@@ -166,6 +174,11 @@ class Chat:
         with quiet_hf_progress(), peft_wrapping():
             self.model = PeftModel.from_pretrained(base, str(source.adapter_dir)).eval()
         self.source = source
+        # Stop where training ended a turn: final/'s generation config, else the one final/ would carry.
+        if (source.adapter_dir / GENERATION_CONFIG).is_file():
+            self.generation = GenerationConfig.from_pretrained(str(source.adapter_dir))
+        else:
+            self.generation = served_generation_config(base.generation_config, self.tokenizer, None, source.format)
 
     def reply(self, conversation: Conversation, text: str, sampling: Sampling, write: Callable[[str], None]) -> str:
         """Add the user's `text`, stream the assistant's answer through `write`, keep both turns."""
@@ -184,6 +197,7 @@ class Chat:
                 temperature=sampling.temperature if sample else None,
                 top_p=sampling.top_p if sample else None,
                 pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
+                eos_token_id=self.generation.eos_token_id,
                 streamer=streamer,
             )
         answer = "".join(streamer.pieces).strip()
