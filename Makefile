@@ -23,8 +23,11 @@ lint: setup-test
 	$(VENV)/bin/ruff format --check trainer tests benchmarks scripts
 	$(VENV)/bin/mypy
 
+# One pytest worker per core (pytest-xdist), a test module on one worker so that its fixtures are
+# built once; tests/conftest.py shares the cores' threads out among the workers.
+TEST_WORKERS ?= auto
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
 test-fast: setup-test
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests

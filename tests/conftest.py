@@ -54,6 +54,31 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return builtin_assets.write_dataset(tmp_path_factory.mktemp("tiny-data") / "train.jsonl", n=400)
 
 
+def _threads_per_worker() -> int | None:
+    """Under pytest-xdist (`make test` runs `-n auto`): the CPU's cores shared out among the workers.
+
+    Each worker, and every process it starts, would otherwise run torch's default of one
+    intra-op thread per core, so two workers on two cores oversubscribe them twice over and
+    OpenMP's spinning threads slow every test down. None when no worker runs this process."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not workers:
+        return None
+    return max(1, (os.cpu_count() or 1) // int(workers))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _share_the_cores_among_workers() -> Iterator[None]:
+    threads = _threads_per_worker()
+    if threads is None:
+        yield
+        return
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by every process a test starts
+    torch.set_num_threads(threads)
+    yield
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _one_intra_op_thread(request: pytest.FixtureRequest) -> Iterator[None]:
     """Modules marked `bitwise` train with one intra-op thread: this process (in-process
@@ -84,3 +109,13 @@ def _one_intra_op_thread(request: pytest.FixtureRequest) -> Iterator[None]:
             yield
         finally:
             torch.set_num_threads(threads)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules that hold a `slow` drill first, the rest after, each in its own order.
+
+    With one pytest worker per core (`--dist loadfile`), a worker that picks up a long drill
+    module last keeps the whole suite waiting for it while the other cores idle; started
+    first, the long modules overlap the many short ones."""
+    slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow") and item.module}
+    items.sort(key=lambda item: item.module is None or item.module.__name__ not in slow_modules)
