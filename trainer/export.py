@@ -142,7 +142,9 @@ def write_final(
     peft_model = unwrap_peft(model)
     remove_temp_siblings(directory)
     tmp = temp_sibling(directory)
-    peft_model.save_pretrained(str(tmp), safe_serialization=True, state_dict=whole)
+    # The trained adapter only: a DPO run's frozen reference (trainer/model/reference.py) stays behind.
+    active = [peft_model.active_adapter]
+    peft_model.save_pretrained(str(tmp), safe_serialization=True, state_dict=whole, selected_adapters=active)
     save_tokenizer(tokenizer, tmp, chat_template)
     fsync_tree(tmp)
     publish_dir(tmp, directory)

@@ -1,4 +1,7 @@
-"""`prepare`: read -> template -> tokenise once -> pack -> Arrow dataset + manifest, cached by content hash."""
+"""`prepare`: read -> template -> tokenise once -> pack -> Arrow dataset + manifest, cached by content hash.
+
+With `pairs` (a preference objective) each row becomes a chosen and a rejected sequence packed as two
+documents side by side in one row (trainer/data/pairs.py), and each packed row records its pairs."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ except ImportError:  # datasets 3.x spells a variable-length list `Sequence`
 
 from trainer.config import DataConfig
 from trainer.data import cache
+from trainer.data import pairs as pair_data
 from trainer.data.chat_templates import template_name
 from trainer.data.formats import FORMAT_FIELDS
 from trainer.data.pack import batch_pad_efficiency, build_rows, one_per_row, pack_lengths
@@ -42,6 +46,7 @@ _TOKENIZED = Features(
         "status": Value("string"),
     }
 )
+_TOKENIZED_PAIRS = Features({**_TOKENIZED, "chosen_length": Value("int32")})
 
 
 @dataclass(frozen=True)
@@ -71,18 +76,19 @@ class _Plan:
 
 
 def prepare(
-    cfg: DataConfig, tokenizer_path: str, cache_root: Path, *, progress: bool = True, seed: int = 0
+    cfg: DataConfig, tokenizer_path: str, cache_root: Path, *, progress: bool = True, seed: int = 0, pairs: bool = False
 ) -> Prepared:
-    """Build (or reuse) the packed dataset for `cfg` under `cache_root/<fingerprint>/`."""
+    """Build (or reuse) the packed dataset for `cfg` under `cache_root/<fingerprint>/`; `pairs`: preference
+    pairs for train.objective dpo/orpo/simpo."""
     cache_root = Path(cache_root)
-    plan = _plan(cfg, tokenizer_path, seed)
+    plan = _plan(cfg, tokenizer_path, seed, pairs)
     fp = plan.fingerprint
     cache.clean_stale(cache_root)
     manifest = cache.load_complete(cache_root, fp)
     reused = manifest is not None
     if manifest is None:
         with cache.atomic_build(cache_root, fp) as tmp, _progress_bars(progress):
-            manifest = _build(cfg, tokenizer_path, tmp, plan, seed)
+            manifest = _build(cfg, tokenizer_path, tmp, plan, seed, pairs)
     final = cache_root / fp
     return Prepared(
         train_path=final / "train",
@@ -93,17 +99,19 @@ def prepare(
     )
 
 
-def data_fingerprint(cfg: DataConfig, tokenizer_path: str, seed: int = 0) -> str:
+def data_fingerprint(cfg: DataConfig, tokenizer_path: str, seed: int = 0, pairs: bool = False) -> str:
     """The cache key of `cfg`'s prepared data: its content, tokenizer and output settings.
 
     `spotune estimate` asks it too, to know whether a target directory holds the data already."""
-    return _plan(cfg, tokenizer_path, seed).fingerprint
+    return _plan(cfg, tokenizer_path, seed, pairs).fingerprint
 
 
-def _plan(cfg: DataConfig, tokenizer_path: str, seed: int) -> _Plan:
+def _plan(cfg: DataConfig, tokenizer_path: str, seed: int, pairs: bool) -> _Plan:
     train = [locate(s) for s in sources_of(cfg, FORMAT_FIELDS)]
     ev = [locate(s) for s in eval_sources(cfg, FORMAT_FIELDS)]
     settings = _settings(cfg, seed, train, ev)
+    if pairs:  # only then: SFT data keeps the fingerprints it always had
+        settings["pairs"] = True
     # Local sources by their bytes; a hub source by its commit, which is in the settings.
     data: list[Path | None] = [*local_files(train), *(local_files(ev) if ev else [None])]
     return _Plan(train, ev, settings, cache.fingerprint(data, tokenizer_path, settings))
@@ -131,7 +139,7 @@ def _settings(cfg: DataConfig, seed: int, train: list[Located], ev: list[Located
     }
 
 
-def _build(cfg: DataConfig, tokenizer_path: str, tmp: Path, plan: _Plan, seed: int) -> dict[str, Any]:
+def _build(cfg: DataConfig, tokenizer_path: str, tmp: Path, plan: _Plan, seed: int, pairs: bool) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     started = time.perf_counter()
@@ -165,7 +173,7 @@ def _build(cfg: DataConfig, tokenizer_path: str, tmp: Path, plan: _Plan, seed: i
     }
     for name, parts in (("train", train_parts), ("eval", eval_parts)):
         if parts:
-            job = _Job(tokenizer, tokenizer_path, cfg, name, scratch, plan.fingerprint, pad_id)
+            job = _Job(tokenizer, tokenizer_path, cfg, name, scratch, plan.fingerprint, pad_id, pairs)
             manifest[name] = _tokenize_pack_save(parts, job, tmp, seed)
     shutil.rmtree(scratch, ignore_errors=True)
     manifest["seconds"] = round(time.perf_counter() - started, 3)
@@ -247,6 +255,7 @@ class _Job:
     scratch: Path
     fp: str
     pad_id: int
+    pairs: bool = False
 
 
 def _tokenize(loc: Located, raw: datasets.Dataset, job: _Job, j: int) -> tuple[datasets.Dataset, Tokenize]:
@@ -256,14 +265,23 @@ def _tokenize(loc: Located, raw: datasets.Dataset, job: _Job, j: int) -> tuple[d
         _check_fields(raw, src, loc.label)  # names data.sources[i].fields.<role>, the key to fix
     # The source's own DataConfig (its format and columns): built like a single-source prepare's.
     cfg = src.data_config(job.cfg, FORMAT_FIELDS)
-    tok = tokenize_for(cfg, job.tokenizer, source=loc.label)
-    tok = tok.settle([c for c in raw.column_names if c != _ROW], _head(raw), job.tokenizer_path)
+    columns = [c for c in raw.column_names if c != _ROW]
+    mapped: Tokenize | pair_data.TokenizePairs
+    if job.pairs:
+        mapped = pair_data.tokenize_pairs_for(cfg, job.tokenizer, loc.label).settle(
+            columns, _head(raw), job.tokenizer_path
+        )
+        tok = mapped.tok
+    else:
+        tok = mapped = tokenize_for(cfg, job.tokenizer, source=loc.label).settle(
+            columns, _head(raw), job.tokenizer_path
+        )
     tokenized = raw.map(
-        tok,
+        mapped,
         batched=True,
         remove_columns=raw.column_names,
         num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
-        features=_TOKENIZED,
+        features=_TOKENIZED_PAIRS if job.pairs else _TOKENIZED,
         cache_file_name=str(job.scratch / f"{job.name}-{j}.arrow"),
         new_fingerprint=f"{job.fp}-{job.name}-{j}",  # skips hashing the tokenizer-holding function
         desc=f"tokenize {job.name} ({src.key})",
@@ -314,13 +332,17 @@ def _tokenize_pack_save(parts: Parts, job: _Job, out_dir: Path, seed: int) -> di
         raise RuntimeError("internal error: input_ids and labels disagree in length")
     kept = np.flatnonzero(status == "")
     dropped = Counter(s for s in status.tolist() if s)
-    doc_lens = np.diff(offsets)[kept]
+    doc_lens = np.diff(offsets)[kept]  # a pair is one unit to pack: both its sequences go in one row
     if cfg.packing:
         bins_local, algorithm = pack_lengths(doc_lens, cfg.seq_len)
     else:
         bins_local, algorithm = one_per_row(doc_lens), "one_per_row"
     bins = [[int(kept[i]) for i in b] for b in bins_local]
+    if job.pairs:
+        offsets, bins = pair_data.documents(offsets, np.asarray(tokenized["chosen_length"], dtype=np.int64), bins)
     rows = build_rows(ids_arr.values.to_numpy(), lab_arr.values.to_numpy(), offsets, bins, cfg.seq_len, job.pad_id)
+    if job.pairs:
+        rows["num_pairs"] = np.asarray([len(b) // 2 for b in bins], dtype=np.int32)
     _save_rows(rows, cfg.seq_len, out_dir / name)
 
     n_rows, real = len(bins), int(rows["num_real"].sum())
@@ -330,6 +352,7 @@ def _tokenize_pack_save(parts: Parts, job: _Job, out_dir: Path, seed: int) -> di
         "examples_out": int(kept.size),
         "dropped": dict(sorted(dropped.items())),
         "truncated": int((lengths[kept] > cfg.seq_len).sum()),
+        **({"pairs": int(kept.size)} if job.pairs else {}),
         "real_tokens": real,
         "trainable_tokens": int(rows["num_trainable"].sum()),
         "rows": n_rows,
@@ -350,8 +373,9 @@ def _save_rows(rows: dict[str, np.ndarray], seq_len: int, path: Path) -> None:
     for k in ("input_ids", "labels", "position_ids"):
         flat = pa.array(rows[k].reshape(-1), type=pa.int32())
         cols[k] = pa.FixedSizeListArray.from_arrays(flat, seq_len)
-    cols["num_real"] = pa.array(rows["num_real"], type=pa.int32())
-    cols["num_trainable"] = pa.array(rows["num_trainable"], type=pa.int32())
+    for k in ("num_real", "num_trainable", "num_pairs"):
+        if k in rows:
+            cols[k] = pa.array(rows[k], type=pa.int32())
     datasets.Dataset(pa.table(cols)).save_to_disk(str(path))
 
 

@@ -102,12 +102,29 @@ class Tokenize:
             if isinstance(ex, str):
                 status[i] = ex  # the reason this row is dropped
             examples.append(None if isinstance(ex, str) else ex)
-        pairs = self._pairs(examples, rows, status, template)
         out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "length": [], "status": []}
-        eos = self.tokenizer.eos_token_id
-        for (ids, labels, eos_trained), st in zip(pairs, status, strict=True):
+        for (ids, labels), st in zip(self.encode(examples, rows, status, template), status, strict=True):
             if st:
                 self._emit(out, [], [], 0, st)
+            else:
+                self._finish(out, ids, labels)
+        return out
+
+    def encode(
+        self,
+        examples: list[formats.Example | None],
+        rows: list[dict[str, Any]],
+        status: list[str],
+        template: str | None,
+    ) -> list[tuple[list[int], list[int]]]:
+        """Each example's ids and labels before the length policy (a dropped one's are empty and its
+        `status` entry, which this may set, says why). Preference pairs encode their two sequences here too
+        (trainer/data/pairs.py)."""
+        out: list[tuple[list[int], list[int]]] = []
+        eos = self.tokenizer.eos_token_id
+        for (ids, labels, eos_trained), st in zip(self._pairs(examples, rows, status, template), status, strict=True):
+            if st:
+                out.append(([], []))
                 continue
             if eos is not None and eos_trained is not None and (not ids or ids[-1] != eos):
                 # EOS teaches the model to stop: trained after raw text, a raw completion, and a
@@ -118,7 +135,7 @@ class Tokenize:
                 labels = list(ids)
             if labels:
                 labels[0] = IGNORE_INDEX  # see the module docstring: no prediction across documents
-            self._finish(out, ids, labels)
+            out.append((ids, labels))
         return out
 
     # ------------------------------------------------------------------ rendering

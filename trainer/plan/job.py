@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer.config import AdapterConfig, CheckpointConfig, ModelConfig, TrainConfig
+from trainer.config.schema import REFERENCE_OBJECTIVES
 from trainer.model import flops
 from trainer.plan import memory as mem
 
@@ -65,6 +66,7 @@ class Job:
             tiled_mlp=self.model.tiled_mlp != "off",
             mlp_tile_tokens=self.model.tiled_mlp_tokens,
             attention_output_copy=self.model.attn_implementation not in ("flash_attention_2", "flash_attention_3"),
+            reference_adapter=self.train.objective in REFERENCE_OBJECTIVES and self.adapter.init_from is not None,
         )
 
     def fsdp_devices(self, memory_gib: float) -> int | None:

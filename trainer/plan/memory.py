@@ -242,6 +242,7 @@ def estimate_memory(
     tiled_mlp: bool = False,
     mlp_tile_tokens: int = MLP_TILE_TOKENS,
     attention_output_copy: bool = True,
+    reference_adapter: bool = False,
 ) -> MemoryEstimate:
     """Peak bytes per GPU for one optimizer step (adapter kept in fp32, as peft does by default);
     `shards`/`offload`: FSDP over that many devices, the frozen base offloaded to CPU;
@@ -249,7 +250,10 @@ def estimate_memory(
     (trainer/model/offload.py); `fused_head`: spotune's fused head and loss (False: the model's own);
     `head_tokens`: positions that reach the head (default: all, the safe side for SFT data);
     `tiled_mlp`: every MLP and norm in tiles of `mlp_tile_tokens` (trainer/model/tiling.py; one tile
-    or less runs the plain module); `attention_output_copy`: see trainer/plan/activations.py (False for flash-attn)."""
+    or less runs the plain module); `attention_output_copy`: see trainer/plan/activations.py (False for flash-attn);
+    `reference_adapter`: a DPO run started from an adapter keeps it frozen beside the trained one (fp32, in `adapter`).
+    A DPO reference forward runs under no_grad before the policy's and frees what it made as it goes, so it adds
+    nothing at the step's peak beyond that copy."""
     if shards < 1:
         raise ValueError(f"shards must be at least 1, got {shards}")
     a = _DTYPE_BYTES[compute_dtype]
@@ -287,7 +291,7 @@ def estimate_memory(
         state = 0.0 if offload else state  # CPU offload keeps parameters, gradients and the step on the host
     return MemoryEstimate(
         weights=weights,
-        adapter=4.0 * lora_params * state,
+        adapter=4.0 * lora_params * state * (2 if reference_adapter else 1),
         gradients=4.0 * lora_params * state,
         optimizer=optimizer_bytes_per_param(optimizer) * lora_params * state,
         activations=activations,
