@@ -2,7 +2,8 @@
 
 `spotune inspect --show N` prints the first N rows of each source (ANSI colour on a terminal,
 `[[...]]` around trained text otherwise); `example_html` gives the same marks as HTML for a page
-(the report may embed it). Rows are tokenised by the very `Tokenize` that `prepare` uses.
+(the report may embed it). Rows are tokenised by the very `Tokenize` that `prepare` uses; preference
+pairs (`pairs`) by its `TokenizePairs`, shown as the prompt they share, then each answer.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import html
 from typing import Any
 
 from trainer.config import DataConfig
+from trainer.data import pairs as pair_data
 from trainer.data.chat_templates import template_name
 from trainer.data.formats import FORMAT_FIELDS
 from trainer.data.sources import locate, read, sources_of
@@ -47,10 +49,10 @@ def example_html(tokenizer: Any, ids: list[int], labels: list[int]) -> str:
     return f'<pre class="spotune-example">{"".join(parts)}</pre>'
 
 
-def show_examples(cfg: DataConfig, tokenizer_path: str, n: int, color: bool = False) -> str:
+def show_examples(cfg: DataConfig, tokenizer_path: str, n: int, color: bool = False, pairs: bool = False) -> str:
     """The first `n` rows of each training source of `cfg` (`data.path`, or each of `data.sources`,
     located and read as prepare reads them), rendered with that source's format and fields, trained
-    tokens marked."""
+    tokens marked; `pairs`: as preference pairs (train.objective dpo/orpo/simpo)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=False)
@@ -61,9 +63,10 @@ def show_examples(cfg: DataConfig, tokenizer_path: str, n: int, color: bool = Fa
         head = list(ds.select(range(min(max(n, HEAD_ROWS), len(ds)))))
         columns = list(ds.column_names)
         tok = tokenize_for(src.data_config(cfg, FORMAT_FIELDS), tokenizer, loc.label)
-        tok = tok.settle(columns, head, tokenizer_path)
+        mapped: Any = pair_data.TokenizePairs(tok).settle(columns, head, tokenizer_path) if pairs else None
+        tok = mapped.tok if pairs else tok.settle(columns, head, tokenizer_path)
         rows = head[:n]
-        out = tok({c: [r[c] for r in rows] for c in columns} | {ROW_COLUMN: list(range(len(rows)))})
+        out = (mapped or tok)({c: [r[c] for r in rows] for c in columns} | {ROW_COLUMN: list(range(len(rows)))})
         template = template_name(tok.chat_template) if tok.template is not None else "none (raw text)"
         name = f"{src.key} {loc.label}" if cfg.sources else loc.label
         why = f" ({tok.reason})" if tok.reason else ""
@@ -71,8 +74,34 @@ def show_examples(cfg: DataConfig, tokenizer_path: str, n: int, color: bool = Fa
         for i, (ids, labels, status) in enumerate(zip(out["input_ids"], out["labels"], out["status"], strict=True)):
             if status:
                 lines.append(f"\n--- row {i + 1}: dropped ({status})")
-                continue
-            trained = sum(lab != IGNORE_INDEX for lab in labels)
-            lines.append(f"\n--- row {i + 1}: {len(ids)} tokens, {trained} trained")
-            lines.append(example_text(tokenizer, ids, labels, color))
+            elif pairs:
+                lines += _pair_lines(tokenizer, i, ids, labels, out["chosen_length"][i], out["length"][i], color)
+            else:
+                trained = sum(lab != IGNORE_INDEX for lab in labels)
+                lines.append(f"\n--- row {i + 1}: {len(ids)} tokens, {trained} trained")
+                lines.append(example_text(tokenizer, ids, labels, color))
     return "\n".join(lines)
+
+
+def _pair_lines(
+    tokenizer: Any, i: int, ids: list[int], labels: list[int], chosen_length: int, length: int, color: bool
+) -> list[str]:
+    """One pair: the prompt both answers follow (never trained), then the chosen and the rejected answer."""
+    c_ids, c_lab, r_ids, r_lab = (
+        ids[:chosen_length],
+        labels[:chosen_length],
+        ids[chosen_length:],
+        labels[chosen_length:],
+    )
+    shared = next((k for k, lab in enumerate(c_lab) if lab != IGNORE_INDEX), len(c_lab))
+    trained = [sum(x != IGNORE_INDEX for x in lab) for lab in (c_lab, r_lab)]
+    cut = f" (truncated from {length})" if length > len(ids) else ""
+    return [
+        f"\n--- pair {i + 1}: {len(c_ids)} + {len(r_ids)} tokens{cut}, {trained[0]} + {trained[1]} scored",
+        "prompt:",
+        example_text(tokenizer, c_ids[:shared], c_lab[:shared], color),
+        "chosen:",
+        example_text(tokenizer, c_ids[shared:], c_lab[shared:], color),
+        "rejected:",
+        example_text(tokenizer, r_ids[shared:], r_lab[shared:], color),
+    ]

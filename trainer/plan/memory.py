@@ -23,6 +23,11 @@ own loss (`fused_head=False`) holds every logit and its gradient, often the larg
 labelled positions reach the head (`head_tokens`); the default assumes every position does,
 which keeps the estimate on the safe side for prompt-masked data.
 
+Preference objectives: a DPO step first runs the reference's forward under no_grad, which frees each
+layer's output as the next one runs, so it adds nothing at the step's peak; started from an adapter
+(adapter.init_from) it keeps that adapter frozen beside the trained one (`reference_adapter`: twice
+`adapter`). The per-sequence log-probabilities are a few floats per pair.
+
 Not counted: the rotary cos/sin tables (2*a*head_dim per token, shared by every layer).
 tests/test_tiling_memory.py checks the activation terms against what autograd saves for a
 real-shaped Llama-3.1-8B layer on the meta device (exact, with a flash kernel's layout), with and
@@ -251,9 +256,7 @@ def estimate_memory(
     `head_tokens`: positions that reach the head (default: all, the safe side for SFT data);
     `tiled_mlp`: every MLP and norm in tiles of `mlp_tile_tokens` (trainer/model/tiling.py; one tile
     or less runs the plain module); `attention_output_copy`: see trainer/plan/activations.py (False for flash-attn);
-    `reference_adapter`: a DPO run started from an adapter keeps it frozen beside the trained one (fp32, in `adapter`).
-    A DPO reference forward runs under no_grad before the policy's and frees what it made as it goes, so it adds
-    nothing at the step's peak beyond that copy."""
+    `reference_adapter`: a frozen copy of the adapter beside it (DPO from adapter.init_from; module docstring)."""
     if shards < 1:
         raise ValueError(f"shards must be at least 1, got {shards}")
     a = _DTYPE_BYTES[compute_dtype]
