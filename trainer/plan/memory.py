@@ -25,7 +25,7 @@ which keeps the estimate on the safe side for prompt-masked data.
 
 Preference objectives: a DPO step first runs the reference's forward under no_grad, which frees each
 layer's output as the next one runs, so it adds nothing at the step's peak; started from an adapter
-(adapter.init_from) it keeps that adapter frozen beside the trained one (`reference_adapter`: twice
+(adapter.init_from) it keeps that adapter frozen beside the trained one (`with_reference_adapter`: twice
 `adapter`). The per-sequence log-probabilities are a few floats per pair.
 
 Not counted: the rotary cos/sin tables (2*a*head_dim per token, shared by every layer).
@@ -57,6 +57,7 @@ working set is on the device. Activations are per device either way.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -223,6 +224,12 @@ def dequantised_bytes(shape: ModelShape, a: int, weight_format: WeightFormat) ->
     return float(max(i * o for _, i, o in shape.linears()) * a) if weight_format in ("nf4", "int8") else 0.0
 
 
+def with_reference_adapter(estimate: MemoryEstimate) -> MemoryEstimate:
+    """`estimate` with a frozen copy of the adapter beside the trained one (a DPO run started from an
+    adapter keeps it as its reference: trainer/model/reference.py)."""
+    return dataclasses.replace(estimate, adapter=2 * estimate.adapter)
+
+
 def estimate_memory(
     shape: ModelShape,
     *,
@@ -247,7 +254,6 @@ def estimate_memory(
     tiled_mlp: bool = False,
     mlp_tile_tokens: int = MLP_TILE_TOKENS,
     attention_output_copy: bool = True,
-    reference_adapter: bool = False,
 ) -> MemoryEstimate:
     """Peak bytes per GPU for one optimizer step (adapter kept in fp32, as peft does by default);
     `shards`/`offload`: FSDP over that many devices, the frozen base offloaded to CPU;
@@ -255,8 +261,7 @@ def estimate_memory(
     (trainer/model/offload.py); `fused_head`: spotune's fused head and loss (False: the model's own);
     `head_tokens`: positions that reach the head (default: all, the safe side for SFT data);
     `tiled_mlp`: every MLP and norm in tiles of `mlp_tile_tokens` (trainer/model/tiling.py; one tile
-    or less runs the plain module); `attention_output_copy`: see trainer/plan/activations.py (False for flash-attn);
-    `reference_adapter`: a frozen copy of the adapter beside it (DPO from adapter.init_from; module docstring)."""
+    or less runs the plain module); `attention_output_copy`: see trainer/plan/activations.py (False for flash-attn)."""
     if shards < 1:
         raise ValueError(f"shards must be at least 1, got {shards}")
     a = _DTYPE_BYTES[compute_dtype]
@@ -294,7 +299,7 @@ def estimate_memory(
         state = 0.0 if offload else state  # CPU offload keeps parameters, gradients and the step on the host
     return MemoryEstimate(
         weights=weights,
-        adapter=4.0 * lora_params * state * (2 if reference_adapter else 1),
+        adapter=4.0 * lora_params * state,
         gradients=4.0 * lora_params * state,
         optimizer=optimizer_bytes_per_param(optimizer) * lora_params * state,
         activations=activations,
