@@ -91,6 +91,8 @@ def test_dpo_killed_anywhere_on_wiped_machines_resumes_bit_identical(
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-6) and first["rewards/margins"] == 0.0
     assert reference[(STEPS, False)]["loss"] != pytest.approx(first["loss"], abs=1e-3)
     assert reference[(STEPS, True)]["eval_rewards/accuracies"] is not None
+    page = (ref_out / "report.html").read_text()  # the report the run wrote plots margin and accuracy
+    assert (ref_out / "preference.png").read_bytes().startswith(b"\x89PNG") and 'data-file="preference.png"' in page
 
     raw = _recipe(out, tiny_llama, data, cache)
     raw["checkpoint"]["remote"] = s3_remote
