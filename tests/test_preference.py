@@ -321,3 +321,39 @@ def test_real_templates_score_the_answer_and_its_end_of_turn(name: str) -> None:
     # Mistral v0.3 serves the system prompt in the last [INST]: both answers follow it there.
     if name == "mistral-7b-instruct-v0.3":
         assert "Be brief.\n\nCapital of France?[/INST]" in tok.decode(_pairs(tok, [orca])["input_ids"][0])
+
+
+def test_a_hub_style_folder_its_pref_splits_and_a_mix(tiny_llama: Path, tmp_path: Path) -> None:
+    """HuggingFaceH4/ultrafeedback_binarized's layout (a card naming train_prefs/test_prefs, whole
+    conversations as chosen/rejected, a `messages` column SFT would read) read as pairs by `auto`, mixed
+    with an Intel/orca_dpo_pairs-shaped file whose prompt column is named per source."""
+    import pandas as pd
+
+    folder = tmp_path / "ultrafeedback"
+    (folder / "data").mkdir(parents=True)
+    card = "".join(f"  - split: {s}\n    path: data/{s}-*\n" for s in ("train_prefs", "test_prefs", "train_sft"))
+    (folder / "README.md").write_text(f"---\nconfigs:\n- config_name: default\n  data_files:\n{card}---\n")
+    row = {"prompt": SKY[0]["content"], "chosen": [*SKY, BLUE], "rejected": [*SKY, GREEN], "messages": [*SKY, BLUE]}
+    for split, n in (("train_prefs", 5), ("test_prefs", 3), ("train_sft", 7)):
+        pd.DataFrame([{**row, "score_chosen": 8.0}] * n).to_parquet(folder / "data" / f"{split}-00000-of-00001.parquet")
+    orca = _jsonl(
+        tmp_path / "orca.jsonl",
+        [{"system": "", "ask": "Capital of France?", "chosen": "Paris.", "rejected": "Lyon."}] * 4,
+    )
+    cfg = C.load(
+        None, ["train.objective=dpo", f"data.path={folder}", "data.split=train_prefs", "data.eval_split=test_prefs"]
+    ).data
+    p = prepare(cfg, str(tiny_llama), tmp_path / "c", progress=False, pairs=True)
+    assert (p.manifest["train"]["pairs"], p.manifest["eval"]["pairs"]) == (5, 3)
+    assert (
+        p.manifest["train"]["format"] == "preference" and "whole conversations" in p.manifest["train"]["format_reason"]
+    )
+    mix = C.load(
+        None,
+        [
+            "train.objective=dpo",
+            f"data.sources=[{{path: {folder}, split: train_prefs}}, {{path: {orca}, fields: {{prompt: ask}}}}]",
+        ],
+    ).data
+    p = prepare(mix, str(tiny_llama), tmp_path / "c", progress=False, pairs=True)
+    assert [s["examples_out"] for s in p.manifest["train"]["sources"]] == [5, 4]
