@@ -357,3 +357,36 @@ def test_a_hub_style_folder_its_pref_splits_and_a_mix(tiny_llama: Path, tmp_path
     ).data
     p = prepare(mix, str(tiny_llama), tmp_path / "c", progress=False, pairs=True)
     assert [s["examples_out"] for s in p.manifest["train"]["sources"]] == [5, 4]
+
+
+def test_the_estimate_counts_the_reference_forward_and_the_frozen_adapter() -> None:
+    """`spotune estimate` of a DPO run: the reference's forward on top of the step's FLOPs (and so its
+    hours at an assumed MFU), and the frozen copy of a starting adapter in its memory."""
+    from trainer.cli import world
+    from trainer.model import flops
+    from trainer.plan.models import load_config
+
+    base = ["model.name_or_path=Qwen/Qwen2.5-7B-Instruct", "train.global_batch_size=8", "train.micro_batch_size=1"]
+    sft = world.estimate_for_run(C.load(None, base), tokens=2e6, gpu="H100-SXM")
+    dpo = world.estimate_for_run(C.load(None, [*base, "train.objective=dpo"]), tokens=2e6, gpu="H100-SXM")
+    run = sft["run"]
+    shape = flops.model_shape(load_config("Qwen/Qwen2.5-7B-Instruct"))
+    doc_sq = run["steps"] * run["global_batch_rows"] * run["seq_len"] ** 2  # `--tokens`: a row is one document
+    reference = flops.reference_forward_flops(shape, run["real_tokens"], doc_sq, run["trainable_tokens"])
+    assert dpo["run"]["train_flops"] == pytest.approx(run["train_flops"] + reference, rel=1e-12)
+    assert 1.3 < dpo["run"]["train_flops"] / run["train_flops"] < 1.6  # about half the LoRA step again
+    hours = [e["options"][0]["compute_hours"]["expected"] for e in (sft, dpo)]
+    assert hours[1] / hours[0] == pytest.approx(dpo["run"]["train_flops"] / run["train_flops"], rel=1e-9)
+    assert dpo["memory_gib"]["adapter"] == sft["memory_gib"]["adapter"]  # a fresh adapter: nothing frozen
+    started = C.load(None, [*base, "train.objective=dpo", "adapter.init_from=runs/sft"])
+    frozen = world.estimate_for_run(started, tokens=2e6, gpu="H100-SXM")["memory_gib"]
+    assert frozen["adapter"] == pytest.approx(2 * sft["memory_gib"]["adapter"])
+    # The meter's MFU counts the same forward: a DPO step's FLOPs are SFT's plus the reference's; ORPO has none.
+    config = load_config("Qwen/Qwen2.5-7B-Instruct")
+    counts = (8192.0, 8192.0 * 512, 3000.0)  # real tokens, sum of squared document lengths, labelled tokens
+    plain = flops.meter_flops_fn(config, 10**7)
+    with_reference = flops.meter_flops_fn(config, 10**7, Preference.of(TrainConfig(objective="dpo")))
+    reference_free = flops.meter_flops_fn(config, 10**7, Preference.of(TrainConfig(objective="orpo")))
+    assert plain is not None and with_reference is not None and reference_free is not None
+    assert with_reference(*counts) == pytest.approx(plain(*counts) + flops.reference_forward_flops(shape, *counts))
+    assert reference_free(*counts) == plain(*counts)

@@ -7,6 +7,7 @@ rewards, and its later steps are not (the control that the comparison compares s
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -59,16 +60,8 @@ def _recipe(out: Path, model: Path, data: Path, cache: Path) -> dict[str, Any]:
 
 
 def _rows(out: Path) -> list[dict[str, Any]]:
-    import json
-
-    path = out / "metrics.jsonl"
-    rows = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line being written as we read
-    return rows
+    """Every metrics row of a run that has ended (no line is being written)."""
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow

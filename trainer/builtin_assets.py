@@ -180,10 +180,14 @@ def make_examples(n: int = 2000, seed: int = 0) -> list[dict[str, str]]:
 
 
 def write_dataset(path: Path, n: int = 2000, seed: int = 0) -> Path:
+    return _write_jsonl(path, make_examples(n, seed))
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
-        for ex in make_examples(n, seed):
-            f.write(json.dumps(ex) + "\n")
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
     return path
 
 
@@ -214,12 +218,8 @@ def make_pairs(n: int = 200, seed: int = 0) -> list[dict[str, Any]]:
 
 
 def write_pairs(path: Path, n: int = 200, seed: int = 0) -> Path:
-    """`make_pairs` as a JSONL file (tests, and the preference docs' example)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for row in make_pairs(n, seed):
-            f.write(json.dumps(row) + "\n")
-    return path
+    """`make_pairs` as a JSONL file (tests and benchmarks)."""
+    return _write_jsonl(path, make_pairs(n, seed))
 
 
 # ---------------------------------------------------------------------------- tokenizer
