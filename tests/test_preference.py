@@ -170,7 +170,7 @@ def _step_loss(
             value, _ = objective.loss(model, m, counts)
             (value / (counts[3].float() / world)).backward()
             grads = [g + p.grad / world for g, p in zip(grads, params, strict=True)]
-            loss += float(value)
+            loss += float(value.detach())
     return loss / float(counts[3]), grads
 
 
@@ -199,7 +199,7 @@ def test_the_loss_is_per_pair_over_the_step_whatever_the_split(tiny_llama: Path,
     # Control: each micro-batch's own mean, averaged over micro-batches (the usual accumulation bug) differs.
     sampler = StepSampler(len(rows), 4, seed=0, shuffle=False)
     batch = StepDataset(rows, sampler, 0, 1, 1, 1)[0]
-    means = [float(objective.loss(model, m, batch.counts)[0]) / m["num_pairs"] for m in batch.micro]
+    means = [float(objective.loss(model, m, batch.counts)[0].detach()) / m["num_pairs"] for m in batch.micro]
     assert sum(means) / len(means) != pytest.approx(base, rel=1e-4)
 
 
@@ -253,10 +253,16 @@ def test_starting_adapter_is_checked_and_kept_as_reference(tiny_llama: Path, tmp
     )
     counts = torch.tensor([0, 0, 0, m["num_pairs"], 1])
     loss, stats = objective.loss(started, m, counts)
-    assert float(loss) / m["num_pairs"] == pytest.approx(math.log(2), abs=1e-6)  # reference == starting point
+    assert float(loss.detach()) / m["num_pairs"] == pytest.approx(math.log(2), abs=1e-6)  # reference == starting point
+    assert {n for n, p in started.named_parameters() if p.requires_grad} == trainable  # the switch back restored them
+    with torch.no_grad():  # the trained copy moves, the frozen reference does not: rewards appear
+        for name, param in started.named_parameters():
+            if ".default." in name and "lora_B" in name:
+                param.mul_(1.5)
+    assert objective.loss(started, m, counts)[1][0] != 0
     assert stats[0] == 0 and stats[1] == 0
     loss_fresh, stats_fresh = objective.loss(model, m, counts)  # control: against the base, the same adapter differs
-    assert stats_fresh[0] != 0 and float(loss_fresh) != pytest.approx(float(loss), abs=1e-6)
+    assert stats_fresh[0] != 0 and float(loss_fresh.detach()) != pytest.approx(float(loss.detach()), abs=1e-6)
 
 
 def test_config_rules_and_other_tools_names(tmp_path: Path) -> None:
