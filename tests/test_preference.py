@@ -396,3 +396,12 @@ def test_the_estimate_counts_the_reference_forward_and_the_frozen_adapter() -> N
     assert plain is not None and with_reference is not None and reference_free is not None
     assert with_reference(*counts) == pytest.approx(plain(*counts) + flops.reference_forward_flops(shape, *counts))
     assert reference_free(*counts) == plain(*counts)
+
+
+def test_the_console_line_shows_reward_accuracy_and_margin() -> None:
+    from trainer.training.console import Console
+
+    console = Console(10, bar=False, is_main=True)
+    line = console.step_line(3, {"loss": 0.61, "rewards/accuracies": 0.75, "rewards/margins": 0.0123})
+    assert line.startswith("spotune: step 3/10 loss 0.6100 | reward acc 0.75 margin 0.0123")
+    assert "reward" not in console.step_line(3, {"loss": 0.61})  # SFT: unchanged
