@@ -1,4 +1,5 @@
-"""What a run reads, resolved from its config: the base model's path, the tokenizer's, the packed data.
+"""What a run reads, resolved from its config: the base model's path, the tokenizer's, the packed data
+(pairs for a preference objective), the adapter it starts from (`adapter.init_from`).
 
 The built-in assets (`builtin:tiny-llama`, `builtin:tiny-instruct`) resolve to files built offline
 (trainer/builtin_assets.py); data preparation is cached by content (trainer/data/cache.py). A hub
@@ -15,6 +16,7 @@ import yaml
 
 from trainer import builtin_assets
 from trainer import config as C
+from trainer.config.schema import REFERENCE_OBJECTIVES
 from trainer.data.cache import data_cache_root, in_turns
 
 if TYPE_CHECKING:
@@ -115,7 +117,7 @@ def init_adapter(cfg: C.RunConfig) -> InitAdapter | None:
 
     if cfg.adapter.init_from is None:
         return None
-    return InitAdapter(locate(cfg.adapter.init_from), reference=cfg.train.objective == "dpo")
+    return InitAdapter(locate(cfg.adapter.init_from), reference=cfg.train.objective in REFERENCE_OBJECTIVES)
 
 
 def init_structural(cfg: C.RunConfig) -> dict[str, Any]:
