@@ -1,9 +1,10 @@
-"""The spot drill, for preference tuning: a DPO run with `checkpoint.remote` is SIGKILLed at a random
+"""The spot drills, for preference tuning. A DPO run with `checkpoint.remote` is SIGKILLed at a random
 moment and its output_dir deleted as if the VM were gone; the same command resumes from the bucket
 until it finishes (SIGTERM, save-in-a-kill and the ledger are the SFT drills'; the path is the same). The final adapter is bit-identical to an uninterrupted run's, and so is every logged figure
 of every step, redone ones included: loss, rewards, reward accuracy, log-probs, and the evaluation's.
 The uninterrupted run's first step is DPO's ln 2 (a fresh adapter is its own reference) with zero
-rewards, and its later steps are not (the control that the comparison compares something)."""
+rewards, and its later steps are not (the control that the comparison compares something). And two
+real ranks with uneven shares train as one process does (tests/test_elastic.py's machinery)."""
 
 from __future__ import annotations
 
@@ -133,3 +134,31 @@ def test_dpo_killed_anywhere_on_wiped_machines_resumes_bit_identical(
         for name in names:
             if name in expected:
                 assert row[name] == expected[name], (row["step"], name, seed)
+
+
+@pytest.mark.slow
+def test_dpo_on_two_ranks_with_uneven_shares_equals_one_process(tmp_path: Path, tiny_llama: Path) -> None:
+    """Real processes (gloo DDP): a global batch of 3 rows on 2 ranks, so one rank runs a filler
+    micro-batch (no pair, still a reference and a policy forward, in lockstep); the same pairs per step
+    (`sample_digest`) and the same adapter as one process, within float32 summation order."""
+    from test_elastic import _adapter, _args, _assert_close, _digests, _run
+
+    data = builtin_assets.write_pairs(tmp_path / "pairs.jsonl", n=40)
+    cache = tmp_path / "cache"
+    one, two = tmp_path / "one", tmp_path / "two"
+    extra = ["train.objective=dpo", "train.max_steps=2"]
+    assert _run(1, [*_args(tiny_llama, data, cache, one, 3), *extra], tmp_path / "one.log") == 0, (
+        tmp_path / "one.log"
+    ).read_text()[-3000:]
+    assert _run(2, [*_args(tiny_llama, data, cache, two, 3), *extra], tmp_path / "two.log") == 0, (
+        tmp_path / "two.log"
+    ).read_text()[-3000:]
+    assert _digests(two) == _digests(one) and len(_digests(one)) == 2
+    _assert_close(_adapter(two), _adapter(one))
+    rows = {r["step"]: r for r in _rows(one) if "loss" in r}
+    for row in _rows(two):
+        if "loss" in row:  # the step's loss and rewards, reduced per pair over both ranks
+            for name in FIGURES:
+                assert row[name] == pytest.approx(rows[row["step"]][name], rel=1e-5, abs=1e-6), name
+    # Control: the first step is ln 2 on both, the second moved, so equal figures are not a constant.
+    assert rows[2]["loss"] != pytest.approx(rows[1]["loss"], abs=1e-4) and rows[2]["rewards/margins"] > 0
