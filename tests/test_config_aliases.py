@@ -48,6 +48,11 @@ SAMPLE: dict[str, tuple[str, Any]] = {
     "train.schedule": ("linear", "linear"),
     "train.warmup_steps": ("12", 12),
     "train.weight_decay": ("0.01", 0.01),
+    "train.objective": ("dpo", "dpo"),
+    "train.beta": ("0.2", 0.2),
+    "train.label_smoothing": ("0.1", 0.1),
+    "train.dpo_loss": ("hinge", "hinge"),
+    "train.sft_weight": ("0.5", 0.5),
 }
 TRANSLATED = {"bf16": ("true", "bf16"), "fp16": ("true", "fp16")}  # bool flags -> the spotune choice
 
@@ -250,7 +255,7 @@ def test_problems_inside_a_list_of_sources_name_their_line(tmp_path: Path) -> No
                 for k in ("path", "subset", "split", "revision", "format", "fields", "rows", "fraction")
             ),
             f"{recipe}:9: data.sources[1].format: expected one of 'auto', 'alpaca', 'prompt_completion', 'messages', "
-            "'sharegpt', 'text', 'chat' or null, got 'sharegtp'",
+            "'sharegpt', 'text', 'chat', 'preference' or null, got 'sharegtp'",
             f"{recipe}:10: data.sources[1].rows: must be at least 1, got 0",
         ]
     )

@@ -14,7 +14,7 @@ from trainer import config
 from trainer.cli import world
 from trainer.cli.main import main as spotune
 from trainer.plan import PlanError, estimate, table
-from trainer.training import run
+from trainer.training import inputs
 
 OPTION_KEYS = {
     "gpu",
@@ -105,7 +105,7 @@ def test_sampled_counts_match_the_manifest_and_extrapolate(cfg: config.RunConfig
     # 400 examples: a sample of 2000 holds them all, so the "estimate" must equal the exact counts.
     sampled = world.estimate_for_run(cfg, throughput=1000.0)
     assert sampled["data"]["source"] == "sample" and not sampled["data"]["exact"]
-    prepared = run.prepare_data(cfg, progress=False)
+    prepared = inputs.prepare_data(cfg, progress=False)
     exact = world.estimate_for_run(cfg, throughput=1000.0)
     train = prepared.manifest["train"]
     assert exact["data"]["source"] == "manifest" and exact["data"]["exact"]
@@ -143,7 +143,7 @@ def test_given_throughput_sets_the_hours(cfg: config.RunConfig) -> None:
 def test_evaluation_overhead(cfg: config.RunConfig) -> None:
     with_eval = cfg.replace(**{"data.eval_fraction": 0.1, "train.eval_every": 10})
     r = world.estimate_for_run(with_eval, throughput=500.0, gpu="L4")
-    prepared = run.prepare_data(with_eval, progress=False)
+    prepared = inputs.prepare_data(with_eval, progress=False)
     eval_tokens = prepared.manifest["eval"]["real_tokens"]
     od = next(o for o in r["options"] if o["pricing"] == "on-demand")
     evals = r["run"]["steps"] // 10

@@ -189,7 +189,7 @@ def test_estimate_holds_for_the_tiny_recipe_on_its_training_path(
     from trainer.data.sampler import StepSampler
     from trainer.model.load import build
     from trainer.model.loss import token_loss_sum
-    from trainer.training import run
+    from trainer.training import inputs
     from trainer.training.batches import StepDataset
 
     cfg = config.load(
@@ -202,7 +202,7 @@ def test_estimate_holds_for_the_tiny_recipe_on_its_training_path(
         ],
     )
     t = cfg.train
-    rows = load_from_disk(str(run.prepare_data(cfg, progress=False).train_path))
+    rows = load_from_disk(str(inputs.prepare_data(cfg, progress=False).train_path))
     steps = StepDataset(
         rows, StepSampler(len(rows), t.micro_batch_size * t.grad_accum, seed=0), 0, 1, t.micro_batch_size, 2
     )

@@ -18,7 +18,7 @@ from trainer.cli import pilot_run, world
 from trainer.cli.estimate import estimate_command
 from trainer.plan import PlanError, pilot
 from trainer.restart.clock import seconds_since_process_start
-from trainer.training import run
+from trainer.training import inputs
 
 
 @pytest.fixture()
@@ -164,7 +164,7 @@ def test_a_cold_first_process_is_a_restarts_cost_not_the_next_runs(tmp_path: Pat
 
 
 def test_timed_pilot_stops_by_the_clock(cfg: config.RunConfig) -> None:
-    run.prepare_data(cfg, progress=False)  # shared with the pilot: its clock then goes to model load and steps
+    inputs.prepare_data(cfg, progress=False)  # shared with the pilot: its clock then goes to model load and steps
     started = time.monotonic()
     result = pilot_run.run_pilot(cfg.replace(**{"train.max_steps": 10**6}), minutes=0.3, fresh_process=False)
     assert result["exit_reason"] == "budget" and result["steps"] > 5

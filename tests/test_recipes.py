@@ -26,8 +26,8 @@ CHAT_MODELS = ("-Instruct", "-it", "Qwen/Qwen3-8B", "microsoft/phi-4")
 
 
 def test_recipe_count() -> None:
-    assert len(RECIPES) == 13, [str(p) for p in RECIPES]
-    assert len(GPU_RECIPES) == 12
+    assert len(RECIPES) == 15, [str(p) for p in RECIPES]
+    assert len(GPU_RECIPES) == 14
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
@@ -54,7 +54,9 @@ def test_gpu_recipe_settings(path: Path) -> None:
     assert cfg.train.mixed_precision == "bf16" and cfg.adapter.dropout == 0.0
     assert cfg.checkpoint.preemption_notice == "auto"
     assert cfg.data.format != "alpaca"
-    if any(mark in cfg.model.name_or_path for mark in CHAT_MODELS):
+    if cfg.train.objective != "sft":  # preference pairs, through the same template
+        assert cfg.data.format == "preference" and '"chosen"' in header and '"rejected"' in header
+    elif any(mark in cfg.model.name_or_path for mark in CHAT_MODELS):
         assert cfg.data.format == "messages", cfg.model.name_or_path  # the current name (`chat` is its former one)
         assert '"messages"' in header, "the header shows the data layout"
     if cfg.adapter.method == "qlora":
@@ -68,9 +70,11 @@ def _gpus(path: Path) -> int:
 
 
 @pytest.mark.parametrize("path", GPU_RECIPES, ids=lambda p: p.name)
-def test_gpu_recipe_estimates_offline_without_its_data(path: Path) -> None:
-    """The recipe's data file is not here: the memory fit per GPU still answers (from the shipped
-    model shape), and --tokens gives the hours and cost with the exact step count."""
+def test_gpu_recipe_estimates_offline_without_its_data(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recipe's data file is not here (a hub dataset: not in this offline cache): the memory fit per
+    GPU still answers (from the shipped model shape), and --tokens gives the hours and cost with the exact
+    step count."""
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     cfg = C.load(path)
     assert not Path(cfg.data.path).exists()
     fit = world.estimate_for_run(cfg, gpus=_gpus(path))

@@ -184,7 +184,9 @@ def test_train_writes_a_report_whose_figures_are_the_ledgers(real_run: dict[str,
     assert page.scripts == 0
 
     # Every image is embedded as a PNG data URI, equal to the PNG written beside the page.
-    assert [img["data-file"] for img in page.images] == list(FIGURES)
+    # (An SFT run has no rewards: the preference figure is left out.)
+    assert [img["data-file"] for img in page.images] == [n for n in FIGURES if n != "preference.png"]
+    assert not (out / "preference.png").exists()
     for img in page.images:
         head, b64 = img["src"].split(",", 1)
         assert head == "data:image/png;base64"
@@ -279,7 +281,9 @@ def test_fsspec_url_reads_the_same_run(real_run: dict[str, Any], tmp_path: Path)
     # the header too: the checkpoint, adapter config and manifest are found through fsspec
     local_facts = _facts((tmp_path / "local" / REPORT_FILE).read_text())
     assert _facts(page.read_text()) == local_facts and {"adapter", "data_train", "batch"} <= set(local_facts)
-    assert all((tmp_path / "remote" / name).read_bytes().startswith(PNG) for name in FIGURES)
+    assert all(
+        (tmp_path / "remote" / name).read_bytes().startswith(PNG) for name in FIGURES if name != "preference.png"
+    )
 
 
 def test_report_goes_beside_a_local_run_and_into_the_current_directory_for_a_remote_one(

@@ -180,11 +180,46 @@ def make_examples(n: int = 2000, seed: int = 0) -> list[dict[str, str]]:
 
 
 def write_dataset(path: Path, n: int = 2000, seed: int = 0) -> Path:
+    return _write_jsonl(path, make_examples(n, seed))
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
-        for ex in make_examples(n, seed):
-            f.write(json.dumps(ex) + "\n")
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
     return path
+
+
+def make_pairs(n: int = 200, seed: int = 0) -> list[dict[str, Any]]:
+    """Preference pairs over the same tasks, in TRL's explicit conversational form (prompt, chosen and
+    rejected as message lists): chosen is the right answer, rejected a wrong one of the same kind (another
+    key's fact, or the plan that starts a day late)."""
+    rng = random.Random(seed + 1)
+    out: list[dict[str, Any]] = []
+    for ex in make_examples(n, seed):
+        family = next((f for f, (templates, _) in _FACTS.items() if ex["instruction"] in templates), None)
+        if family is not None:
+            wrong = rng.choice(sorted(set(_FACTS[family][1].values()) - {ex["output"]}))
+        else:
+            wrong = " ".join(
+                f"Day {k + 1} is {_DAYS[(_DAYS.index(day.rstrip('.')) + 1) % 7]}."
+                for k, day in enumerate(ex["output"].split()[3::4])
+            )
+        user = f"{ex['instruction']}\n\n{ex['input']}" if ex["input"] else ex["instruction"]
+        out.append(
+            {
+                "prompt": [{"role": "user", "content": user}],
+                "chosen": [{"role": "assistant", "content": ex["output"]}],
+                "rejected": [{"role": "assistant", "content": wrong}],
+            }
+        )
+    return out
+
+
+def write_pairs(path: Path, n: int = 200, seed: int = 0) -> Path:
+    """`make_pairs` as a JSONL file (tests and benchmarks)."""
+    return _write_jsonl(path, make_pairs(n, seed))
 
 
 # ---------------------------------------------------------------------------- tokenizer

@@ -34,11 +34,12 @@ def run(args: argparse.Namespace) -> int:
     cfg = pin_data(cfg)
     if args.command == "inspect" and args.show > 0:
         from trainer.data.show import show_examples
-        from trainer.training.inputs import resolved_data, tokenizer_path
+        from trainer.training.inputs import prepares_pairs, resolved_data, tokenizer_path
 
         color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
         # Every source as prepare reads it: a folder, a hub dataset at its pinned commit, each of a mix.
-        print(show_examples(resolved_data(cfg), tokenizer_path(cfg), args.show, color, cfg.seed), flush=True)
+        shown = show_examples(resolved_data(cfg), tokenizer_path(cfg), args.show, color, cfg.seed, prepares_pairs(cfg))
+        print(shown, flush=True)
     prepared = prepare_data(cfg, progress=True)  # a run's hub datasets at its pinned commits
     if args.command == "inspect":
         plot = prepared.train_path.parent / "lengths.png"

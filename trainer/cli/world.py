@@ -28,7 +28,7 @@ from trainer.plan.fit import memory_fit
 from trainer.plan.job import Constraints, Job, Measured
 from trainer.plan.throughput import choose
 from trainer.restart.ledger import read_rows, row_time
-from trainer.training.inputs import tokenizer_path
+from trainer.training.inputs import prepares_pairs, tokenizer_path
 
 
 def estimate_for_run(
@@ -189,7 +189,7 @@ def fingerprint(cfg: RunConfig) -> str | None:
 
     data = dataclasses.replace(cfg.data, path=builtin_assets.resolve_data(cfg.data.path))
     try:
-        return data_fingerprint(data, tokenizer_path(cfg), cfg.seed)
+        return data_fingerprint(data, tokenizer_path(cfg), cfg.seed, pairs=prepares_pairs(cfg))
     except Exception:  # the data is not there yet: nothing can be cached
         return None
 
@@ -233,7 +233,8 @@ def _workload(cfg: RunConfig, manifest: dict[str, Any] | None, sample_size: int)
     if manifest is not None:
         return wl.from_manifest(manifest)
     data_path = builtin_assets.resolve_data(cfg.data.path)
-    found = wl.find_manifest(cfg.data, data_path, data_cache_root(cfg.data.cache_dir, cfg.output_dir))
+    pairs = prepares_pairs(cfg)
+    found = wl.find_manifest(cfg.data, data_path, data_cache_root(cfg.data.cache_dir, cfg.output_dir), pairs)
     if found is not None:
         return wl.from_manifest(*found)
     tok = cfg.data.tokenizer or builtin_assets.resolve_model(cfg.model.name_or_path)
@@ -241,4 +242,4 @@ def _workload(cfg: RunConfig, manifest: dict[str, Any] | None, sample_size: int)
         # `spotune estimate <hub id>` plans on the built-in demo data: count it with the demo
         # tokenizer it was made with, so planning needs no tokenizer download either.
         tok = builtin_assets.resolve_model(BUILTIN_TINY_MODEL)
-    return wl.from_sample(cfg.data, data_path, tok, sample_size=sample_size, seed=cfg.seed)
+    return wl.from_sample(cfg.data, data_path, tok, sample_size=sample_size, seed=cfg.seed, pairs=pairs)

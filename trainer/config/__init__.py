@@ -196,6 +196,8 @@ def structural_fields(cfg: RunConfig, world_size: int = 1, global_rows: int | No
         # The global batch defines the run; world size, micro-batch and accumulation do not.
         "global_batch_rows": global_rows if global_rows is not None else batch_split(t, world_size).global_rows,
         "train.optimizer": t.optimizer,  # its saved state only loads into the same optimizer
+        # What the adapter is trained towards (None for SFT: the fields SFT checkpoints always recorded).
+        "train.objective": t.objective if t.objective != "sft" else None,
     }
 
 

@@ -35,7 +35,14 @@ class Alias:
     gives_way: tuple[Any, ...] = ()
     """Mapped values that say only what is not wanted (`bf16: false`): another name setting the key wins,
     unless it sets what this flag's `true` means."""
+    implies: Mapping[Any, Mapping[str, Any]] | None = None
+    """The other tool's value -> further spotune keys it sets (Axolotl's `rl: ipo` is train.objective=dpo and
+    train.dpo_loss=ipo). An implied key wins over one set through another tool's name (LLaMA-Factory's
+    `stage: dpo` with `pref_loss: orpo` is ORPO) and must agree with one written as spotune's own key."""
 
+
+_TO_OBJECTIVE = {"orpo": {"train.objective": "orpo"}, "simpo": {"train.objective": "simpo"}}
+"""A preference loss that is an objective of its own in spotune (LLaMA-Factory's and TRL's CPO `simpo`)."""
 
 _ADAMW = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw_bnb_8bit": "adamw_8bit"}
 
@@ -81,6 +88,16 @@ ALIASES: dict[str, Alias] = {
     "report_to": Alias("metrics.trackers", {"none": [], "all": ["tensorboard", "wandb"]}),
     "output_dir": Alias("output_dir"),
     "seed": Alias("seed"),
+    "rl": Alias("train.objective", {"ipo": "dpo"}, implies={"ipo": {"train.dpo_loss": "ipo"}}),
+    "rl_beta": Alias("train.beta"),
+    "orpo_alpha": Alias("train.beta"),
+    "dpo_label_smoothing": Alias("train.label_smoothing"),
+    "stage": Alias("train.objective"),
+    "pref_beta": Alias("train.beta"),
+    "pref_loss": Alias("train.dpo_loss", {"orpo": "sigmoid", "simpo": "sigmoid"}, implies=_TO_OBJECTIVE),
+    "loss_type": Alias("train.dpo_loss", {"simpo": "sigmoid"}, implies={"simpo": _TO_OBJECTIVE["simpo"]}),
+    "rpo_alpha": Alias("train.sft_weight"),
+    "cpo_alpha": Alias("train.sft_weight"),
 }
 """Same meaning as the spotune key: read as it."""
 
@@ -119,6 +136,12 @@ ANSWERS: dict[str, str] = {
     "deepspeed": "spotune shards with train.distributed=fsdp (FSDP2, per decoder layer); no DeepSpeed config",
     "fsdp": "set train.distributed=fsdp (FSDP2, per decoder layer), and train.fsdp_cpu_offload=true to keep the "
     "shards in CPU memory",
+    "pref_ftx": "spotune's SFT term is TRL's: train.sft_weight={value} weighs the chosen answers' next-token loss "
+    "averaged over all their tokens in the step; LLaMA-Factory's pref_ftx averages it per pair first, which weighs "
+    "short answers more. Set train.sft_weight={value} for the TRL form",
+    "ref_model": "the DPO reference is the run's starting point, in the same model: the base with adapters "
+    "disabled, or adapter.init_from (an earlier run or adapter folder) frozen; set adapter.init_from to start from "
+    "the SFT adapter",
 }
 """Known names whose meaning differs from every spotune key: the key(s) to set and how to convert."""
 
@@ -139,6 +162,7 @@ def resolve(
     out_marks: Marks = dict(marks)
     problems: list[str] = []
     origin: dict[str, str] = {}
+    implied: list[tuple[str, str, Any]] = []  # (name, key, value)
     for dotted, value in pairs.items():
         target, value, problem = _target(dotted, value, fields)
         if target in out and problem is None:
@@ -154,6 +178,20 @@ def resolve(
             _note(dotted, target, marks.get(dotted))
             if dotted in marks:
                 out_marks[target] = Mark(marks[dotted].where, marks[dotted].text if value == pairs[dotted] else None)
+            alias = ALIASES.get(dotted.rpartition(".")[2])
+            if alias is not None and alias.implies and _hashable(pairs[dotted]):
+                implied += [(dotted, k, v) for k, v in alias.implies.get(pairs[dotted], {}).items()]
+    for name, key, value in implied:
+        if key in out and origin[key] == key and out[key] != value:
+            problem = (
+                f"{name}: {pairs[name]!r} means {key}={value!r}, but {key} is set to {out[key]!r}; keep one of them"
+            )
+            problems.append(f"{marks[name].where}: {problem}" if name in marks else problem)
+            continue
+        out[key], origin[key] = value, name
+        _note(f"{name}={pairs[name]}", f"{key}={value}", marks.get(name))
+        if name in marks:
+            out_marks[key] = Mark(marks[name].where, None)
     return out, out_marks, problems
 
 

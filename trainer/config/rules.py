@@ -220,7 +220,9 @@ def cross_checks(cfg: Sections) -> list[str]:
         p.append(
             "train.mixed_precision: fp16 over a bfloat16 base mixes dtypes; use train.mixed_precision=bf16 or model.dtype=float16"
         )
-    return p + _checkpoint_checks(cfg.checkpoint) + _fsdp_checks(cfg) + _source_checks(cfg.data)
+    return (
+        p + _checkpoint_checks(cfg.checkpoint) + _fsdp_checks(cfg) + _source_checks(cfg.data) + _objective_checks(cfg)
+    )
 
 
 def _checkpoint_checks(ck: CheckpointConfig) -> list[str]:
@@ -272,6 +274,38 @@ def _source_checks(d: DataConfig) -> list[str]:
             p.append(f"{key}.rows: must be at least 1, got {s.rows}")
         if s.fraction is not None and not 0.0 < s.fraction <= 1.0:
             p.append(f"{key}.fraction: must be within (0, 1], got {s.fraction}")
+    return p
+
+
+def _objective_checks(cfg: Sections) -> list[str]:
+    """What the preference objectives (trainer/model/preference.py) need of the data and their settings."""
+    t, d = cfg.train, cfg.data
+    formats = [("data.format", d.format)] + [(f"data.sources[{i}].format", s.format) for i, s in enumerate(d.sources)]
+    if t.objective == "sft":
+        return [
+            f"{key}: preference pairs train with a preference objective; set train.objective to dpo, orpo or simpo"
+            for key, fmt in formats
+            if fmt == "preference"
+        ]
+    p = [
+        f"{key}: train.objective={t.objective} trains on preference pairs; set {key} to auto or preference"
+        for key, fmt in formats
+        if fmt not in (None, "auto", "preference")
+    ]
+    if t.beta <= 0:
+        p.append(f"train.beta: must be above 0, got {t.beta}")
+    if not 0.0 <= t.label_smoothing < 0.5:
+        p.append(f"train.label_smoothing: must be within [0, 0.5), got {t.label_smoothing}")
+    elif t.label_smoothing and not (t.objective == "simpo" or (t.objective == "dpo" and t.dpo_loss == "robust")):
+        p.append("train.label_smoothing: only train.dpo_loss=robust and train.objective=simpo read it; remove it")
+    if t.sft_weight < 0:
+        p.append(f"train.sft_weight: must be 0 or more, got {t.sft_weight}")
+    elif t.sft_weight and t.objective == "orpo":
+        p.append(
+            "train.sft_weight: orpo has its own SFT term (weight 1, scaled against the odds ratio by train.beta); remove it"
+        )
+    if d.train_on_inputs:
+        p.append("data.train_on_inputs: a preference objective scores the answers only; remove it")
     return p
 
 

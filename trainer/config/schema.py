@@ -58,9 +58,11 @@ class AdapterConfig:
     """Module names to adapt; `all-linear` adapts every linear layer but the output head."""
     fused: bool = False
     """Compute the LoRA A matmuls of q/k/v, and of gate/up, as one wider matmul each (with dropout 0); checkpoints stay plain peft files."""
+    init_from: str | None = None
+    """Start the adapter from an earlier one instead of fresh: a run directory (its `final/`) or an adapter folder (adapter_config.json + adapter_model.safetensors), usually the SFT run before a DPO run; its shape must match adapter.r, alpha and target_modules. With train.objective=dpo that adapter, frozen, is the reference. Every machine that resumes the run must reach it (a resume checks its content)."""
 
 
-DataFormat = Literal["auto", "alpaca", "prompt_completion", "messages", "sharegpt", "text", "chat"]
+DataFormat = Literal["auto", "alpaca", "prompt_completion", "messages", "sharegpt", "text", "chat", "preference"]
 """The values of `data.format` and of each `data.sources[i].format`."""
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "tool_call")
@@ -102,7 +104,7 @@ class DataConfig:
     sources: tuple[SourceConfig, ...] = ()
     """Several sources mixed into one training set instead of `path`: a list of {path, subset, split, revision, format, fields, rows or fraction}."""
     format: DataFormat = "auto"
-    """`auto` (picked from the columns of the first rows, and said), `alpaca` (instruction/input/output, optional system), `prompt_completion` (TRL's prompt/completion, strings or message lists), `messages` (OpenAI role/content; `chat` is its former name), `sharegpt` (conversations of from/value), `text` (every token trained)."""
+    """`auto` (picked from the columns of the first rows, and said), `alpaca` (instruction/input/output, optional system), `prompt_completion` (TRL's prompt/completion, strings or message lists), `messages` (OpenAI role/content; `chat` is its former name), `sharegpt` (conversations of from/value), `text` (every token trained), `preference` (chosen/rejected pairs with or without a prompt column, for train.objective dpo/orpo/simpo; `auto` reads pairs whenever the objective is one of those)."""
     seq_len: int = 2048
     """Tokens per packed row."""
     packing: bool = True
@@ -130,9 +132,13 @@ class DataConfig:
     system_field: str = "system"
     """Field holding an optional alpaca system prompt (rendered as the system turn)."""
     prompt_field: str = "prompt"
-    """Field holding the prompt of `prompt_completion` data (a string, or a list of messages)."""
+    """Field holding the prompt of `prompt_completion` and `preference` data (a string, or a list of messages; for pairs it may be absent: the turns chosen and rejected share)."""
     completion_field: str = "completion"
     """Field holding the completion of `prompt_completion` data (trained)."""
+    chosen_field: str = "chosen"
+    """Field holding the preferred answer of `preference` data (a string, a list of messages, or the whole conversation)."""
+    rejected_field: str = "rejected"
+    """Field holding the dispreferred answer of `preference` data (as `chosen_field`)."""
     messages_field: str = "messages"
     """Field holding `messages` data (`role`/`content`); only assistant turns are trained."""
     conversations_field: str = "conversations"
@@ -159,8 +165,25 @@ class DataConfig:
     """DataLoader worker processes that prefetch whole steps: `auto` is 1 on CUDA (reading and collating hide behind the GPU's work) and 0 on CPU (a worker would only compete for the cores). Same batches either way."""
 
 
+REFERENCE_OBJECTIVES = ("dpo",)
+"""The values of `train.objective` whose step also runs the reference's forward (the training step, the
+meter's MFU and the estimate count it)."""
+
+
 @dataclass(frozen=True)
 class TrainConfig:
+    objective: Literal["sft", "dpo", "orpo", "simpo"] = "sft"
+    """`sft`: next-token loss on the trained tokens. On chosen/rejected pairs (docs/preference.md): `dpo` against the run's starting point as reference (the base with adapters disabled, or adapter.init_from frozen), computed in the same step; `orpo` and `simpo` need no reference."""
+    beta: float = 0.1
+    """Preference objectives: DPO's beta (how far the policy may move from the reference; IPO's tau), ORPO's lambda, SimPO's beta (its paper uses 2 to 2.5)."""
+    dpo_loss: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"
+    """`dpo`'s loss on the pair's reward margin, as TRL defines each: `sigmoid` (DPO), `ipo` (on per-token log-ratios), `hinge`, `robust` (with `label_smoothing`, the share of flipped labels)."""
+    label_smoothing: float = 0.0
+    """The share of pairs whose preference is taken to be flipped, in [0, 0.5): `dpo_loss: robust` and `simpo` only."""
+    sft_weight: float = 0.0
+    """`dpo` and `simpo`: add this times the chosen answers' next-token loss, averaged over their tokens in the optimizer step (TRL's `rpo_alpha` / `sft` loss, CPO's `cpo_alpha`); `orpo` always has it with weight 1."""
+    simpo_gamma: float = 0.5
+    """`simpo`: the target reward margin gamma."""
     max_steps: int | None = None
     """Optimizer steps to run; when unset, `epochs` decides."""
     epochs: float = 1.0

@@ -30,6 +30,14 @@ FORMAT_FIELDS: dict[str, tuple[tuple[str, str, bool], ...]] = {
     "messages": (("messages_field", "messages", True), _TOOLS),
     "sharegpt": (("conversations_field", "conversations", True), _TOOLS),
     "text": (("text_field", "text", True),),
+    # Pairs for the preference objectives (trainer/data/pairs.py reads them): without a prompt
+    # column the prompt is what chosen and rejected share.
+    "preference": (
+        ("prompt_field", "prompt", False),
+        ("chosen_field", "chosen", True),
+        ("rejected_field", "rejected", True),
+        ("system_field", "system", False),
+    ),
 }
 FORMAT_FIELDS["chat"] = FORMAT_FIELDS["messages"]  # the earlier name of `messages`, still accepted
 FORMAT_FIELDS["auto"] = tuple(dict.fromkeys(f for fmt in FORMAT_FIELDS.values() for f in fmt))
@@ -99,6 +107,8 @@ def detect(columns: list[str], head: list[dict[str, Any]], fields: dict[str, str
     if fields.get("text", "text") in cols:
         return "text", f"column {fields.get('text', 'text')!r}"
     found = f"fields found: {', '.join(columns) or 'none'}"
+    if {fields.get("chosen", "chosen"), fields.get("rejected", "rejected")} <= cols:
+        return None, f"{found}; they hold preference pairs: set train.objective=dpo (or orpo, simpo) to train on them"
     for fmt in WHAT:  # a format some of whose columns are there: name the one missing and its key
         need = required(fmt, {**fields_default(), **fields})
         missing = {k: c for k, c in need.items() if c not in cols}

@@ -1,4 +1,7 @@
-"""`prepare`: read -> template -> tokenise once -> pack -> Arrow dataset + manifest, cached by content hash."""
+"""`prepare`: read -> template -> tokenise once -> pack -> Arrow dataset + manifest, cached by content hash.
+
+With `pairs` (a preference objective) each row becomes a chosen and a rejected sequence packed as two
+documents side by side in one row (trainer/data/pairs.py), and each packed row records its pairs."""
 
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ except ImportError:  # datasets 3.x spells a variable-length list `Sequence`
 
 from trainer.config import DataConfig
 from trainer.data import cache, dropped, rows, tokenizer
+from trainer.data import pairs as pair_data
 from trainer.data.chat_templates import resolve_chat_template, template_name, uses_date
 from trainer.data.formats import FORMAT_FIELDS
 from trainer.data.pack import batch_pad_efficiency, build_rows, one_per_row, pack_lengths
@@ -44,6 +48,7 @@ _TOKENIZED = Features(
         "detail": Value("string"),
     }
 )
+_TOKENIZED_PAIRS = Features({**_TOKENIZED, "chosen_length": Value("int32")})
 
 
 @dataclass(frozen=True)
@@ -77,18 +82,19 @@ class _Plan:
 
 
 def prepare(
-    cfg: DataConfig, tokenizer_path: str, cache_root: Path, *, progress: bool = True, seed: int = 0
+    cfg: DataConfig, tokenizer_path: str, cache_root: Path, *, progress: bool = True, seed: int = 0, pairs: bool = False
 ) -> Prepared:
-    """Build (or reuse) the packed dataset for `cfg` under `cache_root/<fingerprint>/`."""
+    """Build (or reuse) the packed dataset for `cfg` under `cache_root/<fingerprint>/`; `pairs`: preference
+    pairs for train.objective dpo/orpo/simpo."""
     cache_root = Path(cache_root)
-    plan = _plan(cfg, tokenizer_path, seed)
+    plan = _plan(cfg, tokenizer_path, seed, pairs)
     fp = plan.fingerprint
     cache.clean_stale(cache_root)
     manifest = cache.load_complete(cache_root, fp)
     reused = manifest is not None
     if manifest is None:
         with cache.atomic_build(cache_root, fp) as tmp, _progress_bars(progress):
-            manifest = _build(tmp, plan, seed)
+            manifest = _build(tmp, plan, seed, pairs)
     final = cache_root / fp
     return Prepared(
         train_path=final / "train",
@@ -99,14 +105,14 @@ def prepare(
     )
 
 
-def data_fingerprint(cfg: DataConfig, tokenizer_path: str, seed: int = 0) -> str:
+def data_fingerprint(cfg: DataConfig, tokenizer_path: str, seed: int = 0, pairs: bool = False) -> str:
     """The cache key of `cfg`'s prepared data: its content, tokenizer and output settings.
 
     `spotune estimate` asks it too, to know whether a target directory holds the data already."""
-    return _plan(cfg, tokenizer_path, seed).fingerprint
+    return _plan(cfg, tokenizer_path, seed, pairs).fingerprint
 
 
-def _plan(cfg: DataConfig, tokenizer_path: str, seed: int) -> _Plan:
+def _plan(cfg: DataConfig, tokenizer_path: str, seed: int, pairs: bool) -> _Plan:
     tokenizer_dir = tokenizer.local_dir(tokenizer_path, cfg.tokenizer_revision)
     train = [locate(s) for s in sources_of(cfg, FORMAT_FIELDS)]
     ev = [locate(s) for s in eval_sources(cfg, FORMAT_FIELDS)]
@@ -115,6 +121,8 @@ def _plan(cfg: DataConfig, tokenizer_path: str, seed: int) -> _Plan:
         cfg = dataclasses.replace(cfg, template_date=datetime.datetime.now(datetime.timezone.utc).date().isoformat())
     settings = _settings(cfg, seed, train, ev)
     settings["template_date"] = cfg.template_date if dated else None  # the day is data only where it is written
+    if pairs:  # only then: SFT data keeps the fingerprints it always had
+        settings["pairs"] = True
     # Local sources by their bytes; a hub source by its commit, which is in the settings.
     data: list[Path | None] = [*local_files(train), *(local_files(ev) if ev else [None])]
     return _Plan(cfg, tokenizer_dir, train, ev, settings, cache.fingerprint(data, tokenizer_dir, settings))
@@ -149,7 +157,7 @@ def _settings(cfg: DataConfig, seed: int, train: list[Located], ev: list[Located
     }
 
 
-def _build(tmp: Path, plan: _Plan, seed: int) -> dict[str, Any]:
+def _build(tmp: Path, plan: _Plan, seed: int, pairs: bool) -> dict[str, Any]:
     started = time.perf_counter()
     cfg, tokenizer_path = plan.cfg, plan.tokenizer_dir
     tok = tokenizer.load_tokenizer(tokenizer_path)
@@ -177,7 +185,7 @@ def _build(tmp: Path, plan: _Plan, seed: int) -> dict[str, Any]:
     lost: list[dict[str, Any]] = []
     for name, parts in (("train", read.train), ("eval", read.eval)):
         if parts:
-            job = _Job(tok, tokenizer_path, cfg, name, scratch, plan.fingerprint, pad_id)
+            job = _Job(tok, tokenizer_path, cfg, name, scratch, plan.fingerprint, pad_id, pairs)
             manifest[name] = _tokenize_pack_save(parts, job, tmp, seed, lost)
     shutil.rmtree(scratch, ignore_errors=True)
     dropped.write(tmp, lost)
@@ -204,6 +212,7 @@ class _Job:
     scratch: Path
     fp: str
     pad_id: int
+    pairs: bool = False
 
 
 def _tokenize(loc: Located, raw: datasets.Dataset, job: _Job, j: int) -> tuple[datasets.Dataset, Tokenize]:
@@ -213,14 +222,20 @@ def _tokenize(loc: Located, raw: datasets.Dataset, job: _Job, j: int) -> tuple[d
         rows.check_fields(raw, src, loc.label)  # names data.sources[i].fields.<role>, the key to fix
     # The source's own DataConfig (its format and columns): built like a single-source prepare's.
     cfg = src.data_config(job.cfg, FORMAT_FIELDS)
-    tok = tokenize_for(cfg, job.tokenizer, source=loc.label)
-    tok = tok.settle(data_columns(raw), rows.head(raw), job.tokenizer_path)
+    mapped: Tokenize | pair_data.TokenizePairs
+    if job.pairs:
+        mapped = pair_data.tokenize_pairs_for(cfg, job.tokenizer, loc.label)
+        mapped = mapped.settle(data_columns(raw), rows.head(raw), job.tokenizer_path)
+        tok = mapped.tok
+    else:
+        tok = mapped = tokenize_for(cfg, job.tokenizer, source=loc.label)
+        tok = mapped = tok.settle(data_columns(raw), rows.head(raw), job.tokenizer_path)
     tokenized = raw.map(
-        tok,
+        mapped,
         batched=True,
         remove_columns=raw.column_names,
         num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
-        features=_TOKENIZED,
+        features=_TOKENIZED_PAIRS if job.pairs else _TOKENIZED,
         cache_file_name=str(job.scratch / f"{job.name}-{j}.arrow"),
         new_fingerprint=f"{job.fp}-{job.name}-{j}",  # skips hashing the tokenizer-holding function
         desc=f"tokenize {job.name} ({src.key})",
@@ -276,13 +291,17 @@ def _tokenize_pack_save(
     kept = np.flatnonzero(status == "")
     drops = Counter(s for s in status.tolist() if s)
     lost += split_lost
-    doc_lens = np.diff(offsets)[kept]
+    doc_lens = np.diff(offsets)[kept]  # a pair is one unit to pack: both its sequences go in one row
     if cfg.packing:
         bins_local, algorithm = pack_lengths(doc_lens, cfg.seq_len)
     else:
         bins_local, algorithm = one_per_row(doc_lens), "one_per_row"
     bins = [[int(kept[i]) for i in b] for b in bins_local]
+    if job.pairs:
+        offsets, bins = pair_data.documents(offsets, np.asarray(tokenized["chosen_length"], dtype=np.int64), bins)
     packed = build_rows(ids_arr.values.to_numpy(), lab_arr.values.to_numpy(), offsets, bins, cfg.seq_len, job.pad_id)
+    if job.pairs:
+        packed["num_pairs"] = np.asarray([len(b) // 2 for b in bins], dtype=np.int32)
     _save_rows(packed, cfg.seq_len, out_dir / name)
 
     n_rows, real = len(bins), int(packed["num_real"].sum())
@@ -293,6 +312,7 @@ def _tokenize_pack_save(
         "dropped": dict(sorted(drops.items())),
         "dropped_rows": split_lost[: dropped.SHOWN],
         "truncated": int((lengths[kept] > cfg.seq_len).sum()),
+        **({"pairs": int(kept.size)} if job.pairs else {}),
         "real_tokens": real,
         "trainable_tokens": int(packed["num_trainable"].sum()),
         "rows": n_rows,
@@ -313,8 +333,9 @@ def _save_rows(packed: dict[str, np.ndarray], seq_len: int, path: Path) -> None:
     for k in ("input_ids", "labels", "position_ids"):
         flat = pa.array(packed[k].reshape(-1), type=pa.int32())
         cols[k] = pa.FixedSizeListArray.from_arrays(flat, seq_len)
-    cols["num_real"] = pa.array(packed["num_real"], type=pa.int32())
-    cols["num_trainable"] = pa.array(packed["num_trainable"], type=pa.int32())
+    for k in ("num_real", "num_trainable", "num_pairs"):
+        if k in packed:
+            cols[k] = pa.array(packed[k], type=pa.int32())
     datasets.Dataset(pa.table(cols)).save_to_disk(str(path))
 
 

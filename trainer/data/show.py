@@ -4,7 +4,8 @@
 `rows`/`fraction` choice and the held-out split, as `prepare` reads them), each with its file and
 line (ANSI colour on a terminal, `[[...]]` around trained text otherwise); `example_html` gives the
 same marks as HTML for a page (the report may embed it). Rows are tokenised by the very `Tokenize`
-that `prepare` uses.
+that `prepare` uses; preference pairs (`pairs`) by its `TokenizePairs`, shown as the prompt they
+share, then each answer.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from trainer.config import DataConfig
 from trainer.data import dropped, rows
+from trainer.data import pairs as pair_data
 from trainer.data.chat_templates import template_name
 from trainer.data.formats import FORMAT_FIELDS
 from trainer.data.read import LINE_COLUMN, data_columns
@@ -51,10 +53,12 @@ def example_html(tokenizer: Any, ids: list[int], labels: list[int]) -> str:
     return f'<pre class="spotune-example">{"".join(parts)}</pre>'
 
 
-def show_examples(cfg: DataConfig, tokenizer_path: str, n: int, color: bool = False, seed: int = 0) -> str:
+def show_examples(
+    cfg: DataConfig, tokenizer_path: str, n: int, color: bool = False, seed: int = 0, pairs: bool = False
+) -> str:
     """The first `n` training rows of each source of `cfg` (`data.path`, or each of `data.sources`,
     located, read and chosen as prepare reads them with `seed`), rendered with that source's format
-    and fields, trained tokens marked."""
+    and fields, trained tokens marked; `pairs`: as preference pairs (train.objective dpo/orpo/simpo)."""
     from trainer.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_path)
@@ -64,21 +68,48 @@ def show_examples(cfg: DataConfig, tokenizer_path: str, n: int, color: bool = Fa
     for loc, ds in rows.read_training(cfg, located, held_out, seed).train:
         shown = rows.head(ds, max(n, HEAD_ROWS))
         tok = tokenize_for(loc.source.data_config(cfg, FORMAT_FIELDS), tokenizer, loc.label)
-        tok = tok.settle(data_columns(ds), shown, tokenizer_path)
+        mapped: Any = pair_data.TokenizePairs(tok).settle(data_columns(ds), shown, tokenizer_path) if pairs else None
+        tok = mapped.tok if pairs else tok.settle(data_columns(ds), shown, tokenizer_path)
         shown = shown[:n]
-        out = tok({c: [r[c] for r in shown] for c in ds.column_names})
+        out = (mapped or tok)({c: [r[c] for r in shown] for c in ds.column_names})
         template = template_name(tok.chat_template) if tok.template is not None else "none (raw text)"
         name = f"{loc.source.key} {loc.label}" if cfg.sources else loc.label
         why = f" ({tok.reason})" if tok.reason else ""
         lines.append(f"\n{name}: format {tok.fmt}{why}, chat template: {template}")
-        for row, ids, labels, status, detail in zip(
-            shown, out["input_ids"], out["labels"], out["status"], out["detail"], strict=True
+        for i, (row, ids, labels, status, detail) in enumerate(
+            zip(shown, out["input_ids"], out["labels"], out["status"], out["detail"], strict=True)
         ):
             place = dropped.place(loc.files[row[FILE_COLUMN]], row[LINE_COLUMN])
             if status:
                 lines.append(f"\n--- {place}: dropped ({status}{': ' + detail if detail else ''})")
-                continue
-            trained = sum(lab != IGNORE_INDEX for lab in labels)
-            lines.append(f"\n--- {place}: {len(ids)} tokens, {trained} trained")
-            lines.append(example_text(tokenizer, ids, labels, color))
+            elif pairs:
+                lines += _pair_lines(tokenizer, place, ids, labels, out["chosen_length"][i], out["length"][i], color)
+            else:
+                trained = sum(lab != IGNORE_INDEX for lab in labels)
+                lines.append(f"\n--- {place}: {len(ids)} tokens, {trained} trained")
+                lines.append(example_text(tokenizer, ids, labels, color))
     return "\n".join(lines)
+
+
+def _pair_lines(
+    tokenizer: Any, place: str, ids: list[int], labels: list[int], chosen_length: int, length: int, color: bool
+) -> list[str]:
+    """One pair: the prompt both answers follow (never trained), then the chosen and the rejected answer."""
+    c_ids, c_lab, r_ids, r_lab = (
+        ids[:chosen_length],
+        labels[:chosen_length],
+        ids[chosen_length:],
+        labels[chosen_length:],
+    )
+    shared = next((k for k, lab in enumerate(c_lab) if lab != IGNORE_INDEX), len(c_lab))
+    trained = [sum(x != IGNORE_INDEX for x in lab) for lab in (c_lab, r_lab)]
+    cut = f" (truncated from {length})" if length > len(ids) else ""
+    return [
+        f"\n--- {place}: pair of {len(c_ids)} + {len(r_ids)} tokens{cut}, {trained[0]} + {trained[1]} scored",
+        "prompt:",
+        example_text(tokenizer, c_ids[:shared], c_lab[:shared], color),
+        "chosen:",
+        example_text(tokenizer, c_ids[shared:], c_lab[shared:], color),
+        "rejected:",
+        example_text(tokenizer, r_ids[shared:], r_lab[shared:], color),
+    ]

@@ -92,8 +92,9 @@ def format_summary(manifest: dict[str, Any], reused: bool, where: str) -> str:
 def _split_lines(name: str, st: dict[str, Any], seq_len: int, overlong: str) -> list[str]:
     dropped = st["dropped"]
     drops = ", ".join(f"{k} {v}" for k, v in sorted(dropped.items()) if v) or "none"
+    unit = "pairs" if "pairs" in st else "examples"  # preference rows count (and drop) whole pairs
     out = [
-        f"{name}: {st['examples_in']:,} examples in -> {st['examples_out']:,} kept; dropped: {drops}; "
+        f"{name}: {st['examples_in']:,} {unit} in -> {st['examples_out']:,} kept; dropped: {drops}; "
         f"truncated: {st['truncated']:,}",
         f"  read as {st.get('format')}, chat template: {st.get('chat_template') or 'none (raw text)'}",
         f"  tokens: {st['real_tokens']:,} real, {st['trainable_tokens']:,} trainable, in {st['rows']:,} rows of {seq_len}",
@@ -113,7 +114,7 @@ def _split_lines(name: str, st: dict[str, Any], seq_len: int, overlong: str) -> 
     if not ls.get("count"):
         return out
     out.append(
-        f"  example length in tokens (with EOS, before truncation): p50 {ls['p50']}  p90 {ls['p90']}  "
+        f"  {unit[:-1]} length in tokens (with EOS, before truncation): p50 {ls['p50']}  p90 {ls['p90']}  "
         f"p99 {ls['p99']}  max {ls['max']}  mean {ls['mean']:.0f}"
     )
     out.extend("  " + line for line in ascii_histogram(ls["histogram"]))

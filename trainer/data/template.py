@@ -104,12 +104,29 @@ class Tokenize:
             ex = formats.to_example(self.fmt, row, self.fields, self.roles, template is not None)
             drops[i] = ex if isinstance(ex, Drop) else None
             examples.append(None if isinstance(ex, Drop) else ex)
-        pairs = self._pairs(examples, rows, drops, template)
         out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "length": [], "status": [], "detail": []}
-        eos = self.tokenizer.eos_token_id
-        for (ids, labels, eos_trained), drop in zip(pairs, drops, strict=True):
+        for (ids, labels), drop in zip(self.encode(examples, rows, drops, template), drops, strict=True):
             if drop is not None:
                 self._emit(out, [], [], 0, drop)
+            else:
+                self._finish(out, ids, labels)
+        return out
+
+    def encode(
+        self,
+        examples: list[formats.Example | None],
+        rows: list[dict[str, Any]],
+        drops: list[Drop | None],
+        template: str | None,
+    ) -> list[tuple[list[int], list[int]]]:
+        """Each example's ids and labels before the length policy (a dropped one's are empty and its
+        `drops` entry, which this may set, says why). Preference pairs encode their two sequences here too
+        (trainer/data/pairs.py)."""
+        out: list[tuple[list[int], list[int]]] = []
+        eos = self.tokenizer.eos_token_id
+        for (ids, labels, eos_trained), drop in zip(self._pairs(examples, rows, drops, template), drops, strict=True):
+            if drop is not None:
+                out.append(([], []))
                 continue
             if eos is not None and eos_trained is not None and (not ids or ids[-1] != eos):
                 # EOS teaches the model to stop: trained after raw text, a raw completion, and a
@@ -120,7 +137,7 @@ class Tokenize:
                 labels = list(ids)
             if labels:
                 labels[0] = IGNORE_INDEX  # see the module docstring: no prediction across documents
-            self._finish(out, ids, labels)
+            out.append((ids, labels))
         return out
 
     # ------------------------------------------------------------------ rendering
@@ -312,15 +329,19 @@ def end_of_turn_ids(tokenizer: Any, chat_template: str | None, fmt: str) -> list
     Conversational data: the last trained token of a probe conversation tokenised exactly as the
     rows are (the template's end-of-turn token, `<|im_end|>`, `<|eot_id|>`..., or the EOS appended
     where the template ends a turn with none); raw text and raw prompt/completion: EOS. `auto` and
-    prompt/completion may be either, so both count."""
+    prompt/completion may be either, so both count; preference pairs are conversations where a template
+    renders them, raw text (EOS) where none does."""
     ids: list[int] = []
     fmt = formats.normalise(fmt)
-    if fmt != "text" and resolve_chat_template(chat_template, tokenizer) is not None:
+    templated = fmt != "text" and resolve_chat_template(chat_template, tokenizer) is not None
+    if templated:
         probe = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
         out = Tokenize("messages", tokenizer, {"messages": "messages"}, 1 << 20, "truncate", chat_template)(
             {"messages": [probe]}
         )
         ids += [lab for lab in out["labels"][0] if lab != IGNORE_INDEX][-1:]
-    if fmt in ("text", "auto", "prompt_completion") and tokenizer.eos_token_id is not None:
+    # Preference pairs without a template are raw prompt/answer strings, whose answers end in EOS.
+    raw_pairs = fmt == "preference" and not templated
+    if (fmt in ("text", "auto", "prompt_completion") or raw_pairs) and tokenizer.eos_token_id is not None:
         ids.append(int(tokenizer.eos_token_id))
     return list(dict.fromkeys(ids))

@@ -265,16 +265,29 @@ def mfu_flops(
     }
 
 
-def meter_flops_fn(hf_config: Any, trainable: int) -> Callable[[float, float, float], float] | None:
+def meter_flops_fn(
+    hf_config: Any, trainable: int, objective: Any = None
+) -> Callable[[float, float, float], float] | None:
     """The meter's FLOPs of a step (tokens, sum of squared document lengths, head tokens) for this
-    model with `trainable` LoRA parameters, or None for an architecture the FLOP model does not know."""
+    model with `trainable` LoRA parameters, or None for an architecture the FLOP model does not know.
+    An `objective` that `needs_reference` (DPO) also runs the reference forward over the same tokens."""
     try:
         shape = model_shape(hf_config)
     except ValueError:
         return None  # an architecture the FLOP model does not know: MFU stays null
+    reference = bool(getattr(objective, "needs_reference", False))
 
     def fn(tokens: float, doc_sq: float, head_tokens: float) -> float:
         # The meter's `mfu` is the published count (MFU below); the others sit beside it here.
-        return mfu_flops(shape, tokens, doc_sq, trainable, head_tokens)[MFU]
+        done = mfu_flops(shape, tokens, doc_sq, trainable, head_tokens)[MFU]
+        return done + (reference_forward_flops(shape, tokens, doc_sq, head_tokens) if reference else 0.0)
 
     return fn
+
+
+def reference_forward_flops(shape: ModelShape, tokens: float, doc_len_sq_sum: float, head_tokens: float) -> float:
+    """A preference objective's reference forward (DPO): 2 FLOPs per frozen matmul weight per token, the
+    head only where a label is, and causal attention's forward (a third of `attention_flops`); no
+    backward. Counted by the meter's MFU and the estimate alike: it is work the step must do."""
+    linear = 2.0 * shape.matmul_params() * tokens - 2.0 * shape.head_params() * (tokens - head_tokens)
+    return linear + attention_flops(shape, causal_pairs(tokens, doc_len_sq_sum)) / 3.0

@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedMod
 from trainer import progress as progress_lib
 from trainer.config import AdapterConfig, ConfigError, ModelConfig, TrainConfig
 from trainer.model import attention, lora_fused, offload, tiling
+from trainer.model.reference import InitAdapter, load_init
 from trainer.model.wrappers import causal_lm, outside_the_decoder
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -207,8 +208,10 @@ def build(
     autocast: bool = False,
     sharded: bool = False,
     progress: bool = False,
+    init: InitAdapter | None = None,
 ):
-    """Base model + LoRA adapter (a `peft.PeftModel`), ready for the training loop.
+    """Base model + LoRA adapter (a `peft.PeftModel`), ready for the training loop; `init`: the adapter
+    starts from that one (and keeps it, frozen, as the DPO reference: trainer/model/reference.py).
 
     `autocast`: the loop runs under mixed precision (accelerate's autocast), so the LoRA layers
     may take the bf16/fp16 activation as it is (see the module docstring). `sharded`: the model
@@ -249,6 +252,8 @@ def build(
                 "use 'all-linear' or names of its linear modules such as q_proj, v_proj"
             ]
         ) from e
+    if init is not None:  # before the runtime views below, which then cover the reference adapter too
+        load_init(model, init, adapter_cfg)
     if autocast:
         compute_adapters_in_autocast_dtype(model)
     if adapter_cfg.fused:  # before compile: the compiled layers trace the fused view

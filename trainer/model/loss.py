@@ -46,7 +46,14 @@ _HEAD_QUIRKS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "out
 
 
 def token_loss_sum(model: torch.nn.Module, micro: dict[str, Any]) -> torch.Tensor:
-    """Summed next-token cross-entropy (fp32) over the micro-batch's trainable tokens.
+    """Summed next-token cross-entropy (fp32) over the micro-batch's trainable tokens."""
+    hidden, head = labelled_hidden(model, micro)
+    return linear_cross_entropy(hidden, head.weight, micro["label_targets"], getattr(head, "bias", None))
+
+
+def labelled_hidden(model: torch.nn.Module, micro: dict[str, Any]) -> tuple[torch.Tensor, torch.nn.Linear]:
+    """The decoder's final hidden states at the positions that predict a label ([T, H], `label_index`
+    order), and the output head that turns them into logits.
 
     The call goes through the top-level module (DDP, accelerate's autocast wrapper, PeftModel)
     so that DDP's reducer and mixed precision see the forward (calling the decoder body directly
@@ -81,7 +88,7 @@ def token_loss_sum(model: torch.nn.Module, micro: dict[str, Any]) -> torch.Tenso
             hook.remove()
     # [B, S, H] or [1, B*S, H]: the same flat order, which label_index indexes.
     hidden = captured[-1].reshape(micro["input_ids"].numel(), -1).index_select(0, micro["label_index"])
-    return linear_cross_entropy(hidden, head.weight, micro["label_targets"], getattr(head, "bias", None))
+    return hidden, head
 
 
 def check_head(lm: Any, head: Any) -> None:

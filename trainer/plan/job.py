@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer.config import AdapterConfig, CheckpointConfig, ModelConfig, TrainConfig
+from trainer.config.schema import REFERENCE_OBJECTIVES
 from trainer.model import flops
 from trainer.plan import memory as mem
 
@@ -46,7 +47,7 @@ class Job:
         counts as its most frugal choice (micro-batch 1, checkpointing, offloading and MLP tiling on): whether
         the run fits at all (trainer/training/autofit.py picks the fastest that fits on the device)."""
         sharded = self.fsdp if fsdp is None else fsdp
-        return mem.estimate_memory(
+        estimate = mem.estimate_memory(
             self.shape,
             weight_format=self.weight_format,
             compute_dtype=self.model.dtype,
@@ -66,6 +67,8 @@ class Job:
             mlp_tile_tokens=self.model.tiled_mlp_tokens,
             attention_output_copy=self.model.attn_implementation not in ("flash_attention_2", "flash_attention_3"),
         )
+        reference = self.train.objective in REFERENCE_OBJECTIVES and self.adapter.init_from is not None
+        return mem.with_reference_adapter(estimate) if reference else estimate
 
     def fsdp_devices(self, memory_gib: float) -> int | None:
         """The fewest devices of `memory_gib` each that hold the run under FSDP (None: over 64)."""

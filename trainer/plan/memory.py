@@ -23,6 +23,11 @@ own loss (`fused_head=False`) holds every logit and its gradient, often the larg
 labelled positions reach the head (`head_tokens`); the default assumes every position does,
 which keeps the estimate on the safe side for prompt-masked data.
 
+Preference objectives: a DPO step first runs the reference's forward under no_grad, which frees each
+layer's output as the next one runs, so it adds nothing at the step's peak; started from an adapter
+(adapter.init_from) it keeps that adapter frozen beside the trained one (`with_reference_adapter`: twice
+`adapter`). The per-sequence log-probabilities are a few floats per pair.
+
 Not counted: the rotary cos/sin tables (2*a*head_dim per token, shared by every layer).
 tests/test_tiling_memory.py checks the activation terms against what autograd saves for a
 real-shaped Llama-3.1-8B layer on the meta device (exact, with a flash kernel's layout), with and
@@ -52,6 +57,7 @@ working set is on the device. Activations are per device either way.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -216,6 +222,12 @@ def dequantised_bytes(shape: ModelShape, a: int, weight_format: WeightFormat) ->
     """NF4/int8: the largest block weight dequantised to the compute dtype (bitsandbytes does that
     in each backward); nothing for weights kept in a float dtype."""
     return float(max(i * o for _, i, o in shape.linears()) * a) if weight_format in ("nf4", "int8") else 0.0
+
+
+def with_reference_adapter(estimate: MemoryEstimate) -> MemoryEstimate:
+    """`estimate` with a frozen copy of the adapter beside the trained one (a DPO run started from an
+    adapter keeps it as its reference: trainer/model/reference.py)."""
+    return dataclasses.replace(estimate, adapter=2 * estimate.adapter)
 
 
 def estimate_memory(

@@ -63,7 +63,9 @@ def from_tokens(tokens: float, seq_len: int) -> Workload:
     )
 
 
-def find_manifest(data: DataConfig, resolved_path: str, cache_root: Path) -> tuple[dict[str, Any], Path] | None:
+def find_manifest(
+    data: DataConfig, resolved_path: str, cache_root: Path, pairs: bool = False
+) -> tuple[dict[str, Any], Path] | None:
     """The newest complete manifest under `cache_root` built from this source with these settings.
 
     Matching is on the source path and the packing settings, not the content hash: if the
@@ -79,7 +81,7 @@ def find_manifest(data: DataConfig, resolved_path: str, cache_root: Path) -> tup
         except (OSError, ValueError):
             continue
         settings = m.get("settings", {})
-        if any(settings.get(k) != v for k, v in want.items()):
+        if any(settings.get(k) != v for k, v in want.items()) or bool(settings.get("pairs")) != pairs:
             continue
         if str(m.get("sources", {}).get("train")) != str(Path(resolved_path)):
             continue
@@ -124,9 +126,15 @@ def doc_len_sq_from_lengths(lengths: dict[str, Any], seq_len: int, documents: in
 
 
 def from_sample(
-    data: DataConfig, resolved_path: str, tokenizer_path: str, *, sample_size: int = 2000, seed: int = 0
+    data: DataConfig,
+    resolved_path: str,
+    tokenizer_path: str,
+    *,
+    sample_size: int = 2000,
+    seed: int = 0,
+    pairs: bool = False,
 ) -> Workload:
-    """Prepare the first `sample_size` examples in a scratch directory and extrapolate."""
+    """Prepare the first `sample_size` examples (pairs, for a preference objective) in a scratch directory and extrapolate."""
     from trainer.data import prepare
     from trainer.data.prepare import FORMAT_FIELDS
     from trainer.data.sources import write_sample
@@ -139,7 +147,7 @@ def from_sample(
         # not sampled (its evaluation time shows once the data is prepared).
         if data.eval_path is not None or data.eval_split is not None:
             sample_cfg = dataclasses.replace(sample_cfg, eval_path=None, eval_split=None, eval_fraction=0.0)
-        prepared = prepare(sample_cfg, tokenizer_path, Path(tmp) / "cache", progress=False, seed=seed)
+        prepared = prepare(sample_cfg, tokenizer_path, Path(tmp) / "cache", progress=False, seed=seed, pairs=pairs)
         m = prepared.manifest
     scale = total / n if n else 0.0
     train = m["train"]

@@ -205,6 +205,7 @@ def render(run: RunData, images: dict[str, bytes]) -> str:
     figures = [
         {"file": name, "caption": caption, "uri": "data:image/png;base64," + base64.b64encode(images[name]).decode()}
         for name, (_, caption) in plots.FIGURES.items()
+        if name in images
     ]
     return _ENV.get_template("report.html.j2").render(
         source=run.source,
@@ -256,7 +257,7 @@ def write_report(run_dir: str | Path, out: Path | None = None) -> tuple[Path, st
     run = load_run(str(run_dir))
     out = Path(out) if out is not None else default_out(str(run_dir))
     out.mkdir(parents=True, exist_ok=True)
-    images = {name: draw(run) for name, (draw, _) in plots.FIGURES.items()}
+    images = {name: png for name, (draw, _) in plots.FIGURES.items() if (png := draw(run))}  # b"": not this run's
     for name, png in images.items():
         remove_temp_siblings(out / name)  # a report killed mid-write (SIGKILL after train) left one
         write_bytes(out / name, png)

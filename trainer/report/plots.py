@@ -343,11 +343,37 @@ def optimizer(run: RunData) -> bytes:
     return _png(fig)
 
 
+def preference(run: RunData) -> bytes:
+    """A preference run's reward margin and reward accuracy against step, training and held out;
+    b"" for a run without rewards (SFT), which the page leaves out."""
+    rows = run.train_rows
+    if not any(finite(r.get("rewards/margins")) for r in rows):
+        return b""
+    fig = Figure(figsize=(11, 3.2), layout="constrained")
+    ax_margin, ax_accuracy = fig.subplots(1, 2, sharex=True)
+    for ax, name, title in (
+        (ax_margin, "rewards/margins", "reward margin (chosen - rejected)"),
+        (ax_accuracy, "rewards/accuracies", "reward accuracy (share of pairs ranked right)"),
+    ):
+        ax.plot(*_per_attempt(run, rows, "step", name), ".-", color=COLORS["train"], markersize=3, label="train")
+        ex, ey = _series(run.eval_rows, "step", f"eval_{name}")
+        if ex:
+            ax.plot(ex, ey, "o-", color=COLORS["eval"], label="eval")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax_margin.axhline(0.0, color="#666", lw=1, ls="--")
+    ax_accuracy.set_ylim(-0.02, 1.02)
+    return _png(fig)
+
+
 FIGURES = {
     "timeline.png": (timeline, "Timeline: processes, steps and cost on one clock"),
     "hours.png": (hours, "Where the paid device time went, per attempt"),
     "loss.png": (loss, "Loss against step and against GPU-hours"),
     "optimizer.png": (optimizer, "Learning rate and gradient norm against step"),
     "throughput.png": (throughput, "Throughput, MFU, data stall and memory"),
+    "preference.png": (preference, "Reward margin and reward accuracy (preference objectives)"),
 }
-"""File name -> (drawing function, caption), in page order."""
+"""File name -> (drawing function, caption), in page order; a function with nothing to draw returns b""."""

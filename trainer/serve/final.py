@@ -72,7 +72,9 @@ def write_final(
     peft_model = unwrap_peft(model)
     remove_temp_siblings(directory)
     tmp = temp_sibling(directory)
-    peft_model.save_pretrained(str(tmp), safe_serialization=True, state_dict=whole)
+    # The trained adapter only: a DPO run's frozen reference (trainer/model/reference.py) stays behind.
+    active = [peft_model.active_adapter]
+    peft_model.save_pretrained(str(tmp), safe_serialization=True, state_dict=whole, selected_adapters=active)
     data = data or DataConfig()
     tok = save_tokenizer(tokenizer, tmp, data.chat_template)
     base = getattr(peft_model.get_base_model(), "generation_config", None)

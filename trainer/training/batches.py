@@ -8,6 +8,11 @@ whose hidden state predicts a label, with those labels (`label_index`, `label_ta
 what the head and loss need). Everything is computed here, on the host, so the device
 never waits on a data-dependent shape. Per step, the counts the loss normalisation and
 the meter need.
+
+Preference rows (prepared with pairs: a `num_pairs` column) hold their pairs as documents in the order
+chosen, rejected, chosen, rejected..., then at most the trailing padding (trainer/data/pairs.py); a
+micro-batch then also carries `seq_tokens`, the labelled tokens of each of its sequences in that order
+(the loss sums each sequence's log-probabilities over them), and `num_pairs`.
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ from trainer.training.shutdown import close_loader
 
 COLUMNS = ("input_ids", "labels", "position_ids")
 """The columns of a packed row that a forward pass needs."""
+PAIRS = "num_pairs"
+"""The column of preference rows: how many pairs (two documents each, chosen first) the row starts with."""
+COUNTS = ("trainable", "real", "doc_len_sq", "pairs", "chosen_tokens")
+"""What `StepBatch.counts` holds, in order."""
 
 
 class StepBatch(NamedTuple):
@@ -38,7 +47,8 @@ class StepBatch(NamedTuple):
     micro: list[dict[str, Any]]
     """Per micro-batch, see `micro_batch`."""
     counts: torch.Tensor
-    """int64 [trainable tokens (shifted labels), real tokens, sum of squared document lengths] of this rank."""
+    """int64 `COUNTS` of this rank: trainable tokens (shifted labels), real tokens, sum of squared document
+    lengths, preference pairs and their chosen sequences' trainable tokens (0 and 0 for SFT rows)."""
 
 
 class StepDataset(torch.utils.data.Dataset):
@@ -54,7 +64,8 @@ class StepDataset(torch.utils.data.Dataset):
         micro_batch_size: int,
         total_steps: int,
     ) -> None:
-        self.rows = rows.with_format("numpy", columns=[*COLUMNS, "num_real"])
+        self.pairs = PAIRS in rows.column_names
+        self.rows = rows.with_format("numpy", columns=[*COLUMNS, "num_real", *([PAIRS] if self.pairs else [])])
         self.sampler = sampler
         self.rank, self.world_size = rank, world_size
         self.micro_batch_size = micro_batch_size
@@ -64,25 +75,31 @@ class StepDataset(torch.utils.data.Dataset):
         return self.total_steps
 
     def __getitem__(self, step: int) -> StepBatch:
-        micro, trainable, real, doc_sq = [], 0, 0, 0
+        micro, trainable, real, doc_sq, pairs, chosen = [], 0, 0, 0, 0, 0
         for indices in self.sampler.micro_batches(step, self.rank, self.world_size, self.micro_batch_size):
             if not indices:
                 # This rank's share of an uneven global batch ran out: every rank still runs the
                 # same micro-steps (DDP's gradient sync is collective), so it runs a filler row
-                # that carries no label and counts no token.
+                # that carries no label and counts no token (and no pair).
                 filler = self.rows[self.sampler.rows_for_step(step)[:1]]
                 ids, labels, positions = (torch.from_numpy(stack_column(filler[k])) for k in COLUMNS)
-                micro.append(micro_batch(ids, torch.full_like(labels, IGNORE_INDEX), positions))
+                no_pairs = [0] if self.pairs else None
+                micro.append(micro_batch(ids, torch.full_like(labels, IGNORE_INDEX), positions, no_pairs))
                 continue
             cols = self.rows[indices]
-            batch = micro_batch(*(torch.from_numpy(stack_column(cols[k])) for k in COLUMNS))
+            row_pairs = [int(n) for n in cols[PAIRS]] if self.pairs else None
+            ids, labels, positions = (torch.from_numpy(stack_column(cols[k])) for k in COLUMNS)
+            batch = micro_batch(ids, labels, positions, row_pairs)
             trainable += count_trainable(batch["labels"])
+            if row_pairs is not None:
+                pairs += batch["num_pairs"]
+                chosen += sum(batch["seq_tokens"][0::2])
             for positions, n_real in zip(cols["position_ids"], cols["num_real"], strict=True):
                 lengths = document_lengths(positions[: int(n_real)])
                 real += int(n_real)
                 doc_sq += int((lengths.astype(np.int64) ** 2).sum())
             micro.append(batch)
-        return StepBatch(step, micro, torch.tensor([trainable, real, doc_sq], dtype=torch.int64))
+        return StepBatch(step, micro, torch.tensor([trainable, real, doc_sq, pairs, chosen], dtype=torch.int64))
 
 
 def document_lengths(positions: np.ndarray) -> np.ndarray:
@@ -105,7 +122,9 @@ def identity_collate(item: StepBatch) -> StepBatch:
     return item
 
 
-def micro_batch(input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
+def micro_batch(
+    input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor, row_pairs: list[int] | None = None
+) -> dict[str, Any]:
     """One micro-batch of B packed rows of S tokens, with its document bounds and label index.
 
     - input_ids, labels, position_ids: int64 [B, S] as packed (labels aligned with input_ids).
@@ -116,6 +135,7 @@ def micro_batch(input_ids: torch.Tensor, labels: torch.Tensor, position_ids: tor
       same bounds: varlen kernels from these, mask-based ones from position_ids.
     - label_index: int64 [T], flat positions b*S+p whose hidden state predicts a label
       (logit p predicts label p+1), and label_targets: int64 [T], those labels.
+    - with `row_pairs` (preference rows: pairs per row), num_pairs and seq_tokens (see the module docstring).
     """
     flat_pos = position_ids.reshape(-1)
     starts = (flat_pos == 0).nonzero().squeeze(1)
@@ -125,7 +145,7 @@ def micro_batch(input_ids: torch.Tensor, labels: torch.Tensor, position_ids: tor
     seq_len = labels.size(1)
     shifted = labels[:, 1:]
     rows, cols = (shifted != IGNORE_INDEX).nonzero(as_tuple=True)
-    return {
+    out = {
         "input_ids": input_ids,
         "labels": labels,
         "position_ids": position_ids,
@@ -134,6 +154,36 @@ def micro_batch(input_ids: torch.Tensor, labels: torch.Tensor, position_ids: tor
         "label_index": rows * seq_len + cols,
         "label_targets": shifted[rows, cols],
     }
+    if row_pairs is not None:
+        out["num_pairs"] = sum(row_pairs)
+        out["seq_tokens"] = sequence_tokens(labels, cu, row_pairs)
+    return out
+
+
+def sequence_tokens(labels: torch.Tensor, cu: torch.Tensor, row_pairs: list[int]) -> list[int]:
+    """Labelled tokens of each sequence of preference rows, chosen then rejected per pair, in the order
+    of `label_index`. Asserts what the loss relies on: a row's first 2 x pairs documents each carry a
+    label, and nothing after them does (padding is never scored, nor counted as a sequence)."""
+    flat = torch.cat([torch.zeros(1, dtype=torch.int64), (labels.reshape(-1) != IGNORE_INDEX).to(torch.int64)])
+    cumulative = flat.cumsum(0)
+    per_doc = (cumulative[cu[1:].long()] - cumulative[cu[:-1].long()]).tolist()
+    starts, seq_len = cu.tolist(), labels.size(1)
+    out: list[int] = []
+    doc = 0
+    for row, pairs in enumerate(row_pairs):
+        first = doc
+        while doc < len(per_doc) and starts[doc] < (row + 1) * seq_len:
+            doc += 1
+        docs = per_doc[first:doc]
+        scored, rest = docs[: 2 * pairs], docs[2 * pairs :]
+        if len(scored) != 2 * pairs or not all(scored) or any(rest):
+            raise ValueError(
+                f"row {row} of a micro-batch claims {pairs} preference pair(s) but its documents carry {docs} "
+                "labelled tokens: the prepared data is not preference rows of this version; prepare it again "
+                "(delete its entry under data.cache_dir)"
+            )
+        out += scored
+    return out
 
 
 def to_device(micro: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -194,7 +244,8 @@ def eval_micro_batches(rows: Any, rank: int, world: int, micro_batch_size: int) 
     Every rank yields the same number of micro-batches: a rank past its share gets a filler
     row whose labels are all ignored, so no rank waits alone in a collective.
     """
-    rows = rows.with_format("numpy", columns=list(COLUMNS))
+    pairs = PAIRS in rows.column_names
+    rows = rows.with_format("numpy", columns=[*COLUMNS, *([PAIRS] if pairs else [])])
     per_rank = -(-len(rows) // world)
     for start in range(0, per_rank, micro_batch_size):
         idx = [rank + world * i for i in range(start, min(start + micro_batch_size, per_rank))]
@@ -202,4 +253,24 @@ def eval_micro_batches(rows: Any, rank: int, world: int, micro_batch_size: int) 
         ids, labels, positions = (torch.from_numpy(stack_column(cols[k])) for k in COLUMNS)
         beyond = torch.tensor([i >= len(rows) for i in idx])
         labels[beyond] = IGNORE_INDEX  # a filler row: forward for lockstep, no loss
-        yield micro_batch(ids, labels, positions)
+        row_pairs = (
+            [0 if out else int(n) for out, n in zip(beyond.tolist(), cols[PAIRS], strict=True)] if pairs else None
+        )
+        yield micro_batch(ids, labels, positions, row_pairs)
+
+
+def eval_counts(rows: Any) -> torch.Tensor:
+    """`COUNTS` of the whole held-out set (every rank reads all of it: the same totals everywhere), for
+    normalising the evaluation's loss as a step's is normalised."""
+    pairs_column = PAIRS in rows.column_names
+    cols = rows.with_format("numpy", columns=["labels", "position_ids", *([PAIRS] if pairs_column else [])])
+    trainable = pairs = chosen = 0
+    for start in range(0, len(rows), 256):
+        chunk = cols[start : start + 256]
+        labels, positions = (torch.from_numpy(stack_column(chunk[k])) for k in ("labels", "position_ids"))
+        trainable += count_trainable(labels)
+        if pairs_column:
+            batch = micro_batch(torch.zeros_like(labels), labels, positions, [int(n) for n in chunk[PAIRS]])
+            pairs += batch["num_pairs"]
+            chosen += sum(batch["seq_tokens"][0::2])
+    return torch.tensor([trainable, 0, 0, pairs, chosen], dtype=torch.int64)

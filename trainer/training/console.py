@@ -89,6 +89,8 @@ class Console:
     def step_line(self, step: int, row: dict[str, Any]) -> str:
         evaluated = f" eval_loss {_fmt(self._eval)}" if self._eval is not None else ""  # the latest measured
         parts = [f"spotune: step {step}/{self.total} loss {_fmt(row.get('loss'))}{evaluated}"]
+        if row.get("rewards/accuracies") is not None:  # a preference objective's own figures
+            parts.append(f"reward acc {row['rewards/accuracies']:.2f} margin {row['rewards/margins']:.4g}")
         if row.get("tokens_per_s") is not None:
             parts.append(f"{row['tokens_per_s']:,.0f} tok/s")
         if row.get("mfu") is not None:

@@ -1,4 +1,5 @@
-"""What a run reads, resolved from its config: the base model's path, the tokenizer's, the packed data.
+"""What a run reads, resolved from its config: the base model's path, the tokenizer's, the packed data
+(pairs for a preference objective), the adapter it starts from (`adapter.init_from`).
 
 The built-in assets (`builtin:tiny-llama`, `builtin:tiny-instruct`) resolve to files built offline
 (trainer/builtin_assets.py); data preparation is cached by content (trainer/data/cache.py). A hub
@@ -10,13 +11,18 @@ from __future__ import annotations
 import dataclasses
 import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from trainer import builtin_assets
 from trainer import config as C
-from trainer.data.cache import data_cache_root
+from trainer.config.schema import REFERENCE_OBJECTIVES
+from trainer.data.cache import data_cache_root, in_turns
+
+if TYPE_CHECKING:
+    from trainer.model.reference import InitAdapter
+    from trainer.training.process import Process
 
 
 def model_path(cfg: C.RunConfig) -> str:
@@ -90,13 +96,51 @@ def resolved_data(cfg: C.RunConfig) -> C.DataConfig:
     return dataclasses.replace(d, path=builtin_assets.resolve_data(d.path), sources=sources)
 
 
+def prepares_pairs(cfg: C.RunConfig) -> bool:
+    """Whether the run trains on preference pairs (and its data is prepared as pairs)."""
+    return cfg.train.objective != "sft"
+
+
 def prepare_data(cfg: C.RunConfig, progress: bool = True) -> Any:
     """Prepare (or reuse) the packed dataset of `cfg` and print its summary."""
     from trainer import data
 
     data_cfg = resolved_data(cfg)
     cache_root = data_cache_root(cfg.data.cache_dir, cfg.output_dir)
-    prepared = data.prepare(data_cfg, tokenizer_path(cfg), cache_root, progress=progress, seed=cfg.seed)
+    pairs = prepares_pairs(cfg)
+    prepared = data.prepare(data_cfg, tokenizer_path(cfg), cache_root, progress=progress, seed=cfg.seed, pairs=pairs)
     if progress:
         print(prepared.summary(), flush=True)
     return prepared
+
+
+def prepare_once_per_node(cfg: C.RunConfig, proc: Process) -> Any:
+    """The packed dataset (rank 0, then one rank per other node; the rest reuse their node's cache),
+    and config.yaml in the run directory on its first start."""
+    prepared = in_turns(
+        lambda: prepare_data(cfg, progress=proc.is_main and cfg.metrics.progress),
+        is_main=proc.is_main,
+        is_local_main=proc.accelerator.is_local_main_process,
+        barrier=proc.accelerator.wait_for_everyone,
+    )
+    if proc.is_main:
+        proc.out.mkdir(parents=True, exist_ok=True)
+        if not (proc.out / "config.yaml").exists():
+            (proc.out / "config.yaml").write_text(C.to_yaml(cfg))
+    return prepared
+
+
+def init_adapter(cfg: C.RunConfig) -> InitAdapter | None:
+    """The adapter `adapter.init_from` names (None: a fresh adapter), which a DPO run also keeps, frozen,
+    as its reference (trainer/model/reference.py)."""
+    from trainer.model.reference import InitAdapter, locate  # here: `spotune prepare` needs no torch
+
+    if cfg.adapter.init_from is None:
+        return None
+    return InitAdapter(locate(cfg.adapter.init_from), reference=cfg.train.objective in REFERENCE_OBJECTIVES)
+
+
+def init_structural(cfg: C.RunConfig) -> dict[str, Any]:
+    """What a resume must find again of the starting adapter: its content (the path may differ per machine)."""
+    init = init_adapter(cfg)
+    return {} if init is None else {"adapter.init_from": f"sha256:{init.digest[:16]}"}

@@ -5,11 +5,12 @@ from the step, count the step's trainable tokens over every micro-batch and rank
 micro-batches (gradient sync only on the last), clip, refuse a non-finite step, step, log,
 maybe evaluate, maybe checkpoint, maybe stop.
 
-Loss convention (what must stay true; the per-token side is in trainer/model/loss.py):
-- the step's loss is sum(per-token loss) / N, N = trainable tokens of the whole optimizer
-  step over all micro-batches and ranks. Each micro-batch backpropagates
-  loss_sum_local / (N / world_size); DDP (or FSDP's reduce-scatter) then averages gradients
-  over world_size ranks, so the applied gradient is exactly d(sum of every rank's loss_sum) / N.
+Loss convention (what must stay true; the per-unit side is the objective's, trainer/model/objective.py):
+- the step's loss is sum(per-unit loss) / N, N = the objective's units (trainable tokens for SFT,
+  pairs for a preference objective) of the whole optimizer step over all micro-batches and ranks.
+  Each micro-batch backpropagates loss_sum_local / (N / world_size); DDP (or FSDP's reduce-scatter)
+  then averages gradients over world_size ranks, so the applied gradient is exactly
+  d(sum of every rank's loss_sum) / N.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ import torch
 
 from trainer.exit_codes import StopReason
 from trainer.model import distributed
-from trainer.model.loss import token_loss_sum
+from trainer.model.objective import Objective, Sft
 from trainer.restart.checkpoint import save_step_due, save_time_due
 from trainer.restart.preemption import agree_all
 from trainer.restart.state import Counters
-from trainer.training.batches import StepBatch, count_trainable, eval_micro_batches, to_device
+from trainer.training.batches import StepBatch, eval_counts, eval_micro_batches, to_device
 from trainer.training.shutdown import OOM_ERRORS, OutOfMemory
 
 # ---------------------------------------------------------------------------- schedule
@@ -78,6 +79,8 @@ class LoopPlan:
     eval_every: int | None = None
     save_every_steps: int | None = None
     save_every_minutes: float | None = None
+    objective: Objective = dataclasses.field(default_factory=Sft)
+    """What the loop minimises (train.objective); SFT's token-weighted loss by default."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,8 @@ class StepRecord:
     """This step's non-padding tokens over every rank."""
     doc_len_sq: int
     """Sum over this step's documents of length squared (causal attention FLOPs)."""
+    extras: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The objective's own figures of the step (a preference objective's rewards and log-probs)."""
 
 
 @dataclass
@@ -112,7 +117,7 @@ class Hooks:
     save: Callable[[Counters], float]
     """Write a checkpoint at `counters` (collective); returns seconds spent."""
     evaluate: Callable[[], float | None] | None = None
-    """Run evaluation and report it (collective); returns the token-weighted mean eval loss."""
+    """Run evaluation and report it (collective); returns the mean eval loss (weighted as the objective's)."""
     on_step: Callable[[StepRecord], None] = lambda record: None
     """Every finished optimizer step, in order."""
     message: Callable[[str], None] = print
@@ -133,6 +138,7 @@ def train_loop(
 ) -> StopReason:
     """Train from `counters.step` to `plan.total_steps`, advancing `counters`; returns why it stopped."""
     params = [p for p in model.parameters() if p.requires_grad]
+    objective = plan.objective
     world = accelerator.num_processes
     device = accelerator.device
     last_save = time.monotonic()
@@ -151,8 +157,10 @@ def train_loop(
 
         # N over every micro-batch and rank, known before the first backward.
         counts = accelerator.reduce(batch.counts.to(device), reduction="sum")
-        denom = counts[0].clamp(min=1).to(torch.float32) / world
+        units = objective.normaliser(counts).clamp(min=1)
+        denom = units.to(torch.float32) / world
         loss_sum = torch.zeros((), device=device)
+        stats = torch.zeros(len(objective.stats), device=device, dtype=torch.float64)
         last = len(batch.micro) - 1
         for micro_step, micro in enumerate(batch.micro):
             micro = to_device(micro, device)
@@ -160,17 +168,21 @@ def train_loop(
             # but the last micro-batch.
             sync = contextlib.nullcontext() if micro_step == last else distributed.no_sync(accelerator, model)
             with sync, _out_of_memory_at(step, micro_step, batch):
-                loss = token_loss_sum(model, micro)
+                loss, micro_stats = objective.loss(model, micro, counts)
                 accelerator.backward(loss / denom)
             loss_sum += loss.detach()
+            stats += micro_stats
 
-        global_loss = accelerator.reduce(loss_sum, reduction="sum") / counts[0].clamp(min=1)
+        reduced = accelerator.reduce(torch.cat([loss_sum.double()[None], stats]), reduction="sum")
+        global_loss = reduced[0].to(loss_sum.dtype) / units
         grad_norm = distributed.clip_grad_norm_(accelerator, params, plan.max_grad_norm or math.inf)
         # The one host sync per step (one small transfer): a non-finite loss or gradient is
         # never applied, and the same read brings the step's token counts for the meter.
-        loss_value, norm_value, trainable, real, doc_sq = torch.stack(
-            [global_loss.double(), grad_norm.double(), *counts.double()]
+        loss_value, norm_value, trainable, real, doc_sq, *rest = torch.stack(
+            [global_loss.double(), grad_norm.double(), *counts.double(), *reduced[1:]]
         ).tolist()
+        n_counts = counts.numel()
+        extras = objective.report(rest[n_counts - 3 :], [trainable, real, doc_sq, *rest[: n_counts - 3]])
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)
         if finite:
             with _out_of_memory_at(step, None, batch):  # the first step allocates AdamW's state
@@ -201,6 +213,7 @@ def train_loop(
                 trainable_tokens=int(trainable),
                 real_tokens=int(real),
                 doc_len_sq=int(doc_sq),
+                extras=extras,
             )
         )
 
@@ -277,28 +290,33 @@ def make_evaluator(
     model: torch.nn.Module,
     accelerator: Any,
     micro_batch_size: int,
-    report: Callable[[float, float], None] | None = None,
+    report: Callable[[float, float, dict[str, float]], None] | None = None,
+    objective: Objective | None = None,
 ) -> Callable[[], float] | None:
-    """Token-weighted mean loss over the held-out `rows` (collective: every rank runs its share);
-    `report(loss, seconds)` is told each result and how long it took."""
+    """The objective's mean loss over the held-out `rows`, weighted as a step's (collective: every rank
+    runs its share); `report(loss, seconds, extras)` is told each result, how long it took and the
+    objective's own figures (a preference objective's rewards)."""
     if len(rows) == 0:
         return None
+    objective = objective or Sft()
+    counts = eval_counts(rows)  # the whole held-out set's units: the same on every rank
 
     def evaluate() -> float:
         started = time.monotonic()
         model.eval()
-        total = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
+        on_device = counts.to(accelerator.device)
+        total = torch.zeros(1 + len(objective.stats), device=accelerator.device, dtype=torch.float64)
         with torch.no_grad():
             for micro in eval_micro_batches(
                 rows, accelerator.process_index, accelerator.num_processes, micro_batch_size
             ):
                 micro = to_device(micro, accelerator.device)
-                total[0] += token_loss_sum(model, micro).double()
-                total[1] += count_trainable(micro["labels"])
-        total = accelerator.reduce(total, reduction="sum")
-        loss = float(total[0] / total[1].clamp(min=1))
+                loss, stats = objective.loss(model, micro, on_device)
+                total += torch.cat([loss.double()[None], stats])
+        total = accelerator.reduce(total, reduction="sum").tolist()
+        loss = total[0] / max(1.0, float(objective.normaliser(counts)))
         if report is not None:
-            report(loss, time.monotonic() - started)
+            report(loss, time.monotonic() - started, objective.report(total[1:], counts.double().tolist()))
         return loss
 
     return evaluate

@@ -20,11 +20,11 @@ import torch
 
 from trainer import config as C
 from trainer import exit_codes
-from trainer.data.cache import in_turns
 from trainer.data.sampler import StepSampler, run_steps
 from trainer.exit_codes import StopReason
 from trainer.model import compile_cache, distributed, flops
 from trainer.model.load import build, build_optimizer, count_params
+from trainer.model.objective import objective_for
 from trainer.restart import owner
 from trainer.restart.checkpoint import CheckpointManager
 from trainer.restart.ledger import Ledger, timed
@@ -34,7 +34,14 @@ from trainer.serve.final import write_final
 from trainer.training import autofit, determinism, loop, metrics, process, shutdown, trackers
 from trainer.training.batches import StepDataset, prefetching, step_loader
 from trainer.training.console import Console
-from trainer.training.inputs import model_path, pin_data, prepare_data, tokenizer_path
+from trainer.training.inputs import (
+    init_adapter,
+    init_structural,
+    model_path,
+    pin_data,
+    prepare_once_per_node,
+    tokenizer_path,
+)
 from trainer.training.telemetry import Budget, JsonlSink, Telemetry, flat_config
 
 
@@ -69,7 +76,7 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
         device = proc.accelerator.device
         with timed(phases, "data"):
             cfg = pin_data(cfg, proc.is_main)  # hub datasets stay at the commit of the run's first start
-            prepared = _prepare_once_per_node(cfg, proc)
+            prepared = prepare_once_per_node(cfg, proc)
         # Resolved before the model loads, so a bad metrics.gpu fails in a second, not a minute.
         peak_flops = metrics.resolve_peak_flops(cfg.metrics.peak_flops, cfg.metrics.gpu, device)
         # `auto` micro-batch / checkpointing / offloading: the fastest the estimate fits, all ranks together.
@@ -119,22 +126,6 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
 # ---------------------------------------------------------------------------- the stages
 
 
-def _prepare_once_per_node(cfg: C.RunConfig, proc: process.Process) -> Any:
-    """The packed dataset (rank 0, then one rank per other node; the rest reuse their node's cache),
-    and config.yaml in the run directory on its first start."""
-    prepared = in_turns(
-        lambda: prepare_data(cfg, progress=proc.is_main and cfg.metrics.progress),
-        is_main=proc.is_main,
-        is_local_main=proc.accelerator.is_local_main_process,
-        barrier=proc.accelerator.wait_for_everyone,
-    )
-    if proc.is_main:
-        proc.out.mkdir(parents=True, exist_ok=True)
-        if not (proc.out / "config.yaml").exists():
-            (proc.out / "config.yaml").write_text(C.to_yaml(cfg))
-    return prepared
-
-
 def _build_model(cfg: C.RunConfig, proc: process.Process) -> torch.nn.Module:
     model_cfg = cfg.model
     if proc.sharding.activation_checkpointing:  # asked for by an accelerate FSDP config
@@ -147,6 +138,7 @@ def _build_model(cfg: C.RunConfig, proc: process.Process) -> torch.nn.Module:
         autocast=cfg.train.mixed_precision != "no",
         sharded=proc.sharding.fsdp,
         progress=proc.accelerator.is_local_main_process,  # a download shows, once per machine
+        init=init_adapter(cfg),  # adapter.init_from (a DPO run's reference too)
     )
 
 
@@ -168,7 +160,7 @@ def _schedule(cfg: C.RunConfig, proc: process.Process, prepared: Any, n_rows: in
     # The run is defined by its global batch: a resume on another device count keeps it and only
     # the per-device split changes (trainer/data/sampler.py: the same rows every step).
     split = C.batch_split(cfg.train, proc.world, saved.structural.get("global_batch_rows") if saved else None)
-    structural = C.structural_fields(cfg, proc.world, split.global_rows)
+    structural = C.structural_fields(cfg, proc.world, split.global_rows) | init_structural(cfg)
     notes: list[str] = []
     if saved is not None:
         notes += check_compatible(saved, structural, prepared.fingerprint, cfg.checkpoint.allow_config_change)
@@ -229,7 +221,7 @@ def _open_books(
     meter = metrics.Meter(
         world_size=proc.world,
         warmup_steps=cfg.metrics.warmup_steps,
-        flops_fn=flops.meter_flops_fn(proc.accelerator.unwrap_model(model).config, trainable),
+        flops_fn=flops.meter_flops_fn(proc.accelerator.unwrap_model(model).config, trainable, objective_for(cfg.train)),
         peak_flops=peak_flops,
         price_per_hour=cfg.metrics.price_per_hour,
         total_steps=sched.steps,
@@ -323,6 +315,7 @@ def _train_steps(
         eval_every=t.eval_every if prepared.eval_path is not None else None,
         save_every_steps=cfg.checkpoint.every_steps,
         save_every_minutes=cfg.checkpoint.every_minutes,
+        objective=objective_for(t),
     )
     evaluate = None
     if plan.eval_every:
@@ -333,7 +326,8 @@ def _train_steps(
             model,
             proc.accelerator,
             int(t.micro_batch_size),
-            report=lambda loss, seconds: books.telemetry.evaluated(counters.step, loss, seconds),
+            report=lambda *result: books.telemetry.evaluated(counters.step, *result),
+            objective=plan.objective,
         )
     timeout = distributed.CollectiveTimeout(t.collective_timeout_seconds)
 

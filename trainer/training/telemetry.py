@@ -98,6 +98,7 @@ class Telemetry:
                 real_tokens=record.counters.real_tokens,
                 # Which rows this step trained on: comparable across runs of any world size.
                 sample_digest=self.digest_of(step - 1),
+                **record.extras,  # the objective's own: a preference objective's rewards and log-probs
             )
             self.write(row)
             self.console.step(step, row)
@@ -115,9 +116,10 @@ class Telemetry:
             if self.tracker_log is not None:  # trackers add the machine (trainer/training/trackers.py)
                 self.tracker_log(row, row["step"])
 
-    def evaluated(self, step: int, loss: float | None, seconds: float) -> None:
-        """An evaluation's row; its time is not training time."""
-        self.write({"step": step, "eval_loss": loss, "eval_seconds": seconds})
+    def evaluated(self, step: int, loss: float | None, seconds: float, extras: dict[str, float] | None = None) -> None:
+        """An evaluation's row (with the objective's figures as `eval_<name>`); its time is not training time."""
+        shown = {f"eval_{k}": v for k, v in (extras or {}).items()}
+        self.write({"step": step, "eval_loss": loss, "eval_seconds": seconds, **shown})
         self.console.evaluated(step, loss, seconds)
         self.meter.pause(seconds)
 

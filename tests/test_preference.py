@@ -1,0 +1,419 @@
+"""Preference pairs and objectives: every TRL row shape read, rendered through the model's template and
+packed as a chosen and a rejected document side by side; pairs dropped or cut by reason; real chat
+templates; the loss reduced per pair over the whole step (any micro-batch split, any rank count); step 1
+of a fresh adapter at ln 2; the starting adapter and its checks; the config's rules and names."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import datasets
+import pytest
+import torch
+from conftest import SHARED_DATA
+from transformers import AutoTokenizer
+
+from trainer import builtin_assets
+from trainer import config as C
+from trainer.config import AdapterConfig, DataConfig, ModelConfig, TrainConfig
+from trainer.data import DataError, prepare
+from trainer.data.pairs import PROMPT_DIFFERS, tokenize_pairs_for
+from trainer.data.sampler import StepSampler
+from trainer.data.show import show_examples
+from trainer.data.template import IGNORE_INDEX
+from trainer.model.load import build
+from trainer.model.preference import Preference
+from trainer.model.reference import InitAdapter, locate
+from trainer.training.batches import StepDataset, micro_batch
+
+SKY = [{"role": "user", "content": "What colour is the sky?"}]
+BLUE, GREEN = {"role": "assistant", "content": "It is blue."}, {"role": "assistant", "content": "It is green."}
+SHAPES = {  # one row of each of TRL's preference shapes, all meaning the same pair
+    "explicit messages": {"prompt": SKY, "chosen": [BLUE], "rejected": [GREEN]},
+    "explicit strings": {"prompt": SKY[0]["content"], "chosen": BLUE["content"], "rejected": GREEN["content"]},
+    # HuggingFaceH4/ultrafeedback_binarized: whole conversations, its `prompt` column repeats the user turn
+    "implicit (ultrafeedback)": {"prompt": SKY[0]["content"], "chosen": [*SKY, BLUE], "rejected": [*SKY, GREEN]},
+    "implicit, no prompt column": {"chosen": [*SKY, BLUE], "rejected": [*SKY, GREEN]},
+}
+
+
+def _jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _pairs(tok: Any, rows: list[dict[str, Any]], **cfg: Any) -> dict[str, list[Any]]:
+    cfg.setdefault("seq_len", 512)
+    t = tokenize_pairs_for(DataConfig(**cfg), tok, "test").settle(list(rows[0]), rows)
+    return t({c: [r.get(c) for r in rows] for c in rows[0]})
+
+
+def _scored(tok: Any, out: dict[str, list[Any]], i: int = 0) -> tuple[str, str]:
+    labels, cut = out["labels"][i], out["chosen_length"][i]
+    return tuple(tok.decode([x for x in part if x != IGNORE_INDEX]) for part in (labels[:cut], labels[cut:]))  # type: ignore[return-value]
+
+
+def test_every_row_shape_scores_the_answers_after_the_same_prompt(tiny_llama: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    seen = set()
+    for name, row in SHAPES.items():
+        out = _pairs(tok, [row])
+        assert out["status"] == [""], name
+        assert _scored(tok, out) == ("It is blue.</s>", "It is green.</s>"), name  # the answer and its end of turn
+        ids, cut = out["input_ids"][0], out["chosen_length"][0]
+        first = [
+            next(i for i, x in enumerate(lab) if x != IGNORE_INDEX)
+            for lab in (out["labels"][0][:cut], out["labels"][0][cut:])
+        ]
+        assert ids[: first[0]] == ids[cut : cut + first[1]]  # both answers follow the same prompt tokens
+        seen.add(tuple(ids))
+    assert len(seen) == 1  # every shape is the same pair, token for token
+
+    # Intel/orca_dpo_pairs: system/question/chosen/rejected strings; `auto` takes `question` as the prompt.
+    orca = {"system": "Be brief.", "question": "Capital of France?", "chosen": "Paris.", "rejected": "Lyon."}
+    out = _pairs(tok, [orca])
+    assert _scored(tok, out) == ("Paris.</s>", "Lyon.</s>")
+    assert "<|system|>\nBe brief.\n<|user|>\nCapital of France?" in tok.decode(out["input_ids"][0])
+    # Raw strings with no chat template anywhere: TRL's standard form, the prompt then answer + EOS.
+    bare = AutoTokenizer.from_pretrained(tiny_llama)
+    bare.chat_template = None
+    out = _pairs(bare, [SHAPES["explicit strings"]])
+    assert _scored(bare, out) == ("It is blue.</s>", "It is green.</s>")
+    assert bare.decode(out["input_ids"][0]).startswith("<s>What colour is the sky?It is blue.")
+
+
+def test_drops_are_counted_by_reason_and_pairs_fit_one_row(tiny_llama: Path, tmp_path: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    long_answer = {"role": "assistant", "content": " ".join(["blue"] * 300)}
+    rows = [
+        SHAPES["implicit, no prompt column"],
+        {"chosen": None, "rejected": [*SKY, GREEN]},  # null_field
+        {"chosen": [BLUE], "rejected": [GREEN]},  # nothing shared: no prompt
+        {"chosen": [*SKY, long_answer], "rejected": [*SKY, GREEN]},  # longer than the row
+    ]
+    out = _pairs(tok, rows, seq_len=64)
+    assert out["status"] == ["", "null_field", "no_shared_prompt", ""]
+    kept = [len(ids) for ids in out["input_ids"]]
+    assert kept[3] == 64 and out["length"][3] > 64  # truncated so that both fit...
+    assert out["chosen_length"][3] == 64 - len(_pairs(tok, [SHAPES["explicit messages"]])["input_ids"][0]) // 2
+    assert _scored(tok, out, 3)[1] == "It is green.</s>"  # ...the short answer whole, the long one cut
+    assert _pairs(tok, rows, seq_len=64, overlong="drop")["status"][3] == "overlong"
+
+    # The prompt's last characters merge with one answer's first into a token (" Mon" + "day" is " Monday"),
+    # so the two answers would follow different prompt tokens (TRL's "not a token prefix" case): refused.
+    merge = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}Answer: Mon{{ m['content'] }}{{ eos_token }}"
+        "{% else %}Question: {{ m['content'] }}\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}Answer: Mon{% endif %}"
+    )
+    days = {"prompt": SKY, "chosen": [{"role": "assistant", "content": "day."}]}
+    assert _pairs(tok, [{**days, "rejected": [{"role": "assistant", "content": "key."}]}], chat_template=merge)[
+        "status"
+    ] == [PROMPT_DIFFERS]
+    assert _pairs(tok, [{**days, "rejected": [{"role": "assistant", "content": "day!"}]}], chat_template=merge)[
+        "status"
+    ] == [""]
+
+    # Prepared: the manifest counts every pair lost or cut, by reason.
+    data = _jsonl(tmp_path / "p.jsonl", [{k: v for k, v in r.items()} for r in rows] * 2)
+    p = prepare(DataConfig(path=str(data), seq_len=64), str(tiny_llama), tmp_path / "c", progress=False, pairs=True)
+    train = p.manifest["train"]
+    assert (train["pairs"], train["dropped"], train["truncated"]) == (4, {"no_shared_prompt": 2, "null_field": 2}, 2)
+    assert "8 pairs in -> 4 kept; dropped: no_shared_prompt 2, null_field 2; truncated: 2" in p.summary()
+
+
+def test_packed_rows_keep_each_pair_together_in_order(tiny_llama: Path, tmp_path: Path) -> None:
+    data = builtin_assets.write_pairs(tmp_path / "pairs.jsonl", n=40)
+    p = prepare(DataConfig(path=str(data), seq_len=256), str(tiny_llama), tmp_path / "c", progress=False, pairs=True)
+    rows = datasets.load_from_disk(str(p.train_path))
+    assert sum(rows["num_pairs"]) == 40 and max(rows["num_pairs"]) > 1
+    source = [json.loads(line) for line in data.read_text().splitlines()]
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    found = []
+    for row in rows:
+        batch = micro_batch(
+            *(torch.tensor([row[k]]) for k in ("input_ids", "labels", "position_ids")), [row["num_pairs"]]
+        )
+        bounds = batch["cu_seq_lens"].tolist()
+        for k in range(row["num_pairs"]):
+            (c0, c1), (r0, r1) = bounds[2 * k : 2 * k + 2], bounds[2 * k + 1 : 2 * k + 3]
+            chosen = tok.decode([x for x in row["labels"][c0:c1] if x != IGNORE_INDEX], skip_special_tokens=True)
+            rejected = tok.decode([x for x in row["labels"][r0:r1] if x != IGNORE_INDEX], skip_special_tokens=True)
+            found.append((chosen, rejected))
+        assert row["position_ids"][bounds[2 * row["num_pairs"]] :] == list(range(256 - bounds[2 * row["num_pairs"]]))
+    assert sorted(found) == sorted((r["chosen"][0]["content"], r["rejected"][0]["content"]) for r in source)
+
+    # What the loss relies on is asserted where it is read: a row claiming a pair more than it holds is refused.
+    row = rows[0]
+    tensors = [torch.tensor([row[k]]) for k in ("input_ids", "labels", "position_ids")]
+    with pytest.raises(ValueError, match="claims .* preference pair"):
+        micro_batch(*tensors, [row["num_pairs"] + 1])
+    assert len(micro_batch(*tensors, [row["num_pairs"]])["seq_tokens"]) == 2 * row["num_pairs"]  # control
+
+
+def _step_loss(
+    model: Any, rows: Any, objective: Preference, world: int, micro: int
+) -> tuple[float, list[torch.Tensor]]:
+    """One optimizer step as the loop runs it on `world` simulated ranks (DDP averages their gradients)."""
+    sampler = StepSampler(len(rows), 4, seed=0, shuffle=False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [torch.zeros_like(p) for p in params]
+    per_rank = [StepDataset(rows, sampler, r, world, micro, 1)[0] for r in range(world)]
+    counts = sum(b.counts for b in per_rank)
+    loss = 0.0
+    for batch in per_rank:
+        for m in batch.micro:
+            model.zero_grad()
+            value, _ = objective.loss(model, m, counts)
+            (value / (counts[3].float() / world)).backward()
+            grads = [g + p.grad / world for g, p in zip(grads, params, strict=True)]
+            loss += float(value.detach())
+    return loss / float(counts[3]), grads
+
+
+def test_the_loss_is_per_pair_over_the_step_whatever_the_split(tiny_llama: Path, tmp_path: Path) -> None:
+    data = builtin_assets.write_pairs(tmp_path / "pairs.jsonl", n=24)
+    p = prepare(DataConfig(path=str(data), seq_len=128), str(tiny_llama), tmp_path / "c", progress=False, pairs=True)
+    rows = _uneven_step(datasets.load_from_disk(str(p.train_path)))
+    model = build(ModelConfig(name_or_path=str(tiny_llama), dtype="float32"), AdapterConfig(r=4, alpha=8, dropout=0.0))
+    model.train()
+    objective = Preference.of(TrainConfig(objective="dpo", sft_weight=0.5))
+
+    # Step 1 of a fresh adapter: LoRA B = 0, the policy is the reference, every pair's loss is ln 2.
+    first, _ = _step_loss(model, rows, Preference.of(TrainConfig(objective="dpo")), 1, 4)
+    assert first == pytest.approx(math.log(2), abs=1e-6)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05, generator=torch.Generator().manual_seed(hash(name) % 1000))
+
+    base, grads = _step_loss(model, rows, objective, 1, 4)
+    for world, micro in ((1, 1), (2, 2), (3, 1)):  # 3 ranks: uneven shares, a filler micro-batch
+        loss, other = _step_loss(model, rows, objective, world, micro)
+        assert loss == pytest.approx(base, rel=1e-6), (world, micro)
+        for g, h in zip(grads, other, strict=True):
+            torch.testing.assert_close(g, h, rtol=1e-5, atol=1e-7)
+    # Control: each micro-batch's own mean, averaged over micro-batches (the usual accumulation bug) differs.
+    sampler = StepSampler(len(rows), 4, seed=0, shuffle=False)
+    batch = StepDataset(rows, sampler, 0, 1, 1, 1)[0]
+    means = [float(objective.loss(model, m, batch.counts)[0].detach()) / m["num_pairs"] for m in batch.micro]
+    assert sum(means) / len(means) != pytest.approx(base, rel=1e-4)
+
+
+def _uneven_step(rows: datasets.Dataset) -> datasets.Dataset:
+    """The rows with four holding different numbers of pairs first: the step a split could get wrong."""
+    by_pairs = sorted(range(len(rows)), key=lambda i: rows[i]["num_pairs"])
+    picked = [by_pairs[0], by_pairs[-1], by_pairs[len(by_pairs) // 2], by_pairs[1]]
+    assert len({rows[i]["num_pairs"] for i in picked}) > 1
+    return rows.select(picked + [i for i in range(len(rows)) if i not in picked])
+
+
+def test_starting_adapter_is_checked_and_kept_as_reference(tiny_llama: Path, tmp_path: Path) -> None:
+    from peft.utils import get_peft_model_state_dict
+
+    model = build(ModelConfig(name_or_path=str(tiny_llama), dtype="float32"), AdapterConfig(r=4, alpha=8, dropout=0.0))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, 0, 0.05)
+    model.save_pretrained(tmp_path / "run" / "final")
+    assert locate(str(tmp_path / "run")) == tmp_path / "run" / "final"
+    (tmp_path / "unfinished" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(C.ConfigError, match="has not finished: point at one of its checkpoints"):
+        locate(str(tmp_path / "unfinished"))
+    with pytest.raises(C.ConfigError, match="its rank is 4: set adapter.r=4"):
+        build(
+            ModelConfig(name_or_path=str(tiny_llama)), AdapterConfig(r=8), init=InitAdapter(tmp_path / "run" / "final")
+        )
+    with pytest.raises(C.ConfigError, match="set adapter.target_modules"):
+        build(
+            ModelConfig(name_or_path=str(tiny_llama)),
+            AdapterConfig(r=4, alpha=8, target_modules=("q_proj",)),
+            init=InitAdapter(tmp_path / "run" / "final"),
+        )
+
+    init = InitAdapter(tmp_path / "run" / "final", reference=True)
+    started = build(
+        ModelConfig(name_or_path=str(tiny_llama), dtype="float32"), AdapterConfig(r=4, alpha=8, dropout=0.0), init=init
+    )
+    saved = get_peft_model_state_dict(model)
+    for key, value in get_peft_model_state_dict(started).items():  # the trained adapter starts as the saved one
+        assert torch.equal(value, saved[key])
+    trainable = {n for n, p in started.named_parameters() if p.requires_grad}
+    assert trainable and all(".default." in n for n in trainable)  # the reference copy is frozen
+    rows = builtin_assets.make_pairs(6, seed=2)
+    data = _jsonl(tmp_path / "p.jsonl", rows)
+    p = prepare(DataConfig(path=str(data), seq_len=256), str(tiny_llama), tmp_path / "c", progress=False, pairs=True)
+    packed = datasets.load_from_disk(str(p.train_path))
+    objective = Preference.of(TrainConfig(objective="dpo"))
+    m = micro_batch(
+        *(torch.tensor(packed[0:1][k]) for k in ("input_ids", "labels", "position_ids")), packed[0:1]["num_pairs"]
+    )
+    counts = torch.tensor([0, 0, 0, m["num_pairs"], 1])
+    loss, stats = objective.loss(started, m, counts)
+    assert float(loss.detach()) / m["num_pairs"] == pytest.approx(math.log(2), abs=1e-6)  # reference == starting point
+    assert {n for n, p in started.named_parameters() if p.requires_grad} == trainable  # the switch back restored them
+    with torch.no_grad():  # the trained copy moves, the frozen reference does not: rewards appear
+        for name, param in started.named_parameters():
+            if ".default." in name and "lora_B" in name:
+                param.mul_(1.5)
+    assert objective.loss(started, m, counts)[1][0] != 0
+    assert stats[0] == 0 and stats[1] == 0
+    loss_fresh, stats_fresh = objective.loss(model, m, counts)  # control: against the base, the same adapter differs
+    assert stats_fresh[0] != 0 and float(loss_fresh.detach()) != pytest.approx(float(loss.detach()), abs=1e-6)
+
+
+def test_config_rules_and_other_tools_names(tmp_path: Path) -> None:
+    def problems(*overrides: str) -> str:
+        with pytest.raises(C.ConfigError) as e:
+            C.load(None, list(overrides))
+        return str(e.value)
+
+    assert "set data.format to auto or preference" in problems("train.objective=dpo", "data.format=alpaca")
+    assert "set train.objective to dpo, orpo or simpo" in problems("data.format=preference")
+    assert "only train.dpo_loss=robust and train.objective=simpo" in problems(
+        "train.objective=dpo", "train.label_smoothing=0.1"
+    )
+    assert "orpo has its own SFT term" in problems("train.objective=orpo", "train.sft_weight=1")
+    assert "train.beta: must be above 0" in problems("train.objective=simpo", "train.beta=0")
+    C.load(None, ["train.objective=dpo", "train.dpo_loss=robust", "train.label_smoothing=0.1"])  # control: valid
+    recipe = tmp_path / "lf.yaml"
+    recipe.write_text("stage: dpo\npref_loss: simpo\npref_beta: 2.0\nsimpo_gamma: 0.8\n")
+    t = C.load(recipe).train
+    assert (t.objective, t.beta, t.simpo_gamma) == ("simpo", 2.0, 0.8)
+    recipe.write_text("rl: ipo\nrl_beta: 0.3\n")
+    t = C.load(recipe).train
+    assert (t.objective, t.dpo_loss, t.beta) == ("dpo", "ipo", 0.3)
+    assert "means train.dpo_loss='ipo', but train.dpo_loss is set to 'hinge'" in problems(
+        "rl=ipo", "train.dpo_loss=hinge"
+    )
+    # A run's structure names its objective (SFT keeps the fields its checkpoints always had).
+    assert C.structural_fields(C.load(None, ["train.objective=dpo"]))["train.objective"] == "dpo"
+    assert C.structural_fields(C.load(None))["train.objective"] is None
+
+
+def test_inspect_shows_prompt_and_both_answers_marked(tiny_llama: Path, tmp_path: Path, tiny_data: Path) -> None:
+    data = _jsonl(tmp_path / "p.jsonl", [SHAPES["implicit (ultrafeedback)"]])
+    shown = show_examples(DataConfig(path=str(data)), str(tiny_llama), 1, pairs=True)
+    assert "prompt:\n<s><|user|>\nWhat colour is the sky?\n<|assistant|>\n\nchosen:\n[[It is blue.</s>]]" in shown
+    assert "rejected:\n[[It is green.</s>]]" in shown
+    # SFT on pair data says what to set; pairs asked of SFT data name the columns.
+    with pytest.raises(DataError, match="set train.objective=dpo"):
+        show_examples(DataConfig(path=str(data)), str(tiny_llama), 1)
+    with pytest.raises(DataError, match="data.chosen_field"):
+        show_examples(DataConfig(path=str(tiny_data)), str(tiny_llama), 1, pairs=True)
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "tokenizers").is_dir(), reason="the shared tokenizers are not in this checkout")
+@pytest.mark.parametrize(
+    "name", ["qwen2.5-instruct", "qwen3", "llama-3.1-instruct", "mistral-7b-instruct-v0.3", "gemma-3-it"]
+)
+def test_real_templates_score_the_answer_and_its_end_of_turn(name: str) -> None:
+    tok = AutoTokenizer.from_pretrained(SHARED_DATA / "tokenizers" / name)
+    orca = {"system": "Be brief.", "question": "Capital of France?", "chosen": "Paris.", "rejected": "Lyon, I think."}
+    think = "<think>\n\n</think>\n\n" if name == "qwen3" else ""  # Qwen3's empty think block is the model's to write
+    for row in (SHAPES["implicit (ultrafeedback)"], orca):
+        out = _pairs(tok, [row])
+        assert out["status"] == [""]
+        ends = []
+        for text, answer in zip(_scored(tok, out), (row["chosen"], row["rejected"]), strict=True):
+            answer = answer if isinstance(answer, str) else answer[-1]["content"]
+            head, _, end = text.partition(answer)
+            assert head == think and end in ("</s>", "<|im_end|>", "<|eot_id|>", "<end_of_turn>"), (text, answer)
+            ends.append(end)
+        assert ends[0] == ends[1]  # both answers end their turn alike, and the end is scored
+    # Mistral v0.3 serves the system prompt in the last [INST]: both answers follow it there.
+    if name == "mistral-7b-instruct-v0.3":
+        assert "Be brief.\n\nCapital of France?[/INST]" in tok.decode(_pairs(tok, [orca])["input_ids"][0])
+
+
+def test_a_hub_style_folder_its_pref_splits_and_a_mix(tiny_llama: Path, tmp_path: Path) -> None:
+    """HuggingFaceH4/ultrafeedback_binarized's layout (a card naming train_prefs/test_prefs, whole
+    conversations as chosen/rejected, a `messages` column SFT would read) read as pairs by `auto`, mixed
+    with an Intel/orca_dpo_pairs-shaped file whose prompt column is named per source."""
+    import pandas as pd
+
+    folder = tmp_path / "ultrafeedback"
+    (folder / "data").mkdir(parents=True)
+    card = "".join(f"  - split: {s}\n    path: data/{s}-*\n" for s in ("train_prefs", "test_prefs", "train_sft"))
+    (folder / "README.md").write_text(f"---\nconfigs:\n- config_name: default\n  data_files:\n{card}---\n")
+    row = {"prompt": SKY[0]["content"], "chosen": [*SKY, BLUE], "rejected": [*SKY, GREEN], "messages": [*SKY, BLUE]}
+    for split, n in (("train_prefs", 5), ("test_prefs", 3), ("train_sft", 7)):
+        pd.DataFrame([{**row, "score_chosen": 8.0}] * n).to_parquet(folder / "data" / f"{split}-00000-of-00001.parquet")
+    orca = _jsonl(
+        tmp_path / "orca.jsonl",
+        [{"system": "", "ask": "Capital of France?", "chosen": "Paris.", "rejected": "Lyon."}] * 4,
+    )
+    cfg = C.load(
+        None, ["train.objective=dpo", f"data.path={folder}", "data.split=train_prefs", "data.eval_split=test_prefs"]
+    ).data
+    p = prepare(cfg, str(tiny_llama), tmp_path / "c", progress=False, pairs=True)
+    assert (p.manifest["train"]["pairs"], p.manifest["eval"]["pairs"]) == (5, 3)
+    assert (
+        p.manifest["train"]["format"] == "preference" and "whole conversations" in p.manifest["train"]["format_reason"]
+    )
+    mix = C.load(
+        None,
+        [
+            "train.objective=dpo",
+            f"data.sources=[{{path: {folder}, split: train_prefs}}, {{path: {orca}, fields: {{prompt: ask}}}}]",
+        ],
+    ).data
+    p = prepare(mix, str(tiny_llama), tmp_path / "c", progress=False, pairs=True)
+    assert [s["examples_out"] for s in p.manifest["train"]["sources"]] == [5, 4]
+
+
+def test_the_estimate_counts_the_reference_forward_and_the_frozen_adapter() -> None:
+    """`spotune estimate` of a DPO run: the reference's forward on top of the step's FLOPs (and so its
+    hours at an assumed MFU), and the frozen copy of a starting adapter in its memory."""
+    from trainer.cli import world
+    from trainer.model import flops
+    from trainer.plan.models import load_config
+
+    base = ["model.name_or_path=Qwen/Qwen2.5-7B-Instruct", "train.global_batch_size=8", "train.micro_batch_size=1"]
+    sft = world.estimate_for_run(C.load(None, base), tokens=2e6, gpu="H100-SXM")
+    dpo = world.estimate_for_run(C.load(None, [*base, "train.objective=dpo"]), tokens=2e6, gpu="H100-SXM")
+    run = sft["run"]
+    shape = flops.model_shape(load_config("Qwen/Qwen2.5-7B-Instruct"))
+    doc_sq = run["steps"] * run["global_batch_rows"] * run["seq_len"] ** 2  # `--tokens`: a row is one document
+    reference = flops.reference_forward_flops(shape, run["real_tokens"], doc_sq, run["trainable_tokens"])
+    assert dpo["run"]["train_flops"] == pytest.approx(run["train_flops"] + reference, rel=1e-12)
+    assert 1.3 < dpo["run"]["train_flops"] / run["train_flops"] < 1.6  # about half the LoRA step again
+    hours = [e["options"][0]["compute_hours"]["expected"] for e in (sft, dpo)]
+    assert hours[1] / hours[0] == pytest.approx(dpo["run"]["train_flops"] / run["train_flops"], rel=1e-9)
+    assert dpo["memory_gib"]["adapter"] == sft["memory_gib"]["adapter"]  # a fresh adapter: nothing frozen
+    started = C.load(None, [*base, "train.objective=dpo", "adapter.init_from=runs/sft"])
+    frozen = world.estimate_for_run(started, tokens=2e6, gpu="H100-SXM")["memory_gib"]
+    assert frozen["adapter"] == pytest.approx(2 * sft["memory_gib"]["adapter"])
+    # The meter's MFU counts the same forward: a DPO step's FLOPs are SFT's plus the reference's; ORPO has none.
+    config = load_config("Qwen/Qwen2.5-7B-Instruct")
+    counts = (8192.0, 8192.0 * 512, 3000.0)  # real tokens, sum of squared document lengths, labelled tokens
+    plain = flops.meter_flops_fn(config, 10**7)
+    with_reference = flops.meter_flops_fn(config, 10**7, Preference.of(TrainConfig(objective="dpo")))
+    reference_free = flops.meter_flops_fn(config, 10**7, Preference.of(TrainConfig(objective="orpo")))
+    assert plain is not None and with_reference is not None and reference_free is not None
+    assert with_reference(*counts) == pytest.approx(plain(*counts) + flops.reference_forward_flops(shape, *counts))
+    assert reference_free(*counts) == plain(*counts)
+
+
+def test_the_console_line_shows_reward_accuracy_and_margin() -> None:
+    from trainer.training.console import Console
+
+    console = Console(10, bar=False, is_main=True)
+    line = console.step_line(3, {"loss": 0.61, "rewards/accuracies": 0.75, "rewards/margins": 0.0123})
+    assert line.startswith("spotune: step 3/10 loss 0.6100 | reward acc 0.75 margin 0.0123")
+    assert "reward" not in console.step_line(3, {"loss": 0.61})  # SFT: unchanged
+
+
+def test_a_preference_run_serves_the_end_of_turn_it_trains(tiny_llama: Path) -> None:
+    """final/'s generation config stops where pairs were trained to end: the template's end of turn for
+    conversations (as SFT on messages), EOS for raw string pairs (no template renders them)."""
+    from trainer.data.template import end_of_turn_ids
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    assert end_of_turn_ids(tok, None, "preference") == end_of_turn_ids(tok, None, "messages") != []
+    tok.chat_template = None
+    assert end_of_turn_ids(tok, None, "preference") == [tok.eos_token_id]
+    assert end_of_turn_ids(tok, None, "messages") == []  # control: untemplated conversations serve no end

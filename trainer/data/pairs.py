@@ -1,0 +1,292 @@
+"""Preference pairs: a row -> (prompt, chosen, rejected) -> two labelled token sequences, one row of the
+tokenised dataset holding both (chosen first), so packing keeps a pair together.
+
+What a row may look like (TRL's preference formats, read as TRL reads them):
+- explicit prompt: `prompt`, `chosen`, `rejected`, each a string or a list of messages (the answers'
+  messages are what is trained; a string answer is one assistant message, a string prompt one user
+  message);
+- implicit prompt: `chosen` and `rejected` are whole conversations; the prompt is the turns they share
+  (TRL's `extract_prompt`), as in HuggingFaceH4/ultrafeedback_binarized, whose `prompt` column then only
+  repeats the first user turn and is not read;
+- field-mapped columns such as Intel/orca_dpo_pairs' `system`/`question`/`chosen`/`rejected`
+  (`data.prompt_field: question`; `format: auto` reads a `question` column as the prompt and says so).
+
+Each sequence is rendered and labelled by the SFT pipeline (`Tokenize.encode`: the model's chat template,
+trained tokens = the answer after the prompt's generation prompt and its end of turn, one rendering of
+the whole conversation, so templates that rewrite earlier turns are handled). Raw strings without a
+chat template are tokenised as TRL's "standard" form: the prompt, then the answer and EOS (trained).
+
+What must stay true for the loss (trainer/model/preference.py): both sequences condition on the same
+prompt. A template that renders the prompt differently in front of the two answers (so the tokens
+before the first trained one differ) drops the pair as `prompt_differs`, counted like every other drop.
+A pair must fit one packed row (data.seq_len): `overlong: drop` drops it; `truncate` cuts the longer
+answer(s) from the end so that both fit, each keeping at least half the row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from trainer.data import formats
+from trainer.data.chat_templates import require_template
+from trainer.data.read import DataError
+from trainer.data.template import (
+    IGNORE_INDEX,
+    NO_TRAINABLE,
+    NO_TRAINABLE_AFTER_TRUNCATION,
+    NULL_FIELD,
+    OVERLONG,
+    Tokenize,
+    tokenize_for,
+)
+from trainer.data.turns import Drop, messages_of
+
+FORMAT = "preference"
+WHAT = "preference (chosen/rejected pairs, with a prompt column or sharing their prompt)"
+PROMPT_DIFFERS = "prompt_differs"
+"""Drop reason: the template renders the prompt differently before the chosen and the rejected answer."""
+NO_SHARED_PROMPT = "no_shared_prompt"
+"""Drop reason: implicit-prompt conversations that share no turn, or whose answers are not assistant turns."""
+QUESTION = "question"
+"""The prompt column `format: auto` falls back to (Intel/orca_dpo_pairs and its kind)."""
+
+Messages = list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One row as a pair: a conversation prompt and two answers (message lists), or raw strings."""
+
+    prompt: Messages | str
+    chosen: Messages | str
+    rejected: Messages | str
+
+
+def detect(columns: list[str], head: list[dict[str, Any]], fields: dict[str, str]) -> tuple[dict[str, str], str]:
+    """The roles' columns and why, for rows with `columns` (`format: auto` or `preference`); DataError
+    naming the keys to set when no chosen/rejected columns are there."""
+    cols = set(columns)
+    chosen, rejected = fields.get("chosen", "chosen"), fields.get("rejected", "rejected")
+    missing = [f"data.{k}_field ({c!r})" for k, c in (("chosen", chosen), ("rejected", rejected)) if c not in cols]
+    if missing:
+        raise DataError(
+            f"preference data needs a chosen and a rejected answer per row, but {', '.join(missing)} is not among "
+            f"the fields found ({', '.join(columns) or 'none'}); set data.chosen_field / data.rejected_field to "
+            "the columns that hold them"
+        )
+    out = dict(fields)
+    first = next((r.get(chosen) for r in head if r.get(chosen) is not None), None)
+    whole = isinstance(first, list) and bool(first) and isinstance(first[0], dict) and _role(first[0]) != "assistant"
+    prompt = fields.get("prompt", "prompt")
+    if whole:
+        why = f"{chosen!r} and {rejected!r} hold whole conversations: the prompt is the turns they share"
+        out["prompt"] = ""
+    elif prompt in cols:
+        why = f"prompt {prompt!r}, answers {chosen!r} and {rejected!r}"
+    elif QUESTION in cols:
+        why = f"prompt {QUESTION!r} (no {prompt!r} column), answers {chosen!r} and {rejected!r}"
+        out["prompt"] = QUESTION
+    else:
+        why = f"no {prompt!r} column: the prompt is what {chosen!r} and {rejected!r} share"
+        out["prompt"] = ""
+    system = fields.get("system", "system")
+    if system in cols:
+        why += f", system prompt {system!r}"
+    return out, why
+
+
+def to_pair(row: dict[str, Any], fields: dict[str, str], has_template: bool) -> Pair | Drop:
+    """The pair of one row, or why it is dropped (formats.py's and this module's reasons)."""
+    chosen, rejected = row.get(fields["chosen"]), row.get(fields["rejected"])
+    for key, value in (("chosen", chosen), ("rejected", rejected)):
+        if value is None:
+            return Drop(NULL_FIELD, f"field {fields[key]!r} is missing or null")
+    prompt_col = fields.get("prompt") or ""
+    if prompt_col:
+        prompt = row.get(prompt_col)
+        if prompt is None:
+            return Drop(NULL_FIELD, f"field {prompt_col!r} is missing or null")
+    else:
+        shared = _shared_prefix(chosen, rejected)
+        if shared is None:
+            return Drop(NO_SHARED_PROMPT, "the chosen and rejected conversations share no prompt")
+        prompt, chosen, rejected = shared
+    system = row.get(fields.get("system") or "system") if fields.get("system") else None
+    if isinstance(prompt, str) and isinstance(chosen, str) and isinstance(rejected, str) and not has_template:
+        return Pair(f"{system}\n\n{prompt}" if system else prompt, chosen, rejected)  # raw: no template anywhere
+    msgs, good, bad = _messages(prompt, "user"), _messages(chosen, "assistant"), _messages(rejected, "assistant")
+    if isinstance(msgs, Drop) or isinstance(good, Drop) or isinstance(bad, Drop):
+        return next(part for part in (msgs, good, bad) if isinstance(part, Drop))
+    if system and not any(m["role"] == "system" for m in msgs):
+        msgs = [{"role": "system", "content": str(system)}, *msgs]
+    if not all(any(m["role"] == "assistant" for m in answer) for answer in (good, bad)):
+        why = "an answer holds no assistant turn"
+        return Drop(NO_SHARED_PROMPT, why) if not prompt_col else Drop(formats.BAD_MESSAGES, why)
+    return Pair(msgs, good, bad)
+
+
+def _role(message: dict[str, Any]) -> Any:
+    return message.get("role", message.get("from"))
+
+
+def _messages(value: Any, role: str) -> Messages | Drop:
+    """A string as one message of `role`, a list of turns as messages; else why the pair is dropped."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    ex = messages_of(value, dict(formats.SHAREGPT_ROLES))
+    return ex if isinstance(ex, Drop) else list(ex.messages or [])
+
+
+def _shared_prefix(chosen: Any, rejected: Any) -> tuple[Any, Any, Any] | None:
+    """(prompt, chosen answer, rejected answer) of an implicit prompt, as TRL's `extract_prompt`
+    splits it: the longest common prefix of the two conversations (or strings, where a space before
+    the answers stays with them); None when nothing is shared or the split leaves no answer."""
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        n = _common(chosen, rejected)
+        if n > 0 and chosen[n - 1] == " ":
+            n -= 1
+        return (chosen[:n], chosen[n:], rejected[n:]) if n > 0 else None
+    if not isinstance(chosen, list) or not isinstance(rejected, list):
+        return None
+    n = _common(chosen, rejected)
+    if n == 0 or n == len(chosen) or n == len(rejected):
+        return None
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+def _common(a: Any, b: Any) -> int:
+    """Length of the longest common prefix of two sequences."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+@dataclass
+class TokenizePairs:
+    """Rows -> per pair the chosen sequence then the rejected one in one tokenised row, for
+    `datasets.map(batched=True)`: input_ids, labels (both sequences), chosen_length, length (both, before
+    truncation) and status ("" kept, else why dropped)."""
+
+    tok: Tokenize
+    """The SFT tokenizer whose `encode` renders and labels each sequence (template, EOS, first label)."""
+
+    def settle(self, columns: list[str], head: list[dict[str, Any]], tokenizer_path: str = "") -> TokenizePairs:
+        fmt = formats.normalise(self.tok.fmt)
+        if fmt not in ("auto", FORMAT):
+            raise DataError(
+                f"{self.tok.source}: data.format is {fmt!r}, but a preference objective trains on pairs; set "
+                f"data.format to auto or {FORMAT} (columns chosen/rejected, optionally prompt/system)"
+            )
+        fields, why = detect(columns, head, self.tok.fields)
+        print(f"spotune: {self.tok.source}: pairs: {why}", file=sys.stderr, flush=True)
+        tok = dataclasses.replace(self.tok, fmt=FORMAT, fields=fields, reason=why)
+        chosen = next((r.get(fields["chosen"]) for r in head if r.get(fields["chosen"]) is not None), None)
+        if not isinstance(chosen, str) or (fields["prompt"] and isinstance(head[0].get(fields["prompt"]), list)):
+            require_template(tok.template, FORMAT, tokenizer_path or str(tok.source))
+        return TokenizePairs(tok)
+
+    def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        tok = self.tok
+        columns = list(batch)
+        rows = [dict(zip(columns, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+        template = tok.template
+        drops: list[Drop | None] = [None] * (2 * len(rows))
+        examples: list[formats.Example | None] = []
+        for i, row in enumerate(rows):
+            pair = to_pair(row, tok.fields, template is not None)
+            if isinstance(pair, Drop):
+                drops[2 * i] = drops[2 * i + 1] = pair
+                examples += [None, None]
+            else:
+                examples += [_example(pair.prompt, pair.chosen), _example(pair.prompt, pair.rejected)]
+        encoded = tok.encode(examples, [r for r in rows for _ in range(2)], drops, template)
+        out: dict[str, list[Any]] = {
+            "input_ids": [],
+            "labels": [],
+            "chosen_length": [],
+            "length": [],
+            "status": [],
+            "detail": [],
+        }
+        for i in range(len(rows)):
+            (c_ids, c_lab), (r_ids, r_lab) = encoded[2 * i], encoded[2 * i + 1]
+            drop = drops[2 * i] or drops[2 * i + 1]
+            if drop is None:
+                c_ids, c_lab, r_ids, r_lab, drop = self._fit(c_ids, c_lab, r_ids, r_lab)
+            full = len(encoded[2 * i][0]) + len(encoded[2 * i + 1][0])
+            out["length"].append(full if drop is None or drop.reason != NULL_FIELD else 0)
+            if drop is not None:
+                c_ids, c_lab, r_ids, r_lab = [], [], [], []
+            out["input_ids"].append(c_ids + r_ids)
+            out["labels"].append(c_lab + r_lab)
+            out["chosen_length"].append(len(c_ids))
+            out["status"].append(drop.reason if drop is not None else "")
+            out["detail"].append(drop.detail if drop is not None else "")
+        return out
+
+    def _fit(
+        self, c_ids: list[int], c_lab: list[int], r_ids: list[int], r_lab: list[int]
+    ) -> tuple[list[int], list[int], list[int], list[int], Drop | None]:
+        """Both sequences as the row takes them, or why the pair is dropped."""
+        if not _trained(c_lab) or not _trained(r_lab):
+            which = "chosen" if not _trained(c_lab) else "rejected"
+            return c_ids, c_lab, r_ids, r_lab, Drop(NO_TRAINABLE, f"the {which} answer has no trained token")
+        if _untrained_prefix(c_ids, c_lab) != _untrained_prefix(r_ids, r_lab):
+            why = "the template renders the prompt differently before the chosen and the rejected answer"
+            return c_ids, c_lab, r_ids, r_lab, Drop(PROMPT_DIFFERS, why)
+        seq_len = self.tok.seq_len
+        if len(c_ids) + len(r_ids) <= seq_len:
+            return c_ids, c_lab, r_ids, r_lab, None
+        if self.tok.overlong == "drop":
+            why = f"{len(c_ids) + len(r_ids)} tokens for both answers, data.seq_len is {seq_len}"
+            return c_ids, c_lab, r_ids, r_lab, Drop(OVERLONG, why)
+        # Each keeps at least half the row; what one leaves of its half the other may use.
+        keep_c = max(seq_len - len(r_ids), min(len(c_ids), (seq_len + 1) // 2))
+        keep_r = seq_len - keep_c
+        c_ids, c_lab, r_ids, r_lab = c_ids[:keep_c], c_lab[:keep_c], r_ids[:keep_r], r_lab[:keep_r]
+        if not _trained(c_lab) or not _trained(r_lab):
+            why = f"cut to data.seq_len={seq_len}, an answer keeps no trained token"
+            return c_ids, c_lab, r_ids, r_lab, Drop(NO_TRAINABLE_AFTER_TRUNCATION, why)
+        return c_ids, c_lab, r_ids, r_lab, None
+
+
+def _example(prompt: Messages | str, answer: Messages | str) -> formats.Example:
+    """One sequence to encode: the prompt (never trained) and the answer (its assistant turns trained)."""
+    if isinstance(prompt, str) and isinstance(answer, str):
+        return formats.Example(prompt=prompt, text=answer)
+    assert isinstance(prompt, list) and isinstance(answer, list)
+    return formats.Example(
+        messages=prompt + answer, trainable=[False] * len(prompt) + [m["role"] == "assistant" for m in answer]
+    )
+
+
+def _trained(labels: list[int]) -> bool:
+    return any(x != IGNORE_INDEX for x in labels)
+
+
+def _untrained_prefix(ids: list[int], labels: list[int]) -> list[int]:
+    first = next((i for i, x in enumerate(labels) if x != IGNORE_INDEX), len(labels))
+    return ids[:first]
+
+
+def tokenize_pairs_for(cfg: Any, tokenizer: Any, source: str) -> TokenizePairs:
+    """The pair tokenizer of a DataConfig's settings (prepare and `spotune inspect` build it here)."""
+    return TokenizePairs(tokenize_for(cfg, tokenizer, source))
+
+
+def documents(
+    offsets: np.ndarray, chosen_lengths: np.ndarray, bins: list[list[int]]
+) -> tuple[np.ndarray, list[list[int]]]:
+    """Tokenised pairs as packing's documents: pair k (tokens offsets[k]:offsets[k+1], its chosen
+    sequence first) becomes documents 2k (chosen) and 2k+1 (rejected), and each bin of pairs a bin of
+    their documents in that order, so a row lists chosen, rejected, chosen, rejected... (what
+    trainer/training/batches.py reads back). Returns (document offsets, document bins)."""
+    starts = offsets[:-1].astype(np.int64)
+    docs = np.empty(2 * len(starts) + 1, dtype=np.int64)
+    docs[0:-1:2] = starts
+    docs[1::2] = starts + chosen_lengths
+    docs[-1] = offsets[-1]
+    return docs, [[d for k in b for d in (2 * k, 2 * k + 1)] for b in bins]

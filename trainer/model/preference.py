@@ -1,0 +1,199 @@
+"""Preference objectives on packed pairs: DPO (sigmoid, IPO, hinge, robust), ORPO and SimPO, as TRL
+defines each (trl/trainer/dpo_trainer.py `_compute_loss`; trl/experimental/orpo, cpo), and the per-token
+log-probabilities they are built from.
+
+A micro-batch holds whole pairs (trainer/training/batches.py): each sequence's labelled tokens lie
+contiguously in `label_index` order, chosen before rejected, `seq_tokens` long. Per sequence, log p =
+the sum of its tokens' log-probabilities, each summed alone (so a pair's figure does not depend on what
+else the micro-batch holds). `dpo` computes the same for the reference (trainer/model/reference.py)
+under no_grad in the same step, before the policy's forward.
+
+Reduction (the contract of trainer/model/objective.py): the loss of a micro-batch is the sum of its
+pairs' losses, plus `sft_weight` x the chosen tokens' negative log-likelihood scaled by pairs / chosen
+tokens of the whole step, so that after the loop divides by the step's pairs the SFT term is the
+chosen tokens' mean over the step (TRL's `sft` loss, CPO's `cpo_alpha`; ORPO's own NLL term). Neither
+depends on how the step's pairs are split over micro-batches or ranks.
+
+With a fresh adapter (LoRA B = 0) policy and reference are the same function, so every pair's DPO
+sigmoid loss at step 1 is exactly ln 2 (tests/test_preference_drill.py checks the logged loss).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from trainer.config import TrainConfig
+from trainer.config.schema import REFERENCE_OBJECTIVES
+from trainer.model.loss import CHUNK_ELEMENTS, labelled_hidden
+from trainer.model.reference import reference_forward
+
+STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected")
+"""What each objective sums over its pairs (TRL's names); `rewards/margins` is chosen minus rejected."""
+PAIRS, CHOSEN_TOKENS = 3, 4
+"""Indices of the step's pairs and its chosen sequences' trainable tokens in `batches.COUNTS`."""
+
+
+@dataclass(frozen=True)
+class Preference:
+    """One preference objective with its settings (train.beta, dpo_loss, label_smoothing, sft_weight, simpo_gamma)."""
+
+    kind: str
+    """`dpo`, `orpo` or `simpo`."""
+    beta: float
+    dpo_loss: str = "sigmoid"
+    label_smoothing: float = 0.0
+    sft_weight: float = 0.0
+    simpo_gamma: float = 0.5
+    stats: tuple[str, ...] = STATS
+
+    @classmethod
+    def of(cls, t: TrainConfig) -> Preference:
+        sft = 1.0 if t.objective == "orpo" else t.sft_weight  # ORPO's NLL term is part of it (weight 1)
+        return cls(t.objective, t.beta, t.dpo_loss, t.label_smoothing, sft, t.simpo_gamma)
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kind in REFERENCE_OBJECTIVES
+
+    def normaliser(self, counts: torch.Tensor) -> torch.Tensor:
+        return counts[PAIRS]
+
+    def loss(
+        self, model: torch.nn.Module, micro: dict[str, Any], counts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        lengths = list(micro["seq_tokens"])
+        assert sum(lengths) == micro["label_targets"].numel(), "every labelled token belongs to one sequence"
+        reference = None
+        if self.needs_reference:
+            # Every rank runs it, fillers included: a DDP forward may broadcast buffers (a collective).
+            with torch.no_grad(), reference_forward(model):
+                reference = sequence_sums(_token_logprobs(model, micro), lengths)
+        token_logp = _token_logprobs(model, micro)
+        logps = sequence_sums(token_logp, lengths)
+        tokens = torch.tensor(lengths, dtype=torch.float32, device=logps.device)
+        losses, chosen_r, rejected_r, shown = self.pair_terms(logps, tokens, reference)
+        # A micro-batch without pairs (a rank's filler) still backpropagates a zero through the model.
+        loss = losses.sum() if lengths else token_logp.sum()
+        if self.sft_weight:
+            chosen_nll = -logps[0::2].sum()
+            loss = loss + self.sft_weight * chosen_nll * counts[PAIRS] / counts[CHOSEN_TOKENS].clamp(min=1)
+        sums = (chosen_r.sum(), rejected_r.sum(), (chosen_r > rejected_r).sum(), shown[0].sum(), shown[1].sum())
+        return loss, torch.stack([x.detach().double() for x in sums])
+
+    def pair_terms(
+        self, logps: torch.Tensor, tokens: torch.Tensor, reference: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """(loss per pair, chosen rewards, rejected rewards, (chosen, rejected) log-probs as logged) from
+        per-sequence summed log-probs (chosen, rejected interleaved), their token counts and, for DPO, the
+        reference's. TRL's definitions, term for term."""
+        chosen, rejected = logps[0::2], logps[1::2]
+        n_chosen, n_rejected = tokens[0::2], tokens[1::2]
+        beta, eps = self.beta, self.label_smoothing
+        if self.kind == "dpo":
+            assert reference is not None
+            chosen_ratio, rejected_ratio = chosen - reference[0::2], rejected - reference[1::2]
+            delta = chosen_ratio - rejected_ratio
+            if self.dpo_loss == "sigmoid":
+                losses = -F.logsigmoid(beta * delta)
+            elif self.dpo_loss == "hinge":
+                losses = torch.relu(1 - beta * delta)
+            elif self.dpo_loss == "ipo":  # per-token log-ratios (TRL's normalisation, agreed with IPO's authors)
+                losses = (
+                    chosen_ratio / n_chosen.clamp(min=1) - rejected_ratio / n_rejected.clamp(min=1) - 1 / (2 * beta)
+                ) ** 2
+            else:  # robust: unbiased under a share `eps` of flipped labels
+                losses = ((eps - 1) * F.logsigmoid(beta * delta) + eps * F.logsigmoid(-beta * delta)) / (1 - 2 * eps)
+            return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach(), (chosen, rejected)
+        # Reference-free: per-token mean log-probs.
+        chosen_avg, rejected_avg = chosen / n_chosen.clamp(min=1), rejected / n_rejected.clamp(min=1)
+        if self.kind == "orpo":
+            log_odds = (chosen_avg - rejected_avg) - (_log1mexp(chosen_avg) - _log1mexp(rejected_avg))
+            losses = -beta * F.logsigmoid(log_odds)
+        else:  # simpo
+            margin = chosen_avg - rejected_avg - self.simpo_gamma / beta
+            losses = -(1 - eps) * F.logsigmoid(beta * margin) - eps * F.logsigmoid(-beta * margin)
+        shown = (chosen_avg, rejected_avg)
+        return losses, beta * chosen_avg.detach(), beta * rejected_avg.detach(), shown
+
+    def report(self, stats: list[float], counts: list[float]) -> dict[str, float]:
+        pairs = counts[PAIRS]
+        if not pairs:
+            return {}
+        means = {name: value / pairs for name, value in zip(STATS, stats, strict=True)}
+        means["rewards/margins"] = means["rewards/chosen"] - means["rewards/rejected"]
+        return means
+
+
+def sequence_sums(token_logp: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Per-sequence sums of per-token values laid out sequence after sequence: each summed on its own,
+    the same bits whatever else the micro-batch holds (no atomics: deterministic on a GPU too)."""
+    if not lengths:
+        return token_logp.new_zeros(0)
+    return torch.stack([part.sum() for part in token_logp.split(lengths)])
+
+
+def _token_logprobs(model: torch.nn.Module, micro: dict[str, Any]) -> torch.Tensor:
+    hidden, head = labelled_hidden(model, micro)
+    return token_logprobs(hidden, head.weight, micro["label_targets"], getattr(head, "bias", None))
+
+
+def token_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """log p(target) per token (fp32, [T]) of `hidden @ weight.T + bias`, without [T x V] logits at once
+    (trainer/model/loss.py's chunking, per token instead of summed). A trainable head (never a LoRA run's)
+    takes the plain path."""
+    hidden = hidden.to(weight.dtype)
+    if torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad)):
+        logits = F.linear(hidden, weight, bias).float()
+        return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+    chunk = max(1, CHUNK_ELEMENTS // weight.size(0))
+    return ChunkedTokenLogprobs.apply(hidden, weight, bias, targets, chunk, torch.is_grad_enabled())
+
+
+class ChunkedTokenLogprobs(torch.autograd.Function):
+    """Per-token log-probabilities of a frozen head, chunked over tokens: each chunk's logits give its
+    log-probabilities and, when a gradient is needed, d logp / d hidden = (onehot - softmax) @ weight,
+    kept per token; backward scales each token's row by its incoming gradient. Logits are never stored."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        chunk: int,
+        grad_enabled: bool,
+    ) -> torch.Tensor:
+        need = grad_enabled and ctx.needs_input_grad[0]
+        out = torch.empty(hidden.size(0), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if need else None
+        for start in range(0, hidden.size(0), chunk):
+            h, y = hidden[start : start + chunk], targets[start : start + chunk]
+            logits = F.linear(h, weight, bias).float()
+            logp = torch.log_softmax(logits, dim=-1)
+            del logits
+            out[start : start + chunk] = logp.gather(1, y[:, None]).squeeze(1)
+            if grad_h is not None:
+                grad = logp.exp_().neg_()  # -softmax, in place of the log-probabilities
+                grad[torch.arange(len(y), device=y.device), y] += 1.0
+                grad_h[start : start + chunk] = grad.to(weight.dtype) @ weight
+        ctx.save_for_backward(grad_h)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
+        (grad_h,) = ctx.saved_tensors
+        out_h = None if grad_h is None else (grad_h.float() * grad_out.float()[:, None]).to(grad_h.dtype)
+        return out_h, None, None, None, None, None
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, stable at both ends (Maechler's rule, as TRL's ORPO)."""
+    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
