@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
         # Every source as prepare reads it: a folder, a hub dataset at its pinned commit, each of a mix.
         print(show_examples(resolved_data(cfg), tokenizer_path(cfg), args.show, color), flush=True)
-    prepared = prepare_data(cfg, progress=True)  # a run's hub datasets at its pinned commits
+    prepared = prepare_data(cfg)  # a run's hub datasets at its pinned commits
     if args.command == "inspect":
         plot = prepared.train_path.parent / "lengths.png"
         if plot.exists():

@@ -30,7 +30,7 @@ from trainer.data.pack import batch_pad_efficiency, build_rows, one_per_row, pac
 from trainer.data.read import DataError, require_fields
 from trainer.data.sources import Located, Source, choose, eval_sources, local_files, locate, sources_of
 from trainer.data.sources import read as read_source
-from trainer.data.stats import BASELINE_BATCH, format_summary, length_stats
+from trainer.data.stats import BASELINE_BATCH, format_summary, length_stats, truncation
 from trainer.data.template import HEAD_ROWS, Tokenize, tokenize_for
 from trainer.data.template import ROW_COLUMN as _ROW
 
@@ -330,6 +330,7 @@ def _tokenize_pack_save(parts: Parts, job: _Job, out_dir: Path, seed: int) -> di
         "examples_out": int(kept.size),
         "dropped": dict(sorted(dropped.items())),
         "truncated": int((lengths[kept] > cfg.seq_len).sum()),
+        "truncation": truncation(lengths, status, cfg.seq_len),  # what seq_len loses (trainer/data/stats.py)
         "real_tokens": real,
         "trainable_tokens": int(rows["num_trainable"].sum()),
         "rows": n_rows,

@@ -70,13 +70,20 @@ def resolved_data(cfg: C.RunConfig) -> C.DataConfig:
     return dataclasses.replace(d, path=builtin_assets.resolve_data(d.path), sources=sources)
 
 
-def prepare_data(cfg: C.RunConfig, progress: bool = True) -> Any:
-    """Prepare (or reuse) the packed dataset of `cfg` and print its summary."""
+def prepare_data(cfg: C.RunConfig, progress: bool = True, full: bool = True) -> Any:
+    """Prepare (or reuse) the packed dataset of `cfg`. `progress`: print its summary (the full report;
+    with `full=False`, a reused dataset's counts and what seq_len loses) and, on a terminal only,
+    datasets' progress bars (in a log file a bar is one long line of carriage returns)."""
     from trainer import data
+    from trainer.data.stats import brief_summary
+    from trainer.progress import is_terminal
 
     data_cfg = resolved_data(cfg)
     cache_root = data_cache_root(cfg.data.cache_dir, cfg.output_dir)
-    prepared = data.prepare(data_cfg, tokenizer_path(cfg), cache_root, progress=progress, seed=cfg.seed)
+    bars = progress and is_terminal()
+    prepared = data.prepare(data_cfg, tokenizer_path(cfg), cache_root, progress=bars, seed=cfg.seed)
     if progress:
-        print(prepared.summary(), flush=True)
+        where = str(prepared.train_path.parent)
+        brief = prepared.reused and not full
+        print(brief_summary(prepared.manifest, True, where) if brief else prepared.summary(), flush=True)
     return prepared

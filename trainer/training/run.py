@@ -122,7 +122,7 @@ def _prepare_once_per_node(cfg: C.RunConfig, proc: process.Process) -> Any:
     """The packed dataset (rank 0, then one rank per other node; the rest reuse their node's cache),
     and config.yaml in the run directory on its first start."""
     prepared = in_turns(
-        lambda: prepare_data(cfg, progress=proc.is_main and cfg.metrics.progress),
+        lambda: prepare_data(cfg, progress=proc.is_main, full=False),  # `inspect` prints the whole report
         is_main=proc.is_main,
         is_local_main=proc.accelerator.is_local_main_process,
         barrier=proc.accelerator.wait_for_everyone,
