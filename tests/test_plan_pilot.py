@@ -183,6 +183,7 @@ def test_tiny_pilot_end_to_end(cfg: config.RunConfig, capsys: pytest.CaptureFixt
     assert not (Path(cfg.output_dir) / "checkpoints").exists()  # the real run's directory is untouched
 
     # `spotune estimate` finds pilot.json by default and forecasts on the device it ran on.
+    capsys.readouterr()  # the pilot's own lines (its data summary, its steps)
     args = argparse.Namespace(
         pilot=None,
         throughput=None,

@@ -104,7 +104,7 @@ def test_estimate_without_data_prints_the_memory_fit() -> None:
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("model   meta-llama/Llama-3.1-70B-Instruct (llama, 70,553.7M params, nf4)")
-    assert any(line.startswith("memory  weights") and "GiB per GPU" in line for line in lines)
+    assert any(line.startswith("memory  GiB per GPU") and ": weights " in line for line in lines)
     fits = {
         line.split()[0]: line.split()[-1] for line in lines if line[:1].isupper() and line.split()[-1] in ("yes", "NO")
     }

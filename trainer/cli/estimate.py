@@ -63,11 +63,14 @@ def run(args: argparse.Namespace) -> int:
 
         if looks_like_model_id(path):  # `spotune estimate meta-llama/Llama-3.1-8B`: built-in defaults otherwise
             path, overrides = None, [f"model.name_or_path={path}", *overrides]
-    return estimate_command(C.load(path, overrides), args)
+    cfg = C.load(path, overrides)
+    # data.path's default is the built-in demo set: never a figure from data the user did not name.
+    return estimate_command(cfg, args, data_given=recipe.sets(path, overrides, ("data.path", "data.sources")))
 
 
-def estimate_command(cfg: C.RunConfig, args: Any) -> int:
-    """Print the table (or JSON); exit 0."""
+def estimate_command(cfg: C.RunConfig, args: Any, data_given: bool = True) -> int:
+    """Print the table (or JSON); exit 0. `data_given`: the recipe or the command line named the data
+    (else, without --tokens, the memory fit alone)."""
     from trainer.cli.world import estimate_for_run, longest_for_run, pilot_dir
     from trainer.plan.longest import format_longest
     from trainer.plan.table import format_estimate
@@ -94,6 +97,7 @@ def estimate_command(cfg: C.RunConfig, args: Any) -> int:
         download_mb_s=getattr(args, "download_mb_s", None),
         vm_start_seconds=getattr(args, "vm_start_seconds", None),
         tokens=getattr(args, "tokens", None),
+        data_given=data_given,
     )
     print(json.dumps(result, indent=2) if args.json else format_estimate(result))
     return 0
