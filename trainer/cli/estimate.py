@@ -61,9 +61,16 @@ def run(args: argparse.Namespace) -> int:
     if path is not None:
         from trainer.plan.models import looks_like_model_id
 
-        if looks_like_model_id(path):  # `spotune estimate meta-llama/Llama-3.1-8B`: built-in defaults otherwise
+        # `spotune estimate meta-llama/Llama-3.1-8B` (or a model's folder): built-in defaults otherwise
+        if looks_like_model_id(path) or Path(path).is_dir():
             path, overrides = None, [f"model.name_or_path={path}", *overrides]
+        elif not Path(path).exists() and not path.endswith((".yaml", ".yml")):
+            raise C.ConfigError(
+                [f"{path} is neither a recipe file, a model's folder nor a hub model id (org/name); check the path"],
+                "estimate",
+            )
     cfg = C.load(path, overrides)
+    recipe.check_model(cfg, download=False)  # shipped shapes plan offline: no cache needed
     # data.path's default is the built-in demo set: never a figure from data the user did not name.
     return estimate_command(cfg, args, data_given=recipe.sets(path, overrides, ("data.path", "data.sources")))
 

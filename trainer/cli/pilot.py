@@ -22,6 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = recipe.load(args)
+    recipe.check_model(cfg)
     from trainer.cli.pilot_run import run_pilot
     from trainer.cli.world import estimate_for_run, pilot_dir
     from trainer.plan import pilot

@@ -29,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = recipe.load(args)
+    recipe.check_model(cfg)
     from trainer.training.inputs import pin_data, prepare_data
 
     cfg = pin_data(cfg)
