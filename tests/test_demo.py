@@ -100,6 +100,7 @@ def test_the_demo_asks_as_trained_and_its_chat_command_gives_the_same_answer(
     assert main(["train", *argv, "train.max_steps=2", "metrics.progress=false"]) == 0
     scored = demo.score(str(tiny_llama), adapter=run / "final")
     prompt, _ = scored.cases[0]
+    assert scored.answers[0], "a reply to compare (not an end of turn at once)"
     held = builtin_assets.held_out_examples()[0]
     assert prompt == f"{held['instruction']}\n\n{held['input']}" and held["input"], "the asked text, input included"
     command = demo.chat_command(run, prompt)

@@ -71,8 +71,7 @@ def run(args: argparse.Namespace) -> int:
             )
     cfg = C.load(path, overrides)
     recipe.check_model(cfg, download=False)  # shipped shapes plan offline: no cache needed
-    # data.path's default is the built-in demo set: never a figure from data the user did not name.
-    return estimate_command(cfg, args, data_given=recipe.sets(path, overrides, ("data.path", "data.sources")))
+    return estimate_command(cfg, args, data_given=recipe.names_data(path, overrides))
 
 
 def estimate_command(cfg: C.RunConfig, args: Any, data_given: bool = True) -> int:

@@ -27,13 +27,14 @@ def load(args: argparse.Namespace) -> C.RunConfig:
     return C.load(*split(args.recipe, args.overrides))
 
 
-def sets(recipe: str | None, overrides: Sequence[str], keys: Sequence[str]) -> bool:
-    """Whether the recipe file or the overrides set any of `keys` (dotted), rather than leave it to its
-    default. Call after `C.load` of the same arguments, which reports a recipe or override that does not read."""
+def names_data(recipe: str | None, overrides: Sequence[str]) -> bool:
+    """Whether the recipe file or the overrides name the data (`data.path` or `data.sources`): the
+    default, the built-in demo set, is no one's data to price. Call after `C.load` of the same
+    arguments, which reports a recipe or override that does not read."""
     named = set(read_overrides(overrides)[0])
     if recipe is not None:
         named |= set(read_recipe(Path(recipe))[1])
-    return any(k in named for k in keys)
+    return bool(named & {"data.path", "data.sources"})
 
 
 OFFLINE_VALUES = ("1", "ON", "YES", "TRUE")

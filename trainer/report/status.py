@@ -20,6 +20,7 @@ import fsspec
 from trainer.report.load import CONFIG_FILE, RUNNING, ReportError, RunData, load_run
 from trainer.report.totals import FINISHED, Totals, ago, redone_by_attempt, totals
 from trainer.restart.checkpoint import CheckpointManager
+from trainer.restart.generations import newest_run_file
 from trainer.restart.lease_object import describe_lease, read_lease
 from trainer.restart.lock import describe, holder
 from trainer.restart.storage import Store
@@ -118,10 +119,11 @@ def format_status(s: Status) -> str:
         head = f"starting on {s.machine or '?'}: held, {step}"
     elif s.state == FINISHED:
         head = f"finished: {step}"
+    elif s.how is None:  # a config.yaml (or checkpoints) but no ledger, metrics or heartbeat
+        head = "stopped before its ledger opened: no attempt has booked any time; `spotune train` starts it"
     else:
-        how = s.how or "unknown"
-        again = "; `spotune train` with the same recipe resumes it" if how != "unknown" else ""
-        head = f"stopped: {how} at {step}{beat if how == KILLED else ''}{again}"
+        again = "; `spotune train` with the same recipe resumes it" if s.how != "unknown" else ""
+        head = f"stopped: {s.how} at {step}{beat if s.how == KILLED else ''}{again}"
     ck = s.checkpoint
     cost = f", cost ${s.cost:,.4f}" if s.cost is not None else ", cost n/a (metrics.price_per_hour unset)"
     lines = [
@@ -148,8 +150,9 @@ def _data(run: str) -> RunData | None:
 
 
 def _has_config(run: str) -> bool:
+    """A config.yaml (in a store, any generation's copy: trainer/restart/generations.py)."""
     fs, path = fsspec.core.url_to_fs(run)
-    return bool(fs.exists(f"{path.rstrip('/')}/{CONFIG_FILE}"))
+    return newest_run_file(fs, f"{path.rstrip('/')}/{CONFIG_FILE}") is not None
 
 
 def _live_lease(remote: str, options: dict[str, Any]) -> dict[str, Any] | None:
