@@ -13,21 +13,25 @@ from typing import Any
 import torch
 
 from trainer.restart.checkpoint import CheckpointManager
-from trainer.restart.ledger import Ledger, read_rows
+from trainer.restart.ledger import HEARTBEAT_FILE, Ledger, read_rows
 from trainer.restart.state import Counters, restore_training_state
 from trainer.training import process
 
 
 def finished_already(proc: process.Process, steps: int, resume_dir: Path | None) -> bool:
-    """The run trained all `steps`, wrote final/ and (with checkpoint.remote) the store holds its last
-    checkpoint: say so, and the attempt ends here. Rank 0 decides (its disk, its store); every rank
-    follows. A run short of any of these goes on: it trains, writes final/ or uploads what is missing."""
+    """The run trained all `steps`, wrote final/, its books are closed (the last ledger row says
+    `finished` and no killed attempt's heartbeat waits to be booked) and (with checkpoint.remote) the
+    store holds its last checkpoint: say so, and the attempt ends here. Rank 0 decides (its disk, its
+    store); every rank follows. A run short of any of these goes on and does what is missing: trains,
+    writes final/, books an attempt killed after it (then closes with a finished row), uploads."""
     from trainer.restart.preemption import agree
 
     done = False
     if proc.is_main and resume_dir is not None:
         step = CheckpointManager.step_of(resume_dir)
-        done = step >= steps and (proc.out / "final").is_dir() and _stored(proc.remote, step)
+        rows = read_rows(proc.out)
+        closed = bool(rows) and rows[-1].get("exit_reason") == "finished" and not (proc.out / HEARTBEAT_FILE).exists()
+        done = step >= steps and (proc.out / "final").is_dir() and closed and _stored(proc.remote, step)
         if done:
             print(
                 f"spotune: {proc.out} finished already: step {step} of {steps} is trained and final/ written; "
@@ -66,7 +70,7 @@ def account_resume(
     """The step this attempt trains from goes into its ledger row; the message says where it resumes
     and, after earlier attempts, how the last one ended and which steps are trained again."""
     ledger.resumed_from = step
-    ledger.heartbeat()  # a kill from here on leaves it in the killed attempt's row
+    ledger.heartbeat(step)  # where it stands until its first log step; a kill from here on leaves both in its row
     if resume_dir is not None:
         message(f"spotune: resuming from {resume_dir} at step {step} of {steps}")
     if not proc.is_main:
