@@ -40,7 +40,7 @@ from trainer.data.sampler import StepSampler  # noqa: E402
 from trainer.model import loss as micro_loss  # noqa: E402
 from trainer.model.load import build  # noqa: E402
 from trainer.training import batches as step_data  # noqa: E402
-from trainer.training import run  # noqa: E402
+from trainer.training import inputs, run  # noqa: E402
 
 SHARED = REPO.parent / "shared" / "data"
 DATA = SHARED / "gpteacher-roleplay.json"
@@ -120,7 +120,7 @@ def bare_loop(cfg: C.RunConfig, steps: int) -> dict[int, tuple[float, float]]:
     Returns {step: (seconds, real tokens)}."""
     import datasets
 
-    prepared = run.prepare_data(cfg, progress=False)
+    prepared = inputs.prepare_data(cfg, progress=False)
     rows = datasets.load_from_disk(str(prepared.train_path))
     t = cfg.train
     sampler = StepSampler(len(rows), C.batch_split(t, 1).global_rows, seed=cfg.seed, shuffle=cfg.data.shuffle)
@@ -236,7 +236,7 @@ def main() -> None:
         os.environ.setdefault("SPOTUNE_HOME", str(root / "home"))
         model_path = make_model(root)
         cfg = spotune_cfg(root, model_path, args.steps, args.micro_batch_size)
-        run.prepare_data(cfg, progress=False)  # cached; not timed
+        inputs.prepare_data(cfg, progress=False)  # cached; not timed
         # Alternate bare and spotune; the machine's load drifts, so each side keeps its best
         # (least disturbed) round.
         bare, ours = [], []

@@ -44,7 +44,7 @@ from trainer.data.sampler import StepSampler  # noqa: E402
 from trainer.restart.checkpoint import CheckpointManager  # noqa: E402
 from trainer.restart.rng import gather_rng  # noqa: E402
 from trainer.restart.state import TrainState, optimizer_to_tensors, write_training_state  # noqa: E402
-from trainer.training import run  # noqa: E402
+from trainer.training import inputs  # noqa: E402
 
 FAR = 10_000
 NEAR = 10
@@ -100,7 +100,7 @@ def startup_benchmark(work: Path, examples: int, repeats: int) -> dict[str, Any]
     recipe = work / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(raw))
     t0 = time.perf_counter()
-    prepared = run.prepare_data(C.from_dict(raw), progress=False)
+    prepared = inputs.prepare_data(C.from_dict(raw), progress=False)
     prep_s = time.perf_counter() - t0
     from datasets import load_from_disk
 
@@ -146,7 +146,7 @@ def tiny_recipe_save(work: Path, repeats: int = 5) -> dict[str, Any]:
     from trainer.model.load import build, build_optimizer
 
     cfg = C.load(REPO / "recipes" / "tiny-cpu.yaml", [f"output_dir={work / 'tiny-run'}"])
-    model = build(cfg.model, cfg.adapter, name_or_path=run.model_path(cfg), device=torch.device("cpu"))
+    model = build(cfg.model, cfg.adapter, name_or_path=inputs.model_path(cfg), device=torch.device("cpu"))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(cfg.train, params, torch.device("cpu"))
     for p in params:

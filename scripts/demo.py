@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -29,6 +30,8 @@ from trainer.exit_codes import EXIT_PREEMPTED  # noqa: E402
 
 RECIPE = REPO / "recipes" / "tiny-cpu.yaml"
 RUN_DIR = REPO / "runs" / "demo"
+MAX_NEW_TOKENS = 8
+"""The longest greedy answer the demo asks for (its answers are one or two words)."""
 # 512-token rows hold ~6 examples each, so packing can close its rows (at 256 a row of three
 # 68-token questions has no room for a fourth). Two rows a step, 200 steps: the recipe's tokens
 # (80 x 8 x 256) in more, smaller steps, which is what binding 19 facts to their keys needs
@@ -97,9 +100,24 @@ def main() -> int:
     after = score(builtin_assets.resolve_model(BUILTIN_TINY_MODEL), adapter=RUN_DIR / "final")
     print(f"held-out questions answered exactly: {before.correct}/{before.total} -> {after.correct}/{after.total}")
     for (prompt, answer), was, now in list(zip(after.cases, before.answers, after.answers, strict=True))[:2]:
-        print(f"  {prompt!r} (answer {answer!r}): base {was!r} -> trained {now!r}")
+        print(f"  asked {prompt!r} (answer {answer!r}): base {was!r} -> trained {now!r}")
     report()
+    prompt, _ = after.cases[0]
+    print(f"ask it yourself (the same greedy reply, {after.answers[0]!r}):")
+    print(f"  {chat_command(RUN_DIR, prompt)}")
     return 0
+
+
+def chat_command(run_dir: Path, prompt: str) -> str:
+    """The `spotune chat` command that asks `prompt` as the demo did: greedy, as many new tokens."""
+    return f"spotune chat {shlex.quote(str(run_dir))} --prompt {shell_quote(prompt)} --temperature 0 --max-new-tokens {MAX_NEW_TOKENS}"
+
+
+def shell_quote(text: str) -> str:
+    """`text` as one shell word on one line: bash's $'...' where it holds a newline (an alpaca input)."""
+    if "\n" not in text:
+        return shlex.quote(text)
+    return "$'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
 
 
 def newest_manifest() -> dict[str, Any]:
@@ -153,7 +171,8 @@ def score(base: str, adapter: Path | None) -> Score:
             model = PeftModel.from_pretrained(model, adapter)
     model.eval()
     held_out = builtin_assets.held_out_examples()
-    cases = [(f"{ex['instruction']} {ex['input']}", ex["output"]) for ex in held_out]
+    # What is asked is the user turn as trained: the alpaca input follows the instruction after a blank line.
+    cases = [(alpaca_messages(ex["instruction"], ex["input"])[-1]["content"], ex["output"]) for ex in held_out]
     answers = []
     for ex in held_out:
         prompt = tok.apply_chat_template(
@@ -164,7 +183,7 @@ def score(base: str, adapter: Path | None) -> Score:
             out = model.generate(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),
-                max_new_tokens=8,
+                max_new_tokens=MAX_NEW_TOKENS,
                 do_sample=False,
                 pad_token_id=tok.pad_token_id,
                 eos_token_id=tok.eos_token_id,
@@ -186,7 +205,7 @@ def report() -> None:
         f"sustained {speed:,.0f} tokens/s; {len(ledger)} attempts "
         f"({', '.join(str(r.get('exit_reason')) for r in ledger)}); "
         + (f"goodput {productive / total:.0%} of {total:.0f} device-seconds; " if total else "")
-        + (f"cost {cost:.4f} at 0.50/hour" if cost is not None else "")
+        + (f"cost ${cost:.4f} at $0.50/hour" if cost is not None else "")
     )
     print(f"adapter: {RUN_DIR / 'final'}")
     html = RUN_DIR / "report.html"

@@ -213,7 +213,7 @@ def test_every_problem_names_its_file_and_line(tmp_path: Path) -> None:
     want = sorted(
         [
             f"{recipe}:7: train.save_steps: " + ANSWERS["save_steps"].format(value=100),
-            f"{recipe}:3: model.dtype: expected one of 'float32', 'bfloat16', 'float16', got 'float64'",
+            f"{recipe}:3: model.dtype: expected one of 'float32', 'bfloat16', 'float16', got 'float64'; did you mean 'float16'?",
             f"{recipe}:11: checkpoint.kep_last: unknown key; did you mean checkpoint.keep_last?",
             f"{recipe}:6: train.lr: must be above 0, got -1.0",
             f"{recipe}:10: checkpoint.keep_last: must be at least 2 so a committed checkpoint always survives, got 1",
@@ -255,7 +255,7 @@ def test_problems_inside_a_list_of_sources_name_their_line(tmp_path: Path) -> No
                 for k in ("path", "subset", "split", "revision", "format", "fields", "rows", "fraction")
             ),
             f"{recipe}:9: data.sources[1].format: expected one of 'auto', 'alpaca', 'prompt_completion', 'messages', "
-            "'sharegpt', 'text', 'chat', 'preference' or null, got 'sharegtp'",
+            "'sharegpt', 'text', 'chat', 'preference' or null, got 'sharegtp'; did you mean 'sharegpt'?",
             f"{recipe}:10: data.sources[1].rows: must be at least 1, got 0",
         ]
     )

@@ -82,3 +82,33 @@ def test_the_old_histogram_left_most_bins_empty() -> None:
     assert (np.histogram(lens, bins=old)[0] == 0).sum() > 10
     assert (np.histogram(lens, bins=histogram_edges(lens))[0] == 0).sum() == 0
     assert len(ascii_histogram(length_stats(lens)["histogram"])) == len(histogram_edges(lens)) - 1
+
+
+def test_the_demo_asks_as_trained_and_its_chat_command_gives_the_same_answer(
+    tmp_path: Path, tiny_llama: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The demo prints each question as the model is asked it (the alpaca input after a blank line, not
+    after a space), and its last line is the `spotune chat` command that gives the same greedy reply."""
+    import subprocess
+
+    from trainer.cli.main import main
+
+    demo = _demo_module()
+    run = tmp_path / "run"
+    data = builtin_assets.write_dataset(tmp_path / "train.jsonl", n=40)
+    argv = [f"output_dir={run}", f"model.name_or_path={tiny_llama}", f"data.path={data}", "data.seq_len=128"]
+    assert main(["train", *argv, "train.max_steps=2", "metrics.progress=false"]) == 0
+    scored = demo.score(str(tiny_llama), adapter=run / "final")
+    prompt, _ = scored.cases[0]
+    assert scored.answers[0], "a reply to compare (not an end of turn at once)"
+    held = builtin_assets.held_out_examples()[0]
+    assert prompt == f"{held['instruction']}\n\n{held['input']}" and held["input"], "the asked text, input included"
+    command = demo.chat_command(run, prompt)
+    assert command.startswith(f"spotune chat {run} --prompt $'") and "\n" not in command
+    # The words bash makes of it, then the command itself, in this process.
+    words = subprocess.run(["bash", "-c", f"printf '%s\\0' {command}"], capture_output=True, check=True).stdout
+    args = words.decode().split("\0")[:-1]
+    assert args[0] == "spotune" and args[args.index("--prompt") + 1] == prompt
+    capsys.readouterr()
+    assert main(args[1:]) == 0
+    assert capsys.readouterr().out.strip() == scored.answers[0]

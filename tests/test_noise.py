@@ -23,6 +23,8 @@ NOISE = (
     "gemm_4bit_forward",  # bitsandbytes, imported by peft on a plain LoRA run
     "kernels-community",
     '{"sustained_tokens_per_s"',  # the raw JSON dict the run used to end with
+    "examples/s]",  # datasets' progress bars, in a log file one line of carriage returns
+    "\r",
 )
 
 
@@ -50,7 +52,9 @@ def test_tiny_recipe_prints_no_library_noise(tmp_path: Path) -> None:
         assert noise not in text, f"{noise!r} leaked:\n{text}"
     # control: what the user should see does reach the same streams
     assert "spotune: finished at step 2/2" in text
-    assert "final loss" in text and "GPU-hours" in text and f"adapter: {tmp_path / 'run' / 'final'}" in text
+    assert "final loss" in text and f"adapter: {tmp_path / 'run' / 'final'}" in text
+    assert "device-hours" in text and "GPU-hours" not in text  # a CPU run's hours are not GPU-hours
+    assert "at seq_len 128 (in use): " in text  # what seq_len loses, before training
 
 
 def test_only_the_cpu_kernel_notice_is_dropped(caplog: pytest.LogCaptureFixture) -> None:

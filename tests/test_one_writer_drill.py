@@ -142,9 +142,10 @@ def test_same_command_twice_one_trains_one_is_refused_a_waiting_one_resumes(
     refused, winner = (a, b) if a.returncode == EXIT_BUSY else (b, a)
     assert f"is in use by pid {winner.pid}" in m.log(refused) and "--wait" in m.log(refused)
     assert c.wait(timeout=300) == 0, m.log(c)
+    assert "finished already" in m.log(c)  # the waiting one got a finished run: no attempt, no row
     rows = read_rows(out)
-    assert [r["pid"] for r in rows] == [winner.pid, c.pid], rows  # the refused one left no row, no phantom
-    assert [r["exit_reason"] for r in rows] == ["finished", "finished"]
+    assert [r["pid"] for r in rows] == [winner.pid], rows  # the refused one left no row, no phantom
+    assert [r["exit_reason"] for r in rows] == ["finished"]
     _no_overlap(rows)
     _steps_once(_metric_rows(out))
     assert _same(_adapter(out), reference["adapter"])

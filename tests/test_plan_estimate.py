@@ -263,3 +263,57 @@ def test_fsdp_memory_is_per_device_and_names_the_smallest_count(cfg: config.RunC
     assert sharded["memory_gib"]["sharded_over"] == 2 and sharded["memory_gib"]["total"] < ddp["memory_gib"]["total"]
     fits = {o["gpu"]: o["fits"] for o in sharded["options"]}
     assert fits["A100-40GB"] and not fits["RTX-4090"]
+
+
+def test_estimate_of_a_model_without_data_prices_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`spotune estimate MODEL` names no data: the memory fit per GPU and what time and cost need, as
+    --help says, never a figure from the built-in demo set (its default data.path)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)  # output_dir runs/default: a fresh directory, no pilot.json
+    assert spotune(["estimate", "meta-llama/Llama-3.1-8B"]) == 0
+    out = capsys.readouterr().out
+    assert "$" not in out and "recommended" not in out and "real tokens/epoch" not in out
+    assert "data: none given (data.path is unset; its default, the built-in demo set" in out
+    assert "give data.path=FILE" in out and "--tokens N" in out
+    assert "memory  GiB per GPU" in out and "H100-SXM" in out
+    assert spotune(["estimate", "meta-llama/Llama-3.1-8B", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["data"]["source"] == "none"
+    with pytest.raises(SystemExit):
+        spotune(["estimate", "--help"])
+    assert "without it, the memory fit alone" in " ".join(capsys.readouterr().out.split())
+    # A recipe file that does not name its data is the same; --tokens and a named data.path price it (control).
+    recipe = tmp_path / "model-only.yaml"
+    recipe.write_text("model:\n  name_or_path: meta-llama/Llama-3.1-8B\n")
+    assert spotune(["estimate", str(recipe), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["data"]["source"] == "none"
+    assert spotune(["estimate", str(recipe), "--tokens", "1e6", "--gpu", "H100-SXM"]) == 0
+    assert "$" in capsys.readouterr().out
+
+
+def test_every_figure_names_its_source_and_unit(
+    cfg: config.RunConfig, tmp_path: Path, tiny_data: Path, tiny_llama: Path
+) -> None:
+    """The data's counts and the truncation: sampled, then exact; the throughput: assumed MFU, then a
+    pilot's; memory in GiB per GPU; costs in $; the recommended row's `*` explained."""
+    short = cfg.replace(**{"data.seq_len": 64})
+    sampled = world.estimate_for_run(short, gpu="H100-SXM")
+    text = table.format_estimate(sampled)
+    assert "extrapolated from 400 sampled rows (data not prepared yet)" in text
+    assert "at seq_len 64 (in use): " in text and "(in 400 sampled rows)" in text and "WARNING: " in text
+    assert "throughput: assumed, not measured: each GPU's peak bf16 FLOP/s x MFU 0.35" in text
+    assert "memory  GiB per GPU, estimated from the model's shape and the recipe: weights " in text
+    assert "recommended: H100-SXM" in text and "; the row marked *)" in text and text.count(" *\n") == 1
+    assert "cost = GPU-h x price, in $" in text
+    rows = [line for line in text.splitlines() if line.startswith("H100-SXM")]
+    assert len(rows) == 2 and all(line.count("$") == 4 for line in rows)  # $/GPU-h and low-expected-high
+    prepared = inputs.prepare_data(short, progress=False)
+    exact = world.estimate_for_run(short, gpu="H100-SXM", pilot_json=_pilot(tmp_path, "NVIDIA H100 80GB HBM3"))
+    tr = prepared.manifest["train"]["truncation"]
+    assert exact["data"]["truncation"] == {**tr, "p99": prepared.manifest["train"]["lengths"]["p99"]}
+    assert sampled["data"]["truncation"] == exact["data"]["truncation"]  # the sample held every row
+    text = table.format_estimate(exact)
+    assert "exact, counted when the data was prepared" in text and "sampled rows" not in text
+    assert "throughput: measured by a pilot (`spotune pilot`) on NVIDIA H100 80GB HBM3" in text
+    assert "the pilot measured a peak of" not in text  # the fixture's pilot.json has no peak memory

@@ -183,6 +183,7 @@ def test_tiny_pilot_end_to_end(cfg: config.RunConfig, capsys: pytest.CaptureFixt
     assert not (Path(cfg.output_dir) / "checkpoints").exists()  # the real run's directory is untouched
 
     # `spotune estimate` finds pilot.json by default and forecasts on the device it ran on.
+    capsys.readouterr()  # the pilot's own lines (its data summary, its steps)
     args = argparse.Namespace(
         pilot=None,
         throughput=None,
@@ -219,6 +220,12 @@ def test_cli_pilot_times_two_processes_and_a_restart(cfg: config.RunConfig, tmp_
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # What it prints: the data summary once (the resumed process reuses the data: two brief lines), its own
+    # planned stop said as such, never "preempted"; no datasets progress bar off a terminal.
+    said = proc.stdout + proc.stderr
+    assert said.count("spotune prepare: built dataset") == 1 and said.count("reused cached dataset") == 1, said
+    assert "spotune: stopped as planned at step 5/10" in said and "spotune: preempted" not in said
+    assert "examples/s]" not in said and "\r" not in said
     p = json.loads((Path(cfg.output_dir) / "pilot" / "pilot.json").read_text())
     assert [a["exit_reason"] for a in p["attempts"]] == ["preempted", "finished"]
     assert [a["steps"] for a in p["attempts"]] == [5, 5]  # the planned stop: exactly halfway

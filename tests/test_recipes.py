@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from trainer import builtin_assets
 from trainer import config as C
 from trainer.cli import world
 from trainer.data.sampler import run_steps
+from trainer.plan.lacks import frugal_gib
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))
@@ -110,7 +112,7 @@ def test_estimate_without_data_prints_the_memory_fit() -> None:
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("model   meta-llama/Llama-3.1-70B-Instruct (llama, 70,553.7M params, nf4)")
-    assert any(line.startswith("memory  weights") and "GiB per GPU" in line for line in lines)
+    assert any(line.startswith("memory  GiB per GPU") and ": weights " in line for line in lines)
     fits = {
         line.split()[0]: line.split()[-1] for line in lines if line[:1].isupper() and line.split()[-1] in ("yes", "NO")
     }
@@ -180,3 +182,26 @@ def test_docs_list_every_recipe() -> None:
     assert not missing, f"docs/recipes.md lacks {missing}"
     for path in GPU_RECIPES:
         assert f"`{C.load(path).model.name_or_path}`" in page
+
+
+def _gb_claim(text: str) -> int | None:
+    found = re.search(r"\bone (\d+) GB\+", text)
+    return int(found.group(1)) if found else None
+
+
+@pytest.mark.parametrize("path", GPU_RECIPES, ids=lambda p: p.name)
+def test_recipe_header_and_docs_agree_on_the_gpu_and_the_estimate_fits_it(path: Path) -> None:
+    """A recipe's first line and its row in docs/recipes.md name the same GPU memory ("one N GB+"), and
+    the estimate with the `auto` settings at their most frugal fits it (a GPU sold as N GB shows about
+    0.95 x N GB to torch)."""
+    header = path.read_text().splitlines()[0]
+    row = next(line for line in (REPO / "docs" / "recipes.md").read_text().splitlines() if f"`gpu/{path.name}`" in line)
+    gpus = row.rstrip(" |").rsplit("|", 1)[-1]
+    claim = _gb_claim(header)
+    assert claim == _gb_claim(gpus), (header, gpus)
+    if claim is None:
+        assert " GB" not in header, header  # a claim in another form ("one 24-80 GB GPU") would not be checked
+        return
+    cfg = C.load(path)
+    job, _ = world._job(cfg, builtin_assets.resolve_model(cfg.model.name_or_path))
+    assert frugal_gib(job, 1) <= 0.95 * claim * 1e9 / 2**30, (path.name, frugal_gib(job, 1))

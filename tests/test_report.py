@@ -319,7 +319,8 @@ def test_pilot_forecast_sits_beside_the_actual(real_run: dict[str, Any], tmp_pat
     assert option["gpu"] == "cpu (test)" and option["pricing"] == "on-demand"
     html = write_report(run)[0].read_text()
     assert (
-        f"<td>GPU-hours (estimate: cpu (test) ×1 on-demand)</td><td>{option['gpu_hours']['expected']:,.4g}</td>" in html
+        f"<td>device-hours (estimate: cpu (test) ×1 on-demand)</td><td>{option['gpu_hours']['expected']:,.4g}</td>"
+        in html
     )
 
 

@@ -145,7 +145,7 @@ def held_out_examples() -> list[dict[str, str]]:
 
 
 def make_examples(n: int = 2000, seed: int = 0) -> list[dict[str, str]]:
-    """Synthetic alpaca-style examples a tiny model learns within a minute on CPU, with real SFT's length mix.
+    """Synthetic alpaca-style examples a tiny model learns in a few CPU-minutes, with real SFT's length mix.
 
     About 65% are short questions with a one-word answer (capitals, French colours, weekdays,
     each asked three ways, minus HELD_OUT); the rest ask for a plan of N days, one sentence per

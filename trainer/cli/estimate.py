@@ -61,13 +61,22 @@ def run(args: argparse.Namespace) -> int:
     if path is not None:
         from trainer.plan.models import looks_like_model_id
 
-        if looks_like_model_id(path):  # `spotune estimate meta-llama/Llama-3.1-8B`: built-in defaults otherwise
+        # `spotune estimate meta-llama/Llama-3.1-8B` (or a model's folder): built-in defaults otherwise
+        if looks_like_model_id(path) or Path(path).is_dir():
             path, overrides = None, [f"model.name_or_path={path}", *overrides]
-    return estimate_command(C.load(path, overrides), args)
+        elif not Path(path).exists() and not path.endswith((".yaml", ".yml")):
+            raise C.ConfigError(
+                [f"{path} is neither a recipe file, a model's folder nor a hub model id (org/name); check the path"],
+                "estimate",
+            )
+    cfg = C.load(path, overrides)
+    recipe.check_model(cfg, download=False)  # shipped shapes plan offline: no cache needed
+    return estimate_command(cfg, args, data_given=recipe.names_data(path, overrides))
 
 
-def estimate_command(cfg: C.RunConfig, args: Any) -> int:
-    """Print the table (or JSON); exit 0."""
+def estimate_command(cfg: C.RunConfig, args: Any, data_given: bool = True) -> int:
+    """Print the table (or JSON); exit 0. `data_given`: the recipe or the command line named the data
+    (else, without --tokens, the memory fit alone)."""
     from trainer.cli.world import estimate_for_run, longest_for_run, pilot_dir
     from trainer.plan.longest import format_longest
     from trainer.plan.table import format_estimate
@@ -94,6 +103,7 @@ def estimate_command(cfg: C.RunConfig, args: Any) -> int:
         download_mb_s=getattr(args, "download_mb_s", None),
         vm_start_seconds=getattr(args, "vm_start_seconds", None),
         tokens=getattr(args, "tokens", None),
+        data_given=data_given,
     )
     print(json.dumps(result, indent=2) if args.json else format_estimate(result))
     return 0

@@ -19,7 +19,7 @@ from types import ModuleType
 
 from trainer import config as C
 from trainer import exit_codes
-from trainer.cli import chat, config, estimate, export, pilot, prepare, report, status, train
+from trainer.cli import chat, config, estimate, export, flags, pilot, prepare, report, status, train
 from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_BUSY, EXIT_ERROR, EXIT_FINISHED, EXIT_PREEMPTED
 
 # Every command, in the order `spotune --help` lists them: its module has HELP, add_arguments
@@ -40,11 +40,21 @@ COMMANDS: dict[str, ModuleType] = {
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="spotune", description="Restart-safe LoRA/QLoRA fine-tuning.")
+    ap.add_argument("--version", action="version", version=f"spotune {_version()}")
     sub = ap.add_subparsers(dest="command", required=True)
     for name, module in COMMANDS.items():
         help_text = module.HELP[name] if isinstance(module.HELP, dict) else module.HELP
         module.add_arguments(sub.add_parser(name, help=help_text))
     return ap
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("spotune")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed: pip install -e . in the repository)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -82,7 +92,13 @@ def _record_exit_code(code: int, started: float | None = None) -> None:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    args = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    wrong = flags.answers(argv, parser)  # `--max-steps 10`: the override to write, not argparse's bare refusal
+    if wrong:
+        print("\n".join(f"spotune: {line}" for line in wrong), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    args = parser.parse_args(argv)
     from trainer.catalog import CatalogError
     from trainer.data import DataError
     from trainer.plan import PlanError

@@ -22,6 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = recipe.load(args)
+    recipe.check_model(cfg)
     from trainer.cli.pilot_run import run_pilot
     from trainer.cli.world import estimate_for_run, pilot_dir
     from trainer.plan import pilot
@@ -32,5 +33,8 @@ def run(args: argparse.Namespace) -> int:
         return 0  # not rank 0
     print(pilot.format_pilot(p))
     print(f"  written to {pilot_dir(cfg) / 'pilot.json'}\n")
-    print(format_estimate(estimate_for_run(cfg, pilot_json=pilot_dir(cfg) / "pilot.json", gpus=p["world_size"])))
+    given = recipe.names_data(*recipe.split(args.recipe, args.overrides))
+    # Measured on the built-in demo set when no data was named: the rate, never a price for that data.
+    doc = estimate_for_run(cfg, pilot_json=pilot_dir(cfg) / "pilot.json", gpus=p["world_size"], data_given=given)
+    print(format_estimate(doc))
     return 0

@@ -29,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = recipe.load(args)
+    recipe.check_model(cfg)
     from trainer.training.inputs import pin_data, prepare_data
 
     cfg = pin_data(cfg)
@@ -40,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         # Every source as prepare reads it: a folder, a hub dataset at its pinned commit, each of a mix.
         shown = show_examples(resolved_data(cfg), tokenizer_path(cfg), args.show, color, cfg.seed, prepares_pairs(cfg))
         print(shown, flush=True)
-    prepared = prepare_data(cfg, progress=True)  # a run's hub datasets at its pinned commits
+    prepared = prepare_data(cfg)  # a run's hub datasets at its pinned commits
     if args.command == "inspect":
         plot = prepared.train_path.parent / "lengths.png"
         if plot.exists():

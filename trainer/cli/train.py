@@ -18,6 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = recipe.load(args)
+    recipe.check_model(cfg)
     from trainer.training.run import train
 
     return train(cfg, wait=args.wait)

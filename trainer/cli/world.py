@@ -24,7 +24,7 @@ from trainer.plan import PlanError, pilot
 from trainer.plan import timeline as tl
 from trainer.plan import workload as wl
 from trainer.plan.estimate import estimate
-from trainer.plan.fit import memory_fit
+from trainer.plan.fit import NO_DATA, memory_fit
 from trainer.plan.job import Constraints, Job, Measured
 from trainer.plan.throughput import choose
 from trainer.restart.ledger import read_rows, row_time
@@ -47,11 +47,13 @@ def estimate_for_run(
     download_mb_s: float | None = None,
     vm_start_seconds: float | None = None,
     tokens: float | None = None,
+    data_given: bool = True,
 ) -> dict[str, Any]:
     """The estimate of the run `cfg` describes (schema `spotune.estimate/1`), for its own
     output_dir: what that directory and this machine already hold decides the fixed costs.
-    `tokens`: the data's real tokens per epoch, in place of reading the data; without either, the
-    memory fit alone (trainer/plan/fit.py), naming what the hours and the cost need."""
+    `tokens`: the data's real tokens per epoch, in place of reading the data; without either (the
+    data cannot be read, or `data_given` is false: the user named none), the memory fit alone
+    (trainer/plan/fit.py), naming what the hours and the cost need."""
     constraints = Constraints(gpus=gpus, gpu=gpu, deadline_hours=deadline_hours, budget=budget)
     if gpus < 1:
         raise PlanError(f"--gpus must be at least 1, got {gpus}")
@@ -67,6 +69,8 @@ def estimate_for_run(
         manifest = _pilot_manifest(cfg, measured)  # the data the pilot prepared, when it is this run's
     if tokens is not None and tokens < 1:
         raise PlanError(f"--tokens must be at least 1, got {tokens:g}")
+    if not data_given and not tokens:
+        return memory_fit(job, catalog, constraints, NO_DATA)
     try:
         work = wl.from_tokens(tokens, cfg.data.seq_len) if tokens else _workload(cfg, manifest, sample_size)
     except DataError as e:

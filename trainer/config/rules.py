@@ -90,7 +90,7 @@ def build(cls: type, raw: Any, prefix: str, problems: list[str], marks: Mapping[
         if ok:
             kwargs[key] = coerced
         else:
-            problems.append(f"{name}: expected {expected}, got {value!r}")
+            problems.append(f"{name}: expected {expected}, got {value!r}{_nearest_choice(hint, value)}")
     try:
         return cls(**kwargs)
     except TypeError as e:  # only reachable if a problem was already recorded
@@ -111,6 +111,22 @@ def _suggest(key: str, prefix: str, fields: Mapping[str, Any]) -> str:
     if close:
         return f"; did you mean {prefix}{close[0]}?"
     return f"; valid keys here: {', '.join(prefix + f for f in fields)}"
+
+
+def _nearest_choice(hint: Any, value: Any) -> str:
+    """`; did you mean 'sharegpt'?` for a misspelt choice of a Literal field (`data.format=sharegtp`)."""
+    choices = [str(a) for a in _literals(hint)]
+    close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.6) if isinstance(value, str) else []
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _literals(hint: Any) -> list[Any]:
+    """Every value a Literal (or a union holding Literals) allows."""
+    if typing.get_origin(hint) is Literal:
+        return list(typing.get_args(hint))
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        return [a for arg in typing.get_args(hint) for a in _literals(arg)]
+    return []
 
 
 def _check(hint: Any, value: Any) -> tuple[bool, Any, str]:

@@ -36,7 +36,7 @@ from trainer.data.pack import batch_pad_efficiency, build_rows, one_per_row, pac
 from trainer.data.read import DataError, data_columns
 from trainer.data.rows import Parts
 from trainer.data.sources import Located, eval_sources, local_files, locate, sources_of
-from trainer.data.stats import BASELINE_BATCH, format_summary, length_stats
+from trainer.data.stats import BASELINE_BATCH, format_summary, length_stats, truncation
 from trainer.data.template import Tokenize, tokenize_for
 
 _TOKENIZED = Features(
@@ -313,6 +313,7 @@ def _tokenize_pack_save(
         "dropped_rows": split_lost[: dropped.SHOWN],
         "truncated": int((lengths[kept] > cfg.seq_len).sum()),
         **({"pairs": int(kept.size)} if job.pairs else {}),
+        "truncation": truncation(lengths, status, cfg.seq_len),  # what seq_len loses (trainer/data/stats.py)
         "real_tokens": real,
         "trainable_tokens": int(packed["num_trainable"].sum()),
         "rows": n_rows,

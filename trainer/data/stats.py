@@ -1,4 +1,12 @@
-"""Length statistics for the manifest, and the human-readable summary built from a manifest."""
+"""Length statistics for the manifest, what `data.seq_len` loses, and the human-readable summary
+built from a manifest.
+
+Two rules are defined here once, for `prepare`, `inspect`, `estimate` and `train` alike:
+- the suggested `seq_len` (`suggest_seq_len`, described by `SEQ_LEN_RULE`, the text printed with it);
+- what `seq_len` loses (`truncation`): examples longer than it are cut (`overlong: truncate`) or
+  dropped (`overlong: drop`, or no trained token left after the cut), and a warning is printed
+  when more than `WARN_SHARE` of the examples lose tokens.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +15,81 @@ from typing import Any
 import numpy as np
 
 from trainer.data import dropped
+from trainer.data.template import NO_TRAINABLE_AFTER_TRUNCATION, OVERLONG
 
 CANDIDATE_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 HIST_BINS = 20
 BASELINE_BATCH = 8  # batch size of the "pad each batch to its longest" baseline in the manifest
+SEQ_LEN_MULTIPLE = 64
+"""Suggested seq_lens are multiples of this (attention kernels tile by 64 and more)."""
+SEQ_LEN_RULE = f"the smallest multiple of {SEQ_LEN_MULTIPLE} holding p99"
+"""What `suggest_seq_len` computes, in the words printed beside its result."""
+WARN_SHARE = 0.01
+"""Warn when more than this share of the examples lose tokens at the seq_len in use (p99 holds 99%)."""
+LOST_TO_SEQ_LEN = ("", OVERLONG, NO_TRAINABLE_AFTER_TRUNCATION)
+"""Statuses of the examples `truncation` counts: kept, or dropped only because of seq_len."""
 
 
 def suggest_seq_len(p99: int) -> int:
-    """Smallest multiple of 64 of the form 2^k or 1.5 * 2^k that holds the p99 example."""
-    steps = sorted({m for k in range(6, 20) for m in (2**k, 3 * 2 ** (k - 1)) if m % 64 == 0})
-    return next(m for m in steps if m >= p99)
+    """`SEQ_LEN_RULE`: the smallest multiple of `SEQ_LEN_MULTIPLE` that holds the p99 example."""
+    return max(1, -(-int(p99) // SEQ_LEN_MULTIPLE)) * SEQ_LEN_MULTIPLE
+
+
+def truncation(lengths: np.ndarray, status: np.ndarray, seq_len: int) -> dict[str, Any]:
+    """What `seq_len` costs the data: the examples that lose tokens to it and the tokens lost.
+
+    `lengths` are token lengths before truncation, `status` each example's drop reason ("" kept).
+    An example longer than `seq_len` loses its tokens past `seq_len` when it is kept (truncated),
+    and all of them when it is dropped for its length (`overlong`) or for having no trained
+    token left after the cut. Examples dropped for other reasons never met `seq_len`.
+    """
+    lens = np.asarray(lengths, dtype=np.int64)
+    st = np.asarray(status, dtype=object)
+    met = np.isin(st, LOST_TO_SEQ_LEN)
+    kept, over = st == "", lens > seq_len
+    cut = int(np.maximum(lens[kept & over] - seq_len, 0).sum())
+    whole = int(lens[met & ~kept & over].sum())
+    return {
+        "seq_len": int(seq_len),
+        "examples": int(met.sum()),
+        "tokens": int(lens[met].sum()),
+        "truncated": int((kept & over).sum()),
+        "dropped": int((met & ~kept & over).sum()),
+        "tokens_lost": cut + whole,
+    }
+
+
+def truncation_lines(tr: dict[str, Any], p99: int | None, where: str = "") -> list[str]:
+    """The share of examples and of tokens `seq_len` loses, and a warning above `WARN_SHARE` naming
+    the seq_len that holds p99 (`SEQ_LEN_RULE`). `where`: the figures' source, when not exact."""
+    n, tokens = tr["examples"], tr["tokens"]
+    hit = tr["truncated"] + tr["dropped"]
+    share = hit / n if n else 0.0
+    token_share = tr["tokens_lost"] / tokens if tokens else 0.0
+    how = ", ".join(
+        part
+        for part in (
+            f"{tr['truncated']:,} truncated" if tr["truncated"] else "",
+            f"{tr['dropped']:,} dropped" if tr["dropped"] else "",
+        )
+        if part
+    )
+    lines = [
+        f"at seq_len {tr['seq_len']} (in use): {hit:,} of {n:,} examples lose tokens ({share:.1%}"
+        + (f": {how}" if how else "")
+        + f"), {tr['tokens_lost']:,} of {tokens:,} tokens lost ({token_share:.1%}){where}"
+    ]
+    if share > WARN_SHARE:
+        fix = (
+            f"; data.seq_len={suggest_seq_len(p99)} holds p99 ({p99:,} tokens; {SEQ_LEN_RULE})"
+            if p99 is not None and p99 > tr["seq_len"]
+            else ""
+        )
+        lines.append(
+            f"WARNING: {share:.1%} of the examples lose tokens at seq_len {tr['seq_len']} "
+            f"(more than {WARN_SHARE:.0%}){fix}"
+        )
+    return lines
 
 
 def _nice(width: float) -> int:
@@ -111,6 +184,8 @@ def _split_lines(name: str, st: dict[str, Any], seq_len: int, overlong: str) -> 
                 f"truncated: {ps['truncated']:,}"
             )
     ls = st["lengths"]
+    p99 = ls.get("p99") if ls.get("count") else None
+    out.extend("  " + line for line in seq_len_lines(st, seq_len, p99))
     if not ls.get("count"):
         return out
     out.append(
@@ -119,10 +194,46 @@ def _split_lines(name: str, st: dict[str, Any], seq_len: int, overlong: str) -> 
     )
     out.extend("  " + line for line in ascii_histogram(ls["histogram"]))
     action = "dropped" if overlong == "drop" else "truncated"
-    out.append(f"  suggested seq_len: {ls['suggested_seq_len']} (smallest multiple of 64 holding p99)")
+    out.append(f"  suggested seq_len: {suggest_seq_len(ls['p99'])} ({SEQ_LEN_RULE})")
+    shares = {c["seq_len"]: c["share_over"] for c in ls["candidates"]}
+    tr = st.get("truncation")
+    if tr and tr["examples"]:
+        shares[seq_len] = (tr["truncated"] + tr["dropped"]) / tr["examples"]
     out.append(f"  share of examples that would be {action} at seq_len:")
-    out.append("    " + "  ".join(f"{c['seq_len']}: {c['share_over']:.1%}" for c in ls["candidates"]))
+    out.append(
+        "    "
+        + "  ".join(f"{n}: {share:.1%}{' (in use)' if n == seq_len else ''}" for n, share in sorted(shares.items()))
+    )
     return out
+
+
+def seq_len_lines(st: dict[str, Any], seq_len: int, p99: int | None) -> list[str]:
+    """A split's truncation lines from its manifest entry (`truncation`; a manifest written before
+    it was recorded has the count of truncated examples only)."""
+    tr = st.get("truncation")
+    if tr is None:
+        kept = st.get("examples_out") or 0
+        share = st.get("truncated", 0) / kept if kept else 0.0
+        return [
+            f"at seq_len {seq_len} (in use): {st.get('truncated', 0):,} of {kept:,} kept examples truncated "
+            f"({share:.1%}); tokens lost not recorded (prepared by an earlier spotune)"
+        ]
+    return truncation_lines(tr, p99)
+
+
+def brief_summary(manifest: dict[str, Any], reused: bool, where: str) -> str:
+    """What `train` prints of its data when it reused a prepared dataset (the full report is
+    `spotune inspect`'s): the counts, and what seq_len loses."""
+    s, st = manifest["settings"], manifest["train"]
+    verb = "reused cached dataset" if reused else "built dataset"
+    drops = sum(st["dropped"].values())
+    lines = [
+        f"spotune prepare: {verb} {manifest['fingerprint']} at {where}: {st['examples_out']:,} examples "
+        f"({drops:,} dropped), {st['real_tokens']:,} real tokens in {st['rows']:,} rows of {s['seq_len']}",
+    ]
+    ls = st["lengths"]
+    lines += ["  " + line for line in seq_len_lines(st, s["seq_len"], ls.get("p99") if ls.get("count") else None)]
+    return "\n".join(lines)
 
 
 def ascii_histogram(hist: dict[str, list[int]], width: int = 40) -> list[str]:

@@ -9,7 +9,8 @@ JSON document.
 
 `--json` schema `spotune.estimate/1` (tests/test_plan_estimate.py pins the keys):
   model{name_or_path, arch, params, trainable_params, weight_format, flops_per_token},
-  data{source: manifest|sample, exact, rows_per_epoch, real_tokens_per_epoch, ...},
+  data{source: manifest|sample|given, exact, rows_per_epoch, real_tokens_per_epoch, ..., truncation{seq_len,
+       examples, tokens, truncated, dropped, tokens_lost, p99} | null (trainer/data/stats.py)},
   run{steps, gpus, global_batch_rows, seq_len, epochs, real_tokens, trainable_tokens, train_flops},
   memory_gib{weights, adapter, gradients, optimizer, activations, logits, backward_workspace,
              overhead, total, pilot_measured_peak, sharded_over (FSDP devices, 1 under DDP)}, throughput{source: pilot|given|mfu, ...},
@@ -141,6 +142,7 @@ def _described(job: Job, work: wl.Workload, totals: Totals, constraints: Constra
             "examples": work.examples,
             "sampled_examples": work.sampled_examples,
             "manifest": work.manifest_path,
+            "truncation": work.truncation,
         },
         "run": {
             "steps": totals.steps,
@@ -355,8 +357,8 @@ def _assumptions(rate: Throughput, work: wl.Workload, gpus: int, bases: set[str]
     out = []
     if rate.source == "mfu":
         out.append(
-            f"throughput assumed from peak bf16 FLOP/s x MFU {rate.mfu:.2f} (+/-{MFU_SPREAD:.0%}); "
-            "run `spotune pilot` to measure it"
+            f"throughput assumed from peak bf16 FLOP/s x MFU {rate.mfu:.2f} (+/-{MFU_SPREAD:.0%}; --mfu to change "
+            "it), typical of LoRA on one modern GPU; run `spotune pilot` to measure it"
         )
     elif rate.source == "given":
         out.append(f"throughput given: {rate.tokens_per_s_per_gpu:.0f} real tokens/s per GPU (+/-{GIVEN_SPREAD:.0%})")

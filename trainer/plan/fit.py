@@ -16,6 +16,8 @@ from trainer.plan import memory as mem
 from trainer.plan.estimate import SCHEMA, model_facts
 from trainer.plan.job import Constraints, Job
 
+NO_DATA = "none given (data.path is unset; its default, the built-in demo set, is not the data this run would train on)"
+"""The data problem of `spotune estimate MODEL` without data.path: what it does not price."""
 NEEDS = (
     "time and cost need the data's size: give data.path=FILE (the data the run trains on), or --tokens N "
     "(its tokens per epoch)"

@@ -4,38 +4,43 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainer.data.stats import truncation_lines
+
+DATA_SOURCES = {
+    "manifest": "exact, counted when the data was prepared",
+    "given": "given with --tokens: rows packed full, every token trained",
+    "sample": "extrapolated from {n:,} sampled rows (data not prepared yet)",
+}
+"""Where the data's figures come from, as printed (the estimate's `data.source`)."""
+
 
 def format_estimate(result: dict[str, Any]) -> str:
-    """The readable report: workload, memory, throughput, then one line per GPU and pricing."""
+    """The readable report: workload, memory, throughput, then one line per GPU and pricing; every
+    figure with its unit and where it comes from (measured by a pilot, counted, sampled, assumed)."""
     if result["data"]["source"] == "none":
         return format_memory_fit(result)
     m, d, r, t = result["model"], result["data"], result["run"], result["throughput"]
     mem_g = result["memory_gib"]
-    exact = {
-        "manifest": "exact, from the prepared manifest",
-        "given": "given with --tokens",
-        "sample": f"estimate from {d['sampled_examples']} sampled examples",
-    }[d["source"]]
+    where = DATA_SOURCES[d["source"]].format(n=d.get("sampled_examples") or 0)
+    devices = "dev-h" if any(o.get("memory_gib") is None for o in result["options"]) else "GPU-h"
     lines = [
-        f"model   {m['name_or_path']} ({m['arch']}, {m['params'] / 1e6:,.1f}M params, {m['weight_format']}), "
-        f"LoRA {m['trainable_params'] / 1e6:,.2f}M trainable, {_si(m['flops_per_token'])} FLOP/token",
+        *_model_line(m),
         f"data    {d['rows_per_epoch']:,.0f} rows/epoch, {d['real_tokens_per_epoch']:,.0f} real tokens/epoch "
-        f"({d['trainable_tokens_per_epoch']:,.0f} trainable) [{exact}]",
-        f"run     {r['steps']:,} steps x {r['global_batch_rows']} rows x {r['seq_len']} = {r['real_tokens']:,.0f} real tokens "
-        f"on {r['gpus']} GPU(s), {r['train_flops']:.3g} FLOPs",
-        "memory  "
-        + ", ".join(f"{k} {v:.3g}" for k, v in mem_g.items() if k not in ("total", "pilot_measured_peak"))
-        + f" -> {mem_g['total']:.3g} GiB per GPU"
-        + (f" (pilot measured {mem_g['pilot_measured_peak']:.3g} GiB)" if mem_g.get("pilot_measured_peak") else ""),
+        f"({d['trainable_tokens_per_epoch']:,.0f} trainable): {where}",
+        *_truncation(d),
+        f"run     {r['steps']:,} steps x {r['global_batch_rows']} rows x {r['seq_len']} tokens = "
+        f"{r['real_tokens']:,.0f} real tokens on {r['gpus']} GPU(s), {r['train_flops']:.3g} FLOPs",
+        _memory_line(mem_g),
         *_timeline(result),
         "",
-        f"{'GPU':<14}{'fit':<5}{'pricing':<10}{'$/GPU-h':>8}{'tok/s':>9}{'compute lo-exp-hi':>20}"
-        f"{'+start':>8}{'+ckpt':>7}{'+eval':>7}{'+interr':>8}{'= wall':>8}{'GPU-h':>8}{'cost lo-exp-hi':>22}{'ckpt every':>11}",
+        f"{'GPU':<14}{'fit':<5}{'pricing':<10}{'$/' + devices:>8}{'tok/s':>9}{'compute lo-exp-hi':>20}"
+        f"{'+start':>8}{'+ckpt':>7}{'+eval':>7}{'+interr':>8}{'= wall':>8}{devices:>8}{'cost lo-exp-hi':>26}"
+        f"{'ckpt every':>11}",
     ]
     for i, o in enumerate(result["options"]):
         c, w = o["cost"], o["compute_hours"]
-        cost = "-".join(f"{c[k]:,.2f}" for k in ("low", "expected", "high")) if c["expected"] is not None else "n/a"
-        price = f"{o['price_per_gpu_hour']:.2f}" if o["price_per_gpu_hour"] is not None else "n/a"
+        cost = "-".join(_money(c[k]) for k in ("low", "expected", "high")) if c["expected"] is not None else "n/a"
+        price = f"${o['price_per_gpu_hour']:.2f}" if o["price_per_gpu_hour"] is not None else "n/a"
         rec = o.get("recommended_checkpoint_minutes")
         star = " *" if result["recommendation"] and result["recommendation"]["index"] == i else ""
         lines.append(
@@ -43,37 +48,46 @@ def format_estimate(result: dict[str, Any]) -> str:
             f"{'-'.join(_hours(w[k]) for k in ('low', 'expected', 'high')):>20}"
             f"{_hours(o['startup_hours']):>8}{_hours(o['checkpoint_hours']):>7}{_hours(o['eval_hours']):>7}"
             f"{_hours(o['restart_hours']):>8}{_hours(o['wall_hours']['expected']):>8}"
-            f"{o['gpu_hours']['expected']:>8.2f}{cost:>22}{(f'{rec:.0f} min' if rec and o['pricing'] == 'spot' else ''):>11}{star}"
+            f"{o['gpu_hours']['expected']:>8.2f}{cost:>26}{(f'{rec:.0f} min' if rec and o['pricing'] == 'spot' else ''):>11}{star}"
         )
     rec = result["recommendation"]
     lines += _fsdp_hint(result)
     lines.append("")
     if rec:
         lines.append(
-            f"recommended: {rec['gpu']} {rec['pricing']}, ~{_hours(rec['wall_hours'])}, ~{rec['cost']:,.2f} ({rec['why']})"
+            f"recommended: {rec['gpu']} {rec['pricing']}, ~{_hours(rec['wall_hours'])}, "
+            f"~{_money(rec['cost'])} ({rec['why']}; the row marked *)"
         )
         if rec.get("next_cheaper"):
             lines.append(f"  next cheaper: {rec['next_cheaper']}")
     elif result["constraints"]["deadline_hours"] is not None or result["constraints"]["budget"] is not None:
         lines.append("recommended: none meets the deadline/budget; relax one, add GPUs (--gpus) or shorten the run")
-    lines.append(f"throughput: {t['source']}" + (f" on {t['device']}" if t.get("device") else ""))
+    lines.append(f"throughput: {throughput_source(t)}")
     lines += [f"  - {a}" for a in result["assumptions"]]
-    lines.append(
-        "wall = compute + startup + checkpoint saves + evaluation + (spot) expected interruptions x "
-        "(restart + half a checkpoint interval); GPU-h = wall x GPUs; cost = GPU-h x price"
-    )
+    lines += [
+        f"tok/s: real (non-padding) tokens per second of the run, all its GPUs; times in h/m/s; {devices} = wall x "
+        f"{'devices' if devices == 'dev-h' else 'GPUs'}; cost = {devices} x price, in $ (the catalogue's USD "
+        "prices; --catalog YAML for yours), low-expected-high",
+        "wall = compute + start-up + checkpoint saves + evaluation + (spot) expected interruptions x "
+        "(restart + half a checkpoint interval)",
+    ]
     return "\n".join(lines)
+
+
+def throughput_source(t: dict[str, Any]) -> str:
+    """Where the tokens/s come from, in words (the estimate's `throughput.source`)."""
+    if t["source"] == "pilot":
+        return f"measured by a pilot (`spotune pilot`) on {t.get('device')}"
+    if t["source"] == "given":
+        return f"given with --throughput ({t['tokens_per_s_per_gpu']:,.0f} real tokens/s per GPU)"
+    return f"assumed, not measured: each GPU's peak bf16 FLOP/s x MFU {t['assumed_mfu']:.2f} (model FLOPs utilisation)"
 
 
 def format_memory_fit(result: dict[str, Any]) -> str:
     """The report of an estimate without data (trainer/plan/fit.py): memory per GPU, then what time and cost need."""
-    m, mem_g = result["model"], result["memory_gib"]
     lines = [
-        f"model   {m['name_or_path']} ({m['arch']}, {m['params'] / 1e6:,.1f}M params, {m['weight_format']}), "
-        f"LoRA {m['trainable_params'] / 1e6:,.2f}M trainable",
-        "memory  "
-        + ", ".join(f"{k} {v:.3g}" for k, v in mem_g.items() if k not in ("total", "sharded_over"))
-        + f" -> {mem_g['total']:.3g} GiB per GPU",
+        *_model_line(result["model"]),
+        _memory_line(result["memory_gib"]),
         "",
         f"{'GPU':<14}{'GiB':>6}  fit",
     ]
@@ -82,6 +96,42 @@ def format_memory_fit(result: dict[str, Any]) -> str:
     lines += _fsdp_hint(result)
     lines += ["", f"data: {result['data']['problem']}", result["needs"]]
     return "\n".join(lines)
+
+
+def _model_line(m: dict[str, Any]) -> list[str]:
+    flop = f", {_si(m['flops_per_token'])} FLOP/token" if m.get("flops_per_token") else ""
+    return [
+        f"model   {m['name_or_path']} ({m['arch']}, {m['params'] / 1e6:,.1f}M params, {m['weight_format']}), "
+        f"LoRA {m['trainable_params'] / 1e6:,.2f}M trainable{flop}"
+    ]
+
+
+_NOT_TERMS = ("total", "allocated", "reserved", "offloaded", "pilot_measured_peak", "sharded_over")
+"""`memory_gib` keys that are not terms of the sum (subtotals, host memory, the pilot's figure, a count)."""
+
+
+def _memory_line(mem_g: dict[str, Any]) -> str:
+    """Every term of the per-GPU sum with its unit, the total, and what is not on the GPU."""
+    terms = " + ".join(f"{k} {v:.3g}" for k, v in mem_g.items() if k not in _NOT_TERMS and v)
+    line = f"memory  GiB per GPU, estimated from the model's shape and the recipe: {terms} = {mem_g['total']:.3g} GiB"
+    if mem_g.get("offloaded"):
+        line += f" (+ {mem_g['offloaded']:.3g} GiB of host memory for offloaded activations)"
+    if mem_g.get("pilot_measured_peak"):
+        line += f"; the pilot measured a peak of {mem_g['pilot_measured_peak']:.3g} GiB"
+    return line
+
+
+def _truncation(d: dict[str, Any]) -> list[str]:
+    """What seq_len loses (trainer/data/stats.py), from the same source as the data's counts."""
+    tr = d.get("truncation")
+    if not tr:
+        return []
+    where = f" (in {d['sampled_examples']:,} sampled rows)" if d["source"] == "sample" else ""
+    return ["        " + line for line in truncation_lines(tr, tr.get("p99"), where)]
+
+
+def _money(x: float) -> str:
+    return f"${x:,.2f}"
 
 
 def _fsdp_hint(result: dict[str, Any]) -> list[str]:

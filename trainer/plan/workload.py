@@ -38,6 +38,9 @@ class Workload:
     manifest_path: str | None = None
     prepare_seconds: float | None = None
     """How long preparing this data took when its manifest was written (None: not prepared)."""
+    truncation: dict[str, Any] | None = None
+    """What seq_len loses, counted in the manifest or the sample (trainer/data/stats.py `truncation`,
+    with the p99 length under `p99`); None: not known (`--tokens`, or a manifest from before it)."""
 
     @property
     def exact(self) -> bool:
@@ -109,7 +112,17 @@ def from_manifest(manifest: dict[str, Any], path: Path | None = None) -> Workloa
         eval_real_tokens=float(ev.get("real_tokens", 0)),
         manifest_path=str(path) if path else None,
         prepare_seconds=float(manifest["seconds"]) if manifest.get("seconds") is not None else None,
+        truncation=_truncation(train),
     )
+
+
+def _truncation(split: dict[str, Any]) -> dict[str, Any] | None:
+    """A manifest split's `truncation` record with its p99 length, or None when it has none."""
+    tr = split.get("truncation")
+    if tr is None:
+        return None
+    lengths = split.get("lengths") or {}
+    return {**tr, "p99": lengths.get("p99") if lengths.get("count") else None}
 
 
 def doc_len_sq_from_lengths(lengths: dict[str, Any], seq_len: int, documents: int) -> float:
@@ -136,10 +149,11 @@ def from_sample(
 ) -> Workload:
     """Prepare the first `sample_size` examples (pairs, for a preference objective) in a scratch directory and extrapolate."""
     from trainer.data import prepare
-    from trainer.data.prepare import FORMAT_FIELDS
+    from trainer.data.prepare import FORMAT_FIELDS, _progress_bars
     from trainer.data.sources import write_sample
 
-    with tempfile.TemporaryDirectory(prefix="spotune-estimate-") as tmp:
+    # No datasets bars: a sample is quick, and the estimate's output is a table (maybe a log file's).
+    with tempfile.TemporaryDirectory(prefix="spotune-estimate-") as tmp, _progress_bars(False):
         # Every source of a mix in its share, local or on the hub (trainer/data/sources.py).
         resolved = dataclasses.replace(data, path=resolved_path)
         sample_cfg, total, n = write_sample(resolved, FORMAT_FIELDS, Path(tmp), sample_size, seed)
@@ -164,4 +178,5 @@ def from_sample(
         eval_rows=float(ev.get("rows", 0)) * scale,
         eval_real_tokens=float(ev.get("real_tokens", 0)) * scale,
         sampled_examples=n,
+        truncation=_truncation(train),  # shares of the sample: not scaled
     )

@@ -58,6 +58,9 @@ class Attempt:
     last_step: int | None
     device: str | None = None
     """What it ran on (`NVIDIA H100 80GB HBM3`, `cpu`); rows written before the ledger kept it have none."""
+    resumed_from: int | None = None
+    """The step its training started from (the checkpoint's, 0 without one); None: it never started
+    training, or its row predates the field."""
 
     @property
     def running(self) -> bool:
@@ -85,6 +88,7 @@ class Attempt:
             cost=float(row["cost"]) if row.get("cost") is not None else None,
             last_step=int(row["last_step"]) if row.get("last_step") is not None else None,
             device=str(row["device"]) if row.get("device") else None,
+            resumed_from=int(row["resumed_from"]) if row.get("resumed_from") is not None else None,
         )
 
 
@@ -117,7 +121,9 @@ class RunData:
 
     @property
     def total_steps(self) -> int | None:
+        """`train.max_steps`: the newest checkpoint's (a resume may extend the run), else config.yaml's."""
         steps = self.config.train.max_steps if self.config is not None else None
+        steps = self.trained.max_steps or steps
         return int(steps) if steps is not None else None
 
 

@@ -58,7 +58,7 @@ def _steps_text(t: Totals) -> str:
 def _restart_cost_text(t: Totals) -> str:
     if not t.restarts:
         return "none"
-    return _money(t.restart_cost) if t.restart_cost is not None else f"{t.restart_hours:,.3g} GPU-h"
+    return _money(t.restart_cost) if t.restart_cost is not None else f"{t.restart_hours:,.3g} {t.hours_unit}"
 
 
 def cards(t: Totals, price_known: bool) -> list[Card]:
@@ -70,7 +70,7 @@ def cards(t: Totals, price_known: bool) -> list[Card]:
     return [
         Card("status", "Status", t.status, t.status, _steps_text(t)),
         Card("cost", "Cost so far", _money(t.cost), t.cost, why_no_cost),
-        Card("gpu_hours", "GPU-hours", f"{t.device_hours:,.4g}", t.device_hours, f"{t.attempts} attempt(s)"),
+        Card("gpu_hours", t.hours_unit, f"{t.device_hours:,.4g}", t.device_hours, f"{t.attempts} attempt(s)"),
         Card("goodput", "Goodput", f"{t.goodput:.1%}", t.goodput, "productive / paid time"),
         Card("restarts", "Restarts", str(t.restarts), t.restarts, restart_sub),
         Card(
@@ -78,7 +78,7 @@ def cards(t: Totals, price_known: bool) -> list[Card]:
             "Restarts cost",
             _restart_cost_text(t),
             t.restart_cost if t.restart_cost is not None else t.restart_hours,
-            f"{t.restart_hours:,.3g} GPU-h start-up + redone work{share}",
+            f"{t.restart_hours:,.3g} {t.hours_unit} of start-up + redone work{share}",
         ),
         Card(
             "final_loss",
@@ -126,10 +126,10 @@ def details(t: Totals) -> str:
     loss = f"{which} loss {t.final_loss:.4f}" if t.final_loss is not None else "No loss logged yet"
     rate = f", {t.tokens_per_s:,.0f} tokens/s" if t.tokens_per_s is not None else ""
     cost = f", {_money(t.cost)}" if t.cost is not None else ""
-    text = f"{loss}{rate}; {t.device_hours:,.4g} GPU-hours{cost}; goodput {t.goodput:.1%}."
+    text = f"{loss}{rate}; {t.device_hours:,.4g} {t.hours_unit}{cost}; goodput {t.goodput:.1%}."
     if t.restarts:
         price = f" ({_money(t.restart_cost)})" if t.restart_cost is not None else ""
-        text += f" {t.restarts} restart(s) cost {t.restart_hours:,.3g} GPU-hours{price}, {t.redone_steps} steps redone."
+        text += f" {t.restarts} restart(s) cost {t.restart_hours:,.3g} {t.hours_unit}{price}, {t.redone_steps} steps redone."
     return text
 
 
@@ -169,7 +169,7 @@ def forecast_rows(run: RunData, t: Totals) -> list[tuple[str, str, str]]:
             world = first.world_size if first else 1
             rows.append(
                 (
-                    f"training GPU-hours for {t.step} steps",
+                    f"training {t.hours_unit} for {t.step} steps",
                     f"{st['mean'] * t.step * world / 3600:,.4g}",
                     f"{t.productive_hours:,.4g}",
                 )
@@ -178,7 +178,7 @@ def forecast_rows(run: RunData, t: Totals) -> list[tuple[str, str, str]]:
     if e and e.get("options"):
         option = _estimate_option(e, run)
         label = f"{option.get('gpu')} ×{option.get('gpus')} {option.get('pricing')}"
-        for key, what, fmt in (("gpu_hours", "GPU-hours", ",.4g"), ("cost", "cost", "money")):
+        for key, what, fmt in (("gpu_hours", t.hours_unit, ",.4g"), ("cost", "cost", "money")):
             expected = (option.get(key) or {}).get("expected")
             actual = t.device_hours if key == "gpu_hours" else t.cost
             shown_f = _money(expected) if fmt == "money" else _num(expected, fmt)

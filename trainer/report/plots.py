@@ -16,7 +16,7 @@ import matplotlib.dates as mdates
 from matplotlib.figure import Figure
 
 from trainer.report.load import RunData, finite
-from trainer.report.totals import attempt_of, redone_by_attempt
+from trainer.report.totals import attempt_of, hours_unit, redone_by_attempt
 
 DPI = 100
 COLORS = {
@@ -137,7 +137,7 @@ def _processes(ax_p: Any, run: RunData) -> None:
         ax_p.plot([_dt(a.end)], [lane], marker=marker, color=color, markersize=11, markeredgecolor="white")
         bits = [f"#{a.attempt} {a.exit_reason}"]
         if redone.get(a.attempt):
-            bits.append(f"redid {len(redone[a.attempt])} steps")
+            bits.append(f"redid {redone[a.attempt]} steps")
         if a.lost_seconds:
             bits.append(f"lost {_duration(a.lost_seconds)}")
         bits.append(f"saving {_duration(a.checkpoint_seconds)}")
@@ -180,9 +180,10 @@ def _steps(ax_s: Any, run: RunData) -> None:
 
 
 def _cost(ax_c: Any, run: RunData) -> None:
-    """The timeline's bottom panel: cost (or GPU-hours) so far, per log step and per attempt."""
+    """The timeline's bottom panel: cost (or device-hours) so far, per log step and per attempt."""
     xs, ys = _series(run.train_rows, "time", "cost")
-    label, key = ("cost so far ($)", "cost") if xs else ("GPU-hours so far", "device_hours")
+    unit = hours_unit([a.device for a in run.attempts])
+    label, key = ("cost so far ($)", "cost") if xs else (f"{unit} so far", "device_hours")
     xs, ys = _series(run.train_rows, "time", key)
     if xs:
         ax_c.plot([_dt(x) for x in xs], ys, ".-", color=COLORS["cost"], markersize=3, label="at each log step")
@@ -266,7 +267,7 @@ def _unit(seconds: float) -> tuple[float, str]:
 
 
 def loss(run: RunData) -> bytes:
-    """Loss (and eval loss) against step and against GPU-hours."""
+    """Loss (and eval loss) against step and against device-hours (GPU-hours on GPUs)."""
     fig = Figure(figsize=(11, 3.6), layout="constrained")
     ax_step, ax_hours = fig.subplots(1, 2, sharey=True)
     hours_at = {int(r["step"]): r["device_hours"] for r in run.train_rows if finite(r.get("device_hours"))}
@@ -280,7 +281,7 @@ def loss(run: RunData) -> bytes:
         if pts:
             ax_hours.plot(*zip(*pts, strict=True), "o-", color=COLORS["eval"])
     ax_step.set_xlabel("step")
-    ax_hours.set_xlabel("GPU-hours (device-hours, every attempt)")
+    ax_hours.set_xlabel(f"{hours_unit([a.device for a in run.attempts])} (devices x wall time, every attempt)")
     ax_hours.set_title("one segment per attempt: redone steps appear again, at the hours paid twice", fontsize=9)
     ax_step.set_title("loss by step", fontsize=9)
     ax_step.set_ylabel("loss")
@@ -371,7 +372,7 @@ def preference(run: RunData) -> bytes:
 FIGURES = {
     "timeline.png": (timeline, "Timeline: processes, steps and cost on one clock"),
     "hours.png": (hours, "Where the paid device time went, per attempt"),
-    "loss.png": (loss, "Loss against step and against GPU-hours"),
+    "loss.png": (loss, "Loss against step and against device-hours"),
     "optimizer.png": (optimizer, "Learning rate and gradient norm against step"),
     "throughput.png": (throughput, "Throughput, MFU, data stall and memory"),
     "preference.png": (preference, "Reward margin and reward accuracy (preference objectives)"),

@@ -45,6 +45,9 @@ class Totals:
     restart_hours: float
     restart_cost: float | None
     redone_steps: int
+    """Steps trained again over every restart (`redone_by_attempt`)."""
+    hours_unit: str
+    """`GPU-hours` or `device-hours` (a CPU run): `hours_unit`."""
     heartbeat_age_s: float | None
     eta_s: float | None = None
     """A live run's remaining steps at its latest attempt's mean step time (pauses for saves not counted)."""
@@ -52,20 +55,63 @@ class Totals:
     """The meter's projected total cost in the latest metrics row (cost so far + the remaining steps)."""
 
 
-def redone_by_attempt(run: RunData) -> dict[int, list[int]]:
-    """Logged steps each attempt trained again (a step already seen earlier in metrics.jsonl).
-
-    With `metrics.log_every` > 1 only logged steps are visible; the ledger's lost seconds
-    are exact either way."""
+def redone_by_attempt(run: RunData) -> dict[int, int]:
+    """Steps each attempt trained again (attempts that redid none are left out): `redone_steps`, and
+    for a row that predates `resumed_from` the logged steps it wrote again (`metrics.log_every` > 1
+    then hides some; the ledger's lost seconds are exact either way)."""
     seen: set[int] = set()
-    out: dict[int, list[int]] = {}
+    logged: dict[int, int] = {}
     for row in run.train_rows:
         step = int(row["step"])
         if step in seen:
             owner = attempt_of(run.attempts, row)
-            out.setdefault(owner.attempt if owner else 0, []).append(step)
+            logged[owner.attempt if owner else 0] = logged.get(owner.attempt if owner else 0, 0) + 1
         seen.add(step)
+    out: dict[int, int] = {}
+    furthest: int | None = None
+    for a in run.attempts:
+        if a.resumed_from is not None:
+            n = redone_steps(furthest, a.resumed_from, a.last_step)
+        else:
+            n = logged.get(a.attempt, 0)
+        if n:
+            out[a.attempt] = n
+        if a.last_step is not None:
+            furthest = max(furthest or 0, a.last_step)
     return out
+
+
+def redone_steps(furthest: int | None, resumed_from: int, reached: int | None) -> int:
+    """The steps an attempt trains again: from the step it resumed from to the furthest step an
+    earlier attempt reached (logged or saved), or to the step it reached itself if that is less.
+    Killed at step 25, resumed from the checkpoint of step 20: 5."""
+    if furthest is None:
+        return 0
+    upto = furthest if reached is None else min(furthest, max(reached, resumed_from))
+    return max(0, upto - resumed_from)
+
+
+def resume_line(attempts: list[Attempt], resumed_from: int) -> str | None:
+    """What an attempt says as it starts training after earlier ones: how the last one ended and
+    where this one starts ("attempt 1 killed at step 25; resuming from step 20: ... (5 redone)");
+    None when the last one saved where it stopped and nothing is trained again."""
+    if not attempts:
+        return None
+    last = attempts[-1]
+    furthest = max((a.last_step for a in attempts if a.last_step is not None), default=None)
+    at = f"at step {last.last_step}" if last.last_step is not None else "before its first step"
+    start = f"resuming from step {resumed_from}" if resumed_from else "starting from step 0 (no checkpoint)"
+    redo = redone_steps(furthest, resumed_from, None)
+    if not redo and last.exit_reason in ("preempted", "budget") and last.last_step == resumed_from:
+        return None  # it saved where it stopped: "resuming from ... at step N" says it all
+    tail = f": steps {resumed_from + 1}-{resumed_from + redo} are trained again ({redo} redone)" if redo else ""
+    return f"attempt {last.attempt} {last.exit_reason} {at}; {start}{tail}"
+
+
+def hours_unit(devices: list[str | None]) -> str:
+    """What the run's device-hours are called: `GPU-hours` when every attempt ran on a GPU, else
+    `device-hours` (a CPU run, or an attempt whose device was not recorded)."""
+    return "GPU-hours" if devices and all(d and d != "cpu" for d in devices) else "device-hours"
 
 
 def attempt_of(attempts: list[Attempt], row: dict[str, Any]) -> Attempt | None:
@@ -136,7 +182,8 @@ def totals(run: RunData) -> Totals:
         goodput=productive / device if device > 0 else 0.0,
         restart_hours=sum(restart_s) / 3600.0,
         restart_cost=sum(s * (p or 0.0) for s, p in zip(restart_s, prices, strict=True)) if priced else None,
-        redone_steps=sum(len(v) for v in redone_by_attempt(run).values()),
+        redone_steps=sum(redone_by_attempt(run).values()),
+        hours_unit=hours_unit([x.device for x in a]),
         heartbeat_age_s=time.time() - run.heartbeat_time if run.heartbeat_time is not None else None,
         eta_s=_eta(run, last, int(last_row["step"]) if last_row else None),
         projected_cost=_last(run.train_rows, "projected_cost") if last is not None and last.running else None,
@@ -164,7 +211,7 @@ def headline(t: Totals) -> str:
     if t.status == FINISHED:
         return f"Finished at {steps}."
     if t.status == "running":
-        age = f"; last heartbeat {_ago(t.heartbeat_age_s)} ago" if t.heartbeat_age_s is not None else ""
+        age = f"; last heartbeat {ago(t.heartbeat_age_s)} ago" if t.heartbeat_age_s is not None else ""
         return f"In progress at {steps}{age} (no heartbeat for long means the machine is gone: rerun to resume)."
     if t.status == UNKNOWN:
         return f"No ledger.jsonl: whether it finished, and its hours and cost, are unknown; metrics reach {steps}."
@@ -173,6 +220,7 @@ def headline(t: Totals) -> str:
     return f"Not finished: the last attempt ended '{t.status}' at {steps}. Rerun the same train command to resume."
 
 
-def _ago(seconds: float | None) -> str:
+def ago(seconds: float | None) -> str:
+    """`42 s`, `7 min`, `3.5 h`."""
     s = max(0.0, seconds or 0.0)
     return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"

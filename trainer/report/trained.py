@@ -38,6 +38,9 @@ class Trained:
     manifest: dict[str, Any] | None = None
     dataset_dir: str | None = None
     """URL of the prepared dataset's directory (holds manifest.json and train/)."""
+    max_steps: int | None = None
+    """`train.max_steps` of the newest checkpoint's config: a resume may have extended the run
+    beyond what config.yaml (written at the first start) says."""
     notes: list[str] = field(default_factory=list)
 
 
@@ -70,6 +73,8 @@ def load_trained(base: str, config: RunConfig | None) -> Trained:
     if checkpoint is not None:
         state = _json(f"{checkpoint}/{STATE_FILE}")
         out.state = {k: v for k, v in state.items() if k != "config"} if state else None
+        steps = ((state or {}).get("config") or {}).get("train", {}).get("max_steps")
+        out.max_steps = int(steps) if isinstance(steps, int) else None
     out.adapter_config = _json(f"{base}/final/{ADAPTER_CONFIG}") or (
         _json(f"{checkpoint}/{ADAPTER_CONFIG}") if checkpoint else None
     )

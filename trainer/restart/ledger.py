@@ -7,6 +7,8 @@ device counts add up. Per attempt:
 - `productive_seconds`: optimizer-step time whose result was kept by a checkpoint.
 - `checkpoint_seconds`: time spent saving.
 - `lost_seconds`: optimizer-step time after the last checkpoint; the next attempt redoes it.
+- `last_step`: the last step logged or saved; `resumed_from`: the step its training started from
+  (the checkpoint's, 0 without one; absent when it never got that far).
 - `phases`: wall seconds of the attempt's fixed costs, for the forecast to itemise
   (`trainer/plan/timeline.py`): `imports` (process start to `train()`), `store` (remote
   connect), `data` (prepare or cache hit; `data_reused` says which), `model` (load + adapter),
@@ -119,6 +121,9 @@ class Ledger:
         self.productive_at_checkpoint = 0.0
         self.checkpoint = 0.0
         self.last_step: int | None = None
+        self.resumed_from: int | None = None
+        """The step this attempt's training started from (its checkpoint's, 0 without one): with the
+        step an earlier attempt reached, the steps it trains again (trainer/report/totals.py)."""
         self.closed: dict[str, Any] | None = None
         self.phases: dict[str, float] = dict(phases or {})
         self.data_reused: bool | None = None
@@ -260,6 +265,7 @@ class Ledger:
             "productive_at_checkpoint_wall": self.productive_at_checkpoint,
             "checkpoint_wall": self.checkpoint,
             "last_step": self.last_step,
+            "resumed_from": self.resumed_from,
             "price_per_hour": self.price_per_hour,
             "phases": self.phases,
             "data_reused": self.data_reused,
@@ -292,6 +298,8 @@ def row_from_progress(p: dict[str, Any], end: float, keep_all: bool) -> dict[str
         "lost_seconds": lost * w,
         "last_step": p["last_step"],
     }
+    if p.get("resumed_from") is not None:
+        row["resumed_from"] = p["resumed_from"]
     if p.get("attempt_id"):
         row["attempt_id"] = p["attempt_id"]
     if p.get("price_per_hour") is not None:

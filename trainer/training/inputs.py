@@ -101,16 +101,23 @@ def prepares_pairs(cfg: C.RunConfig) -> bool:
     return cfg.train.objective != "sft"
 
 
-def prepare_data(cfg: C.RunConfig, progress: bool = True) -> Any:
-    """Prepare (or reuse) the packed dataset of `cfg` and print its summary."""
+def prepare_data(cfg: C.RunConfig, progress: bool = True, full: bool = True) -> Any:
+    """Prepare (or reuse) the packed dataset of `cfg`. `progress`: print its summary (the full report;
+    with `full=False`, a reused dataset's counts and what seq_len loses) and, on a terminal only,
+    datasets' progress bars (in a log file a bar is one long line of carriage returns)."""
     from trainer import data
+    from trainer.data.stats import brief_summary
+    from trainer.progress import is_terminal
 
     data_cfg = resolved_data(cfg)
     cache_root = data_cache_root(cfg.data.cache_dir, cfg.output_dir)
+    bars = progress and is_terminal()
     pairs = prepares_pairs(cfg)
-    prepared = data.prepare(data_cfg, tokenizer_path(cfg), cache_root, progress=progress, seed=cfg.seed, pairs=pairs)
+    prepared = data.prepare(data_cfg, tokenizer_path(cfg), cache_root, progress=bars, seed=cfg.seed, pairs=pairs)
     if progress:
-        print(prepared.summary(), flush=True)
+        where = str(prepared.train_path.parent)
+        brief = prepared.reused and not full
+        print(brief_summary(prepared.manifest, True, where) if brief else prepared.summary(), flush=True)
     return prepared
 
 
@@ -118,7 +125,7 @@ def prepare_once_per_node(cfg: C.RunConfig, proc: Process) -> Any:
     """The packed dataset (rank 0, then one rank per other node; the rest reuse their node's cache),
     and config.yaml in the run directory on its first start."""
     prepared = in_turns(
-        lambda: prepare_data(cfg, progress=proc.is_main and cfg.metrics.progress),
+        lambda: prepare_data(cfg, progress=proc.is_main, full=False),  # `inspect` prints the whole report
         is_main=proc.is_main,
         is_local_main=proc.accelerator.is_local_main_process,
         barrier=proc.accelerator.wait_for_everyone,

@@ -29,9 +29,9 @@ from trainer.restart import owner
 from trainer.restart.checkpoint import CheckpointManager
 from trainer.restart.ledger import Ledger, timed
 from trainer.restart.saving import Saver
-from trainer.restart.state import Counters, TrainState, check_compatible, restore_training_state
+from trainer.restart.state import Counters, TrainState, check_compatible
 from trainer.serve.final import write_final
-from trainer.training import autofit, determinism, loop, metrics, process, shutdown, trackers
+from trainer.training import attempts, autofit, determinism, loop, metrics, process, shutdown, trackers
 from trainer.training.batches import StepDataset, prefetching, step_loader
 from trainer.training.console import Console
 from trainer.training.inputs import (
@@ -83,14 +83,16 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
         cfg, auto_notes, auto = autofit.resolve_for_device(
             cfg, model_path(cfg), device, proc.world, proc.sharding.fsdp, proc.out
         )
-        set_seed(cfg.seed)  # same LoRA init on every rank (DDP also broadcasts rank 0's weights)
-        with timed(phases, "model"):
-            model = _build_model(cfg, proc)
-        counts = count_params(model)
         rows = load_from_disk(str(prepared.train_path))
         with timed(phases, "resolve"):
             resume_dir, resume_notes = proc.remote.resolve(cfg.checkpoint.resume)  # local or remote, on rank 0
         sched = _schedule(cfg, proc, prepared, len(rows), resume_dir)
+        if attempts.finished_already(proc, sched.steps, resume_dir):  # before the model loads: no attempt, no hours
+            return exit_codes.EXIT_FINISHED, False
+        set_seed(cfg.seed)  # same LoRA init on every rank (DDP also broadcasts rank 0's weights)
+        with timed(phases, "model"):
+            model = _build_model(cfg, proc)
+        counts = count_params(model)
         optimizer_device = torch.device("cpu") if proc.sharding.cpu_offload else device  # where it steps
         model, optimizer = distributed.prepare(
             proc.accelerator, model, lambda params: build_optimizer(cfg.train, params, optimizer_device), proc.sharding
@@ -107,8 +109,8 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
         counters = Counters()
         if resume_dir is not None:  # last before the first step: it restores the RNG
             with books.ledger.timed("restore"):
-                counters = _restore(resume_dir, model, optimizer, proc.accelerator)
-            books.console.message(f"spotune: resuming from {resume_dir} at step {counters.step} of {sched.steps}")
+                counters = attempts.restore(resume_dir, model, optimizer, proc.accelerator)
+        attempts.account_resume(books.ledger, books.console.message, proc, counters.step, resume_dir, sched.steps)
         books.meter.start_step = counters.step
         books.console.start(counters.step)  # rate and ETA count this attempt's steps only
 
@@ -380,15 +382,5 @@ def _finish(
     proc.remote.close()
     books.console.close()
     if proc.is_main:
-        books.console.message(books.telemetry.final_summary(reason, sched.steps, summary, proc.out))
+        books.console.message(books.telemetry.final_summary(reason, sched.steps, summary, proc.out, proc.stop.reason))
     return proc.remote.exit_code(exit_codes.FOR_STOP[reason], proc.out / "final")
-
-
-# ---------------------------------------------------------------------------- pieces
-
-
-def _restore(resume_dir: Path, model: torch.nn.Module, optimizer: Any, accelerator: Any) -> Counters:
-    """Adapter, optimizer, grad scaler and this rank's RNG from `resume_dir`, every field; returns
-    the checkpoint's counters. The ledger totals it carried were read when the ledger opened."""
-    where = dict(rank=accelerator.process_index, world_size=accelerator.num_processes, scaler=accelerator.scaler)
-    return restore_training_state(resume_dir, model=model, optimizer=optimizer, **where).counters()

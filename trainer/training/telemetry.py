@@ -138,21 +138,33 @@ class Telemetry:
     def final_loss(self) -> float | None:
         return self.last.loss if self.last is not None else None
 
-    def final_summary(self, reason: str, steps: int, summary: dict[str, Any], out: Path) -> str:
-        """The run's last words for a person: status, loss, speed, money and where to look next."""
+    def final_summary(
+        self, reason: str, steps: int, summary: dict[str, Any], out: Path, stopped_by: str | None = None
+    ) -> str:
+        """The run's last words for a person: status, loss, speed, money and where to look next.
+        `stopped_by`: what asked a preempted run to stop (a signal, a notice, a planned stop)."""
+        from trainer.report.totals import hours_unit
+        from trainer.restart.ledger import read_rows
+        from trainer.restart.preemption import STOP_AFTER_ENV
 
         def num(value: float | None, fmt: str, missing: str = "n/a") -> str:
             return missing if value is None else format(value, fmt)
 
         step = self.last.counters.step if self.last is not None else None
         cost = summary["cost"]
+        planned = reason == "preempted" and STOP_AFTER_ENV in (stopped_by or "")  # the pilot's: no preemption
+        said = "stopped as planned" if planned else reason
+        unit = hours_unit([row.get("device") for row in read_rows(out)] or [self.ledger.device])
         lines = [
-            f"spotune: {reason}" + (f" at step {step}/{steps}" if step is not None else f" ({steps} steps)"),
+            f"spotune: {said}" + (f" at step {step}/{steps}" if step is not None else f" ({steps} steps)"),
             f"  {'final' if reason == 'finished' else 'last'} loss {num(self.final_loss, '.4f')}; "
             f"sustained {num(summary['sustained_tokens_per_s'], ',.0f')} tokens/s; "
-            f"{summary['device_hours']:.4f} GPU-hours (devices x wall time, all attempts); "
-            f"cost {'n/a (set metrics.price_per_hour)' if cost is None else f'{cost:.4f}'}",
+            f"{summary['device_hours']:.4f} {unit} (devices x wall time, all attempts); "
+            f"cost {'n/a (set metrics.price_per_hour)' if cost is None else f'${cost:.4f}'}",
         ]
+        if reason == "preempted":
+            by = f"stopped by {stopped_by}; " if stopped_by else ""
+            lines.append(f"  {by}a checkpoint is saved: the same command resumes from it")
         from trainer.model.load import compile_seconds
 
         if compiled := compile_seconds():  # model.compile: what the first steps spent compiling
