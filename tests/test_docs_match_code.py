@@ -9,11 +9,11 @@ import typing
 from pathlib import Path
 from types import SimpleNamespace
 
-from trainer.serve.chat import CONVERSATIONAL, Chat, Conversation
 from transformers import AutoTokenizer
 
 from trainer.config import DataConfig
 from trainer.data.stats import SEQ_LEN_RULE, WARN_SHARE, suggest_seq_len, truncation_lines
+from trainer.serve.chat import CONVERSATIONAL, Chat, Conversation
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
