@@ -136,16 +136,17 @@ def _auto_run(out: Path, model: Path, data: Path) -> dict[str, Any]:
 def test_an_auto_choice_that_runs_out_is_retried_smaller_in_the_same_process(
     tmp_path: Path, tiny_llama: Path, tiny_data: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
-    from trainer.training import loop, run
+    from trainer.model import objective  # the loop's SFT objective calls the loss there
+    from trainer.training import run
 
-    real = loop.token_loss_sum
+    real = objective.token_loss_sum
 
     def four_rows_do_not_fit(model: Any, micro: dict[str, Any]) -> Any:
         if micro["input_ids"].shape[0] == 4:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(model, micro)
 
-    monkeypatch.setattr(loop, "token_loss_sum", four_rows_do_not_fit)
+    monkeypatch.setattr(objective, "token_loss_sum", four_rows_do_not_fit)
     overrides = _auto_run(tmp_path / "auto", tiny_llama, tiny_data) | {"model.gradient_checkpointing": "auto"}
     assert run.train(config.RunConfig().replace(**overrides)) == 0
     err = capsys.readouterr().err
@@ -163,15 +164,16 @@ def test_the_setting_that_ran_out_reaches_the_store_for_a_replacement_machine(
 ) -> None:
     """An out-of-memory exit pushes the ledger row and the `auto` setting that ran out with the run
     files, so a new VM (an empty output_dir) skips that setting instead of running out again forever."""
+    from trainer.model import objective  # the loop's SFT objective calls the loss there
     from trainer.restart.ledger import read_rows
     from trainer.restart.remote import fetch_run_files
     from trainer.restart.storage import Store
-    from trainer.training import loop, run
+    from trainer.training import run
 
     def nothing_fits(model: Any, micro: dict[str, Any]) -> Any:
         raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
 
-    monkeypatch.setattr(loop, "token_loss_sum", nothing_fits)
+    monkeypatch.setattr(objective, "token_loss_sum", nothing_fits)
     out = tmp_path / "vm1"
     overrides = _auto_run(out, tiny_llama, tiny_data) | {"checkpoint.remote": s3_remote}
     assert run.train(config.RunConfig().replace(**overrides)) == EXIT_OUT_OF_MEMORY  # 4 rows, then 2: both ran out

@@ -116,15 +116,15 @@ def test_the_timeout_is_validated() -> None:
 # The trainer, rank 1 hanging in its forward from the second step on (a stuck GPU).
 HANG = """
 import os, sys, time
-import trainer.training.loop as loop
-original, calls = loop.token_loss_sum, [0]
+from trainer.model import objective  # the loop's SFT objective calls the loss there
+original, calls = objective.token_loss_sum, [0]
 def hanging(*args, **kwargs):
     calls[0] += 1
     if calls[0] > 2 and os.environ["RANK"] == "1":
         open(os.environ["HUNG_AT"], "w").write(repr(time.time()))
         time.sleep(600)
     return original(*args, **kwargs)
-loop.token_loss_sum = hanging
+objective.token_loss_sum = hanging
 from trainer.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -63,7 +63,7 @@ def test_compiled_layers_give_the_eager_loss_and_grads(tiny_llama: Path, attn: s
 
     from trainer.training.telemetry import Telemetry
 
-    run = SimpleNamespace(last=None, final_loss=1.0)
+    run = SimpleNamespace(last=None, final_loss=1.0, ledger=SimpleNamespace(device="cpu"))
     summary = {"cost": None, "sustained_tokens_per_s": 1.0, "device_hours": 0.0}
     assert "torch.compile: " in Telemetry.final_summary(run, "finished", 1, summary, Path("missing"))  # type: ignore[arg-type]
     assert _close(compiled_loss, eager_loss)

@@ -64,9 +64,9 @@ SITECUSTOMIZE = """
 import os
 if os.environ.get("RANK") == "1":
     import torch
-    from trainer.training import loop
+    from trainer.model import objective  # the loop's SFT objective calls the loss there
 
-    real, calls = loop.token_loss_sum, []
+    real, calls = objective.token_loss_sum, []
 
     def token_loss_sum(*args, **kwargs):
         calls.append(1)
@@ -74,7 +74,7 @@ if os.environ.get("RANK") == "1":
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated on rank 1)")
         return real(*args, **kwargs)
 
-    loop.token_loss_sum = token_loss_sum
+    objective.token_loss_sum = token_loss_sum
 """
 
 

@@ -123,7 +123,7 @@ def _wait_failed(proc: subprocess.Popen, tmp_path: Path) -> float:
 @pytest.mark.parametrize(
     "target, after, code",
     [
-        ("trainer.training.loop.token_loss_sum", 3, E.EXIT_ERROR),  # the forward of step 1
+        ("trainer.model.objective.token_loss_sum", 3, E.EXIT_ERROR),  # the forward of step 1
         # A failed save is reported as such (CheckpointError: disk full, permissions), without a traceback.
         pytest.param("trainer.restart.saving.write_training_state", 0, E.EXIT_BAD_INPUT, marks=pytest.mark.slow),
         # the report page after the last step
@@ -154,7 +154,7 @@ def test_control_without_the_shutdown_a_failed_run_never_exits(
 ) -> None:
     """The code before the fix (no loader close, no kill of leftover children) hangs, as on the H100."""
     recipe = _recipe(tmp_path, tiny_llama, tiny_data)
-    proc = _inject(tmp_path, recipe, "trainer.training.loop.token_loss_sum", 3, DISABLE_SHUTDOWN="1")
+    proc = _inject(tmp_path, recipe, "trainer.model.objective.token_loss_sum", 3, DISABLE_SHUTDOWN="1")
     try:
         failed_at = _wait_failed(proc, tmp_path)
         with pytest.raises(subprocess.TimeoutExpired):
@@ -167,7 +167,9 @@ def test_control_without_the_shutdown_a_failed_run_never_exits(
 def test_out_of_memory_says_where_and_what_to_change_and_exits_do_not_restart(
     tmp_path: Path, tiny_llama: Path, tiny_data: Path
 ) -> None:
-    proc = _inject(tmp_path, _recipe(tmp_path, tiny_llama, tiny_data), "trainer.training.loop.token_loss_sum", 5, "oom")
+    proc = _inject(
+        tmp_path, _recipe(tmp_path, tiny_llama, tiny_data), "trainer.model.objective.token_loss_sum", 5, "oom"
+    )
     try:
         code = proc.wait(timeout=240)
         log = (tmp_path / "train.log").read_text()
