@@ -236,7 +236,8 @@ def test_unreachable_at_start_without_a_checkpoint_exits_restartable(
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     out = tmp_path / "run"
-    code = cli.main(["train", f"output_dir={out}", "checkpoint.remote=s3://nowhere/run", "checkpoint.lease_seconds=3"])
+    args = ["checkpoint.remote=s3://nowhere/run", "checkpoint.lease_seconds=3", "checkpoint.store_retry_seconds=1"]
+    code = cli.main(["train", f"output_dir={out}", *args])
     assert code == EXIT_PREEMPTED, capsys.readouterr().err
     assert "unreachable" in capsys.readouterr().err
     assert not (out / "checkpoints").exists()

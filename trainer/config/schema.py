@@ -237,6 +237,10 @@ class CheckpointConfig:
     store_outage_seconds: float = 900.0
     """With `checkpoint.remote`: how long training goes on with local checkpoints while the store cannot be reached
     (nothing is written there meanwhile); past it the run saves locally and exits 143, which supervisors restart."""
+    store_retry_seconds: float = 120.0
+    """With `checkpoint.remote`: how long a start waits out a store that fails for a reason of the moment (the
+    network, 5xx, throttling, a broken transfer), retrying with backoff, before it exits 143 without training; it
+    never trains from an older checkpoint than the store's newest instead. At most `store_outage_seconds`."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Extra fsspec options for `checkpoint.remote` (e.g. `{client_kwargs: {region_name: eu-west-1}}`); never credentials."""
 
