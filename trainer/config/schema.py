@@ -29,7 +29,7 @@ class ModelConfig:
     compile: bool = False
     """torch.compile each decoder layer after peft wraps it; the first steps are slower while it compiles (the run's last words say how long; the ledger's `compile` phase and the forecast count it)."""
     compile_cache: bool = True
-    """With `compile`: save what torch compiled with each checkpoint and load it in the next attempt when torch, Python, device kind and model shape match, so a resumed run compiles in a fraction of the time (docs/compile.md); false: every attempt compiles from scratch. The saved folder is code (torch pickles its cache entries; kernels are shared libraries), trusted like whoever can write checkpoint.remote; the training state never reads it."""
+    """With `compile`: save what torch compiled with each checkpoint and load it in the next attempt when torch, Python, device kind, C library, compiler and model shape match, so a resumed run compiles in a fraction of the time (docs/compile.md); false: every attempt compiles from scratch. The saved folder is code (torch pickles its cache entries; kernels are shared libraries), trusted like whoever can write checkpoint.remote; the training state never reads it."""
     gradient_checkpointing: bool | Literal["auto"] = False
     """Recompute activations in backward (non-reentrant) to save memory; `auto`: only when the memory estimate says the run would not fit without it (trainer/training/autofit.py)."""
     activation_offload: Literal["off", "on", "auto"] = "off"
