@@ -117,8 +117,8 @@ def _choose_remote(
         moved = store.retire(after)
         if moved:
             notes.append(
-                f"checkpoint.resume={resume_setting}: set aside remote checkpoint(s) "
-                f"{', '.join(store.show_dir(s) for s in moved)} (manifest renamed to RETIRED-MANIFEST.json; kept)"
+                f"checkpoint.resume={resume_setting}: set aside remote checkpoint(s) above step {max(after, 0)}, "
+                f"kept as {', '.join(f'{store.shown}/checkpoints/{name}' for name in moved)}"
             )
         return None, notes
     corrupt: list[int] = []

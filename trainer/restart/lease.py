@@ -259,6 +259,12 @@ class Lease(Fence):
                 return  # our own PUT, resent by s3fs after the first one landed
             self.lose(f"{path} was committed by another writer meanwhile")
 
+    def new_run(self) -> list[dict[str, Any]]:
+        """`checkpoint.resume=never`: the earlier attempts this lease carries belong to the run set aside, not
+        to the new one; returns them (for the old run's ledger) and carries them no more."""
+        records, self.handover.previous = self.handover.previous, []
+        return records
+
     def hand_over(self) -> list[dict[str, Any]]:
         """The records of earlier attempts for the ledger to book now (trainer/restart/handover.py)."""
         return self.handover.hand_over()

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from trainer.atomic import fsync_path
+from trainer.restart.ledger import recover_killed
 
 PREFIX = "previous-run-"
 RUN_OUTPUTS = (
@@ -46,15 +49,19 @@ def stamp() -> str:
     return PREFIX + time.strftime("%Y%m%dT%H%M%S", time.gmtime())
 
 
-def set_aside(run_dir: Path, folder: str) -> list[str]:
-    """Move the old run's outputs of `run_dir` into `run_dir/folder`; the names moved (none: nothing to do)."""
+def set_aside(run_dir: Path, folder: str, unbooked: Sequence[dict[str, Any]] = ()) -> list[str]:
+    """Move the old run's outputs of `run_dir` into `run_dir/folder`; the names moved (none: nothing to do).
+    `unbooked`: the old run's attempts its lease carried without a ledger row (trainer/restart/handover.py),
+    booked into the ledger set aside, where they belong."""
     present = [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
-    if not present:
+    if not present and not unbooked:
         return []
     dest = run_dir / folder
-    dest.mkdir(exist_ok=True)
+    dest.mkdir(parents=True, exist_ok=True)
     for name in present:
         os.rename(run_dir / name, dest / name)
+    if unbooked:
+        recover_killed(dest, unbooked, before=time.time())
     fsync_path(dest)
     fsync_path(run_dir)
     return present

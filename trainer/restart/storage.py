@@ -48,7 +48,8 @@ T = TypeVar("T")
 
 CHECKPOINTS = "checkpoints"
 RETIRED = "RETIRED-" + MANIFEST
-"""A set-aside remote checkpoint (resume=never or an older explicit one): kept, never resumed, never cleaned."""
+"""The manifest of a set-aside remote checkpoint (resume=never or an older explicit one), whose objects then
+move to `step-XXXXXX.retired-<time>/`: kept, never resumed, never cleaned."""
 WRITE_PROBE = ".spotune-write-probe"
 """The object `Store.check` writes and deletes at start, to prove these credentials may."""
 UPLOAD_PAUSE_ENV = "SPOTUNE_TEST_UPLOAD_PAUSE"
@@ -255,12 +256,15 @@ class Store:
             self.fs.rm(self.step_path(step), recursive=True)
         return sorted(doomed + late)
 
-    def retire(self, after_step: int) -> list[int]:
-        """Set aside remote checkpoints above `after_step` (their manifest renamed; data kept): only
-        for a new timeline the user asked for."""
+    def retire(self, after_step: int) -> list[str]:
+        """Set aside remote checkpoints above `after_step`, kept: each is uncommitted first (its manifest
+        renamed RETIRED-MANIFEST.json, one request), then moved whole to `step-XXXXXX.retired-<time>`, so
+        the new timeline's checkpoint of the same step never overwrites its objects. Only for a new timeline
+        the user asked for. A move a kill interrupted is finished at the next retire. Returns the new names."""
         manifests = self._manifests()
         moved = [s for s in manifests if s > after_step]
-        if not moved:
+        unfinished = [s for s, names in self._step_dirs().items() if RETIRED in names and MANIFEST not in names]
+        if not moved and not unfinished:
             return []
         self.writable()
         before = current_steps(manifests)
@@ -268,7 +272,17 @@ class Store:
         for step in moved:
             self.fence.check()
             self.fs.mv(self.step_path(step, MANIFEST), self.step_path(step, RETIRED))
-        return moved
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        names = []
+        for step in sorted({*moved, *unfinished}):
+            name = f"step-{step:06d}.retired-{stamp}"
+            self.fs.invalidate_cache()
+            for obj in self.fs.find(self.step_path(step), detail=False):  # an object store moves object by object
+                self.fence.check()
+                rel = posixpath.relpath(obj, self.step_path(step))
+                self.fs.mv(obj, self.path(CHECKPOINTS, name, rel))
+            names.append(name)
+        return names
 
     def prune(self, keep_last: int) -> list[int]:
         """Delete remote checkpoints beyond the newest `keep_last`, each manifest first."""

@@ -69,7 +69,7 @@ def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitSt
     # checkpoint.resume=never: a new run. The old run's files go aside before anything reads them.
     fresh = new_run.stamp() if ck.resume == "never" else None
     if fresh is not None and accelerator.is_main_process:
-        moved = new_run.set_aside(out, fresh)
+        moved = new_run.set_aside(out, fresh, fence.new_run() if fence is not None else [])
         if moved:
             print(
                 f"spotune: checkpoint.resume=never: a new run; the old run's files are set aside in "
