@@ -23,20 +23,19 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from drill_reference import Reference
 from fault_proxy import FaultProxy
 from moto_fixture import free_port, s3_env
 from safetensors.torch import load_file
 from test_kill_anywhere import REPO, STEPS, _metric_rows, _recipe, _wait, drill_seed, procs  # noqa: F401 (procs: a fixture)
 
 from trainer import builtin_assets as tiny
-from trainer import config as C
 from trainer.cli import main as cli
 from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from trainer.restart.checkpoint import PAUSE_ENV
 from trainer.restart.lease import read_lease
 from trainer.restart.ledger import read_rows
 from trainer.restart.storage import Store
-from trainer.training import run
 
 pytestmark = pytest.mark.bitwise  # separate runs agree bit for bit: one intra-op thread (conftest.py)
 
@@ -78,10 +77,9 @@ def test_outage_double_puts_and_a_second_machine_through_a_faulty_proxy(
     moto_endpoint: str,
     s3_remote: str,
     procs: list,  # noqa: F811
+    uninterrupted: Reference,
 ) -> None:
-    data = tiny.write_dataset(tmp_path / "train.jsonl", n=16)
-    ref = tmp_path / "reference"
-    assert run.train(C.from_dict(_recipe(ref, tiny_llama, data, data.parent / "cache"))) == 0
+    data, ref = uninterrupted.data, uninterrupted.out
     proxy = FaultProxy(moto_endpoint, tmp_path)
     try:
         env = {**s3_env(proxy.url), "AWS_MAX_ATTEMPTS": "2"}
