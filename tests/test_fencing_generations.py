@@ -128,6 +128,10 @@ def test_a_fenced_holders_late_run_file_is_merged_and_replaces_nothing(tmp_path:
     diverged = _rows(tmp_path / "diverged" / "metrics.jsonl", 1, 9)
     fetch_run_files(Store(s3_remote), diverged.parent)
     assert [json.loads(x)["step"] for x in diverged.read_text().splitlines()] == [1, 2, 3, 4, 9]
+    # ... so its next push loses nothing of the store's (it used to keep only its own rows, then sweep the rest).
+    _store(s3_remote, 3).put(diverged, "metrics.jsonl")
+    pushed = Store(s3_remote).read_run_file("metrics.jsonl") or b""
+    assert [json.loads(x)["step"] for x in pushed.splitlines()] == [1, 2, 3, 4, 9]
     second.release()
 
     # Control: the same late write made as before generations (one key for every writer) wins.

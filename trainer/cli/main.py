@@ -98,6 +98,11 @@ def _main(argv: Sequence[str] | None) -> int:
     except Exception as e:
         if exit_codes.transient(e):  # a fault of the moment (store, hub, network): restartable, never "bad input"
             print(f"spotune: {e}", file=sys.stderr)
+            print(
+                f"spotune: that is a fault of the moment (the network, the store or the hub): exit {EXIT_PREEMPTED}; "
+                "run the same command again",
+                file=sys.stderr,
+            )
             return EXIT_PREEMPTED
         if isinstance(e, (C.ConfigError, DataError, CheckpointError, PlanError, CatalogError, ReportError)):
             # Each carries complete sentences naming the key, file, line or permission to fix; a traceback

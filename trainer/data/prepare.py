@@ -141,7 +141,7 @@ def _build(cfg: DataConfig, tokenizer_path: str, tmp: Path, plan: _Plan, seed: i
         raise DataError(
             f"cannot load a tokenizer from {tokenizer_path!r} ({type(e).__name__}: {str(e).splitlines()[0]}); "
             "set data.tokenizer (or model.name_or_path) to a directory holding tokenizer files."
-        ) from None
+        ) from e  # the cause tells a hub that does not answer (exit 143) from a wrong path (exit 2)
     train_parts, eval_parts, mix = _read_sources(cfg, plan, seed)
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
