@@ -55,8 +55,12 @@ def test_rank0_chooses_and_an_empty_node_downloads(tmp_path: Path, s3_remote: st
     assert (chosen[1] / "rng.safetensors").read_bytes() == bytes([4]) * 512
 
 
-def _out_of_memory_on_rank1(rank: int, tmp: str, remote: str) -> None:
-    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/pg-oom", rank=rank, world_size=2)
+def _faults_of_one_rank(rank: int, tmp: str, remote: str, dead: str) -> None:
+    """Two scenarios in one pair of processes (each start costs seconds): rank 1 runs out of memory; then
+    node 1 lacks rank 0's step while the store does not answer."""
+    import os
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/pg-faults", rank=rank, world_size=2)
     node = Path(tmp) / f"oom-node{rank}"
     lease = None
     if rank == 0:  # the job's main process holds the run, as owner.hold does
@@ -72,13 +76,31 @@ def _out_of_memory_on_rank1(rank: int, tmp: str, remote: str) -> None:
     torch.distributed.barrier()
     if lease is not None:
         lease.release()
+
+    os.environ.update(AWS_ENDPOINT_URL=dead, AWS_MAX_ATTEMPTS="1")  # nothing listens there
+    node = Path(tmp) / f"down-node{rank}"
+    run = RemoteRun(remote, {}, node, keep_last=2, is_main=rank == 0, is_local_main=True, retry_seconds=0.5)
+    run.message = lambda m: None
+    try:
+        run.connect()  # rank 0 has a local checkpoint: it goes on cut off
+        run.resolve("auto")
+        outcome = "resumed"
+    except Exception as e:
+        outcome = type(e).__name__
+    (Path(tmp) / f"outcome{rank}").write_text(outcome)
     torch.distributed.destroy_process_group()
 
 
-def test_the_rank_that_ran_out_of_memory_pushes_the_auto_record(tmp_path: Path, s3_remote: str) -> None:
-    """Rank 1's `auto` setting ran out of memory: its record reaches the store from rank 1 itself (rank 0 is
-    stuck in a collective), under the attempt's lease, so a fresh machine does not choose it again."""
-    mp.spawn(_out_of_memory_on_rank1, args=(str(tmp_path), s3_remote), nprocs=2, join=True)
+def test_a_fault_on_one_rank(tmp_path: Path, s3_remote: str) -> None:
+    """- Rank 1's `auto` setting ran out of memory: its record reaches the store from rank 1 itself (rank 0 is
+    stuck in a collective), under the attempt's lease, so a fresh machine does not choose it again.
+    - Rank 0 resumes from its local step, node 1 lacks it and the store does not answer: every rank raises
+    StoreUnreachable (exit 143, restartable), not StoreError (2, "bad input", which it used to be)."""
+    from moto_fixture import free_port
+
+    _commit(CheckpointManager(tmp_path / "down-node0" / "checkpoints"), 2)
+    dead = f"http://127.0.0.1:{free_port()}"
+    mp.spawn(_faults_of_one_rank, args=(str(tmp_path), s3_remote, dead), nprocs=2, join=True)
     fresh = tmp_path / "fresh"
     assert RAN_OUT_FILE in fetch_run_files(Store(s3_remote), fresh)
     assert json.loads((fresh / RAN_OUT_FILE).read_text())["micro_batch_size"] == 4
@@ -88,3 +110,4 @@ def test_the_rank_that_ran_out_of_memory_pushes_the_auto_record(tmp_path: Path, 
     (tmp_path / "other.json").write_text("{}\n")
     with pytest.raises(RunBusy):
         stale.put(tmp_path / "other.json", "other.json")
+    assert [(tmp_path / f"outcome{r}").read_text() for r in (0, 1)] == ["StoreUnreachable", "StoreUnreachable"]
