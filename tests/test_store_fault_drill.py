@@ -2,7 +2,7 @@
 - through a fault-injecting proxy (tests/fault_proxy.py): PUTs delivered twice, then the store cut
   off (503s and resets) for longer than the lease, while a second machine starts: the first trains
   on, takes its lease back and finishes bit-identical to an uninterrupted run, the second never
-  trains (exit 143: the store is down and it has no checkpoint);
+  trains (exit 143 after checkpoint.store_retry_seconds: the store is down and it has no checkpoint);
 - the wiped-machine kill drill: attempts SIGKILLed at random moments after they took the lease, each
   machine's disk thrown away, then one that finishes: every attempt has its ledger row and the
   ledger books at least 80% of the time the processes lived;
@@ -85,7 +85,7 @@ def test_outage_double_puts_and_a_second_machine_through_a_faulty_proxy(
         env = {**s3_env(proxy.url), "AWS_MAX_ATTEMPTS": "2"}
         store = Store(s3_remote)  # the test itself talks to moto directly
         first, second = tmp_path / "vm1", tmp_path / "vm2"
-        opts = {"remote": s3_remote, "lease_seconds": 3, "store_outage_seconds": 120}
+        opts = {"remote": s3_remote, "lease_seconds": 3, "store_outage_seconds": 120, "store_retry_seconds": 2}
         a = _start(
             procs,
             _write_recipe(tmp_path, first, tiny_llama, data, **opts),
