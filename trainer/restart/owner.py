@@ -5,8 +5,9 @@ a lease by hand.
 `hold` is what `run.train` wraps itself in: the local lock first (trainer/restart/lock.py),
 then the lease (trainer/restart/lease.py), both before the attempt touches the directory or
 the store, both released when it returns or raises. Credentials that may not write the store
-end the attempt here with StoreDenied (exit 2), naming the permission. Only the job's main process (RANK 0, or
-no torchrun) takes them: the other ranks write nothing the main rank does not coordinate.
+end the attempt here with StoreDenied (exit 2), naming the permission. Only the job's main
+process (RANK 0, or no torchrun) takes them: the other ranks write nothing the main rank does
+not coordinate.
 """
 
 from __future__ import annotations
