@@ -26,7 +26,7 @@ from typing import Any
 
 from trainer.atomic import temp_sibling
 from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE
-from trainer.restart.safety import StoreAhead
+from trainer.restart.safety import SafetyViolation, StoreAhead
 from trainer.restart.storage import Store, _short
 
 RAN_OUT_FILE = "auto-out-of-memory.json"
@@ -182,6 +182,10 @@ class Uploader:
                 self._push_run_files()
                 break
             except StoreAhead:  # this attempt may write nothing there (trainer/restart/safety.py): it stops
+                self.failing = self.refused = True
+                break
+            except SafetyViolation as e:  # a bug: the write was refused before it happened; write nothing more
+                self.message(f"spotune: a bug in spotune: {e}. Nothing more is uploaded (the local checkpoints stay)")
                 self.failing = self.refused = True
                 break
             except Exception as e:
