@@ -104,12 +104,12 @@ def test_no_fault_deletes_what_was_paid_for_and_every_transient_one_is_restartab
     for out in (a_disk, b_disk):
         raw = _recipe(out, tiny_llama, data, data.parent / "cache")
         raw["checkpoint"].update(
-            remote=s3_remote, lease_seconds=3, store_retry_seconds=5, store_outage_seconds=120, notice_seconds=10
+            remote=s3_remote, lease_seconds=3, store_retry_seconds=3, store_outage_seconds=120, notice_seconds=10
         )
         recipes[out] = tmp_path / f"{out.name}.yaml"
         recipes[out].write_text(yaml.safe_dump(raw))
     proxy = FaultProxy(moto_endpoint, tmp_path)
-    env = {**s3_env(proxy.url), "AWS_MAX_ATTEMPTS": "1", PAUSE_ENV: "1.0"}  # saves of 1 s: time to act between
+    env = {**s3_env(proxy.url), "AWS_MAX_ATTEMPTS": "1", PAUSE_ENV: "0.5"}  # slow saves: time to act between
     store = Store(s3_remote)  # the test itself talks to moto directly
     logs: list[Path] = []
 
@@ -148,7 +148,7 @@ def test_no_fault_deletes_what_was_paid_for_and_every_transient_one_is_restartab
         assert p.wait(timeout=120) == EXIT_BAD_INPUT, said()
         assert "s3:PutObject" in said() and "write refused" in said(), said()
         assert not _objects(store) and not (a_disk / "checkpoints").exists()
-        timings["write refused"] = time.monotonic() - began
+        timings["(d) write refused"] = time.monotonic() - began
 
         # Machine A trains a little (permissions fixed) and is preempted: the store holds its step.
         began = time.monotonic()
@@ -169,7 +169,7 @@ def test_no_fault_deletes_what_was_paid_for_and_every_transient_one_is_restartab
         assert not list((b_disk / "checkpoints").glob("step-*"))
         assert newest.now() == a_step and _objects(store) == before
         pids.append(p.pid)
-        timings["downloads failing"] = time.monotonic() - began
+        timings["A trains, (a) downloads failing"] = time.monotonic() - began
 
         # B again, the store healthy: it resumes from A's step, trains further, and is preempted.
         began = time.monotonic()
@@ -192,7 +192,7 @@ def test_no_fault_deletes_what_was_paid_for_and_every_transient_one_is_restartab
         assert f"holds step {b_step}, newer than step {a_step} this attempt resumed from" in said(), said()
         assert _objects(store) == before and newest.now() == b_step
         pids.append(p.pid)
-        timings["stale disk"] = time.monotonic() - began
+        timings["B trains, (b) stale disk"] = time.monotonic() - began
 
         # (c) Two ranks resume on A; listing the checkpoints fails for longer than store_retry_seconds:
         # 143 on both ranks (the exit file they merge into says so), nothing trained.
@@ -206,7 +206,7 @@ def test_no_fault_deletes_what_was_paid_for_and_every_transient_one_is_restartab
         assert "rank 0 could not choose the checkpoint to resume from: reading the checkpoints of" in said(), said()
         assert sorted(d.name for d in (a_disk / "checkpoints").glob("step-*")) == local  # it trained nothing
         assert newest.now() == b_step
-        timings["listing failing, two ranks"] = time.monotonic() - began
+        timings["(c) listing failing, two ranks"] = time.monotonic() - began
 
         # A shorter listing fault is retried and survived: the run resumes from the store's newest and ends.
         began = time.monotonic()
