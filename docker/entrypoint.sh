@@ -8,9 +8,9 @@
 # these in step), so an orchestrator can decide:
 # shellcheck disable=SC2034  # documentation the test reads
 EXIT_FINISHED=0      # done: final/ holds the adapter; do not restart
-EXIT_BAD_INPUT=2     # bad configuration or data: fix it, restarting fails the same way
+EXIT_BAD_INPUT=2     # bad configuration or data, or store credentials lacking a permission: fix it, restarting fails the same way
 EXIT_OUT_OF_MEMORY=5 # does not fit the GPU: change what the message says, restarting fails the same way
-EXIT_PREEMPTED=143   # SIGTERM/SIGUSR1 or a cloud notice: checkpoint saved, restart to resume
+EXIT_PREEMPTED=143   # SIGTERM/SIGUSR1 or a cloud notice (checkpoint saved), or a store/hub fault of the moment: restart to resume
 EXIT_BUSY=75         # another attempt holds the run (its lock or lease): do not restart now
 # Kubernetes (podFailurePolicy), SLURM and SkyPilot can tell these apart (scripts/launch/);
 # Docker's `--restart on-failure` restarts on every non-zero code, hence the retry cap

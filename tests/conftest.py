@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+# The uninterrupted run every kill-and-resume drill compares against, trained once per session.
+from drill_reference import uninterrupted  # noqa: E402,F401  (a fixture)
+
 # A real S3 API on localhost (moto's server) for the remote-checkpoint tests.
 from moto_fixture import moto_endpoint, s3_remote  # noqa: E402,F401  (fixtures)
 

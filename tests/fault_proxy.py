@@ -7,7 +7,11 @@ Every request reads FILE (JSON; absent = pass everything through):
   (alternately), nothing reaches moto;
 - `{"double_put": N}`: the next N PUTs reach moto twice, the client sees the second answer (s3fs
   resending a PUT whose first copy landed: a conditional one then gets 412);
-- `{"strip_conditions": true}`: If-Match / If-None-Match are dropped (a store that ignores them).
+- `{"strip_conditions": true}`: If-Match / If-None-Match are dropped (a store that ignores them);
+- `{"refuse": [RULE, ...]}`: a request whose `METHOD target` matches a rule's `match` (a regular
+  expression) never reaches moto: `"as": "flaky"` answers 503 SlowDown and resets the connection
+  alternately (a throttled, failing store), `"as": "denied"` answers 403 AccessDenied (a role that
+  lacks the permission). A rule with `"times": N` refuses its next N matches only.
 Counts of what it did go to FILE + ".log" (one JSON line per request) for the tests to check.
 
 mitmproxy (`mitmdump --mode reverse:...`) would do the same, but every release pins cryptography
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import socket
 import struct
 from pathlib import Path
@@ -67,6 +72,11 @@ class Proxy:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             writer.close()
             return
+        rule = self.refusal(state, f"{method.decode()} {path.decode()}")
+        if rule is not None:
+            self.note(method=method.decode(), path=path.decode(), action=f"refused {rule['as']}")
+            await self.refuse(writer, rule["as"], head=method == b"HEAD")
+            return
         lines = head.split(b"\r\n")
         kept = [lines[0]] + [
             h
@@ -88,6 +98,38 @@ class Proxy:
             answer = await self.forward(request)
         self.note(method=method.decode(), path=path.decode(), times=times, status=answer[9:12].decode())
         writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    def refusal(self, state: dict, request: str) -> dict | None:
+        """The first rule of `refuse` that matches `request` ("METHOD target"), its count taken down."""
+        rules = state.get("refuse") or []
+        for rule in rules:
+            if re.search(rule["match"], request) and int(rule.get("times", 1)) > 0:
+                if "times" in rule:
+                    rule["times"] = int(rule["times"]) - 1
+                    tmp = self.control.with_suffix(".proxy-tmp")
+                    tmp.write_text(json.dumps(state))
+                    tmp.replace(self.control)
+                return rule
+        return None
+
+    async def refuse(self, writer: asyncio.StreamWriter, how: str, head: bool) -> None:
+        if how == "denied":
+            body = b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
+            writer.write(b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\n")
+        else:
+            self.n += 1
+            if self.n % 2 == 0:  # a reset: SO_LINGER 0 makes close() send RST
+                sock = writer.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                writer.close()
+                return
+            body = b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+            writer.write(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n")
+        if head:  # a HEAD answer carries no body; botocore reads the status alone
+            body = b""
+        writer.write(b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
         await writer.drain()
         writer.close()
 

@@ -87,6 +87,17 @@ def test_the_key_follows_the_settings_that_shape_the_graph(tiny_llama: Path) -> 
     assert base["device"].startswith("cpu ")
 
 
+def test_kernels_built_by_another_toolchain_are_refused() -> None:
+    """The `.so` kernels carried in `kernels/` link against the C library and come from the compiler of the
+    image that built them: another image (an older glibc, another compiler) compiles anew instead of loading
+    a library that may not load there, or crash."""
+    here = cc.cache_key({"any": "settings"}, torch.device("cpu"))
+    assert here["libc"].startswith("glibc") and here["compiler"] != "unknown", here
+    for part, value in (("libc", "glibc 2.17"), ("compiler", "g++: g++ (GCC) 7.3.1")):
+        assert cc.refusal({**here, part: value}, here) == f"{part} {value!r} in the checkpoint, {here[part]!r} here"
+    assert cc.refusal(dict(here), here) is None  # the control: the same image loads them
+
+
 def _recipe(out: Path, remote: Path, model: Path, data: Path, cache: Path, **model_keys: Any) -> Path:
     recipe = {
         "output_dir": str(out),

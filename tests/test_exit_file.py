@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -115,3 +116,76 @@ def test_an_exit_file_that_cannot_be_written_keeps_the_code(tmp_path: Path) -> N
         [sys.executable, "-m", "trainer", "train", "train.no_such_key=1"], env=env, capture_output=True, text=True
     )
     assert done.returncode == E.EXIT_BAD_INPUT and "could not write the exit code to" in done.stderr
+
+
+def _chain(*errors: BaseException) -> BaseException:
+    """`errors[0]` raised from `errors[1]` raised from ... (as each library wraps the one below it)."""
+    for outer, inner in zip(errors, errors[1:], strict=False):
+        outer.__cause__ = inner
+    return errors[0]
+
+
+def test_a_fault_of_the_moment_is_told_by_its_causes() -> None:
+    """`transient` decides 143 for any exception the CLI catches, by its chain of causes, wherever the
+    fault came from: the store (s3fs turns a 503 SlowDown into an OSError from botocore's ClientError), the
+    hub (transformers wraps huggingface_hub's LocalEntryNotFoundError, raised from httpx's ConnectError, in
+    an OSError, which spotune wraps in a DataError), the network itself. A setting is never one."""
+    import httpx
+    from botocore.exceptions import ClientError
+    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+    from s3fs.errors import translate_boto_error
+
+    from trainer.config import ConfigError
+    from trainer.data import DataError
+    from trainer.restart.storage import StoreDenied, StoreUnreachable
+
+    def s3(code: str, status: int) -> BaseException:
+        return translate_boto_error(
+            ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
+        )
+
+    hub_down = _chain(
+        DataError("cannot load a tokenizer from 'org/model'"),
+        OSError("We couldn't connect to 'https://huggingface.co'"),
+        LocalEntryNotFoundError("cannot find the requested files"),
+        httpx.ConnectError("[Errno 111] Connection refused"),
+    )
+    offline = _chain(
+        ConfigError(["model.name_or_path: cannot load 'org/model'"]),
+        OSError("We couldn't connect"),
+        LocalEntryNotFoundError("outgoing traffic has been disabled"),
+        OfflineModeIsEnabled("HF_HUB_OFFLINE"),
+    )
+    transient = [hub_down, s3("SlowDown", 503), s3("InternalError", 500), ConnectionResetError(), TimeoutError()]
+    transient += [StoreUnreachable("the store does not answer"), _chain(RuntimeError("x"), httpx.ReadTimeout("slow"))]
+    settings = [offline, s3("AccessDenied", 403), StoreDenied("refused"), s3("NoSuchBucket", 404), ValueError("x")]
+    assert [E.transient(e) for e in transient] == [True] * len(transient)
+    assert [E.transient(e) for e in settings] == [False] * len(settings)  # the control: these are 2 or 1
+    assert isinstance(s3("AccessDenied", 403), PermissionError)  # what tells a refusal: s3fs's own mapping
+
+
+def test_a_tokenizer_the_hub_could_not_serve_keeps_the_cause_that_decides_the_exit_code(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hub that does not answer while the tokenizer is fetched is 143 (restart); offline mode with the
+    tokenizer not cached is 2 (a setting): the DataError keeps huggingface_hub's cause, which tells them apart."""
+    import httpx
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    from trainer.data import DataError
+    from trainer.data.tokenizer import local_dir
+
+    def failing(cause: BaseException) -> Any:
+        def snapshot_download(*args: Any, **kwargs: Any) -> str:
+            raise _chain(LocalEntryNotFoundError("cannot find the requested files"), cause)
+
+        return snapshot_download
+
+    outcomes = []
+    for cause in (httpx.ConnectError("[Errno 111] Connection refused"), OfflineModeIsEnabled("HF_HUB_OFFLINE")):
+        monkeypatch.setattr(huggingface_hub, "snapshot_download", failing(cause))
+        with pytest.raises(DataError, match="not in the local HF cache") as e:
+            local_dir("org/model", None)
+        outcomes.append(E.transient(e.value))
+    assert outcomes == [True, False]  # the second is the control

@@ -1,18 +1,24 @@
 """Fencing by generation (trainer/restart/generations.py), against moto's S3 through s3fs: a write
-of a fenced holder that lands late (a request already in flight when it was cut off) changes
-nothing the next reader sees, for a run file and for a checkpoint manifest. Each has a control:
-the same late write made the way it was before generations (every writer at generation 0) wins."""
+of a fenced holder that lands late (a request already in flight when it was cut off) never replaces
+what a newer holder wrote: for a run file its rows are merged in (no row is lost, none counted
+twice), and a late checkpoint manifest counts as absent. Each has a control: the same late write
+made the way it was before generations (every writer at generation 0) wins. The manifest rule
+assumes a newer holder never commits below a checkpoint it saw committed: the floor of
+trainer/restart/safety.py asserts that, and a test breaks it."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
+
 from trainer.report.load import load_run
 from trainer.restart.checkpoint import MANIFEST, CheckpointManager
 from trainer.restart.generations import current_steps
 from trainer.restart.lease import Lease
 from trainer.restart.remote import fetch_run_files
+from trainer.restart.safety import Floor, SafetyViolation
 from trainer.restart.storage import Fence, Store
 
 
@@ -30,6 +36,7 @@ class InFlight(Fence):
 def _store(remote: str, generation: int) -> Store:
     store = Store(remote)
     store.fence = InFlight(generation)
+    store.floor.choose(None, [])  # a late request's checks were passed before it was cut off
     return store
 
 
@@ -50,13 +57,34 @@ def _commit(manager: CheckpointManager, step: int) -> Path:
 def test_the_rule_for_manifests() -> None:
     assert current_steps({}) == []
     assert current_steps({80: 0, 90: 0, 100: 0}) == [80, 90, 100]  # a run written before generations
-    assert current_steps({80: 1, 90: 2, 100: 1}) == [80, 90]  # generation 2 resumed from 80: 100 is late
+    # Generation 2 committed 90, so it resumed from 80 or below: 100 landed after it chose (a late write).
+    assert current_steps({80: 1, 90: 2, 100: 1}) == [80, 90]
     assert current_steps({80: 1, 90: 2, 100: 2}) == [80, 90, 100]  # an older generation's checkpoint stays good
     # Pruning the newest generation's older steps never revives a late one: its highest step is kept.
     assert current_steps({90: 3, 100: 2}) == [90]
 
 
-def test_a_fenced_holders_late_run_file_changes_nothing_the_next_reader_sees(tmp_path: Path, s3_remote: str) -> None:
+def test_the_rule_holds_only_because_no_holder_commits_below_what_it_saw() -> None:
+    """`current_steps` reads {80: 1, 90: 2, 100: 1} as "100 is late". That is true only if generation 2 did
+    not see 100 committed when it chose: a holder that saw it (its download failed, say) and trained from
+    80 would hide, and then delete, a paid-for checkpoint by committing 90. The floor refuses that commit."""
+    before, after = current_steps({80: 1, 100: 1}), current_steps({80: 1, 90: 2, 100: 1})
+    saw = Floor()
+    saw.choose(80, [80, 100])
+    with pytest.raises(SafetyViolation, match=r"committing step 90 would take committed step\(s\) \[100\]"):
+        saw.allow("committing step 90", before, after)
+    late = Floor()  # the control: 100 landed after it chose (a fenced holder's late write): allowed
+    late.choose(80, [80])
+    late.allow("committing step 90", before, after)
+    corrupt = Floor()  # and 100 found corrupt when it chose: the one reason to replace it
+    corrupt.choose(80, [80, 100], corrupt=[100])
+    corrupt.allow("committing step 90", before, after)
+    unchosen = Floor()  # before it chose, nothing committed may go out of sight
+    with pytest.raises(SafetyViolation):
+        unchosen.allow("committing step 90", before, after)
+
+
+def test_a_fenced_holders_late_run_file_is_merged_and_replaces_nothing(tmp_path: Path, s3_remote: str) -> None:
     first = Lease(Store(s3_remote), 30.0, tmp_path / "a", message=lambda _: None)
     first.acquire()
     first.store.fence = first
@@ -72,23 +100,38 @@ def test_a_fenced_holders_late_run_file_changes_nothing_the_next_reader_sees(tmp
     second.store.put(_rows(tmp_path / "b" / "ledger.jsonl", 1, 2), "ledger.jsonl")
 
     names = [p.rsplit("/", 1)[-1] for p in second.store.fs.ls(second.store.root, detail=False)]
-    assert sorted(n for n in names if ".jsonl" in n) == ["ledger.jsonl.gen-2", "metrics.jsonl.gen-2"]  # 1's swept
+    assert sorted(n for n in names if ".jsonl" in n) == [  # never swept: readers merge every copy
+        "ledger.jsonl.gen-1",
+        "ledger.jsonl.gen-2",
+        "metrics.jsonl.gen-1",
+        "metrics.jsonl.gen-2",
+    ]
 
-    # The first holder's uploads that were in flight land now, with what it held then.
+    # The first holder's uploads that were in flight land now, with what it held then: its metrics rows
+    # are all in the second holder's copy already, and its ledger holds one row the second one lacks.
     late = _store(s3_remote, 1)
     late.put(_rows(tmp_path / "late" / "metrics.jsonl", 1, 2, 3), "metrics.jsonl")
-    late.put(_rows(tmp_path / "late" / "ledger.jsonl", 1), "ledger.jsonl")
+    late.put(_rows(tmp_path / "late" / "ledger.jsonl", 1, 7), "ledger.jsonl")
 
     fresh = tmp_path / "fresh"  # a new machine resuming the run
     fetch_run_files(Store(s3_remote), fresh)
     assert (fresh / "metrics.jsonl").read_bytes() == (tmp_path / "b" / "metrics.jsonl").read_bytes()
-    assert (fresh / "ledger.jsonl").read_bytes() == (tmp_path / "b" / "ledger.jsonl").read_bytes()
-    report = load_run(s3_remote)  # `spotune report <url>`
-    assert [r["step"] for r in report.train_rows] == [1, 2, 3, 4] and [a.attempt for a in report.attempts] == [1, 2]
-    # A machine that holds an older copy still continues it from the newest generation's copy.
+    ledger_steps = [json.loads(x)["step"] for x in (fresh / "ledger.jsonl").read_text().splitlines()]
+    assert ledger_steps == [1, 7, 2]  # each row once, none lost, in the order first seen (oldest copy first)
+    report = load_run(s3_remote)  # `spotune report <url>`: the same merge
+    assert [r["step"] for r in report.train_rows] == [1, 2, 3, 4] and [a.attempt for a in report.attempts] == [1, 2, 7]
+    # A machine that holds an older copy still continues it with every generation's rows.
     stale = _rows(tmp_path / "old" / "metrics.jsonl", 1)
     fetch_run_files(Store(s3_remote), stale.parent)
     assert stale.read_bytes() == (tmp_path / "b" / "metrics.jsonl").read_bytes()
+    # A disk whose rows the store lacks (it trained while cut off) keeps them, after the store's.
+    diverged = _rows(tmp_path / "diverged" / "metrics.jsonl", 1, 9)
+    fetch_run_files(Store(s3_remote), diverged.parent)
+    assert [json.loads(x)["step"] for x in diverged.read_text().splitlines()] == [1, 2, 3, 4, 9]
+    # ... so its next push loses nothing of the store's (it used to keep only its own rows, then sweep the rest).
+    _store(s3_remote, 3).put(diverged, "metrics.jsonl")
+    pushed = Store(s3_remote).read_run_file("metrics.jsonl") or b""
+    assert [json.loads(x)["step"] for x in pushed.splitlines()] == [1, 2, 3, 4, 9]
     second.release()
 
     # Control: the same late write made as before generations (one key for every writer) wins.

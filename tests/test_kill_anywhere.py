@@ -22,11 +22,9 @@ import yaml
 from safetensors.torch import load_file
 
 from trainer import builtin_assets
-from trainer import config as C
 from trainer.exit_codes import EXIT_PREEMPTED
 from trainer.restart.checkpoint import CheckpointManager
 from trainer.restart.state import TrainState
-from trainer.training import run
 
 pytestmark = pytest.mark.bitwise  # separate runs agree bit for bit: one intra-op thread (conftest.py)
 
@@ -98,15 +96,17 @@ def drill_seed() -> int:
     return int(os.environ.get("SPOTUNE_DRILL_SEED") or random.SystemRandom().randrange(1 << 30))
 
 
-def test_kill_anywhere_then_finish_equals_uninterrupted(tmp_path: Path, tiny_llama: Path, procs: list) -> None:
+def test_kill_anywhere_then_finish_equals_uninterrupted(
+    tmp_path: Path, tiny_llama: Path, procs: list, uninterrupted: Any
+) -> None:
+    """`uninterrupted`: the shared reference run of tests/drill_reference.py (which imports this module)."""
     seed = drill_seed()
     rnd = random.Random(seed)
     print(f"kill schedule seed {seed}")
-    data = builtin_assets.write_dataset(tmp_path / "train.jsonl", n=16)
-    cache = tmp_path / "cache"
-    ref_out, out = tmp_path / "reference", tmp_path / "killed"
-    assert run.train(C.from_dict(_recipe(ref_out, tiny_llama, data, cache))) == 0
-    reference = {r["step"]: r["loss"] for r in _metric_rows(ref_out)}
+    data = uninterrupted.data
+    cache = data.parent / "cache"
+    ref_out, out = uninterrupted.out, tmp_path / "killed"
+    reference = uninterrupted.losses
 
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(_recipe(out, tiny_llama, data, cache)))

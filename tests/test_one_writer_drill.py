@@ -24,19 +24,17 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from drill_reference import Reference
 from moto_fixture import s3_env
 from safetensors.torch import load_file
 from test_kill_anywhere import REPO, STEPS, _metric_rows, _recipe, _wait
 
-from trainer import builtin_assets as tiny
-from trainer import config as C
 from trainer.exit_codes import EXIT_BUSY
 from trainer.restart.checkpoint import PAUSE_ENV, CheckpointManager
 from trainer.restart.lease import read_lease
 from trainer.restart.ledger import read_rows
 from trainer.restart.lock import holder
 from trainer.restart.storage import Store
-from trainer.training import run
 
 pytestmark = [pytest.mark.slow, pytest.mark.bitwise]
 
@@ -53,16 +51,14 @@ def procs() -> Any:
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny.write_dataset(tmp_path_factory.mktemp("one-writer") / "train.jsonl", n=16)
+def data(uninterrupted: Reference) -> Path:
+    return uninterrupted.data
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path, data: Path) -> dict[str, Any]:
-    """The uninterrupted run: its adapter and its loss at every step."""
-    out = tmp_path_factory.mktemp("reference")
-    assert run.train(C.from_dict(_recipe(out, tiny_llama, data, data.parent / "cache"))) == 0
-    return {"adapter": _adapter(out), "loss": {r["step"]: r["loss"] for r in _metric_rows(out)}}
+def reference(uninterrupted: Reference) -> dict[str, Any]:
+    """The uninterrupted run (tests/drill_reference.py): its adapter and its loss at every step."""
+    return {"adapter": uninterrupted.adapter, "loss": uninterrupted.losses}
 
 
 def _adapter(out: Path) -> dict[str, torch.Tensor]:

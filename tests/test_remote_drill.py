@@ -20,17 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from drill_reference import Reference
 from moto_fixture import SECRET, s3_env
 from safetensors.torch import load_file
 from test_kill_anywhere import REPO, STEPS, _metric_rows, _recipe, _wait, drill_seed, procs  # noqa: F401 (procs: a fixture)
 
-from trainer import builtin_assets
-from trainer import config as C
 from trainer.exit_codes import EXIT_PREEMPTED
 from trainer.restart.checkpoint import MANIFEST, PAUSE_ENV
 from trainer.restart.ledger import read_rows
 from trainer.restart.storage import UPLOAD_PAUSE_ENV, Store
-from trainer.training import run
 
 pytestmark = pytest.mark.bitwise  # separate runs agree bit for bit: one intra-op thread (conftest.py)
 
@@ -42,14 +40,14 @@ def test_kill_delete_output_dir_rerun_from_the_bucket(
     moto_endpoint: str,
     s3_remote: str,
     procs: list,  # noqa: F811
+    uninterrupted: Reference,
 ) -> None:
     seed = drill_seed()
     rnd = random.Random(seed)
     print(f"kill schedule seed {seed}")
-    data = builtin_assets.write_dataset(tmp_path / "train.jsonl", n=16)
-    cache = tmp_path / "cache"
-    ref_out, out = tmp_path / "reference", tmp_path / "vm"
-    assert run.train(C.from_dict(_recipe(ref_out, tiny_llama, data, cache))) == 0
+    data = uninterrupted.data
+    cache = data.parent / "cache"
+    ref_out, out = uninterrupted.out, tmp_path / "vm"
 
     raw = _recipe(out, tiny_llama, data, cache)
     raw["checkpoint"]["remote"] = s3_remote

@@ -1,18 +1,24 @@
 """Multi-node resume: rank 0 chooses the step and broadcasts it; a node whose local disk is
-empty downloads that checkpoint from the store. Two gloo processes, each with its own
-output_dir standing in for its node's disk, against the moto S3 server."""
+empty downloads that checkpoint from the store; the rank that ran out of memory pushes its `auto`
+record itself. Two gloo processes, each with its own output_dir standing in for its node's disk,
+against the moto S3 server."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
 from trainer.restart.checkpoint import CheckpointManager
-from trainer.restart.remote import RemoteRun
+from trainer.restart.lease import Lease
+from trainer.restart.lease_object import Follower
+from trainer.restart.lock import RunBusy
+from trainer.restart.remote import RemoteRun, fetch_run_files
 from trainer.restart.storage import Store
+from trainer.restart.uploader import RAN_OUT_FILE
 
 
 def _commit(manager: CheckpointManager, step: int) -> Path:
@@ -47,3 +53,61 @@ def test_rank0_chooses_and_an_empty_node_downloads(tmp_path: Path, s3_remote: st
     assert chosen[1] == tmp_path / "node1" / "checkpoints" / "step-000004"
     assert CheckpointManager(chosen[1].parent).verify(chosen[1]) == []  # downloaded and verified
     assert (chosen[1] / "rng.safetensors").read_bytes() == bytes([4]) * 512
+
+
+def _faults_of_one_rank(rank: int, tmp: str, remote: str, dead: str) -> None:
+    """Two scenarios in one pair of processes (each start costs seconds): rank 1 runs out of memory; then
+    node 1 lacks rank 0's step while the store does not answer."""
+    import os
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/pg-faults", rank=rank, world_size=2)
+    node = Path(tmp) / f"oom-node{rank}"
+    lease = None
+    if rank == 0:  # the job's main process holds the run, as owner.hold does
+        lease = Lease(Store(remote), 30.0, node, message=lambda m: None)
+        lease.acquire()
+    run = RemoteRun(remote, {}, node, keep_last=2, is_main=rank == 0, is_local_main=True, message=lambda m: None)
+    run.fence = lease
+    run.connect()
+    if rank == 1:  # it ran out of memory with an `auto` setting: the record, then the push from this rank
+        node.mkdir(parents=True, exist_ok=True)
+        (node / RAN_OUT_FILE).write_text('{"micro_batch_size": 4, "gradient_checkpointing": false}\n')
+        run.push_run_files(notice_seconds=5.0)
+    torch.distributed.barrier()
+    if lease is not None:
+        lease.release()
+
+    os.environ.update(AWS_ENDPOINT_URL=dead, AWS_MAX_ATTEMPTS="1")  # nothing listens there
+    node = Path(tmp) / f"down-node{rank}"
+    run = RemoteRun(remote, {}, node, keep_last=2, is_main=rank == 0, is_local_main=True, retry_seconds=0.5)
+    run.message = lambda m: None
+    try:
+        run.connect()  # rank 0 has a local checkpoint: it goes on cut off
+        run.resolve("auto")
+        outcome = "resumed"
+    except Exception as e:
+        outcome = type(e).__name__
+    (Path(tmp) / f"outcome{rank}").write_text(outcome)
+    torch.distributed.destroy_process_group()
+
+
+def test_a_fault_on_one_rank(tmp_path: Path, s3_remote: str) -> None:
+    """- Rank 1's `auto` setting ran out of memory: its record reaches the store from rank 1 itself (rank 0 is
+    stuck in a collective), under the attempt's lease, so a fresh machine does not choose it again.
+    - Rank 0 resumes from its local step, node 1 lacks it and the store does not answer: every rank raises
+    StoreUnreachable (exit 143, restartable), not StoreError (2, "bad input", which it used to be)."""
+    from moto_fixture import free_port
+
+    _commit(CheckpointManager(tmp_path / "down-node0" / "checkpoints"), 2)
+    dead = f"http://127.0.0.1:{free_port()}"
+    mp.spawn(_faults_of_one_rank, args=(str(tmp_path), s3_remote, dead), nprocs=2, join=True)
+    fresh = tmp_path / "fresh"
+    assert RAN_OUT_FILE in fetch_run_files(Store(s3_remote), fresh)
+    assert json.loads((fresh / RAN_OUT_FILE).read_text())["micro_batch_size"] == 4
+    # The control: a rank whose attempt no longer holds the lease writes nothing.
+    stale = Store(s3_remote)
+    stale.fence = Follower(stale, holder="an attempt that is gone")
+    (tmp_path / "other.json").write_text("{}\n")
+    with pytest.raises(RunBusy):
+        stale.put(tmp_path / "other.json", "other.json")
+    assert [(tmp_path / f"outcome{r}").read_text() for r in (0, 1)] == ["StoreUnreachable", "StoreUnreachable"]

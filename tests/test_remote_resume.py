@@ -28,9 +28,9 @@ from safetensors.torch import load_file
 from trainer import builtin_assets
 from trainer import config as C
 from trainer.exit_codes import EXIT_PREEMPTED
-from trainer.restart.checkpoint import CheckpointError, CheckpointManager
+from trainer.restart.checkpoint import CheckpointManager
 from trainer.restart.ledger import read_rows
-from trainer.restart.storage import UPLOAD_PAUSE_ENV, Store, StoreError
+from trainer.restart.storage import UPLOAD_PAUSE_ENV, Store, StoreUnreachable
 from trainer.training import run
 
 K = 3
@@ -125,12 +125,13 @@ def test_unreachable_store_at_start_fails_without_a_local_checkpoint_and_warns_w
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     monkeypatch.setenv("AWS_ENDPOINT_URL", dead)
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
-    cfg = _cfg(out, tiny_llama, data, 2, **{"checkpoint.remote": s3_remote, "checkpoint.notice_seconds": 2.0})
-    with pytest.raises(StoreError) as err:
+    opts = {"checkpoint.remote": s3_remote, "checkpoint.notice_seconds": 2.0, "checkpoint.store_retry_seconds": 1.0}
+    cfg = _cfg(out, tiny_llama, data, 2, **opts)
+    with pytest.raises(StoreUnreachable) as err:  # retried for store_retry_seconds first
         run.train(cfg)
     message = str(err.value)
     assert s3_remote in message and "unreachable" in message and "AWS_ENDPOINT_URL" in message
-    assert isinstance(err.value, CheckpointError)  # the CLI maps it to the bad-input exit code
+    assert "No local checkpoint lets training start without it" in message  # the CLI exits 143: restartable
     assert not (out / "checkpoints").exists()
 
     # With a local checkpoint the run goes on: a warning at start, uploads retried in the

@@ -17,7 +17,7 @@ from moto_fixture import SECRET, free_port, s3_env
 from trainer import config as C
 from trainer.restart.checkpoint import MANIFEST, CheckpointManager
 from trainer.restart.remote import RemoteRun, fetch_run_files
-from trainer.restart.storage import UPLOAD_PAUSE_ENV, Store, StoreError
+from trainer.restart.storage import UPLOAD_PAUSE_ENV, Store, StoreError, StoreUnreachable
 from trainer.restart.uploader import Uploader
 from trainer.urls import redact
 
@@ -29,6 +29,13 @@ def _commit(manager: CheckpointManager, step: int) -> Path:
         (tmp / "rng.safetensors").write_bytes(b"r" * 100 + bytes([step % 256]))
 
     return manager.save(step, write).path
+
+
+def _attempt(store: Store) -> Store:
+    """`store` as written by one attempt that began at step 0 on an empty store: the rule of
+    trainer/restart/safety.py protects nothing it did not commit itself."""
+    store.floor.choose(None, [])
+    return store
 
 
 def _wait_for_object(store: Store, step: int) -> None:
@@ -67,8 +74,8 @@ def test_uploading_a_committed_checkpoint_again_sends_nothing_and_keeps_it_commi
 ) -> None:
     """A resumed checkpoint caught up after a start that could not see the store may be there already:
     the same bytes are left committed (a kill mid-way cannot uncommit them); other bytes at that step
-    (a step redone after a resume) replace it."""
-    store = Store(s3_remote)
+    replace it when the rule allows (a step this attempt committed itself, or a corrupt one)."""
+    store = _attempt(Store(s3_remote))
     local = _commit(CheckpointManager(tmp_path / "a", keep_last=3), 2)
     assert store.upload(local, 2) > 0
     assert store.upload(local, 2) == 0 and store.committed() == [2]
@@ -108,7 +115,7 @@ def test_download_verifies_size_and_sha256_and_names_the_bad_object(tmp_path: Pa
 
 
 def test_prune_deletes_the_manifest_first(tmp_path: Path, s3_remote: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = Store(s3_remote)
+    store = _attempt(Store(s3_remote))
     manager = CheckpointManager(tmp_path / "checkpoints", keep_last=5)
     for step in (1, 2, 3):
         store.upload(_commit(manager, step), step)
@@ -159,11 +166,22 @@ def test_unreachable_store_names_the_url_and_the_fix(tmp_path: Path, moto_endpoi
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
-    remote = RemoteRun("s3://some-bucket/run", {}, tmp_path / "run", keep_last=2, is_main=True, is_local_main=True)
-    with pytest.raises(StoreError) as err:
+    said: list[str] = []
+    remote = RemoteRun(
+        "s3://some-bucket/run",
+        {},
+        tmp_path / "run",
+        keep_last=2,
+        is_main=True,
+        is_local_main=True,
+        message=said.append,
+        retry_seconds=1.5,
+    )
+    with pytest.raises(StoreUnreachable) as err:  # a fault of the moment: exit 143, after retrying
         remote.connect()
     text = str(err.value)
-    assert "checkpoint.remote=s3://some-bucket/run is unreachable" in text
+    assert "checkpoint.remote=s3://some-bucket/run is unreachable" in text and "(tried for 1.5s)" in text
+    assert said and all("retrying in" in m for m in said), said
     assert "credentials" in text and "AWS_ENDPOINT_URL" in text and SECRET not in text
     # A missing backend names the extra to install (gcsfs is not a test dependency).
     try:
@@ -256,7 +274,7 @@ def test_store_unreachable_mid_run_retries_warns_and_catches_up(
 
 def test_a_local_directory_is_a_store_too(tmp_path: Path) -> None:
     """`file://` (an NFS mount, a second disk) goes through the same seam."""
-    store = Store(f"file://{tmp_path / 'bucket'}/run")
+    store = _attempt(Store(f"file://{tmp_path / 'bucket'}/run"))
     store.check()  # creates the directory
     manager = CheckpointManager(tmp_path / "a" / "checkpoints", keep_last=5)
     for step in (1, 2, 3):

@@ -2,7 +2,7 @@
 - through a fault-injecting proxy (tests/fault_proxy.py): PUTs delivered twice, then the store cut
   off (503s and resets) for longer than the lease, while a second machine starts: the first trains
   on, takes its lease back and finishes bit-identical to an uninterrupted run, the second never
-  trains (exit 143: the store is down and it has no checkpoint);
+  trains (exit 143 after checkpoint.store_retry_seconds: the store is down and it has no checkpoint);
 - the wiped-machine kill drill: attempts SIGKILLed at random moments after they took the lease, each
   machine's disk thrown away, then one that finishes: every attempt has its ledger row and the
   ledger books at least 80% of the time the processes lived;
@@ -23,20 +23,19 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from drill_reference import Reference
 from fault_proxy import FaultProxy
 from moto_fixture import free_port, s3_env
 from safetensors.torch import load_file
 from test_kill_anywhere import REPO, STEPS, _metric_rows, _recipe, _wait, drill_seed, procs  # noqa: F401 (procs: a fixture)
 
 from trainer import builtin_assets as tiny
-from trainer import config as C
 from trainer.cli import main as cli
 from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from trainer.restart.checkpoint import PAUSE_ENV
 from trainer.restart.lease import read_lease
 from trainer.restart.ledger import read_rows
 from trainer.restart.storage import Store
-from trainer.training import run
 
 pytestmark = pytest.mark.bitwise  # separate runs agree bit for bit: one intra-op thread (conftest.py)
 
@@ -78,16 +77,15 @@ def test_outage_double_puts_and_a_second_machine_through_a_faulty_proxy(
     moto_endpoint: str,
     s3_remote: str,
     procs: list,  # noqa: F811
+    uninterrupted: Reference,
 ) -> None:
-    data = tiny.write_dataset(tmp_path / "train.jsonl", n=16)
-    ref = tmp_path / "reference"
-    assert run.train(C.from_dict(_recipe(ref, tiny_llama, data, data.parent / "cache"))) == 0
+    data, ref = uninterrupted.data, uninterrupted.out
     proxy = FaultProxy(moto_endpoint, tmp_path)
     try:
         env = {**s3_env(proxy.url), "AWS_MAX_ATTEMPTS": "2"}
         store = Store(s3_remote)  # the test itself talks to moto directly
         first, second = tmp_path / "vm1", tmp_path / "vm2"
-        opts = {"remote": s3_remote, "lease_seconds": 3, "store_outage_seconds": 120}
+        opts = {"remote": s3_remote, "lease_seconds": 3, "store_outage_seconds": 120, "store_retry_seconds": 2}
         a = _start(
             procs,
             _write_recipe(tmp_path, first, tiny_llama, data, **opts),
@@ -236,7 +234,8 @@ def test_unreachable_at_start_without_a_checkpoint_exits_restartable(
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     out = tmp_path / "run"
-    code = cli.main(["train", f"output_dir={out}", "checkpoint.remote=s3://nowhere/run", "checkpoint.lease_seconds=3"])
+    args = ["checkpoint.remote=s3://nowhere/run", "checkpoint.lease_seconds=3", "checkpoint.store_retry_seconds=1"]
+    code = cli.main(["train", f"output_dir={out}", *args])
     assert code == EXIT_PREEMPTED, capsys.readouterr().err
     assert "unreachable" in capsys.readouterr().err
     assert not (out / "checkpoints").exists()

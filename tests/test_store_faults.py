@@ -162,7 +162,7 @@ def test_a_take_back_delivered_twice_is_still_ours(tmp_path: Path, s3_remote: st
     real_read = b._read
     b._read = lambda: next(reads, None) or real_read()  # type: ignore[method-assign]
     with pytest.raises(LeaseLost):
-        b.renew()  # its If-Match PUT is refused (c wrote meanwhile); the re-read shows c
+        b.keeper.tick()  # its If-Match PUT is refused (c wrote meanwhile); the re-read shows c
     assert b_lost and "another machine took" in b_lost[0]
     lease, _ = read_lease(Store(s3_remote))
     assert lease is not None and lease["holder"] == c.id

@@ -272,3 +272,20 @@ def _wandb_project(root: Path) -> str:
     """The project recorded in the (one) offline W&B run under `root`."""
     (path,) = root.glob("wandb/offline-run-*/run-*.wandb")
     return next(r.run.project for r in wandb_records(path) if r.WhichOneof("record_type") == "run")
+
+
+def test_an_attempt_killed_before_its_first_checkpoint_is_redone_once_on_tensorboard(tmp_path: Path) -> None:
+    """The first attempt logs steps 1..3 and is killed before any checkpoint; the next starts again at
+    step 0 and logs them again: TensorBoard rewinds to 0 (`purge_step`), so each step is charted once."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for attempt in (1, 2):
+        run = trackers.TrackerRun(("tensorboard",), "p", "r", (), tmp_path, {}, 0, attempt=attempt)
+        t = trackers.Trackers(run, None)
+        for step in (1, 2, 3):
+            t.log({"loss": float(step) + attempt / 10}, step)
+        if attempt == 2:
+            t.finish("finished", 0)  # the first is killed: never finished, its rows flushed one by one
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, round(e.value, 3)) for e in events.Scalars("loss")] == [(1, 1.2), (2, 2.2), (3, 3.2)]

@@ -6,8 +6,10 @@ scripts/launch/) decide from these whether to rerun the same command.
 What a supervisor should do with each:
 - `EXIT_FINISHED = 0`: training reached its end; `final/` holds the adapter. Do not rerun.
 - `EXIT_ERROR = 1`: an unexpected error (a traceback); look at it before rerunning.
-- `EXIT_BAD_INPUT = 2`: bad configuration or data, or a checkpoint that cannot be resumed;
-  the message names the key, file or line to fix. Rerunning unchanged fails the same way.
+- `EXIT_BAD_INPUT = 2`: bad configuration or data, a checkpoint that cannot be resumed, or a store
+  that refuses these credentials (no such bucket, reading or writing denied: checked at start with
+  a real probe write); the message names the key, file, line or permission to fix. Rerunning
+  unchanged fails the same way. Never a fault of the moment.
 - `EXIT_BUDGET = 3`: stopped at `train.max_gpu_hours` or `train.max_cost` after saving a
   checkpoint. Raise the budget and rerun the same command to continue.
 - `EXIT_BAD_STEPS = 4`: `train.max_bad_steps` consecutive non-finite steps; fix the run
@@ -21,10 +23,12 @@ What a supervisor should do with each:
   names it; `spotune train --wait SECONDS` resumes after it.
 - `EXIT_ABORTED = 130`: a second SIGINT; no checkpoint was saved for the step in flight.
   Rerunning resumes from the last committed checkpoint.
-- `EXIT_PREEMPTED = 143` (128 + SIGTERM): stopped by a signal after saving a checkpoint, or
-  by `checkpoint.remote` staying unreachable past `checkpoint.store_outage_seconds` (a local
-  checkpoint saved), or unreachable at start with no local checkpoint to train from.
-  Rerun the same command to resume.
+- `EXIT_PREEMPTED = 143` (128 + SIGTERM): stopped by a signal after saving a checkpoint, or by a
+  fault of the moment anywhere (`transient`): `checkpoint.remote` unreachable past
+  `checkpoint.store_outage_seconds` (a local checkpoint saved), the store's checkpoints unreadable
+  at start (retried first; never trained from an older step instead), the store found ahead of a
+  stale disk (nothing written), the hub not answering, a several-node fetch or publish failing.
+  Every rank exits with it alike. Rerun the same command to resume.
 """
 
 from __future__ import annotations
@@ -88,6 +92,46 @@ FOR_STOP: dict[str, int] = {
     "bad_steps": EXIT_BAD_STEPS,
 }
 """The exit code of `spotune train` for each way the loop can stop."""
+
+
+def transient(e: BaseException) -> bool:
+    """Whether `e` is a fault of the moment (exit 143), by its chain of causes: a lost connection, a
+    timeout, a broken transfer, an HTTP 5xx or 429 (throttling), a store or hub that does not answer.
+    A setting the user chose is never one: offline mode (HF_HUB_OFFLINE), a refused credential."""
+    seen: BaseException | None = e
+    while seen is not None:
+        names = {c.__name__ for c in type(seen).__mro__}
+        if names & _SETTINGS:
+            return False
+        status = _status(getattr(seen, "response", None))
+        if names & _FAULTS or (isinstance(status, int) and (status >= 500 or status == 429)):
+            return True
+        seen = seen.__cause__ or (None if seen.__suppress_context__ else seen.__context__)
+    return False
+
+
+def _status(response: object) -> object:
+    """The HTTP status of an error's response: an attribute (requests, httpx), or botocore's dict."""
+    if isinstance(response, dict):
+        return response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return getattr(response, "status_code", None)
+
+
+_FAULTS = {
+    "ConnectionError",  # builtin (resets, refusals), requests', HubUnreachable
+    "TimeoutError",
+    "timeout",
+    "IncompleteRead",
+    "TransportError",  # httpx
+    "ClientConnectionError",  # aiohttp
+    "ClientPayloadError",
+    "EndpointConnectionError",  # botocore
+    "ConnectionClosedError",
+    "ReadTimeoutError",
+    "ConnectTimeoutError",
+    "StoreUnreachable",  # trainer/restart/storage.py
+}
+_SETTINGS = {"OfflineModeIsEnabled", "PermissionError", "StoreDenied"}
 
 
 MTIME_SLACK = 0.05

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Run spotune in its container on one VM and let Docker restart it after a preemption
-# (exit 143, checkpoint saved) or a crash; the restarted container resumes by itself.
+# (exit 143: checkpoint saved, or a store/hub fault of the moment) or a crash; the restarted
+# container resumes by itself.
 #
 #   IMAGE=spotune RUNS=/mnt/disk/runs scripts/launch/docker-run.sh RECIPE [key=value ...]
 #
 # Docker cannot tell exit codes apart: `on-failure:N` restarts on every non-zero one, so N
-# caps the loop a configuration error (exit 2, fails in seconds) would cause. For the codes
+# caps the loop a configuration error or a store permission missing (exit 2, fails in seconds)
+# would cause. For the codes
 # see docker/entrypoint.sh. `--stop-timeout 120`: `docker stop` waits that long for the save.
 # `--network host`: on AWS, IMDSv2 answers a container on the bridge network only when the
 # instance's metadata hop limit is 2, and the preemption-notice watcher needs it.

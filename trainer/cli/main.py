@@ -2,9 +2,9 @@
 turn user errors into exit code 2.
 
 Exit codes are defined and documented once, in trainer/exit_codes.py: 0 finished,
-143 preempted after saving (requeue), 3 budget reached, 4 too many non-finite steps,
-130 aborted, 2 bad configuration or input, 5 out of GPU memory, 75 the run is held by another
-attempt, 1 anything else.
+143 preempted after saving, or any fault of the moment (requeue), 3 budget reached, 4 too many
+non-finite steps, 130 aborted, 2 bad configuration or input (or store credentials to fix), 5 out of
+GPU memory, 75 the run is held by another attempt, 1 anything else.
 """
 
 from __future__ import annotations
@@ -105,21 +105,27 @@ def _main(argv: Sequence[str] | None) -> int:
     from trainer.report import ReportError
     from trainer.restart.checkpoint import CheckpointError
     from trainer.restart.lock import RunBusy
-    from trainer.restart.storage import StoreUnreachable
 
     try:
         return _dispatch(args)
     except RunBusy as e:  # one writer per run: the message names the holder
         print(f"spotune: {e}", file=sys.stderr)
         return EXIT_BUSY
-    except StoreUnreachable as e:  # a transient fault (the store is down): restartable, never "bad input"
-        print(f"spotune: {e}", file=sys.stderr)
-        return EXIT_PREEMPTED
-    except (C.ConfigError, DataError, CheckpointError, PlanError, CatalogError, ReportError) as e:
-        # Each carries complete sentences naming the key, file or line to fix; a traceback
-        # would only bury them. CheckpointError covers "none verifies" and ResumeMismatch.
-        print(f"spotune: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    except Exception as e:
+        if exit_codes.transient(e):  # a fault of the moment (store, hub, network): restartable, never "bad input"
+            print(f"spotune: {e}", file=sys.stderr)
+            print(
+                f"spotune: that is a fault of the moment (the network, the store or the hub): exit {EXIT_PREEMPTED}; "
+                "run the same command again",
+                file=sys.stderr,
+            )
+            return EXIT_PREEMPTED
+        if isinstance(e, (C.ConfigError, DataError, CheckpointError, PlanError, CatalogError, ReportError)):
+            # Each carries complete sentences naming the key, file, line or permission to fix; a traceback
+            # would only bury them. CheckpointError covers "none verifies", ResumeMismatch and StoreDenied.
+            print(f"spotune: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        raise
 
 
 def _dispatch(args: argparse.Namespace) -> int:

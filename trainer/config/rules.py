@@ -212,6 +212,8 @@ def cross_checks(cfg: Sections) -> list[str]:
         p.append(f"train.lr: must be above 0, got {cfg.train.lr}")
     if cfg.data.loader_workers != "auto" and cfg.data.loader_workers < 0:
         p.append(f"data.loader_workers: must be auto or 0 or more, got {cfg.data.loader_workers}")
+    if cfg.checkpoint.store_retry_seconds < 0:
+        p.append(f"checkpoint.store_retry_seconds: must be 0 or more, got {cfg.checkpoint.store_retry_seconds}")
     if cfg.train.warmup_steps < 0:
         p.append(f"train.warmup_steps: must be 0 or more, got {cfg.train.warmup_steps}")
     if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:

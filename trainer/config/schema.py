@@ -29,7 +29,7 @@ class ModelConfig:
     compile: bool = False
     """torch.compile each decoder layer after peft wraps it; the first steps are slower while it compiles (the run's last words say how long; the ledger's `compile` phase and the forecast count it)."""
     compile_cache: bool = True
-    """With `compile`: save what torch compiled with each checkpoint and load it in the next attempt when torch, Python, device kind and model shape match, so a resumed run compiles in a fraction of the time (docs/compile.md); false: every attempt compiles from scratch. The saved folder is code (torch pickles its cache entries; kernels are shared libraries), trusted like whoever can write checkpoint.remote; the training state never reads it."""
+    """With `compile`: save what torch compiled with each checkpoint and load it in the next attempt when torch, Python, device kind, C library, compiler and model shape match, so a resumed run compiles in a fraction of the time (docs/compile.md); false: every attempt compiles from scratch. The saved folder is code (torch pickles its cache entries; kernels are shared libraries), trusted like whoever can write checkpoint.remote; the training state never reads it."""
     gradient_checkpointing: bool | Literal["auto"] = False
     """Recompute activations in backward (non-reentrant) to save memory; `auto`: only when the memory estimate says the run would not fit without it (trainer/training/autofit.py)."""
     activation_offload: Literal["off", "on", "auto"] = "off"
@@ -266,6 +266,10 @@ class CheckpointConfig:
     store_outage_seconds: float = 900.0
     """With `checkpoint.remote`: how long training goes on with local checkpoints while the store cannot be reached
     (nothing is written there meanwhile); past it the run saves locally and exits 143, which supervisors restart."""
+    store_retry_seconds: float = 120.0
+    """With `checkpoint.remote`: how long a start waits out a store that fails for a reason of the moment (the
+    network, 5xx, throttling, a broken transfer), retrying with backoff, before it exits 143 without training; it
+    never trains from an older checkpoint than the store's newest instead. At most `store_outage_seconds`."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """Extra fsspec options for `checkpoint.remote` (e.g. `{client_kwargs: {region_name: eu-west-1}}`); never credentials."""
 

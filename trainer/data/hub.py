@@ -59,7 +59,8 @@ RETRY_SECONDS = (5.0, 20.0, 60.0)
 
 class HubUnreachable(ConnectionError):
     """The hub could not be reached and the cache lacks what was asked: a transient fault, so not
-    a DataError (whose exit code tells a supervisor not to rerun): the process exits 1."""
+    a DataError (whose exit code tells a supervisor not to rerun): the process exits 143
+    (trainer/exit_codes.py `transient`)."""
 
 
 def download(hub: HubId, revision: str | None, patterns: list[str] | None, key: str) -> tuple[Path, str]:

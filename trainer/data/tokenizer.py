@@ -60,11 +60,11 @@ def local_dir(name_or_path: str, revision: str | None, key: str = "data.tokenize
         raise DataError(
             f"{key}: no hub model {name_or_path!r} (or it is private or gated): check the id, or set HF_TOKEN."
         ) from None
-    except LocalEntryNotFoundError:
+    except LocalEntryNotFoundError as e:
         raise DataError(
             f"{key}: the tokenizer of {at} is not in the local HF cache and the hub could not be reached "
             "(HF_HUB_OFFLINE, or no network): run once with the network, or point it at a local folder."
-        ) from None
+        ) from e  # the cause tells a hub that does not answer (exit 143) from offline mode (exit 2)
 
 
 def load_tokenizer(path: str) -> Any:
@@ -77,7 +77,7 @@ def load_tokenizer(path: str) -> Any:
         raise DataError(
             f"cannot load a tokenizer from {path!r} ({type(e).__name__}: {str(e).splitlines()[0]}); "
             "set data.tokenizer (or model.name_or_path) to a directory holding tokenizer files."
-        ) from None
+        ) from e  # the cause tells a hub that does not answer (exit 143) from a wrong path (exit 2)
 
 
 def file_names(folder: Path) -> list[Path]:

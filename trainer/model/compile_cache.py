@@ -9,18 +9,21 @@ hard-linked into each checkpoint's `compile/` folder, so they are listed in its 
 like every other file, and reach `checkpoint.remote` and a new machine with the checkpoint.
 
 A resumed attempt loads them before its first step when the key matches (torch, Python, device
-kind, and a hash of every setting that shapes the compiled graph); otherwise it compiles from
+kind, the C library and C++ compiler the kernels were built with, and a hash of every setting that
+shapes the compiled graph); otherwise it compiles from
 scratch and says why in one line. Nothing here may fail a run: every problem reads as a miss.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Mapping
@@ -68,6 +71,24 @@ def graph_settings(model: torch.nn.Module, model_cfg: ModelConfig, adapter: Adap
     return {"architecture": arch, "model": chosen, "adapter": asdict(adapter), "mixed_precision": precision}
 
 
+@functools.cache
+def toolchain() -> dict[str, str]:
+    """The C library and the C++ compiler of this image. The kernel libraries carried in `kernels/` were
+    built by that compiler and link against that C library: loaded in another image (an older glibc, a
+    compiler whose runtime differs) one can fail to load, or crash, so another toolchain recompiles."""
+    libc = " ".join(part for part in platform.libc_ver() if part) or "unknown"
+    compiler = "unknown"
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        cxx = get_cpp_compiler()
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
+        compiler = f"{Path(cxx).name}: {out.splitlines()[0].strip()}" if out.strip() else Path(cxx).name
+    except Exception:  # noqa: BLE001 (a private helper, or no compiler: such an image cannot load C++ kernels either)
+        pass
+    return {"libc": libc, "compiler": compiler}
+
+
 def cache_key(settings: Mapping[str, Any], device: torch.device) -> dict[str, str]:
     """The key a checkpoint's artifacts are reused under; any difference means compiling from scratch."""
     shape = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -75,6 +96,7 @@ def cache_key(settings: Mapping[str, Any], device: torch.device) -> dict[str, st
         "torch": torch.__version__,
         "python": platform.python_version(),
         "device": device_kind(device),
+        **toolchain(),
         "model_shape": shape,
     }
 

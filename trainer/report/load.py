@@ -21,7 +21,7 @@ import yaml
 from trainer.config import ConfigError, RunConfig, from_dict
 from trainer.report.example import Example, training_example
 from trainer.report.trained import Trained, load_trained
-from trainer.restart.generations import newest_run_file
+from trainer.restart.generations import read_run_file
 from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, row_from_progress, row_time
 from trainer.urls import redact
 
@@ -195,14 +195,12 @@ def _config(text: str | None, where: str, notes: list[str]) -> RunConfig | None:
 
 
 def _read(url: str) -> str | None:
-    """A run file's text: in a store, its copy of the newest lease generation (trainer/restart/generations.py)."""
+    """A run file's text as readers see it: in a store, every lease generation's rows merged for the
+    ledger and the metrics, the newest copy for the others (trainer/restart/generations.py)."""
     try:
         fs, path = fsspec.core.url_to_fs(url)
-        newest = newest_run_file(fs, path)
-        if newest is None:
-            return None
-        with fs.open(newest, "rt", encoding="utf-8") as f:
-            return str(f.read())
+        body = read_run_file(fs, path)
+        return None if body is None else body.decode("utf-8")
     except FileNotFoundError:
         return None
 

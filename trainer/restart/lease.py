@@ -1,9 +1,11 @@
-"""One writer per run across machines: a lease object in `checkpoint.remote`, with a fencing token.
+"""One writer per run across machines: the lease object in `checkpoint.remote` as a lock, and the
+fence every store write of its holder asks first.
 
-`<remote>/lease.json` names the attempt that may write the run (holder id, host, pid, run
-directory, `generation`, `renewed_at`, `expires_at`, and for the ledger: when the process
-started, its device count, and the earlier attempts no ledger row books yet). An attempt takes
-it before it reads or writes anything else in the store:
+Contract. At most one attempt writes a run's store at any moment, whatever the clocks, pauses and
+outages. `<remote>/lease.json` names the attempt that may write the run (holder id, host, pid, run
+directory, `generation`, `renewed_at`, `expires_at`, and for the ledger: when the process started,
+its device count, and the earlier attempts no ledger row books yet, trainer/restart/handover.py). An
+attempt takes it before it reads or writes anything else in the store:
 - absent: created with `If-None-Match: *` (two machines racing: one wins);
 - released, or held by this same run directory on this same host (the kernel lock of
   trainer/restart/lock.py, which this process holds, proves that holder is dead): replaced at once
@@ -12,21 +14,14 @@ it before it reads or writes anything else in the store:
   object has not changed for the holder's `ttl` on the taker's own clock: machines' wall clocks
   may disagree, so the holder's `expires_at` is only a hint that the taker should look that long.
 
-A daemon thread renews it every `ttl / 3` seconds with `If-Match` on the etag it last wrote
-(a thread, since one step of a large model can outlast the lease). The holder fences itself: a
-local deadline on a clock that counts suspension (`clock.boot_clock`), `ttl` minus a margin
-after the renewal was sent; every store write asks `check` first. Commits (a manifest, the ledger)
-go through `commit`: on stores that enforce conditions a conditional renewal right before the
-write, the manifest with `If-None-Match: *`; elsewhere a re-read of the lease before and after.
-
-Availability first, never two writers. A holder whose deadline passes (the store is cut off, or the machine
-was paused) goes offline: it writes nothing to the store and trains on with local checkpoints while the thread
-retries. When the store answers, it re-reads the lease: still its own (unchanged since its last renewal) -> it
-takes it back as `generation + 1` and the uploads resume with the newest local checkpoint; taken by another
-attempt -> it exits EXIT_BUSY at once, having written nothing more. Offline longer than `outage_seconds`, it
-asks for the save-and-exit path (`on_outage`: a local checkpoint, then EXIT_PREEMPTED, which supervisors
-restart). A refused conditional write is checked against a re-read first (s3fs resends a PUT after a timeout:
-when the first one landed, the refused resend is ours).
+The holder fences itself: a local deadline on a clock that counts suspension (`clock.boot_clock`),
+`ttl` minus a margin after the renewal was sent; every store write asks `check` first, and refuses
+while the lease is cut off, lost or past its deadline. Commits (a manifest, the ledger) go through
+`commit`: on stores that enforce conditions a conditional renewal right before the write, the
+manifest with `If-None-Match: *`; elsewhere a re-read of the lease before and after. A refused
+conditional write is checked against a re-read first (s3fs resends a PUT after a timeout: when the
+first one landed, the refused resend is ours). Renewing in the background, going cut off and taking
+the lease back are trainer/restart/reclaim.py's state machine.
 """
 
 from __future__ import annotations
@@ -34,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -43,25 +37,22 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from trainer.config.schema import CheckpointConfig
-from trainer.exit_codes import EXIT_BUSY, EXIT_FILE_ENV
+from trainer.exit_codes import EXIT_BUSY
 from trainer.restart import lease_object
 from trainer.restart.clock import boot_clock, process_start
 from trainer.restart.conditional import Refused, conditional, read_object, write_object
-from trainer.restart.lease_object import LEASE_FILE, attempt_record, busy_message, describe_lease, read_lease, ttl_of
+from trainer.restart.handover import Handover
+from trainer.restart.lease_object import LEASE_FILE, LeaseLost, busy_message, describe_lease, read_lease, ttl_of
+from trainer.restart.ledger import LEDGER_FILE
 from trainer.restart.lock import RunBusy, _iso, last_step
-from trainer.restart.storage import Fence, Store, StoreOffline, _short
+from trainer.restart.reclaim import Keeper, exit_busy
+from trainer.restart.storage import Fence, Store, StoreOffline
 
 T = TypeVar("T")
 
 POLL_SECONDS = 5.0
-OFFLINE_RETRY_SECONDS = 5.0
-"""While cut off: how often the lease thread asks the store again (at most; ttl / 3 when shorter)."""
-CHAIN_LIMIT = 32
-"""Earlier attempts a lease carries for the ledger (kills in a row before any ledger upload)."""
 
-
-class LeaseLost(RunBusy):
-    """This attempt no longer holds the run's lease; it must write nothing more."""
+__all__ = ["Lease", "LeaseLost", "read_lease", "describe_lease"]
 
 
 class Lease(Fence):
@@ -79,7 +70,6 @@ class Lease(Fence):
         self.ttl = ttl
         self.run_dir = run_dir
         self.message = message
-        self.outage_seconds = outage_seconds
         self.id = uuid.uuid4().hex
         self.host = socket.gethostname()
         self.process_start = process_start()
@@ -90,19 +80,14 @@ class Lease(Fence):
         self.acquired_at: float | None = None
         self.waited = 0.0
         self.requests = 0  # reads, writes and the probe: its cost on the store's bill
-        self.on_lost: Callable[[str], None] = _exit_lost
-        self.on_outage: Callable[[str], object] = lambda why: None
-        """Called once when the store stayed unreachable past `outage_seconds` (train: save locally, exit 143)."""
+        self.on_lost: Callable[[str], None] = exit_busy
         self.lost: str | None = None
-        self.offline_since: float | None = None  # boot_clock() when cut off from the store; None while it may write
-        self.outage_reported = False
-        self.previous: list[dict[str, Any]] = []
-        """Earlier attempts (attempt_record) this one took the run from, until its ledger reaches the store."""
         self.released = False  # after `release`, an upload thread still running must not take it again
-        self._lock = threading.RLock()
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._handed: set[Any] = set()  # attempt ids of `previous` the ledger has booked
+        self.lock = threading.RLock()
+        self.keeper = Keeper(self, outage_seconds)
+        """Online or cut off, and the thread that renews or reclaims (trainer/restart/reclaim.py)."""
+        self.handover = Handover()
+        """The earlier attempts this one took the run from, for the ledger (trainer/restart/handover.py)."""
         self._attempted: tuple[dict[str, Any] | None, float] = (None, 0.0)  # the last body sent, and when
         self.margin = min(5.0, ttl * 0.1)
         """Seconds the holder stops writing before its lease could be taken: what the clocks' rates may differ by."""
@@ -110,6 +95,27 @@ class Lease(Fence):
     @property
     def held(self) -> bool:
         return self.body is not None
+
+    @property
+    def generation(self) -> int | None:
+        return int(self.body["generation"]) if self.body else None
+
+    @property
+    def offline_since(self) -> float | None:
+        """boot_clock() when cut off from the store; None while it may write."""
+        return self.keeper.since
+
+    @property
+    def on_outage(self) -> Callable[[str], object]:
+        return self.keeper.on_outage
+
+    @on_outage.setter
+    def on_outage(self, call: Callable[[str], object]) -> None:
+        self.keeper.on_outage = call
+
+    @property
+    def previous(self) -> list[dict[str, Any]]:
+        return self.handover.previous
 
     # ------------------------------------------------------------------ taking it
 
@@ -131,8 +137,8 @@ class Lease(Fence):
             silent = now - watched[1]  # how long the object has not changed, by this machine's clock
             if current is None or self._may_take(current) or silent >= ttl_of(current, self.ttl):
                 generation = int(current.get("generation", 0)) + 1 if current else 1
-                if current is not None and current.get("holder") != self.id:
-                    self.previous = [attempt_record(current), *current.get("unbooked", [])][:CHAIN_LIMIT]
+                if current is not None:
+                    self.handover.took_over(current, self.id)
                 try:
                     self._write(generation, etag if current else None, new=current is None)
                 except Refused:
@@ -165,44 +171,26 @@ class Lease(Fence):
         return current.get("host") == self.host and current.get("run_dir") == str(self.run_dir.resolve())
 
     def start(self) -> Lease:
-        """Renew (or, cut off, retry) in the background until `release`."""
-        self._thread = threading.Thread(target=self._renew_loop, name="spotune-lease", daemon=True)
-        self._thread.start()
+        """Renew (or, cut off, retry) in the background until `release` (trainer/restart/reclaim.py)."""
+        self.keeper.start()
         return self
 
     def offline(self, why: str) -> None:
         """The store could not be reached to take the lease at start: write nothing until it is taken."""
-        self.offline_since = self.offline_since or boot_clock()
-        self.message(
+        self.keeper.cut(
             f"spotune: the lease of {self.store.shown} could not be taken ({why}); writing nothing there until it is"
         )
 
     # ------------------------------------------------------------------ holding it
 
-    def _renew_loop(self) -> None:
-        while not self._stopping.wait(self._interval()):
-            try:
-                self.renew()
-            except LeaseLost:
-                return  # on_lost already ran
-            except Exception as e:  # a network blip: the next try (or the deadline) decides
-                if self.offline_since is None:
-                    self.message(f"spotune: renewing the lease of {self.store.shown} failed ({_short(e)}); retrying")
-                    self._past_deadline()
-                self._outage_check()
-
-    def _interval(self) -> float:
-        cut_off = self.offline_since is not None or not self.held
-        return min(self.ttl / 3, OFFLINE_RETRY_SECONDS) if cut_off else self.ttl / 3
-
     def renew(self) -> None:
-        """Extend the lease by `ttl`, conditional on nobody having replaced it; cut off, take it back
-        if it is still ours. Raises LeaseLost when another attempt holds it, OSError-likes when unreachable."""
-        with self._lock:
+        """Extend the held lease by `ttl`, conditional on nobody having replaced it. Raises LeaseLost when
+        another attempt holds it, OSError-likes when unreachable. Cut off, `reclaim` takes it back instead."""
+        with self.lock:
             if self.lost is not None or self.released:
                 raise LeaseLost(self.lost or "this attempt released the lease")
-            if self.offline_since is not None or not self.held or self._past_deadline():
-                return self._reclaim()
+            if self.keeper.cut_off or not self.held or self.lapsed():
+                raise StoreOffline(f"{self.store.shown}: the lease is not held now; the lease thread takes it back")
             assert self.body is not None
             if not conditional(self.store):  # the documented fallback: look before a plain write
                 self._confirm()
@@ -210,32 +198,19 @@ class Lease(Fence):
                 self._write(int(self.body["generation"]), self.etag, new=False)
             except Refused:
                 self._settle()
-            return None
 
-    def _reclaim(self) -> None:
-        """The store answers again (or for the first time): take the lease back if nobody else took it."""
-        if not self.held:
-            try:
-                self.acquire(None)
-            except RunBusy as e:
-                self._lost(str(e))
-        else:
-            current, etag = self._read()
-            if current is not None and (current.get("holder"), current.get("generation")) != (self.id, self.generation):
-                self._lost(
-                    "another attempt took the run's lease while this one was cut off from the store (paused, or cut "
-                    f"off, past expiry): {describe_lease(current)}"
-                )
-            try:
-                self._write((self.generation or 0) + 1, etag, new=current is None)
-            except Refused:
-                self._settle()  # our own PUT resent after it landed goes on; anyone else's write is a loss
-        if self.offline_since is not None:
-            self.message(
-                f"spotune: {self.store.shown} answers again and the run's lease was still this attempt's; took it "
-                f"back as generation {self.generation}; uploads resume with the newest local checkpoint"
+    def take_back(self) -> None:
+        """Cut off and the store answers: write the lease as `generation + 1` if it is still this attempt's."""
+        current, etag = self._read()
+        if current is not None and (current.get("holder"), current.get("generation")) != (self.id, self.generation):
+            self.lose(
+                "another attempt took the run's lease while this one was cut off from the store (paused, or cut "
+                f"off, past expiry): {describe_lease(current)}"
             )
-        self.offline_since = None
+        try:
+            self._write((self.generation or 0) + 1, etag, new=current is None)
+        except Refused:
+            self._settle()  # our own PUT resent after it landed goes on; anyone else's write is a loss
 
     def _settle(self) -> None:
         """A conditional renewal was refused: ours if the object is the very body we sent (a resent PUT that
@@ -243,15 +218,15 @@ class Lease(Fence):
         current, etag = self._read()
         body, sent = self._attempted
         if current != body:
-            self._lost("another machine took the run's lease (this attempt was paused, or cut off, past expiry)")
+            self.lose("another machine took the run's lease (this attempt was paused, or cut off, past expiry)")
         self.body, self.etag, self.deadline = body, etag, sent + self.ttl - self.margin
 
     def check(self) -> None:
         """Raise LeaseLost (after on_lost) or StoreOffline unless this attempt may write now; no request."""
-        with self._lock:
+        with self.lock:
             if self.lost is not None or self.released:
                 raise LeaseLost(self.lost or "this attempt released the lease")
-            if self.offline_since is not None or not self.held or self._past_deadline():
+            if self.keeper.cut_off or not self.held or self.lapsed():
                 raise StoreOffline(
                     f"{self.store.shown}: this attempt is cut off from the store (its lease is not confirmed); "
                     "nothing is written there until the lease is taken back"
@@ -259,7 +234,7 @@ class Lease(Fence):
 
     def commit(self, write: Callable[[], T]) -> T:
         """Run a commit write only while this attempt holds the lease, and confirm it still did after."""
-        with self._lock:
+        with self.lock:
             self.check()
             if conditional(self.store):
                 self.renew()  # conditional: proves the lease is ours and gives the write a full ttl
@@ -268,7 +243,7 @@ class Lease(Fence):
             result = write()
             if not conditional(self.store):
                 self._confirm()
-            self._past_deadline()  # a write that outlasted the lease: the re-read after the outage decides
+            self.lapsed()  # a write that outlasted the lease: the re-read after the outage decides
             return result
 
     def put_new(self, store: Store, local: Path, path: str) -> None:
@@ -282,50 +257,40 @@ class Lease(Fence):
             got = read_object(store, path)
             if got is not None and got[0] == body:
                 return  # our own PUT, resent by s3fs after the first one landed
-            self._lost(f"{path} was committed by another writer meanwhile")
+            self.lose(f"{path} was committed by another writer meanwhile")
+
+    def new_run(self) -> list[dict[str, Any]]:
+        """`checkpoint.resume=never`: the earlier attempts this lease carries belong to the run set aside, not
+        to the new one; returns them (for the old run's ledger) and carries them no more."""
+        records, self.handover.previous = self.handover.previous, []
+        return records
 
     def hand_over(self) -> list[dict[str, Any]]:
-        """The records of earlier attempts for the ledger to book now; they leave the lease once it is uploaded."""
-        self._handed = {r.get("attempt_id") for r in self.previous}
-        return list(self.previous)
+        """The records of earlier attempts for the ledger to book now (trainer/restart/handover.py)."""
+        return self.handover.hand_over()
 
     def pushed(self, rel: str) -> None:
-        if rel == "ledger.jsonl":  # the records handed over are booked in the store's ledger now
-            self.previous = [r for r in self.previous if r.get("attempt_id") not in self._handed]
+        self.handover.pushed(rel, LEDGER_FILE)
 
     def _confirm(self) -> None:
         current, _ = self._read()
         if current is None or current.get("holder") != self.id or current.get("generation") != self.generation:
-            self._lost("the run's lease now names another holder")
-        if self._past_deadline():
+            self.lose("the run's lease now names another holder")
+        if self.lapsed():
             raise StoreOffline(f"{self.store.shown}: the lease lapsed during the write; it is confirmed again first")
 
-    @property
-    def generation(self) -> int | None:
-        return int(self.body["generation"]) if self.body else None
-
-    def _past_deadline(self) -> bool:
-        """Whether the lease lapsed (it goes offline then: nothing is written until it is taken back)."""
-        if self.held and self.offline_since is None and boot_clock() > self.deadline:
-            self.offline_since = boot_clock()
-            self.message(
+    def lapsed(self) -> bool:
+        """Whether the lease is not confirmed now: cut off, or its deadline passed (it goes cut off then:
+        nothing is written until it is taken back)."""
+        if self.held and not self.keeper.cut_off and boot_clock() > self.deadline:
+            self.keeper.cut(
                 f"spotune: the lease of {self.store.shown} was not renewed for over {self.ttl - self.margin:g}s "
                 f"(paused, or cut off); writing nothing there until it is confirmed again, training goes on with "
-                f"local checkpoints (at most checkpoint.store_outage_seconds={self.outage_seconds:g}s)"
+                f"local checkpoints (at most checkpoint.store_outage_seconds={self.keeper.outage_seconds:g}s)"
             )
-        return self.offline_since is not None
+        return self.keeper.cut_off
 
-    def _outage_check(self) -> None:
-        if self.offline_since is None or self.outage_reported:
-            return
-        if boot_clock() - self.offline_since > self.outage_seconds:
-            self.outage_reported = True
-            self.on_outage(
-                f"spotune: {self.store.shown} has been unreachable for over {self.outage_seconds:g}s "
-                "(checkpoint.store_outage_seconds)"
-            )
-
-    def _lost(self, why: str) -> NoReturn:
+    def lose(self, why: str) -> NoReturn:
         if self.lost is not None:
             raise LeaseLost(self.lost)
         self.lost = why
@@ -340,13 +305,11 @@ class Lease(Fence):
 
     def release(self) -> None:
         """Stop renewing and mark the lease released (conditional), so the next attempt starts at once."""
-        self._stopping.set()
-        with self._lock:
+        with self.lock:
             self.released = True
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5.0)
-        with self._lock:
-            if not self.body or self.lost is not None or self.offline_since is not None or self._past_deadline():
+        self.keeper.stop()
+        with self.lock:
+            if not self.body or self.lost is not None or self.lapsed():
                 return
             try:
                 self._write(int(self.body["generation"]), self.etag, new=False, released=True)
@@ -376,7 +339,7 @@ class Lease(Fence):
             "expires_at": now if released else now + self.ttl,
             "ttl": self.ttl,
             "step": last_step(self.run_dir),
-            "unbooked": self.previous,
+            "unbooked": self.handover.previous,
         }
         if released:
             body["released"] = True
@@ -387,13 +350,3 @@ class Lease(Fence):
         )
         self.body, self.etag = body, etag
         self.deadline = sent + self.ttl - self.margin
-
-
-def _exit_lost(why: str) -> None:
-    """Exit the whole process now, from whichever thread found the lease lost (no thread writes again)."""
-    path = os.environ.get(EXIT_FILE_ENV)
-    if path and os.environ.get("RANK", "0") == "0":
-        Path(path).write_text(f"{EXIT_BUSY}\n")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(EXIT_BUSY)

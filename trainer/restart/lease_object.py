@@ -1,17 +1,25 @@
-"""The lease object of `checkpoint.remote` as others see it: reading it, describing its holder,
-and the record of the attempt that held it (for the ledger of the attempt that takes it over).
-The lease itself (taking, renewing, fencing) is trainer/restart/lease.py."""
+"""The lease object of `checkpoint.remote` as others see it: reading it, describing its holder, and
+writing under it from another rank of the holder's attempt (`Follower`). The lease itself (taking,
+renewing, fencing) is trainer/restart/lease.py; its records of earlier attempts, trainer/restart/handover.py."""
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from trainer.restart.conditional import read_object
-from trainer.restart.storage import Store
+from trainer.restart.lock import RunBusy
+from trainer.restart.storage import Fence, Store
+
+T = TypeVar("T")
 
 LEASE_FILE = "lease.json"
+
+
+class LeaseLost(RunBusy):
+    """This attempt no longer holds the run's lease; it must write nothing more."""
 
 
 def read_lease(store: Store) -> tuple[dict[str, Any] | None, str | None]:
@@ -20,21 +28,6 @@ def read_lease(store: Store) -> tuple[dict[str, Any] | None, str | None]:
     if got is None:
         return None, None
     return json.loads(got[0]), got[1]
-
-
-def attempt_record(lease: dict[str, Any]) -> dict[str, Any]:
-    """What the ledger needs of the attempt that held `lease`: its start, machine and last sign of life."""
-    return {
-        "attempt_id": lease.get("holder"),
-        "host": lease.get("host"),
-        "pid": lease.get("pid"),
-        "process_start": lease.get("process_start"),
-        "world_size": lease.get("world_size", 1),
-        "last_seen": lease.get("renewed_at"),
-        "renew_every": float(lease.get("ttl", 0.0)) / 3,
-        "step": lease.get("step"),
-        "released": bool(lease.get("released")),
-    }
 
 
 def describe_lease(lease: dict[str, Any]) -> str:
@@ -72,3 +65,28 @@ def takeover_reason(old: dict[str, Any], ttl: float, host: str, silent: float) -
             f"{silent:.0f}s on this machine's clock (its ttl: {ttl_of(old, ttl):g}s)"
         )
     return f"its holder ran in this directory on this host ({host}, pid {old.get('pid')}) and is gone"
+
+
+class Follower(Fence):
+    """The fence of a rank other than the lease holder's, writing a run file for its attempt (the `auto`
+    setting that ran out of memory on that rank): a write goes through only while the lease still names
+    the attempt (`holder`, the lease id rank 0 shared at connect), under the lease's generation."""
+
+    def __init__(self, store: Store, holder: str) -> None:
+        self.store = store
+        self.holder = holder
+        self._generation: int | None = None
+
+    @property
+    def generation(self) -> int | None:
+        return self._generation
+
+    def check(self) -> None:
+        lease, _ = read_lease(self.store)
+        if lease is None or lease.get("holder") != self.holder or lease.get("released"):
+            raise RunBusy(f"{self.store.shown}: the lease no longer names this attempt; nothing is written")
+        self._generation = int(lease.get("generation", 0))
+
+    def commit(self, write: Callable[[], T]) -> T:
+        self.check()
+        return write()

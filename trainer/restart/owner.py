@@ -4,8 +4,10 @@ a lease by hand.
 
 `hold` is what `run.train` wraps itself in: the local lock first (trainer/restart/lock.py),
 then the lease (trainer/restart/lease.py), both before the attempt touches the directory or
-the store, both released when it returns or raises. Only the job's main process (RANK 0, or
-no torchrun) takes them: the other ranks write nothing the main rank does not coordinate.
+the store, both released when it returns or raises. Credentials that may not write the store
+end the attempt here with StoreDenied (exit 2), naming the permission. Only the job's main
+process (RANK 0, or no torchrun) takes them: the other ranks write nothing the main rank does
+not coordinate.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from trainer.config.schema import CheckpointConfig
 from trainer.restart.conditional import Refused, write_object
 from trainer.restart.lease import Lease, describe_lease, read_lease
 from trainer.restart.lock import RunBusy, RunLock, describe, holder
-from trainer.restart.storage import Store, _short
+from trainer.restart.storage import Store, _short, denied
 
 
 def _say(text: str) -> None:
@@ -75,10 +77,13 @@ def hold(
             lease = Lease(store, lease_seconds, Path(run_dir), message=_say, outage_seconds=outage_seconds)
             left = None if wait is None else max(0.0, wait - (time.monotonic() - started))
             try:
-                lease.acquire(left)
+                lease.acquire(left)  # its first request is a real write (the conditional probe, or the lease)
             except RunBusy:
                 raise
             except Exception as e:
+                action = "write" if store.conditional is None else "read"  # the probe write comes first on S3
+                if denied(e, action):  # these credentials may not use the store: a setting to fix (exit 2)
+                    raise store.fault(e, action) from e
                 # Unreachable now: RemoteRun.connect decides whether training may start; if it does,
                 # the lease thread takes the lease once the store answers (or stops the run).
                 lease.offline(_short(e))

@@ -5,6 +5,11 @@ step on rank 0 for every rank, upload while training, flush on exit.
 calls it at five points: `connect` before anything is written locally, `resolve` instead of
 the local-only `resolve_resume`, `submit` after each committed save, `metrics` for each
 metrics row, and `finish` before the process exits. The loop never sees it.
+
+`connect` and `resolve` are collective: what rank 0 meets (the store refusing these credentials,
+or not answering) is raised alike on every rank (trainer/restart/agree.py), so the ranks exit with
+one code. Every write goes through the store's fence (the lease) and floor (the rule of
+trainer/restart/safety.py, which `resolve` sets up through trainer/restart/choose.py).
 """
 
 from __future__ import annotations
@@ -13,22 +18,24 @@ import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
-
-import torch
+from typing import Any
 
 from trainer.atomic import write_bytes
+from trainer.config.schema import CheckpointConfig
 from trainer.exit_codes import EXIT_FINISHED, EXIT_PREEMPTED
-from trainer.restart.checkpoint import MANIFEST, CheckpointError, CheckpointManager, resolve_resume
+from trainer.restart import agree
+from trainer.restart.checkpoint import MANIFEST, CheckpointError, CheckpointManager
+from trainer.restart.choose import choose, retrying
+from trainer.restart.generations import merged_rows
+from trainer.restart.lease_object import Follower
 from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, read_rows
-from trainer.restart.storage import Fence, Store, StoreError, StoreUnreachable, _short
-from trainer.restart.uploader import RUN_FILES, Uploader
+from trainer.restart.safety import Floor
+from trainer.restart.storage import Fence, Store, StoreDenied, StoreUnreachable, _short
+from trainer.restart.uploader import RAN_OUT_FILE, RUN_FILES, Uploader
 from trainer.urls import redact
 
-T = TypeVar("T")
-
 APPEND_ONLY = ("metrics.jsonl", LEDGER_FILE)
-"""Run files that only ever grow: a longer copy in the store that starts with the local one is newer."""
+"""Run files that only ever grow: the store's rows and this disk's are merged (trainer/restart/generations.py)."""
 
 FINISH_TIMEOUT = 600.0
 """Seconds a finished run waits for its last upload (a preempted one has checkpoint.notice_seconds)."""
@@ -47,6 +54,8 @@ class RemoteRun:
         is_main: bool,
         is_local_main: bool,
         message: Callable[[str], None] = print,
+        retry_seconds: float = CheckpointConfig.store_retry_seconds,
+        outage_seconds: float = CheckpointConfig.store_outage_seconds,
     ) -> None:
         self.url = url
         self.options = storage_options
@@ -55,6 +64,8 @@ class RemoteRun:
         self.is_main = is_main
         self.is_local_main = is_local_main
         self.message = message
+        self.budget = min(retry_seconds, outage_seconds)
+        """Seconds a start retries a store fault before exit 143 (checkpoint.store_retry_seconds)."""
         self.store: Store | None = None
         self.reachable = False
         self.uploader: Uploader | None = None
@@ -62,65 +73,96 @@ class RemoteRun:
         self.resumed: Path | None = None
         """Rank 0: the checkpoint this attempt resumes from (`resolve`), uploaded first if the store lacks it."""
         self.fence: Fence | None = None  # the run's lease (trainer/restart/lease.py), set by run.py
+        self.floor = Floor()
+        """What this attempt may take out of sight in the store (trainer/restart/safety.py); on_ahead set by process.py."""
+        self.holder: str | None = None
+        """The lease holder id of this attempt, on every rank: another rank writes only under it (`push_run_files`)."""
 
     # ------------------------------------------------------------------ start
 
-    def connect(self) -> None:
-        """Rank 0: check the store; on a machine without the run files, download them.
+    def connect(self, new_run: str | None = None) -> None:
+        """Collective. Rank 0 checks the store (list, and a probe write and delete) and, on a machine
+        without the run files, downloads them (this disk's ledger and metrics rows merged with the store's).
 
-        Raises StoreUnreachable (naming the URL and the likely cause; exit 143) when the store is
-        unreachable and no local checkpoint lets training go on; with one, warns and retries later.
-        """
-        if self.url is None or not self.is_main:
+        Every rank raises StoreDenied (exit 2) when the store refuses these credentials or has no such
+        bucket, and StoreUnreachable (exit 143) when it does not answer for `budget` seconds and no local
+        checkpoint lets training start; with one, rank 0 warns and goes on cut off (the floor reads the
+        store before the first write). `new_run` (checkpoint.resume=never): the folder the store's run
+        files of the old run are moved to first (trainer/restart/new_run.py)."""
+        if self.url is None:
             return
-        self.store = Store(self.url, self.options)
+        if self.is_main:
+            try:
+                self._connect_main(new_run)
+            except Exception as e:
+                agree.broadcast((agree.failure(e), None))  # the other ranks wait in the broadcast below
+                raise
+        problem, self.holder = agree.broadcast((None, getattr(self.fence, "id", None)))
+        agree.raise_failure([problem], prefix="rank 0 could not connect to the store: ")
+
+    def _connect_main(self, new_run: str | None) -> None:
+        store = self.store = Store(self.url or "", self.options)
+        store.floor = self.floor
+        self.floor.new_timeline = new_run is not None
         if self.fence is not None:
-            self.store.fence = self.fence
+            store.fence = self.fence
+        local = CheckpointManager(self.run_dir / "checkpoints").committed()
+
+        def reach() -> None:
+            store.check()
+            if new_run is not None:
+                moved = store.set_aside(RUN_FILES, new_run)
+                if moved:
+                    self.message(
+                        f"spotune: checkpoint.resume=never: a new run; the old run's files in {store.shown} are set "
+                        f"aside in {store.shown}/{new_run}/ ({', '.join(moved)}): kept, never read by this run"
+                    )
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            fetch_run_files(store, self.run_dir)
+
         try:
-            self.store.check()
-        except StoreError as e:
-            local = CheckpointManager(self.run_dir / "checkpoints").committed()
-            if not local and isinstance(e.__cause__, (PermissionError, FileNotFoundError)):
-                raise  # no such bucket, or access denied: a setting to fix (exit 2), not a fault to wait out
-            if not local:  # the store is down: a fault of the moment, a restart later may find it (exit 143)
+            retrying("reaching", 0.0 if local else self.budget, reach, self.message, store)
+        except StoreDenied:
+            raise  # a setting to fix: waiting changes nothing (exit 2)
+        except StoreUnreachable as e:
+            if not local:  # a fault of the moment, and nothing to train from without the store (exit 143)
                 raise StoreUnreachable(f"{e}. No local checkpoint lets training start without it") from e
             self.message(f"spotune: {e}. Continuing from the local checkpoint {local[-1].name}; uploads will retry.")
             return
         self.reachable = True
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        fetch_run_files(self.store, self.run_dir)
 
     def resolve(self, resume_setting: str) -> tuple[Path | None, list[str]]:
         """The checkpoint every rank resumes from: chosen on rank 0 (local or remote, the newest
-        that verifies) and broadcast with the digest of its files.
+        that verifies: trainer/restart/choose.py) and broadcast with the digest of its files.
 
         Each node's disk is its own: a node that lacks that exact checkpoint (none, a corrupt
         copy, or a copy of the same step from an abandoned timeline) downloads it. When the
         store lacks it too (the last attempt was killed before its upload finished), rank 0
-        uploads it first. Every rank learns of a failure and raises the same error, so no
-        node waits forever in a collective for one that gave up.
+        uploads it first. Every rank learns of a failure and raises the same error class, so no
+        node waits forever in a collective for one that gave up, and every rank exits alike.
         """
         root = self.run_dir / "checkpoints"
         notes: list[str] = []
-        picked: tuple[int, str, str] | str | None = None  # (step, rank 0's path, digest), or rank 0's error
+        picked: tuple[int, str, str] | None = None  # (step, rank 0's path, digest)
         if self.is_main:
             try:
-                chosen, notes = self._choose(root, resume_setting)
+                chosen, notes = choose(
+                    root, resume_setting, self.store, self.reachable, budget=self.budget, message=self.message
+                )
                 if chosen is not None:
                     picked = (CheckpointManager.step_of(chosen), str(chosen), files_digest(chosen))
             except Exception as e:
-                _broadcast(f"{type(e).__name__}: {_short(e)}")  # the other ranks wait in the broadcast below
+                agree.broadcast((None, agree.failure(e)))  # the other ranks wait in the broadcast below
                 raise
-        picked = _broadcast(picked)
-        if isinstance(picked, str):
-            raise CheckpointError(f"rank 0 could not choose the checkpoint to resume from: {picked}")
+        picked, failed = agree.broadcast((picked, None))
+        agree.raise_failure([failed], prefix="rank 0 could not choose the checkpoint to resume from: ")
         if picked is None:
             return None, notes
         step, rank0_path, digest = picked
         here = Path(rank0_path) if self.is_main else root / f"step-{step:06d}"
         self.resumed = here if self.is_main else None
         lacks = self.is_local_main and not self.is_main and not _holds(root, here, digest)
-        lacking = [r for r, flag in enumerate(_gather(lacks)) if flag]
+        lacking = [r for r, flag in enumerate(agree.gather(lacks)) if flag]
         if lacking:
             if self.url is None:
                 raise CheckpointError(
@@ -128,86 +170,58 @@ class RemoteRun:
                     "it; put output_dir on a shared filesystem or set checkpoint.remote"
                 )
             problem = self._publish(Path(rank0_path), step, digest, notes) if self.is_main else None
-            problem = _broadcast(problem)
+            problem = agree.broadcast(problem)
             if problem is None and lacks:
                 problem = self._fetch(root, step, digest)
-            problems = [p for p in _gather(problem) if p]
-            if problems:
-                raise StoreError(problems[0])
+            agree.raise_failure(agree.gather(problem))
         if self.is_local_main and not self.is_main:  # one line per node: what it loaded
-            self.message(f"spotune: rank {_rank()}: resuming from {here} at step {step} (chosen by rank 0)")
+            self.message(f"spotune: rank {agree.rank()}: resuming from {here} at step {step} (chosen by rank 0)")
         return here, notes
 
-    def _publish(self, path: Path, step: int, digest: str, notes: list[str]) -> str | None:
+    def _publish(self, path: Path, step: int, digest: str, notes: list[str]) -> agree.Failure | None:
         """Rank 0: make sure the store holds `path` as step `step` for the nodes that lack it."""
         store = self.store
         if store is None or not self.reachable:
             return (
+                "unreachable",
                 f"rank 0 resumes from its local step {step}, other nodes lack it and checkpoint.remote="
-                f"{redact(self.url or '')} was unreachable at start"
+                f"{redact(self.url or '')} was unreachable at start (exit 143: rerun once it answers)",
             )
-        try:
+
+        def publish() -> bool:
             if step in store.committed() and _remote_digest(store, step) == digest:
-                return None
+                return False
             store.upload(path, step)
+            return True
+
+        try:
+            if not retrying(f"uploading step {step} to", self.budget, publish, self.message, store):
+                return None
         except Exception as e:
-            return f"uploading step {step} to {store.show_dir(step)} for the nodes that lack it failed: {_short(e)}"
+            return agree.failure(e)
         notes.append(
             f"uploaded {store.show_dir(step)} for the nodes that lack it (the last attempt stopped before its upload)"
         )
         return None
 
-    def _fetch(self, root: Path, step: int, digest: str) -> str | None:
+    def _fetch(self, root: Path, step: int, digest: str) -> agree.Failure | None:
         """A node's local main: download step `step` from the store; None, or what went wrong."""
         store = Store(self.url or "", self.options)
         try:
-            path = store.download(step, root)
+            path = retrying(
+                f"downloading step {step} from", self.budget, lambda: store.download(step, root), self.message, store
+            )
         except Exception as e:
-            return f"rank {_rank()}: downloading {store.show_dir(step)} failed: {_short(e)}"
-        if files_digest(path) != digest:
-            return f"rank {_rank()}: {store.show_dir(step)} is not the checkpoint rank 0 resumes from"
-        self.message(f"spotune: rank {_rank()}: this node lacked step {step}; downloaded {store.show_dir(step)}")
+            kind, text = agree.failure(e)
+            return kind, f"rank {agree.rank()}: {text}"
+        if files_digest(path) != digest:  # rank 0 published another copy meanwhile: a restart sorts it out
+            return (
+                "unreachable",
+                f"rank {agree.rank()}: {store.show_dir(step)} is not the checkpoint rank 0 resumes from",
+            )
+        self.message(f"spotune: rank {agree.rank()}: this node lacked step {step}; downloaded {store.show_dir(step)}")
         CheckpointManager(root, keep_last=self.keep_last).prune(protect=path)  # only rank 0 saves: no other prune
         return None
-
-    def _choose(self, root: Path, resume_setting: str) -> tuple[Path | None, list[str]]:
-        error: CheckpointError | None = None
-        try:
-            local, notes = resolve_resume(root, resume_setting)
-        except CheckpointError as e:
-            if not (self.reachable and resume_setting == "auto"):
-                raise
-            local, notes, error = None, [], e  # a good remote checkpoint may still save the run
-        if not self.reachable or self.store is None:
-            return local, notes
-        store = self.store
-        notes += [f"removed the unfinished upload {store.show_dir(s)}" for s in store.clean()]
-        if resume_setting != "auto":
-            after = CheckpointManager.step_of(local) if local is not None else -1
-            moved = store.retire(after)
-            if moved:
-                notes.append(
-                    f"checkpoint.resume={resume_setting}: set aside remote checkpoint(s) "
-                    f"{', '.join(store.show_dir(s) for s in moved)} (manifest renamed to RETIRED-MANIFEST.json; kept)"
-                )
-            return local, notes
-        local_step = CheckpointManager.step_of(local) if local is not None else -1
-        for step in reversed(store.committed()):
-            if step <= local_step:
-                break
-            try:
-                path = store.download(step, root)
-            except StoreError as e:
-                notes.append(f"remote checkpoint {store.show_dir(step)} is corrupt, skipped: {e}")
-                continue
-            except Exception as e:
-                notes.append(f"downloading {store.show_dir(step)} failed ({_short(e)}); skipped")
-                continue
-            notes.append(f"downloaded {store.show_dir(step)} (newer than any local checkpoint)")
-            return path, notes
-        if local is None and error is not None:
-            raise error
-        return local, notes
 
     # ------------------------------------------------------------------ while training
 
@@ -271,10 +285,22 @@ class RemoteRun:
         return EXIT_PREEMPTED
 
     def push_run_files(self, notice_seconds: float) -> None:
-        """Before an early exit that saved no checkpoint (out of memory): the ledger row and the run files
-        (the `auto` setting that ran out among them) reach the store, within the notice window."""
-        self.finish(preempted=True, notice_seconds=notice_seconds)
-        self.close()
+        """Before an early exit that saved no checkpoint (out of memory), from the rank that ran out: on
+        rank 0 the ledger row and the run files reach the store within the notice window; on another
+        rank, the `auto` setting that ran out (RAN_OUT_FILE), under this attempt's lease, so a fresh
+        machine does not choose it again."""
+        if self.is_main:
+            self.finish(preempted=True, notice_seconds=notice_seconds)
+            self.close()
+            return
+        if self.url is None or self.holder is None:
+            return
+        store = Store(self.url, self.options)
+        store.fence = Follower(store, self.holder)
+        try:
+            store.put(self.run_dir / RAN_OUT_FILE, RAN_OUT_FILE)
+        except Exception as e:  # the next attempt on this disk still reads it; a fresh one may choose it again
+            self.message(f"spotune: rank {agree.rank()}: could not push {RAN_OUT_FILE} to {store.shown}: {_short(e)}")
 
     def close(self) -> None:
         """Push the run files (with the ledger row this attempt just wrote) and stop uploading."""
@@ -290,9 +316,9 @@ class RemoteRun:
 
 
 def fetch_run_files(store: Store, run_dir: Path) -> list[str]:
-    """Download the run files this machine lacks (a fresh VM), and the append-only ones of which
-    it holds an older copy (a node that was rank 0 in an earlier attempt, since when another
-    node's rank 0 has written on); returns their names.
+    """Download the run files this machine lacks (a fresh VM), and merge the store's rows into the
+    append-only ones it holds (a node that was rank 0 in an earlier attempt, since when another
+    node's rank 0 has written on, or a disk that comes back after others trained); returns their names.
 
     A heartbeat whose attempt already has its ledger row is dropped: the uploader sends the
     ledger before the heartbeat, so a kill between the two would otherwise count it twice.
@@ -322,18 +348,17 @@ def fetch_run_files(store: Store, run_dir: Path) -> list[str]:
 
 
 def _continue(store: Store, name: str, local: Path) -> bool:
-    """Replace `local` by the store's copy when that copy continues it (starts with its bytes);
-    a local copy with rows the store lacks is kept (this node wrote them last)."""
-    try:
-        source = store.run_file(name)  # the copy of the newest generation (trainer/restart/generations.py)
-        if source is None or store.fs.size(source) <= local.stat().st_size:
-            return False
-        remote = store.fs.cat_file(source)
-    except FileNotFoundError:
+    """Merge the store's rows of `name` (every generation's copy) into `local`: each row once, this disk's
+    rows that the store lacks kept after the store's (a node that wrote them last, or a diverged disk).
+    True when `local` changed. Nothing is dropped on either side, so the next push loses no row."""
+    remote = store.read_run_file(name)
+    if remote is None:
         return False
-    if not remote.startswith(local.read_bytes()):
+    mine = local.read_bytes()
+    merged = merged_rows([remote, mine])
+    if merged == mine:
         return False
-    write_bytes(local, remote)
+    write_bytes(local, merged)
     return True
 
 
@@ -355,29 +380,3 @@ def _holds(root: Path, path: Path, digest: str) -> bool:
         return path.is_dir() and files_digest(path) == digest and not CheckpointManager(root).verify(path)
     except (OSError, ValueError, KeyError, TypeError):
         return False
-
-
-def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if _distributed() else 0
-
-
-def _broadcast(value: T) -> T:
-    """Rank 0's `value` on every rank (the resume step must be the same everywhere)."""
-    if not _distributed():
-        return value
-    box = [value]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _gather(value: T) -> list[T]:
-    """Every rank's `value`, in rank order, on every rank."""
-    if not _distributed():
-        return [value]
-    out: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, value)
-    return out

@@ -29,16 +29,18 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from trainer.atomic import files_below, fsync_tree, publish_dir, temp_sibling
+from trainer.atomic import files_below, fsync_tree, publish_dir, temp_sibling, write_bytes
 from trainer.restart.checkpoint import MANIFEST, CheckpointError, file_digest
 from trainer.restart.generations import (
     current_steps,
     manifest_generation,
     newest_run_file,
+    read_run_file,
     run_file_copies,
     run_file_key,
     stamped,
 )
+from trainer.restart.safety import Floor
 from trainer.urls import redact
 
 log = logging.getLogger(__name__)
@@ -46,7 +48,10 @@ T = TypeVar("T")
 
 CHECKPOINTS = "checkpoints"
 RETIRED = "RETIRED-" + MANIFEST
-"""A set-aside remote checkpoint (resume=never or an older explicit one): kept, never resumed, never cleaned."""
+"""The manifest of a set-aside remote checkpoint (resume=never or an older explicit one), whose objects then
+move to `step-XXXXXX.retired-<time>/`: kept, never resumed, never cleaned."""
+WRITE_PROBE = ".spotune-write-probe"
+"""The object `Store.check` writes and deletes at start, to prove these credentials may."""
 UPLOAD_PAUSE_ENV = "SPOTUNE_TEST_UPLOAD_PAUSE"
 """Test hook: seconds to sleep halfway through uploading a checkpoint, before its manifest."""
 _STEP = re.compile(r"^step-(\d{6,})$")
@@ -58,8 +63,18 @@ class StoreError(CheckpointError):
 
 
 class StoreUnreachable(StoreError):
-    """The store does not answer and nothing local lets training go on: a transient fault, so
-    `spotune train` exits 143 (restartable), not 2."""
+    """The store does not answer (or answers with a fault of the moment: 5xx, throttling, a broken
+    transfer) and training cannot go on without it: `spotune train` exits 143 (restartable), not 2."""
+
+
+class StoreDenied(StoreError):
+    """The store refuses these credentials, or the bucket does not exist: a setting the user must fix
+    (exit 2). The message names the permission that is missing."""
+
+
+class Corrupt(StoreError):
+    """A remote checkpoint's bytes disagree with its manifest (a hash or size mismatch, a missing object):
+    the one reason to skip a checkpoint."""
 
 
 class StoreOffline(StoreError):
@@ -120,8 +135,8 @@ class Store:
         self.fence = Fence()  # a Lease while a training attempt holds the run (trainer/restart/lease.py)
         self.conditional: bool | None = None
         """Whether the store enforces If-Match / If-None-Match; probed once (trainer/restart/conditional.py)."""
-        self._swept: set[tuple[str, int]] = set()
-        """(run file, generation) whose copies of older generations were deleted."""
+        self.floor = Floor()
+        """What this attempt may take out of sight here (trainer/restart/safety.py); set when it chooses its step."""
 
     # ------------------------------------------------------------------ paths
 
@@ -141,7 +156,9 @@ class Store:
     # ------------------------------------------------------------------ reachability
 
     def check(self) -> None:
-        """Raise StoreError naming the URL and the likely cause when the store cannot be listed."""
+        """Raise StoreDenied (a setting to fix) or StoreUnreachable (a fault of the moment) unless these
+        credentials may list the store, and write and delete in it: a real probe write, so a store that
+        lists and reads but refuses writes is named at start, not found out by uploads that never land."""
         try:
             self.fs.invalidate_cache()
             if _is_object_store(self.fs):  # the bucket must exist and be listable with these credentials
@@ -149,12 +166,34 @@ class Store:
             else:
                 self.fs.makedirs(self.root, exist_ok=True)
         except Exception as e:
-            raise StoreError(
-                f"checkpoint.remote={self.shown} is unreachable: {type(e).__name__}: {_short(e)}. Check the "
-                f"credentials (the cloud's standard chain: env vars, profile, instance role), the endpoint "
-                f"(AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3 for S3-compatible stores) and that the bucket exists; "
-                f"checkpoint.storage_options passes anything else to fsspec"
-            ) from e
+            raise self.fault(e, "list") from e
+        probe = self.path(WRITE_PROBE)
+        for action, request in (
+            ("write", lambda: self.fs.pipe_file(probe, b"spotune write probe\n")),
+            ("delete", lambda: self.fs.rm_file(probe)),
+        ):  # its own probe object, nothing else
+            try:
+                request()
+            except Exception as e:
+                raise self.fault(e, action) from e
+
+    def fault(self, e: BaseException, action: str) -> StoreError:
+        """What a failed request means: StoreDenied (exit 2) when the store refused these credentials or
+        the bucket does not exist, naming the permission `action` needs; else StoreUnreachable (exit 143)."""
+        if denied(e, action):
+            need = _permission(self.url, action)
+            return StoreDenied(
+                f"checkpoint.remote={self.shown}: {action} refused ({type(e).__name__}: {_short(e)}). The credentials "
+                f"this machine uses (the cloud's standard chain: env vars, profile, instance role) lack {need} on "
+                f"{self.shown}/*, or the bucket does not exist; a run needs list, read, write and delete there"
+                + ("" if action != "list" else "; check the bucket name")
+            )
+        return StoreUnreachable(
+            f"checkpoint.remote={self.shown} is unreachable ({action}: {type(e).__name__}: {_short(e)}). Check the "
+            f"network, the endpoint (AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3 for S3-compatible stores) and the "
+            f"credentials (the cloud's standard chain: env vars, profile, instance role); "
+            f"checkpoint.storage_options passes anything else to fsspec"
+        )
 
     # ------------------------------------------------------------------ listing
 
@@ -190,14 +229,25 @@ class Store:
         trainer/restart/generations.py), oldest first (verification not implied)."""
         return current_steps(self._manifests())
 
+    def writable(self) -> None:
+        """Before any write: this attempt holds the run (the fence) and may write at all (the floor: a
+        store found ahead of the step it resumed from takes nothing more; trainer/restart/safety.py)."""
+        self.fence.check()
+        self.floor.ready(self.committed, self.shown)
+
     def clean(self) -> list[int]:
         """Delete remote step directories that have no manifest (uploads killed midway), and those
         whose manifest is a fenced holder's late write (manifest first, as in `prune`)."""
         manifests = self._manifests()
-        current = set(current_steps(manifests))
+        current = current_steps(manifests)
         dirs = self._step_dirs()
         doomed = sorted(s for s, names in dirs.items() if MANIFEST not in names and RETIRED not in names)
         late = [s for s in manifests if s not in current]
+        if not doomed and not late:
+            return []
+        self.writable()
+        kept = {s: g for s, g in manifests.items() if s not in late}
+        self.floor.allow("removing late manifests", current, current_steps(kept))
         for step in late:
             self.fence.check()
             self.fs.rm_file(self.step_path(step, MANIFEST))
@@ -206,18 +256,42 @@ class Store:
             self.fs.rm(self.step_path(step), recursive=True)
         return sorted(doomed + late)
 
-    def retire(self, after_step: int) -> list[int]:
-        """Set aside remote checkpoints above `after_step` (their manifest renamed; data kept)."""
-        moved = [s for s in self._manifests() if s > after_step]
+    def retire(self, after_step: int) -> list[str]:
+        """Set aside remote checkpoints above `after_step`, kept: each is uncommitted first (its manifest
+        renamed RETIRED-MANIFEST.json, one request), then moved whole to `step-XXXXXX.retired-<time>`, so
+        the new timeline's checkpoint of the same step never overwrites its objects. Only for a new timeline
+        the user asked for. A move a kill interrupted is finished at the next retire. Returns the new names."""
+        manifests = self._manifests()
+        moved = [s for s in manifests if s > after_step]
+        unfinished = [s for s, names in self._step_dirs().items() if RETIRED in names and MANIFEST not in names]
+        if not moved and not unfinished:
+            return []
+        self.writable()
+        before = current_steps(manifests)
+        self.floor.allow("retiring", before, [s for s in before if s <= after_step], retire=True)
         for step in moved:
             self.fence.check()
             self.fs.mv(self.step_path(step, MANIFEST), self.step_path(step, RETIRED))
-        return moved
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        names = []
+        for step in sorted({*moved, *unfinished}):
+            name = f"step-{step:06d}.retired-{stamp}"
+            self.fs.invalidate_cache()
+            for obj in self.fs.find(self.step_path(step), detail=False):  # an object store moves object by object
+                self.fence.check()
+                rel = posixpath.relpath(obj, self.step_path(step))
+                self.fs.mv(obj, self.path(CHECKPOINTS, name, rel))
+            names.append(name)
+        return names
 
     def prune(self, keep_last: int) -> list[int]:
         """Delete remote checkpoints beyond the newest `keep_last`, each manifest first."""
         committed = self.committed()
         doomed = committed[: max(0, len(committed) - keep_last)]
+        if not doomed:
+            return []
+        self.writable()
+        self.floor.allow("pruning", committed, committed[len(doomed) :])
         for step in doomed:
             self.fence.check()
             self.fs.rm_file(self.step_path(step, MANIFEST))  # from here on it does not exist
@@ -232,12 +306,15 @@ class Store:
         files = [f for f in files_below(local) if f.name != MANIFEST or f.parent != local]
         pause = float(os.environ.get(UPLOAD_PAUSE_ENV, "0") or 0)
         self.fs.invalidate_cache()
-        self.fence.check()
+        self.writable()
         if self.fs.exists(self.step_path(step, MANIFEST)):
             there = json.loads(self.fs.cat_file(self.step_path(step, MANIFEST)))
             if there.get("files") == manifest["files"]:  # these very bytes are committed there already
                 return 0  # (a resumed checkpoint caught up after a start that could not see the store)
-            # The same step again with other bytes (a redone step after a resume): uncommit it first.
+            # The same step again with other bytes (a corrupt one replaced, or a step of a timeline the
+            # user abandoned): uncommit it first, if the rule allows.
+            before = self.committed()
+            self.floor.allow(f"replacing step {step}", before, [s for s in before if s != step])
             self.fs.rm_file(self.step_path(step, MANIFEST))
         if not _is_object_store(self.fs):
             self.fs.makedirs(self.step_path(step), exist_ok=True)
@@ -265,59 +342,69 @@ class Store:
                 sent_manifest.write_bytes(stamped((local / MANIFEST).read_bytes(), self.fence.generation or 0))
                 self.fence.put_new(self, sent_manifest, self.step_path(step, MANIFEST))
 
+            # Committing a newer generation's manifest hides older generations' above it (the generation rule).
+            manifests = self._manifests()
+            after = {**manifests, step: self.fence.generation or 0}
+            self.floor.allow(f"committing step {step}", current_steps(manifests), current_steps(after))
             self.fence.commit(commit)
             return sent + sent_manifest.stat().st_size
 
     def run_file(self, rel: str) -> str | None:
-        """Where the run file `rel` is read from: its copy of the highest generation; None if none."""
+        """The copy of run file `rel` of the highest generation; None if there is none."""
         return newest_run_file(self.fs, self.path(rel))
+
+    def read_run_file(self, rel: str) -> bytes | None:
+        """Run file `rel` as readers see it: every generation's rows merged for the ledger and the
+        metrics, the newest copy for the others (trainer/restart/generations.py); None if absent."""
+        return read_run_file(self.fs, self.path(rel))
 
     def put(self, local: Path, rel: str) -> int:
         """Upload one run file (config.yaml, ledger.jsonl, ...) to `<remote>/<rel>.gen-<generation>`
-        (the plain name without a lease); 0 if absent."""
+        (the plain name without a lease); 0 if absent. Other generations' copies stay: readers merge
+        the rows of every copy, so none is ever lost."""
         if not local.is_file():
             return 0
 
-        written = 0
-
         def write() -> None:  # the generation is read after the fence let the write through
-            nonlocal written
-            written = self.fence.generation or 0
-            self.fs.put_file(str(local), run_file_key(self.path(rel), written))
+            self.fs.put_file(str(local), run_file_key(self.path(rel), self.fence.generation or 0))
 
+        self.writable()
         if rel in COMMITTED_RUN_FILES:
             self.fence.commit(write)
         else:
-            self.fence.check()
             write()
-        if written > 0 and (rel, written) not in self._swept:  # once per file and generation
-            for gen, path in run_file_copies(self.fs, self.path(rel)).items():
-                if gen < written:
-                    self.fence.check()
-                    self.fs.rm_file(path)
-            self._swept.add((rel, written))
         self.fence.pushed(rel)
         return local.stat().st_size
 
+    def set_aside(self, names: tuple[str, ...], folder: str) -> list[str]:
+        """A new run the user asked for (`checkpoint.resume=never`): move every generation's copy of the run
+        files `names` under `<remote>/<folder>/`, kept; returns the objects moved."""
+        present = {n: run_file_copies(self.fs, self.path(n)) for n in names}
+        moved = [path for copies in present.values() for path in copies.values()]
+        if not moved:
+            return []
+        self.writable()
+        self.floor.allow_set_aside(f"the run files of {self.shown}")
+        for path in moved:
+            self.fence.check()
+            self.fs.mv(path, self.path(folder, posixpath.basename(path)))
+        return [posixpath.basename(p) for p in moved]
+
     def get(self, rel: str, local: Path) -> bool:
-        """Download one run file if the remote has it; False when it does not."""
-        local.parent.mkdir(parents=True, exist_ok=True)  # a FileNotFoundError below must mean the remote
-        tmp = temp_sibling(local)
-        try:
-            source = self.run_file(rel)
-            if source is None:
-                raise FileNotFoundError(self.path(rel))
-            self.fs.get_file(source, str(tmp))
-        except FileNotFoundError:
-            tmp.unlink(missing_ok=True)
+        """Download one run file as readers see it (`read_run_file`) if the remote has it; False when not."""
+        body = self.read_run_file(rel)
+        if body is None:
             return False
-        os.replace(tmp, local)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        write_bytes(local, body)
         return True
 
     def download(self, step: int, local_root: Path) -> Path:
         """Download remote checkpoint `step`, verify every file, publish it under `local_root`.
 
-        Raises StoreError naming the object's URL when the checkpoint does not verify.
+        Raises Corrupt naming the object's URL when the checkpoint does not verify (the one reason to
+        skip it), StoreDenied when these credentials may not read it; anything else is a fault of the
+        moment and propagates as it came (the caller retries).
         """
         local_root.mkdir(parents=True, exist_ok=True)
         final = local_root / f"step-{step:06d}"
@@ -332,18 +419,20 @@ class Store:
                 try:
                     size = self.fs.size(self.step_path(step, rel))
                 except FileNotFoundError:
-                    raise StoreError(f"{url}: missing") from None
+                    raise Corrupt(f"{url}: missing") from None
                 if size != want.get("size"):  # checked before the bytes travel
-                    raise StoreError(f"{url}: {size} bytes, the manifest says {want.get('size')}")
+                    raise Corrupt(f"{url}: {size} bytes, the manifest says {want.get('size')}")
                 dest = tmp / rel
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 self.fs.get_file(self.step_path(step, rel), str(dest))
                 if file_digest(dest, fsync=False) != (want["size"], want.get("sha256")):
-                    raise StoreError(f"{url}: sha256 differs from the manifest (corrupted)")
+                    raise Corrupt(f"{url}: sha256 differs from the manifest (corrupted)")
             fsync_tree(tmp)
             publish_dir(tmp, final)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, Exception) and not isinstance(e, StoreError) and denied(e, "read"):
+                raise self.fault(e, "read") from e
             raise
         return final
 
@@ -355,7 +444,7 @@ def _manifest_files(path: Path, url: str) -> dict[str, Any]:
             raise ValueError("lists no files")
         return files
     except (ValueError, KeyError, TypeError) as e:
-        raise StoreError(f"{url}: unreadable ({type(e).__name__}: {e})") from None
+        raise Corrupt(f"{url}: unreadable ({type(e).__name__}: {e})") from None
 
 
 def _is_object_store(fs: Any) -> bool:
@@ -368,3 +457,36 @@ def _short(e: BaseException) -> str:
     """An exception's message on one line, any URL in it redacted."""
     text = " ".join(str(e).split())[:300]
     return re.sub(r"[a-z][a-z0-9+.-]*://[^\s'\"]+", lambda m: redact(m.group(0)), text)
+
+
+def denied(e: BaseException, action: str) -> bool:
+    """Whether a failed store request is a setting to fix: the store refused these credentials
+    (PermissionError: AccessDenied, an invalid key, a forbidden bucket), or, listing, the bucket does not
+    exist. Everything else (the network, 5xx, throttling, a broken transfer) is a fault of the moment."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, PermissionError) or (action == "list" and isinstance(seen, FileNotFoundError)):
+            return True
+        seen = seen.__cause__
+    return False
+
+
+_PERMISSIONS = {
+    "s3": {"list": "s3:ListBucket", "read": "s3:GetObject", "write": "s3:PutObject", "delete": "s3:DeleteObject"},
+    "gcs": {
+        "list": "storage.objects.list",
+        "read": "storage.objects.get",
+        "write": "storage.objects.create",
+        "delete": "storage.objects.delete",
+    },
+}
+
+
+def _permission(url: str, action: str) -> str:
+    """The permission a store `action` needs, in the cloud's own words."""
+    kind = _EXTRA.get(urlsplit(url).scheme)
+    if kind in _PERMISSIONS:
+        return _PERMISSIONS[kind][action]
+    if kind == "azure":
+        return f"the {action} permission on blobs (the role Storage Blob Data Contributor grants it)"
+    return f"{action} permission on the directory"

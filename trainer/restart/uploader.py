@@ -26,6 +26,7 @@ from typing import Any
 
 from trainer.atomic import temp_sibling
 from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE
+from trainer.restart.safety import SafetyViolation, StoreAhead
 from trainer.restart.storage import Store, _short
 
 RAN_OUT_FILE = "auto-out-of-memory.json"
@@ -68,6 +69,8 @@ class Uploader:
         self.local_step: int | None = None
         self.remote_step: int | None = None
         self.failing = False
+        self.refused = False
+        """The store's floor refuses every write of this attempt (found ahead of it): nothing more is sent."""
         self.stats: dict[str, Any] = {"uploads_skipped": 0}
         self._thread = threading.Thread(target=self._run, name="spotune-upload", daemon=True)
 
@@ -80,10 +83,13 @@ class Uploader:
 
     def submit(self, step: int, checkpoint: Path) -> None:
         """Queue committed checkpoint `step` for upload and return at once."""
+        with self._cond:
+            self.local_step = step
+            if self.refused:
+                return  # the local checkpoint stays; the next attempt reads the store's newer one
         staged = temp_sibling(checkpoint, "upload")
         _link_tree(checkpoint, staged)
         with self._cond:
-            self.local_step = step
             if self._pending is not None:  # superseded before its upload began: never uploaded
                 self.stats["uploads_skipped"] += 1
                 shutil.rmtree(self._pending.staged, ignore_errors=True)
@@ -104,11 +110,13 @@ class Uploader:
         uploaded; False on timeout."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._busy or self._pending is not None:
+            while (self._busy or self._pending is not None) and not self.refused:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._thread.is_alive():
                     return False
                 self._cond.wait(min(left, 0.5))
+        if self.refused:
+            return False
         if not run_files:
             return True
         try:
@@ -173,6 +181,13 @@ class Uploader:
                 self.store.prune(self.keep_last)
                 self._push_run_files()
                 break
+            except StoreAhead:  # this attempt may write nothing there (trainer/restart/safety.py): it stops
+                self.failing = self.refused = True
+                break
+            except SafetyViolation as e:  # a bug: the write was refused before it happened; write nothing more
+                self.message(f"spotune: a bug in spotune: {e}. Nothing more is uploaded (the local checkpoints stay)")
+                self.failing = self.refused = True
+                break
             except Exception as e:
                 self.failing = True
                 with self._cond:
@@ -201,6 +216,8 @@ class Uploader:
     def _quietly(self, fn: Callable[[], Any]) -> None:
         try:
             fn()
+        except StoreAhead:
+            self.refused = True
         except Exception:  # a heartbeat is best effort; the next checkpoint upload reports failures
             pass
 

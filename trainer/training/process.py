@@ -19,7 +19,7 @@ import torch
 
 from trainer import config as C
 from trainer.model import distributed
-from trainer.restart import launcher, notice, preemption
+from trainer.restart import launcher, new_run, notice, preemption
 from trainer.restart.ledger import timed
 from trainer.restart.remote import RemoteRun
 from trainer.training import gpu_probe
@@ -60,16 +60,31 @@ def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitSt
         keep_last=ck.keep_last,
         is_main=accelerator.is_main_process,
         is_local_main=accelerator.is_local_main_process,
+        retry_seconds=ck.store_retry_seconds,
+        outage_seconds=ck.store_outage_seconds,
     )
     closing.callback(remote.stop)
     if fence is not None:
         remote.fence = fence
+    # checkpoint.resume=never: a new run. The old run's files go aside before anything reads them.
+    fresh = new_run.stamp() if ck.resume == "never" else None
+    if fresh is not None and accelerator.is_main_process:
+        moved = new_run.set_aside(out, fresh, fence.new_run() if fence is not None else [])
+        if moved:
+            print(
+                f"spotune: checkpoint.resume=never: a new run; the old run's files are set aside in "
+                f"{out / fresh} ({', '.join(moved)}): kept, never read by this run",
+                flush=True,
+            )
     with timed(phases, "store"):
-        remote.connect()  # first: a fresh machine fetches the run's config, ledger and metrics before writing any
+        remote.connect(fresh)  # first: a fresh machine fetches the run's config, ledger and metrics before writing any
     stop = preemption.Preemption().install()
     closing.callback(stop.uninstall)
     if fence is not None:  # a store gone past checkpoint.store_outage_seconds: save locally, exit 143
         fence.on_outage = stop.request
+    # A store found ahead of the step this attempt resumed from (it started cut off, on a stale disk):
+    # nothing is written there; save locally, exit 143 (trainer/restart/safety.py).
+    remote.floor.on_ahead = lambda why: stop.request(f"spotune: {why}", " (exit 143)")
     # A cloud notice sets the same flag as SIGTERM; one poller per machine.
     watcher = notice.NoticeWatcher(ck.preemption_notice, stop.request, ck.notice_endpoint, ck.notice_poll_seconds)
     if accelerator.is_local_main_process:

@@ -23,9 +23,9 @@ redoes and the new ones, each tracker by its own rule of what it already holds:
 - MLflow: the history of every metric of the run is read at start (MLflow writes
   synchronously, so the tracking server is the record of what arrived), and a value is
   logged only at a step above that metric's last.
-- TensorBoard: the same log directory, opened with `purge_step` = the checkpoint's step + 1,
-  TensorBoard's own rewind: events the killed attempt wrote past the checkpoint are hidden and
-  the redone steps written again. Its writer is flushed at each row, so no backfill is needed.
+- TensorBoard: the same log directory, opened with `purge_step` = the checkpoint's step + 1 (0
+  on a start at step 0), TensorBoard's own rewind: events the killed attempt wrote past the
+  checkpoint are hidden and the redone steps written again. Its writer is flushed at each row, so no backfill is needed.
 Every row carries `attempt` (the ledger's attempt number) and, where the tracker takes text
 (W&B), `machine` (the host name); MLflow and TensorBoard get `machine` as a tag / text per attempt.
 
@@ -228,7 +228,9 @@ class _TensorBoard:
     def __init__(self, run: TrackerRun, ids: dict[str, str]) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        purge = run.resume_step + 1 if run.resume_step else None  # TensorBoard's rewind to the checkpoint
+        # TensorBoard's rewind to the checkpoint: past its step, or everything when the run starts at step 0
+        # (an earlier attempt killed before its first checkpoint logged steps this one redoes).
+        purge = run.resume_step + 1 if run.resume_step else 0
         self.writer = SummaryWriter(log_dir=str(run.run_dir / "tensorboard"), purge_step=purge)
         self.writer.add_text("machine", run.machine, global_step=run.resume_step)
         self.resume_step = run.resume_step

@@ -1,0 +1,88 @@
+"""`checkpoint.resume=never` in a used run directory starts a new run (trainer/restart/new_run.py): a new
+config.yaml, a new ledger and metrics, new tracker runs, the old run's final/ out of the way of `chat`
+and `export`; the old run's files set aside, renamed and kept, locally and in `checkpoint.remote`, and
+named in the log. Before, the new run inherited the old config.yaml (and so its hub data pin), its
+trackers.json (W&B and MLflow then skipped every step up to the old run's last), its ledger totals."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from trainer import builtin_assets
+from trainer import config as C
+from trainer.restart.storage import Store
+from trainer.training import run
+
+
+def _cfg(out: Path, model: Path, data: Path, remote: str, lr: float, **extra: Any) -> C.RunConfig:
+    raw = {
+        "output_dir": str(out),
+        "seed": 3,
+        "model": {"name_or_path": str(model), "dtype": "float32"},
+        "adapter": {"r": 4, "alpha": 8},
+        "data": {"path": str(data), "seq_len": 128, "cache_dir": str(data.parent / "cache")},
+        "train": {"max_steps": 2, "micro_batch_size": 2, "lr": lr, "schedule": "constant"},
+        "checkpoint": {"every_steps": 1, "every_minutes": None, "keep_last": 2, "remote": remote},
+        "metrics": {"progress": False, "trackers": ["tensorboard"]},
+    }
+    return C.from_dict(raw).replace(**extra) if extra else C.from_dict(raw)
+
+
+def test_resume_never_starts_a_new_run_and_sets_the_old_one_aside(
+    tmp_path: Path, tiny_llama: Path, s3_remote: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    data = builtin_assets.write_dataset(tmp_path / "data" / "train.jsonl", n=16)
+    out = tmp_path / "run"
+    assert run.train(_cfg(out, tiny_llama, data, s3_remote, lr=1e-2)) == 0
+    old_adapter = load_file(out / "final" / "adapter_model.safetensors")
+    capsys.readouterr()
+
+    assert run.train(_cfg(out, tiny_llama, data, s3_remote, lr=5e-3, **{"checkpoint.resume": "never"})) == 0
+    text = "".join(capsys.readouterr())
+    aside = [p for p in out.iterdir() if p.name.startswith("previous-run-")]
+    assert len(aside) == 1, list(out.iterdir())
+    old = aside[0]
+    assert f"the old run's files are set aside in {old}" in text and "config.yaml" in text, text
+    assert f"{s3_remote}/{old.name}/" in text, text  # and the store's copies, named too
+
+    # The new run's own files: its config, one ledger row, each step once, a new TensorBoard log.
+    assert yaml.safe_load((out / "config.yaml").read_text())["train"]["lr"] == 5e-3
+    assert yaml.safe_load((old / "config.yaml").read_text())["train"]["lr"] == 1e-2  # kept, set aside
+    assert len((out / "ledger.jsonl").read_text().splitlines()) == 1
+    assert len((old / "ledger.jsonl").read_text().splitlines()) == 1
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    new_losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx(new_losses)
+    assert (old / "tensorboard").is_dir() and (old / "trackers.json").is_file()
+    # final/ is the new run's adapter (what chat and export read); the old one is kept aside.
+    new_adapter = load_file(out / "final" / "adapter_model.safetensors")
+    kept = load_file(old / "final" / "adapter_model.safetensors")
+    assert all((kept[k] == old_adapter[k]).all() for k in kept)
+    assert any(not (new_adapter[k] == old_adapter[k]).all() for k in new_adapter)  # another lr, another adapter
+
+    # The store: the new run's files, the old run's under the same folder name, its checkpoints retired.
+    store = Store(s3_remote)
+    assert yaml.safe_load(store.read_run_file("config.yaml") or b"")["train"]["lr"] == 5e-3
+    assert len((store.read_run_file("ledger.jsonl") or b"").splitlines()) == 1
+    old_files = {p.rsplit("/", 1)[1] for p in store.fs.ls(store.path(old.name), detail=False)}
+    assert {f.split(".gen-")[0] for f in old_files} >= {"config.yaml", "ledger.jsonl", "metrics.jsonl"}
+    retired = [p.rsplit("/", 1)[1] for p in store.fs.ls(store.path("checkpoints"), detail=False) if ".retired-" in p]
+    assert len(retired) == 2 and all(n.startswith(("step-000001.retired-", "step-000002.retired-")) for n in retired)
+    for name in retired:  # the old run's checkpoints, whole: the new run's steps 1 and 2 overwrote none of it
+        kept = store.fs.cat_file(store.path("checkpoints", name, "adapter_model.safetensors"))
+        manifest = json.loads(store.fs.cat_file(store.path("checkpoints", name, "RETIRED-MANIFEST.json")))
+        assert len(kept) == manifest["files"]["adapter_model.safetensors"]["size"]
+        assert hashlib.sha256(kept).hexdigest() == manifest["files"]["adapter_model.safetensors"]["sha256"]
+    assert store.committed() == [1, 2]  # the new run's
+    assert f"set aside remote checkpoint(s) above step 0, kept as {s3_remote}/checkpoints/step-000001.retired-" in text

@@ -1,0 +1,140 @@
+"""Rank 0's choice of the checkpoint to resume from, local or in `checkpoint.remote`, and what it
+promises the store (trainer/restart/safety.py): the step chosen and the committed steps seen are
+recorded on the store's `Floor` before anything is written there.
+
+- `auto`: the newest checkpoint that verifies, on this disk or in the store (downloaded). Only a
+  remote checkpoint whose bytes disagree with its manifest (`Corrupt`) is skipped. A fault of the
+  moment while listing or downloading (the network, 5xx, throttling, a broken transfer) is retried
+  with backoff for `budget` seconds, then ends the attempt with StoreUnreachable (exit 143) before
+  it trains: training from an older step would throw newer paid-for steps away. A refused
+  credential is StoreDenied (exit 2).
+- `never` or a checkpoint path: a new timeline, which the user asked for. The store's newer
+  checkpoints are retired (renamed, kept); that needs the store readable, so a store that does not
+  answer is a fault of the moment here too.
+- The store unreachable at start (`reachable` False, a local checkpoint exists): the local newest,
+  and the floor reads the store before the first write (an attempt on a stale disk stops there).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from trainer.restart.checkpoint import CheckpointError, CheckpointManager, resolve_resume
+from trainer.restart.safety import SafetyViolation
+from trainer.restart.storage import Corrupt, Store, StoreDenied, StoreError, StoreUnreachable, _short, denied
+
+T = TypeVar("T")
+
+MAX_DELAY = 30.0
+"""Longest wait between two tries of a store request at start."""
+
+
+def retrying(
+    what: str, budget: float, fn: Callable[[], T], message: Callable[[str], None], store: Store, then: str = ""
+) -> T:
+    """`fn()`, tried again with backoff (1 s, doubling, at most MAX_DELAY) while it fails with a fault
+    of the moment, for `budget` seconds; then StoreUnreachable (exit 143), its message ending with `then`.
+    A refusal (StoreDenied), a
+    breach of the rule and a checkpoint that cannot be resumed as asked are not retried."""
+    deadline = time.monotonic() + budget
+    delay = 1.0
+    while True:
+        try:
+            return fn()
+        except (StoreDenied, SafetyViolation):
+            raise
+        except CheckpointError as e:
+            if not isinstance(e, StoreError) or isinstance(e, Corrupt):
+                raise
+            fault: Exception = e
+        except Exception as e:
+            if denied(e, "read"):
+                raise store.fault(e, "read") from e
+            fault = e
+        left = deadline - time.monotonic()
+        if left <= 0:
+            said = str(fault) if isinstance(fault, StoreError) else f"{type(fault).__name__}: {_short(fault)}"
+            over = f" (tried for {budget:g}s)" if budget > 0 else ""
+            raise StoreUnreachable(f"{what} {store.shown} failed: {said}{over}{then}") from fault
+        wait = min(delay, left)
+        message(
+            f"spotune: {what} {store.shown} failed ({type(fault).__name__}: {_short(fault)}); retrying in {wait:.0f}s"
+        )
+        time.sleep(wait)
+        delay = min(delay * 2, MAX_DELAY)
+
+
+def choose(
+    root: Path,
+    resume_setting: str,
+    store: Store | None,
+    reachable: bool,
+    *,
+    budget: float,
+    message: Callable[[str], None],
+) -> tuple[Path | None, list[str]]:
+    """The checkpoint rank 0 resumes from (None: step 0) and the notes worth logging; the floor of
+    `store` records the choice."""
+    error: CheckpointError | None = None
+    try:
+        local, notes = resolve_resume(root, resume_setting)
+    except CheckpointError as e:
+        if not (store is not None and reachable and resume_setting == "auto"):
+            raise
+        local, notes, error = None, [], e  # a good remote checkpoint may still save the run
+    if store is None:
+        return local, notes
+    local_step = CheckpointManager.step_of(local) if local is not None else None
+    if not reachable:
+        if resume_setting != "auto":
+            raise StoreUnreachable(
+                f"checkpoint.resume={resume_setting} starts a new timeline, which sets the newer checkpoints of "
+                f"{store.shown} aside first, and the store did not answer; rerun once it does (exit 143)"
+            )
+        store.floor.choose(local_step, None)  # the store is read before the first write
+        return local, notes
+
+    def remote() -> tuple[Path | None, list[str]]:
+        return _choose_remote(root, resume_setting, store, local_step, error)
+
+    then = "; stopping before training from an older checkpoint (exit 143: rerun once the store answers)"
+    chosen, remote_notes = retrying("reading the checkpoints of", budget, remote, message, store, then)
+    return chosen if chosen is not None else local, notes + remote_notes
+
+
+def _choose_remote(
+    root: Path, resume_setting: str, store: Store, local_step: int | None, error: CheckpointError | None
+) -> tuple[Path | None, list[str]]:
+    """The store's part of `choose`: None means the local choice stands."""
+    notes = [f"removed the unfinished upload {store.show_dir(s)}" for s in store.clean()]
+    committed = store.committed()
+    if resume_setting != "auto":
+        after = local_step if local_step is not None else -1
+        store.floor.choose(local_step, committed, new_timeline=True)
+        moved = store.retire(after)
+        if moved:
+            notes.append(
+                f"checkpoint.resume={resume_setting}: set aside remote checkpoint(s) above step {max(after, 0)}, "
+                f"kept as {', '.join(f'{store.shown}/checkpoints/{name}' for name in moved)}"
+            )
+        return None, notes
+    corrupt: list[int] = []
+    for step in reversed(committed):
+        if local_step is not None and step <= local_step:
+            break
+        try:
+            path = store.download(step, root)
+        except Corrupt as e:  # the one reason to skip a checkpoint; anything else is retried by the caller
+            notes.append(f"remote checkpoint {store.show_dir(step)} is corrupt, skipped: {e}")
+            corrupt.append(step)
+            continue
+        store.floor.choose(step, committed, corrupt=corrupt)
+        notes.append(f"downloaded {store.show_dir(step)} (newer than any local checkpoint)")
+        return path, notes
+    if local_step is None and error is not None:
+        raise error
+    store.floor.choose(local_step, committed, corrupt=corrupt)
+    return None, notes

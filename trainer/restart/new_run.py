@@ -1,0 +1,67 @@
+"""`checkpoint.resume=never` in a used run directory starts a new run: nothing of the old one is read,
+nothing of it is lost.
+
+The old run's files are set aside, renamed and kept, before the attempt reads any of them: locally
+into `<output_dir>/previous-run-<time>/`, in `checkpoint.remote` under `previous-run-<time>/` (every
+generation's copy). So the new run writes a new config.yaml, pins hub data anew, opens new tracker
+runs (trackers.json), starts its ledger and metrics from nothing, and `spotune chat`, `export` and
+`status` read the new run. The old run's checkpoints are retired where they are, as for an explicit
+checkpoint (trainer/restart/checkpoint.py `retire`, trainer/restart/storage.py `retire`). Only the run's
+own outputs move: the lock, the prepared data, the pilot and a saved estimate stay.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from trainer.atomic import fsync_path
+from trainer.restart.ledger import recover_killed
+
+PREFIX = "previous-run-"
+RUN_OUTPUTS = (
+    "config.yaml",
+    "metrics.jsonl",
+    "ledger.jsonl",
+    "ledger.current.json",  # restart/ledger.py: a killed attempt's heartbeat belongs to the old run
+    "trackers.json",  # training/trackers.py: the tracker runs' ids
+    "auto-out-of-memory.json",  # restart/uploader.py RAN_OUT_FILE
+    "final",
+    "compile",
+    "tensorboard",
+    "wandb",
+    "report.html",
+    "timeline.png",
+    "hours.png",
+    "loss.png",
+    "throughput.png",
+    "export",
+    "merged",
+)
+"""What a run writes into its directory (docs/run-directory.md), beside its checkpoints."""
+
+
+def stamp() -> str:
+    """The name both set-aside folders share (UTC, to the second)."""
+    return PREFIX + time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+
+
+def set_aside(run_dir: Path, folder: str, unbooked: Sequence[dict[str, Any]] = ()) -> list[str]:
+    """Move the old run's outputs of `run_dir` into `run_dir/folder`; the names moved (none: nothing to do).
+    `unbooked`: the old run's attempts its lease carried without a ledger row (trainer/restart/handover.py),
+    booked into the ledger set aside, where they belong."""
+    present = [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+    if not present and not unbooked:
+        return []
+    dest = run_dir / folder
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in present:
+        os.rename(run_dir / name, dest / name)
+    if unbooked:
+        recover_killed(dest, unbooked, before=time.time())
+    fsync_path(dest)
+    fsync_path(run_dir)
+    return present

@@ -1,0 +1,164 @@
+"""A lease holder cut off from the store, and back: the state machine, and the thread that drives it.
+
+Availability first, never two writers. The states of a holder (trainer/restart/lease.py):
+- online: it holds the lease within its deadline; the thread renews it every `ttl / 3` seconds.
+- cut off (`since` set): the deadline passed unrenewed (the store did not answer, or the machine was
+  paused), or the lease could not be taken at start. The lease's fence refuses every store write;
+  training goes on with local checkpoints; the thread asks the store again every
+  `min(ttl / 3, OFFLINE_RETRY_SECONDS)` seconds.
+- back online: the store answers and the lease is still this attempt's (unchanged since its last
+  renewal, or, never taken, free to take): it is taken as `generation + 1` and uploads resume with
+  the newest local checkpoint (which the store's floor checks first: trainer/restart/safety.py).
+- lost: another attempt took the lease meanwhile. `on_lost` ends the process at once with EXIT_BUSY
+  (75), from whichever thread found it, so nothing it runs writes again.
+Cut off for longer than `outage_seconds`, it asks once for the save-and-exit path (`on_outage`: a
+local checkpoint, then EXIT_PREEMPTED, which supervisors restart).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from trainer.exit_codes import EXIT_BUSY, EXIT_FILE_ENV
+from trainer.restart.clock import boot_clock
+from trainer.restart.lease_object import LeaseLost
+from trainer.restart.lock import RunBusy
+from trainer.restart.storage import Store, _short
+
+OFFLINE_RETRY_SECONDS = 5.0
+"""While cut off: how often the lease thread asks the store again (at most; ttl / 3 when shorter)."""
+
+
+class Holder(Protocol):
+    """What the state machine drives: the lease (trainer/restart/lease.py)."""
+
+    store: Store
+    ttl: float
+    message: Callable[[str], None]
+    lost: str | None
+    released: bool
+    lock: threading.RLock
+
+    @property
+    def held(self) -> bool: ...
+
+    @property
+    def generation(self) -> int | None: ...
+
+    def acquire(self, wait: float | None = None) -> None: ...
+
+    def renew(self) -> None: ...
+
+    def take_back(self) -> None: ...
+
+    def lapsed(self) -> bool: ...
+
+    def lose(self, why: str) -> Any: ...
+
+
+class Keeper:
+    """The holder's state (online or cut off) and the daemon thread that renews or reclaims."""
+
+    def __init__(self, lease: Holder, outage_seconds: float) -> None:
+        self.lease = lease
+        self.outage_seconds = outage_seconds
+        self.since: float | None = None
+        """boot_clock() when cut off from the store; None while the lease may write."""
+        self.reported = False
+        self.on_outage: Callable[[str], object] = lambda why: None
+        """Called once when the store stayed unreachable past `outage_seconds` (train: save locally, exit 143)."""
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def cut_off(self) -> bool:
+        return self.since is not None
+
+    def cut(self, why: str) -> None:
+        """Go (or stay) cut off: write nothing until the lease is taken back."""
+        if self.since is None:
+            self.since = boot_clock()
+            self.lease.message(why)
+
+    def start(self) -> Keeper:
+        """Renew (or, cut off, retry) in the background until `stop`."""
+        self._thread = threading.Thread(target=self._loop, name="spotune-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+
+    def _loop(self) -> None:
+        while not self._stopping.wait(self._interval()):
+            try:
+                self.tick()
+            except LeaseLost:
+                return  # on_lost already ran
+            except Exception as e:  # a network blip: the next try (or the deadline) decides
+                if not self.cut_off:
+                    self.lease.message(
+                        f"spotune: renewing the lease of {self.lease.store.shown} failed ({_short(e)}); retrying"
+                    )
+                    self.lease.lapsed()
+                self._outage_check()
+
+    def _interval(self) -> float:
+        ttl = self.lease.ttl
+        return min(ttl / 3, OFFLINE_RETRY_SECONDS) if self.cut_off or not self.lease.held else ttl / 3
+
+    def tick(self) -> None:
+        """One step of the machine: renew when online; cut off, take the lease back if it is still
+        this attempt's. Raises LeaseLost when another attempt holds it, OSError-likes when unreachable."""
+        lease = self.lease
+        with lease.lock:
+            if lease.lost is not None or lease.released:
+                raise LeaseLost(lease.lost or "this attempt released the lease")
+            if self.cut_off or not lease.held or lease.lapsed():
+                self._reclaim()
+            else:
+                lease.renew()
+
+    def _reclaim(self) -> None:
+        """The store answers again (or for the first time): take the lease back if nobody else took it."""
+        lease = self.lease
+        if not lease.held:
+            try:
+                lease.acquire(None)
+            except RunBusy as e:
+                lease.lose(str(e))
+        else:
+            lease.take_back()
+        if self.since is not None:
+            lease.message(
+                f"spotune: {lease.store.shown} answers again and the run's lease was still this attempt's; took it "
+                f"back as generation {lease.generation}; uploads resume with the newest local checkpoint"
+            )
+        self.since = None
+
+    def _outage_check(self) -> None:
+        if self.since is None or self.reported:
+            return
+        if boot_clock() - self.since > self.outage_seconds:
+            self.reported = True
+            self.on_outage(
+                f"spotune: {self.lease.store.shown} has been unreachable for over {self.outage_seconds:g}s "
+                "(checkpoint.store_outage_seconds)"
+            )
+
+
+def exit_busy(why: str) -> None:
+    """Exit the whole process now, from whichever thread found the lease lost (no thread writes again)."""
+    path = os.environ.get(EXIT_FILE_ENV)
+    if path and os.environ.get("RANK", "0") == "0":
+        Path(path).write_text(f"{EXIT_BUSY}\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_BUSY)
