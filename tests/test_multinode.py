@@ -248,7 +248,9 @@ def test_a_node_that_was_rank0_before_continues_the_stores_history(tmp_path: Pat
     assert (a / "metrics.jsonl").read_text() == "".join(rows)
     assert not (a / "ledger.current.json").exists()
     assert Ledger.open(a, 1).attempt == 3 and len(read_rows(a)) == 2
-    # Control: rows this node wrote that the store lacks (killed before their upload) are kept.
-    (a / "metrics.jsonl").write_text("".join(rows[:2]) + json.dumps({"step": 3, "here": 1}) + "\n")
-    assert fetch_run_files(store, a) == []
-    assert "here" in (a / "metrics.jsonl").read_text()
+    # Rows this node wrote that the store lacks (killed before their upload) are kept beside the store's.
+    mine = json.dumps({"step": 3, "here": 1}) + "\n"
+    (a / "metrics.jsonl").write_text("".join(rows[:2]) + mine)
+    assert fetch_run_files(store, a) == ["metrics.jsonl"]
+    assert (a / "metrics.jsonl").read_text() == "".join(rows) + mine
+    assert fetch_run_files(store, a) == []  # control: nothing more to merge the second time
