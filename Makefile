@@ -18,16 +18,24 @@ demo: setup
 	$(PY) scripts/demo.py
 
 # ruff (lint + format) and mypy over the code; part of `make test`, so CI runs them.
+RUFF_PATHS := trainer tests benchmarks scripts
 lint: setup-test
-	$(VENV)/bin/ruff check trainer tests benchmarks scripts
-	$(VENV)/bin/ruff format --check trainer tests benchmarks scripts
+	$(VENV)/bin/ruff check $(RUFF_PATHS)
+	$(VENV)/bin/ruff format --check $(RUFF_PATHS)
 	$(VENV)/bin/mypy
 
-# One pytest worker per core (pytest-xdist), a test module on one worker so that its fixtures are
-# built once; tests/conftest.py shares the cores' threads out among the workers.
+# ruff first (seconds); then mypy beside the tests, on the core time the test workers leave idle
+# while their drills wait on child processes, its report printed after theirs. One pytest worker per
+# core (pytest-xdist), a test module on one worker so that its fixtures are built once;
+# tests/conftest.py shares the cores' threads out among the workers.
 TEST_WORKERS ?= auto
-test: lint
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
+test: setup-test
+	$(VENV)/bin/ruff check $(RUFF_PATHS)
+	$(VENV)/bin/ruff format --check $(RUFF_PATHS)
+	@mkdir -p runs; $(VENV)/bin/mypy > runs/mypy.log 2>&1 & mypy=$$!; \
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=15 tests; tests=$$?; \
+	wait $$mypy; typed=$$?; cat runs/mypy.log; \
+	[ $$tests -eq 0 ] && [ $$typed -eq 0 ]
 
 test-fast: setup-test
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
