@@ -30,7 +30,7 @@ from trainer.restart.generations import merged_rows
 from trainer.restart.lease_object import Follower
 from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, read_rows
 from trainer.restart.safety import Floor
-from trainer.restart.storage import Fence, Store, StoreDenied, StoreUnreachable, _short
+from trainer.restart.storage import Corrupt, Fence, Store, StoreDenied, StoreUnreachable, _short
 from trainer.restart.uploader import RAN_OUT_FILE, RUN_FILES, Uploader
 from trainer.urls import redact
 
@@ -169,17 +169,36 @@ class RemoteRun:
                     f"rank 0 resumes from step {step} but the disk of rank(s) {', '.join(map(str, lacking))} lacks "
                     "it; put output_dir on a shared filesystem or set checkpoint.remote"
                 )
-            problem = self._publish(Path(rank0_path), step, digest, notes) if self.is_main else None
-            problem = agree.broadcast(problem)
-            if problem is None and lacks:
-                problem = self._fetch(root, step, digest)
-            agree.raise_failure(agree.gather(problem))
+            self._bring(Path(rank0_path), root, step, digest, lacks, notes)
         if self.is_local_main and not self.is_main:  # one line per node: what it loaded
             self.message(f"spotune: rank {agree.rank()}: resuming from {here} at step {step} (chosen by rank 0)")
         return here, notes
 
-    def _publish(self, path: Path, step: int, digest: str, notes: list[str]) -> agree.Failure | None:
-        """Rank 0: make sure the store holds `path` as step `step` for the nodes that lack it."""
+    def _bring(self, path: Path, root: Path, step: int, digest: str, lacks: bool, notes: list[str]) -> None:
+        """Collective: rank 0 makes sure the store holds its checkpoint `path` as step `step`, and each node
+        that `lacks` it downloads it. A node that finds the store's copy corrupt (an object there that is
+        not what the manifest lists: a fenced holder's late write under the same manifest) has rank 0 send
+        it again, once: else every attempt would meet the same copy and exit 143 forever."""
+        for replace in (False, True):
+            problem = self._publish(path, step, digest, notes, replace=replace) if self.is_main else None
+            problem = agree.broadcast(problem)
+            corrupt = False
+            if problem is None and lacks:
+                problem, corrupt = self._fetch(root, step, digest)
+                lacks = problem is not None  # a node that has it now does not download it again
+            results = agree.gather((problem, corrupt))
+            if not replace and any(found for _, found in results):
+                if self.is_main:
+                    self.message(f"spotune: a node found the store's step {step} corrupt: uploading it again")
+                continue
+            agree.raise_failure([failed for failed, _ in results])
+            return
+
+    def _publish(
+        self, path: Path, step: int, digest: str, notes: list[str], *, replace: bool = False
+    ) -> agree.Failure | None:
+        """Rank 0: make sure the store holds `path` as step `step` for the nodes that lack it (`replace`: send
+        it even when the store's manifest lists these bytes; a node found an object there corrupt)."""
         store = self.store
         if store is None or not self.reachable:
             return (
@@ -189,9 +208,9 @@ class RemoteRun:
             )
 
         def publish() -> bool:
-            if step in store.committed() and _remote_digest(store, step) == digest:
+            if not replace and step in store.committed() and _remote_digest(store, step) == digest:
                 return False
-            store.upload(path, step)
+            store.upload(path, step, replace=replace)
             return True
 
         try:
@@ -204,8 +223,9 @@ class RemoteRun:
         )
         return None
 
-    def _fetch(self, root: Path, step: int, digest: str) -> agree.Failure | None:
-        """A node's local main: download step `step` from the store; None, or what went wrong."""
+    def _fetch(self, root: Path, step: int, digest: str) -> tuple[agree.Failure | None, bool]:
+        """A node's local main: download step `step` from the store; (None, or what went wrong; whether
+        the store's copy was found corrupt)."""
         store = Store(self.url or "", self.options)
         try:
             path = retrying(
@@ -213,15 +233,15 @@ class RemoteRun:
             )
         except Exception as e:
             kind, text = agree.failure(e)
-            return kind, f"rank {agree.rank()}: {text}"
+            return (kind, f"rank {agree.rank()}: {text}"), isinstance(e, Corrupt)
         if files_digest(path) != digest:  # rank 0 published another copy meanwhile: a restart sorts it out
             return (
                 "unreachable",
                 f"rank {agree.rank()}: {store.show_dir(step)} is not the checkpoint rank 0 resumes from",
-            )
+            ), False
         self.message(f"spotune: rank {agree.rank()}: this node lacked step {step}; downloaded {store.show_dir(step)}")
         CheckpointManager(root, keep_last=self.keep_last).prune(protect=path)  # only rank 0 saves: no other prune
-        return None
+        return None, False
 
     # ------------------------------------------------------------------ while training
 
