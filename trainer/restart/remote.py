@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,9 @@ from trainer.urls import redact
 
 APPEND_ONLY = ("metrics.jsonl", LEDGER_FILE)
 """Run files that only ever grow: the store's rows and this disk's are merged (trainer/restart/generations.py)."""
+
+Directory = tuple[str, int, int]
+"""Which directory a path is on one machine (`_directory`)."""
 
 FINISH_TIMEOUT = 600.0
 """Seconds a finished run waits for its last upload (a preempted one has checkpoint.notice_seconds)."""
@@ -135,22 +139,30 @@ class RemoteRun:
         """The checkpoint every rank resumes from: chosen on rank 0 (local or remote, the newest
         that verifies: trainer/restart/choose.py) and broadcast with the digest of its files.
 
-        Each node's disk is its own: a node that lacks that exact checkpoint (none, a corrupt
-        copy, or a copy of the same step from an abandoned timeline) downloads it. When the
-        store lacks it too (the last attempt was killed before its upload finished), rank 0
-        uploads it first. Every rank learns of a failure and raises the same error class, so no
+        Each rank restores its run's own `step-XXXXXX`, except for a `checkpoint.resume=` path outside
+        output_dir/checkpoints: every rank that can read that very directory (those of rank 0's node)
+        restores it, the others their step of that number. Each node's disk is its own: a node that
+        lacks that exact checkpoint (none, a corrupt copy, or a copy of the same step from an
+        abandoned timeline) downloads it. When the store lacks it too (the last attempt was killed
+        before its upload finished), rank 0 uploads it first. Every rank learns of a failure and raises the same error class, so no
         node waits forever in a collective for one that gave up, and every rank exits alike.
         """
         root = self.run_dir / "checkpoints"
         notes: list[str] = []
-        picked: tuple[int, str, str] | None = None  # (step, rank 0's path, digest)
+        picked: tuple[int, str, str, Directory | None] | None = None  # (step, rank 0's path, digest, directory)
+        chosen: Path | None = None
         if self.is_main:
             try:
                 chosen, notes = choose(
                     root, resume_setting, self.store, self.reachable, budget=self.budget, message=self.message
                 )
                 if chosen is not None:
-                    picked = (CheckpointManager.step_of(chosen), str(chosen), files_digest(chosen))
+                    step = CheckpointManager.step_of(chosen)
+                    # A path outside the run's checkpoints (checkpoint.resume=<path>) is named by its directory:
+                    # the ranks that can read that very one (rank 0's node) restore it; the others, their step.
+                    outside = chosen.absolute() != (root / chosen.name).absolute()
+                    directory = _directory(chosen) if outside else None
+                    picked = (step, str(chosen.absolute()), files_digest(chosen), directory)
             except Exception as e:
                 agree.broadcast((None, agree.failure(e)))  # the other ranks wait in the broadcast below
                 raise
@@ -158,10 +170,11 @@ class RemoteRun:
         agree.raise_failure([failed], prefix="rank 0 could not choose the checkpoint to resume from: ")
         if picked is None:
             return None, notes
-        step, rank0_path, digest = picked
-        here = Path(rank0_path) if self.is_main else root / f"step-{step:06d}"
+        step, rank0_path, digest, directory = picked
+        same = self.is_main or (directory is not None and _directory(Path(rank0_path)) == directory)
+        here = (chosen or Path(rank0_path)) if same else root / f"step-{step:06d}"
         self.resumed = here if self.is_main else None
-        lacks = self.is_local_main and not self.is_main and not _holds(root, here, digest)
+        lacks = self.is_local_main and not same and not _holds(root, here, digest)
         lacking = [r for r, flag in enumerate(agree.gather(lacks)) if flag]
         if lacking:
             if self.url is None:
@@ -392,6 +405,18 @@ def files_digest(checkpoint: Path) -> str:
 def _remote_digest(store: Store, step: int) -> str:
     files = json.loads(store.fs.cat_file(store.step_path(step, MANIFEST)))["files"]
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def _directory(path: Path) -> Directory | None:
+    """Which directory `path` is: equal on two ranks only when both read the very same one (the ranks of
+    one node; one kernel's (device, inode), named by its boot id, or the host name where there is none)."""
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    try:
+        kernel = boot.read_text().strip() if boot.exists() else socket.gethostname()
+        st = path.stat()
+    except OSError:
+        return None
+    return kernel, st.st_dev, st.st_ino
 
 
 def _holds(root: Path, path: Path, digest: str) -> bool:
