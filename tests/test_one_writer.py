@@ -267,3 +267,29 @@ def test_a_forked_worker_does_not_keep_a_sigkilled_holders_lock(tmp_path: Path, 
     finally:
         os.killpg(p.pid, signal.SIGKILL)  # the orphaned child too
         p.wait()
+
+
+def test_status_of_a_local_run_whose_store_does_not_answer(
+    tmp_path: Path, s3_remote: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """`spotune status RUN_DIR` shows the directory's own state while checkpoint.remote does not answer,
+    with who holds the lease unknown and why; it neither fails nor guesses."""
+    from moto_fixture import free_port
+
+    from trainer import config as C
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(C.to_yaml(C.load(None, [f"output_dir={run}", f"checkpoint.remote={s3_remote}"])))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 3, "loss": 1.5, "machine": "here"}) + "\n")
+    assert cli.main(["status", str(run)]) == 0  # control: the store answers
+    assert "lease unknown" not in capsys.readouterr().out
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    assert cli.main(["status", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert f"{run}: stopped" in out and "step 3" in out
+    assert f"lease unknown: {s3_remote} could not be read (" in out and "another machine may hold the run" in out
+    assert cli.main(["status", "--json", str(run)]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["step"] == 3 and shown["lease_unknown"].startswith(f"{s3_remote} could not be read (")
