@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.report.load import CONFIG_FILE, RUNNING, ReportError, RunData, load_run
+from trainer.report.load import CONFIG_FILE, RUNNING, ReportError, RunData, load_run, read_config
 from trainer.report.totals import FINISHED, Totals, ago, redone_by_attempt, totals
 from trainer.restart.checkpoint import CheckpointManager
 from trainer.restart.lease_object import describe_lease, read_lease
@@ -64,7 +64,7 @@ def run_status(run: str, storage_options: dict[str, Any] | None = None) -> Statu
     """The status of `run` (an output_dir, or a checkpoint.remote URL); NotARun when it holds no run."""
     url = run.rstrip("/") if "://" in run else None
     data = _data(run)
-    config = data.config if data is not None else None
+    config = data.config if data is not None else read_config(run)
     remote = url or (config.checkpoint.remote if config is not None else None)
     options = storage_options or (dict(config.checkpoint.storage_options) if config is not None else {})
     lock = holder(run) if url is None and Path(run).is_dir() else None
@@ -103,6 +103,17 @@ def run_status(run: str, storage_options: dict[str, Any] | None = None) -> Statu
         held_by=held,
         lease_unknown=None if lock else unknown,
     )
+
+
+def run_remote(run: str) -> tuple[str | None, dict[str, Any]]:
+    """The checkpoint.remote of `run` and its storage options: `run` itself for a URL, else what the run
+    directory's config.yaml names (None: no config.yaml, or no remote)."""
+    if "://" in run:
+        return run.rstrip("/"), {}
+    config = read_config(run)
+    if config is None:
+        return None, {}
+    return config.checkpoint.remote, dict(config.checkpoint.storage_options)
 
 
 def as_dict(status: Status) -> dict[str, Any]:
