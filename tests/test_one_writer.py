@@ -17,9 +17,10 @@ import pytest
 
 from trainer.cli import main as cli
 from trainer.exit_codes import EXIT_BUSY
+from trainer.report.status import NotARun, run_status
 from trainer.restart.lease import LEASE_FILE, Lease, LeaseLost, read_lease
 from trainer.restart.lock import LOCK_FILE, RunBusy, RunLock, holder
-from trainer.restart.owner import break_lease, hold, status_lines
+from trainer.restart.owner import break_lease, hold
 from trainer.restart.storage import Store
 
 REPO = Path(__file__).resolve().parents[1]
@@ -159,13 +160,41 @@ def test_status_names_the_holder_and_never_blocks(
     run.mkdir()
     (run / "config.yaml").write_text(f"checkpoint:\n  remote: {s3_remote}\n")
     with hold(run, s3_remote, {}, 120.0):
-        lines = status_lines(str(run))
-        assert f"held by pid {os.getpid()}" in lines[0] and "spotune train" in lines[0]
-        assert "lease held by" in lines[1] and "generation 1" in lines[1] and "expires in" in lines[1]
+        held = run_status(str(run)).held_by or ""
+        assert f"lock held by pid {os.getpid()}" in held and "spotune train" in held
+        held = run_status(s3_remote).held_by or ""
+        assert "lease held by" in held and "generation 1" in held and "expires in" in held
         assert cli.main(["status", s3_remote]) == 0
         assert "lease held by" in capsys.readouterr().out
-    assert "not held" in status_lines(str(run))[0] and "released" in status_lines(str(run))[1]
-    assert "no lease" in status_lines(s3_remote.rsplit("/", 1)[0] + "/elsewhere")[0]
+    assert run_status(str(run)).held_by is None  # released
+    with pytest.raises(NotARun):
+        run_status(s3_remote.rsplit("/", 1)[0] + "/elsewhere")
+
+
+def test_status_break_lease_prints_one_line_or_one_json_document(
+    tmp_path: Path, s3_remote: str, capsys: pytest.CaptureFixture
+) -> None:
+    """`--break-lease` adds one line to the status (inside the JSON document with --json); its remote comes
+    from the run directory's config.yaml as the config loader reads it."""
+    from trainer import config as C
+
+    run = tmp_path / "run"
+    gone, _ = _lease(s3_remote, run, ttl=600)
+    gone.acquire()  # its machine is gone; the lease would live ten more minutes
+    run.mkdir()
+    (run / "config.yaml").write_text(C.to_yaml(C.load(None, [f"output_dir={run}", f"checkpoint.remote={s3_remote}"])))
+    assert cli.main(["status", "--json", "--break-lease", str(run)]) == 0
+    shown = json.loads(capsys.readouterr().out)  # one document, nothing before it
+    assert shown["break_lease"].startswith(f"{s3_remote}: broke the lease of pid {os.getpid()}")
+    assert shown["held_by"] is None and shown["state"] == "stopped"
+    lease, _ = read_lease(Store(s3_remote))
+    assert lease is not None and lease["released"] and lease["generation"] == 2
+    assert cli.main(["status", "--break-lease", str(run)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"spotune: {s3_remote}: broke the lease of pid {os.getpid()}")
+    assert [line for line in lines if line.startswith(f"{run}:")] == [lines[1]]  # the status block, once
+    assert not any("not held on this machine" in line for line in lines)
+    assert cli.main(["status", "--break-lease", str(tmp_path / "no-remote")]) == 2  # nothing to break
 
 
 def test_train_refused_exits_busy_with_the_message(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -267,3 +296,29 @@ def test_a_forked_worker_does_not_keep_a_sigkilled_holders_lock(tmp_path: Path, 
     finally:
         os.killpg(p.pid, signal.SIGKILL)  # the orphaned child too
         p.wait()
+
+
+def test_status_of_a_local_run_whose_store_does_not_answer(
+    tmp_path: Path, s3_remote: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """`spotune status RUN_DIR` shows the directory's own state while checkpoint.remote does not answer,
+    with who holds the lease unknown and why; it neither fails nor guesses."""
+    from moto_fixture import free_port
+
+    from trainer import config as C
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(C.to_yaml(C.load(None, [f"output_dir={run}", f"checkpoint.remote={s3_remote}"])))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 3, "loss": 1.5, "machine": "here"}) + "\n")
+    assert cli.main(["status", str(run)]) == 0  # control: the store answers
+    assert "lease unknown" not in capsys.readouterr().out
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    assert cli.main(["status", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert f"{run}: stopped" in out and "step 3" in out
+    assert f"lease unknown: {s3_remote} could not be read (" in out and "another machine may hold the run" in out
+    assert cli.main(["status", "--json", str(run)]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["step"] == 3 and shown["lease_unknown"].startswith(f"{s3_remote} could not be read (")

@@ -21,21 +21,37 @@ from trainer.restart.storage import Store
 from trainer.restart.uploader import RAN_OUT_FILE
 
 
-def _commit(manager: CheckpointManager, step: int) -> Path:
+def _commit(manager: CheckpointManager, step: int, fill: int | None = None) -> Path:
+    """Step `step`, its bytes `fill` (another timeline's step of that number: other bytes) or the step."""
+
     def write(tmp: Path) -> None:
-        (tmp / "rng.safetensors").write_bytes(bytes([step]) * 512)
+        (tmp / "rng.safetensors").write_bytes(bytes([step if fill is None else fill]) * 512)
         (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
 
     return manager.save(step, write).path
 
 
+def _resolve(rank: int, remote: str | None, node: Path, setting: str = "auto", *, local_main: bool = True) -> str:
+    """The checkpoint this rank resumes from, or the class of what it raised."""
+    run = RemoteRun(remote, {}, node, keep_last=2, is_main=rank == 0, is_local_main=local_main, retry_seconds=5.0)
+    try:
+        run.connect()
+        return str(run.resolve(setting)[0])
+    except Exception as e:
+        return type(e).__name__
+
+
 def _rank(rank: int, tmp: str, remote: str) -> None:
+    """Several scenarios in one pair of processes (each start costs seconds)."""
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=2)
-    node = Path(tmp) / f"node{rank}"
-    run = RemoteRun(remote, {}, node, keep_last=2, is_main=rank == 0, is_local_main=True)
-    run.connect()
-    path, _ = run.resolve("auto")
-    (Path(tmp) / f"chosen{rank}").write_text(str(path))
+    (Path(tmp) / f"chosen{rank}").write_text(_resolve(rank, remote, Path(tmp) / f"node{rank}"))
+    # The store's copy of rank 0's step holds a late object of a fenced holder (same size, other bytes).
+    chosen = _resolve(rank, f"{remote}-late", Path(tmp) / f"late-node{rank}")
+    (Path(tmp) / f"late{rank}").write_text(chosen)
+    # Both ranks on one node (one disk), no store: rank 0 resumes from a checkpoint outside the run's own.
+    explicit = str(Path(tmp) / "elsewhere" / "checkpoints" / "step-000004")
+    chosen = _resolve(rank, None, Path(tmp) / "one-node", explicit, local_main=rank == 0)
+    (Path(tmp) / f"explicit{rank}").write_text(chosen)
     torch.distributed.destroy_process_group()
 
 
@@ -47,12 +63,33 @@ def test_rank0_chooses_and_an_empty_node_downloads(tmp_path: Path, s3_remote: st
         store.upload(_commit(node0, step), step)
     # Node 1's disk holds a stale step 6 of an abandoned timeline: it must follow rank 0, not it.
     _commit(CheckpointManager(tmp_path / "node1" / "checkpoints"), 6)
+    # Scenario 2: rank 0's step 4 is in the store under the same manifest, but an object there is another
+    # writer's (a fenced holder's late upload): node 1's download finds it corrupt; rank 0 sends it again.
+    late = Store(f"{s3_remote}-late")
+    late_step = late.upload(_commit(CheckpointManager(tmp_path / "late-node0" / "checkpoints"), 4), 4)
+    assert late_step > 0
+    late.fs.pipe_file(late.step_path(4, "rng.safetensors"), bytes([9]) * 512)
+    # Scenario 3: checkpoint.resume=<a path outside output_dir>, while the run's own step 4 is another timeline's.
+    explicit = _commit(CheckpointManager(tmp_path / "elsewhere" / "checkpoints"), 4)
+    own = _commit(CheckpointManager(tmp_path / "one-node" / "checkpoints"), 4, fill=7)
     mp.spawn(_rank, args=(str(tmp_path), s3_remote), nprocs=2, join=True)
     chosen = [Path((tmp_path / f"chosen{r}").read_text()) for r in (0, 1)]
     assert [p.name for p in chosen] == ["step-000004", "step-000004"]
     assert chosen[1] == tmp_path / "node1" / "checkpoints" / "step-000004"
     assert CheckpointManager(chosen[1].parent).verify(chosen[1]) == []  # downloaded and verified
     assert (chosen[1] / "rng.safetensors").read_bytes() == bytes([4]) * 512
+
+    fetched = tmp_path / "late-node1" / "checkpoints" / "step-000004"
+    assert [(tmp_path / f"late{r}").read_text() for r in (0, 1)] == [
+        str(tmp_path / "late-node0" / "checkpoints" / "step-000004"),
+        str(fetched),
+    ]  # once exit 143 on every rank, and the next attempt met the same store: forever
+    assert (fetched / "rng.safetensors").read_bytes() == bytes([4]) * 512
+    assert late.fs.cat_file(late.step_path(4, "rng.safetensors")) == bytes([4]) * 512
+
+    # Every rank of rank 0's node restores rank 0's checkpoint, not the run's own step of that number.
+    assert [(tmp_path / f"explicit{r}").read_text() for r in (0, 1)] == [str(explicit)] * 2
+    assert CheckpointManager(own.parent).verify(own) == []  # control: the other step 4 is there and verifies
 
 
 def _faults_of_one_rank(rank: int, tmp: str, remote: str, dead: str) -> None:

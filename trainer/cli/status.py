@@ -1,10 +1,12 @@
 """`spotune status`: where a run stands (finished, training, stopped), its newest checkpoint, hours
-and cost, attempts, and who holds it; `--break-lease` by hand."""
+and cost, attempts, and who holds it (trainer/report/status.py); `--break-lease` by hand
+(trainer/restart/owner.py), its one-line result first (in the JSON document under --json)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 HELP = "where a run stands: finished / training / stopped, its checkpoint, hours, cost, attempts"
 
@@ -16,14 +18,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainer.report.status import as_dict, format_status, run_status
+    from trainer.report.status import as_dict, format_status, run_remote, run_status
 
+    broke = None
     if args.break_lease:
-        from trainer.restart.owner import status_command
+        from trainer.restart.owner import break_lease
 
-        code = status_command(args.run, True)
-        if code:
-            return code
+        remote, options = run_remote(args.run)
+        if remote is None:
+            print(
+                f"spotune: {args.run} has no checkpoint.remote: nothing to break (a local lock dies with its process)",
+                file=sys.stderr,
+            )
+            return 2
+        broke = break_lease(remote, options)  # one line, before the status that shows its effect
     status = run_status(args.run)  # NotARun (exit 2) for a directory or URL that holds no run
-    print(json.dumps(as_dict(status), indent=2) if args.json else format_status(status))
+    if args.json:
+        print(json.dumps({**as_dict(status), **({"break_lease": broke} if broke else {})}, indent=2))
+    else:
+        if broke:
+            print(f"spotune: {broke}")
+        print(format_status(status))
     return 0

@@ -156,7 +156,7 @@ def load_run(run_dir: str) -> RunData:
                 attempts.append(live)
         except (ValueError, KeyError, TypeError) as e:
             notes.append(f"{where}/{HEARTBEAT_FILE} is unreadable ({e}); the open attempt is not shown")
-    config = _config(_read(f"{base}/{CONFIG_FILE}"), f"{where}/{CONFIG_FILE}", notes)
+    config = read_config(base, notes)
     trained = load_trained(base, config)
     notes.extend(trained.notes)
     local = "://" not in base or base.startswith("file://")
@@ -180,6 +180,13 @@ def load_run(run_dir: str) -> RunData:
 
 
 # ---------------------------------------------------------------------------- readers
+
+
+def read_config(run_dir: str, notes: list[str] | None = None) -> RunConfig | None:
+    """The run's config.yaml (a local path or an fsspec URL) through the config loader; None when it has
+    none, or it does not load (said in `notes`)."""
+    base = run_dir.rstrip("/")
+    return _config(_read(f"{base}/{CONFIG_FILE}"), f"{redact(base)}/{CONFIG_FILE}", [] if notes is None else notes)
 
 
 def _config(text: str | None, where: str, notes: list[str]) -> RunConfig | None:

@@ -5,7 +5,8 @@ cost so far and every attempt. The figures are the report's (load.py, totals.py)
 is the lock's and the lease's own reading (trainer/restart/lock.py `holder`, lease_object.py).
 
 A directory or URL that holds nothing of a run (no config.yaml, metrics, ledger, heartbeat,
-checkpoint, lock or lease) is not a run: `NotARun`, exit 2.
+checkpoint, lock or lease) is not a run: `NotARun`, exit 2. A run directory whose checkpoint.remote
+does not answer (or refuses these credentials) still shows its own state, the lease "unknown" and why.
 """
 
 from __future__ import annotations
@@ -15,15 +16,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import fsspec
-
-from trainer.report.load import CONFIG_FILE, RUNNING, ReportError, RunData, load_run
+from trainer.report.load import CONFIG_FILE, RUNNING, ReportError, RunData, load_run, read_config
 from trainer.report.totals import FINISHED, Totals, ago, redone_by_attempt, totals
 from trainer.restart.checkpoint import CheckpointManager
-from trainer.restart.generations import newest_run_file
 from trainer.restart.lease_object import describe_lease, read_lease
 from trainer.restart.lock import describe, holder
-from trainer.restart.storage import Store
+from trainer.restart.storage import Store, _short
 from trainer.urls import redact
 
 TRAINING, STARTING, STOPPED = "training", "starting", "stopped"
@@ -58,19 +56,21 @@ class Status:
     attempts: list[dict[str, Any]] = field(default_factory=list)
     held_by: str | None = None
     """`lock held by ...` or `lease held by ...`, described (None: nothing holds the run)."""
+    lease_unknown: str | None = None
+    """Why the remote's lease could not be read (the store did not answer, or refused): another machine may hold the run."""
 
 
 def run_status(run: str, storage_options: dict[str, Any] | None = None) -> Status:
     """The status of `run` (an output_dir, or a checkpoint.remote URL); NotARun when it holds no run."""
     url = run.rstrip("/") if "://" in run else None
     data = _data(run)
-    config = data.config if data is not None else None
+    config = data.config if data is not None else read_config(run)
     remote = url or (config.checkpoint.remote if config is not None else None)
     options = storage_options or (dict(config.checkpoint.storage_options) if config is not None else {})
     lock = holder(run) if url is None and Path(run).is_dir() else None
-    lease = _live_lease(remote, options) if remote else None
+    lease, unknown = _live_lease(remote, options) if remote else (None, None)
     checkpoint = _newest_checkpoint(run, url, options)
-    if data is None and checkpoint is None and lock is None and lease is None and not _has_config(run):
+    if data is None and checkpoint is None and lock is None and lease is None and not _has_config(run, options):
         shown = redact(run)
         raise NotARun(
             f"{shown} holds no run: no {CONFIG_FILE}, metrics.jsonl, ledger.jsonl, checkpoint, lock or lease there; "
@@ -101,7 +101,19 @@ def run_status(run: str, storage_options: dict[str, Any] | None = None) -> Statu
         redone_steps=t.redone_steps if t is not None else 0,
         attempts=_attempts(data),
         held_by=held,
+        lease_unknown=None if lock else unknown,
     )
+
+
+def run_remote(run: str) -> tuple[str | None, dict[str, Any]]:
+    """The checkpoint.remote of `run` and its storage options: `run` itself for a URL, else what the run
+    directory's config.yaml names (None: no config.yaml, or no remote)."""
+    if "://" in run:
+        return run.rstrip("/"), {}
+    config = read_config(run)
+    if config is None:
+        return None, {}
+    return config.checkpoint.remote, dict(config.checkpoint.storage_options)
 
 
 def as_dict(status: Status) -> dict[str, Any]:
@@ -136,6 +148,8 @@ def format_status(s: Status) -> str:
         lines.append(f"  steps trained again after restarts: {s.redone_steps}")
     if s.held_by:
         lines.append(f"  {s.held_by}")
+    if s.lease_unknown:
+        lines.append(f"  lease unknown: {s.lease_unknown}; another machine may hold the run")
     return "\n".join(lines)
 
 
@@ -149,18 +163,22 @@ def _data(run: str) -> RunData | None:
         return None
 
 
-def _has_config(run: str) -> bool:
+def _has_config(run: str, options: dict[str, Any]) -> bool:
     """A config.yaml (in a store, any generation's copy: trainer/restart/generations.py)."""
-    fs, path = fsspec.core.url_to_fs(run)
-    return newest_run_file(fs, f"{path.rstrip('/')}/{CONFIG_FILE}") is not None
+    return Store(run, options if "://" in run else {}).run_file(CONFIG_FILE) is not None
 
 
-def _live_lease(remote: str, options: dict[str, Any]) -> dict[str, Any] | None:
-    """The remote's lease while an attempt holds it (not released, not expired), else None."""
-    lease, _ = read_lease(Store(remote, options))
+def _live_lease(remote: str, options: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """The remote's lease while an attempt holds it (not released, not expired), else None; and why it
+    could not be read, if it could not (a store that does not answer, or refuses: status only reads)."""
+    try:
+        store = Store(remote, options)
+        lease, _ = read_lease(store)
+    except Exception as e:
+        return None, f"{redact(remote)} could not be read ({type(e).__name__}: {_short(e)})"
     if lease is None or lease.get("released") or float(lease.get("expires_at", 0)) <= time.time():
-        return None
-    return lease
+        return None, None
+    return lease, None
 
 
 def _newest_checkpoint(run: str, url: str | None, options: dict[str, Any]) -> dict[str, Any] | None:

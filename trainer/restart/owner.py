@@ -1,6 +1,6 @@
 """Who may write a run: `spotune train` holds its directory's lock and (with `checkpoint.remote`)
-the remote's lease for its whole life; `spotune status` says who holds a run now and can break
-a lease by hand.
+the remote's lease for its whole life; `spotune status --break-lease` breaks a lease by hand (who
+holds a run now is trainer/report/status.py's to say).
 
 `hold` is what `run.train` wraps itself in: the local lock first (trainer/restart/lock.py),
 then the lease (trainer/restart/lease.py), both before the attempt touches the directory or
@@ -25,8 +25,8 @@ from typing import Any
 
 from trainer.config.schema import CheckpointConfig
 from trainer.restart.conditional import Refused, write_object
-from trainer.restart.lease import Lease, describe_lease, read_lease
-from trainer.restart.lock import RunBusy, RunLock, describe, holder
+from trainer.restart.lease import LEASE_FILE, Lease, describe_lease, read_lease
+from trainer.restart.lock import RunBusy, RunLock
 from trainer.restart.storage import Store, _short, denied
 
 
@@ -95,38 +95,7 @@ def hold(
                 lease.release()
 
 
-# ---------------------------------------------------------------------------- spotune status
-
-
-def status_lines(run: str) -> list[str]:
-    """Who holds `run` (a run directory, or a checkpoint.remote URL) now; never blocks, writes nothing."""
-    lines: list[str] = []
-    remote: str | None = run if "://" in run else None
-    options: dict[str, Any] = {}
-    if remote is None:
-        run_dir = Path(run)
-        who = holder(run_dir)
-        lines.append(f"{run_dir}: held by {describe(who)}" if who else f"{run_dir}: not held on this machine")
-        remote, options = _remote_of(run_dir)
-    if remote is not None:
-        store = Store(remote, options)
-        lease, _ = read_lease(store)
-        if lease is None:
-            lines.append(f"{store.shown}: no lease (no attempt has trained against it with a lease)")
-        else:
-            lines.append(f"{store.shown}: lease held by {describe_lease(lease)}")
-    return lines
-
-
-def _remote_of(run_dir: Path) -> tuple[str | None, dict[str, Any]]:
-    """The checkpoint.remote this run directory's config.yaml names, if any."""
-    import yaml
-
-    try:
-        ck = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("checkpoint") or {}
-    except (OSError, ValueError, AttributeError):
-        return None, {}
-    return ck.get("remote"), dict(ck.get("storage_options") or {})
+# ---------------------------------------------------------------------------- spotune status --break-lease
 
 
 def break_lease(remote: str, storage_options: dict[str, Any] | None = None) -> str:
@@ -145,20 +114,7 @@ def break_lease(remote: str, storage_options: dict[str, Any] | None = None) -> s
     }
 
     try:
-        write_object(store, store.path("lease.json"), json.dumps(broken).encode(), if_match=etag)
+        write_object(store, store.path(LEASE_FILE), json.dumps(broken).encode(), if_match=etag)
     except Refused:
         return f"{store.shown}: the lease changed while breaking it (renewed?); run `spotune status` again"
     return f"{store.shown}: broke the lease of {describe_lease(lease)}"
-
-
-def status_command(run: str, break_it: bool = False) -> int:
-    """`spotune status RUN [--break-lease]`: prints who holds RUN; 0 (2 when there is nothing to break)."""
-    remote = run if "://" in run else _remote_of(Path(run))[0]
-    if break_it:
-        if remote is None:
-            _say(f"spotune: {run} has no checkpoint.remote: nothing to break (a local lock dies with its process)")
-            return 2
-        print(f"spotune: {break_lease(remote, {} if '://' in run else _remote_of(Path(run))[1])}")
-    for line in status_lines(run):
-        print(line)
-    return 0

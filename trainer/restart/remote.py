@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,12 +31,15 @@ from trainer.restart.generations import merged_rows
 from trainer.restart.lease_object import Follower
 from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, read_rows
 from trainer.restart.safety import Floor
-from trainer.restart.storage import Fence, Store, StoreDenied, StoreUnreachable, _short
+from trainer.restart.storage import Corrupt, Fence, Store, StoreDenied, StoreUnreachable, _short
 from trainer.restart.uploader import RAN_OUT_FILE, RUN_FILES, Uploader
 from trainer.urls import redact
 
 APPEND_ONLY = ("metrics.jsonl", LEDGER_FILE)
 """Run files that only ever grow: the store's rows and this disk's are merged (trainer/restart/generations.py)."""
+
+Directory = tuple[str, int, int]
+"""Which directory a path is on one machine (`_directory`)."""
 
 FINISH_TIMEOUT = 600.0
 """Seconds a finished run waits for its last upload (a preempted one has checkpoint.notice_seconds)."""
@@ -135,22 +139,30 @@ class RemoteRun:
         """The checkpoint every rank resumes from: chosen on rank 0 (local or remote, the newest
         that verifies: trainer/restart/choose.py) and broadcast with the digest of its files.
 
-        Each node's disk is its own: a node that lacks that exact checkpoint (none, a corrupt
-        copy, or a copy of the same step from an abandoned timeline) downloads it. When the
-        store lacks it too (the last attempt was killed before its upload finished), rank 0
-        uploads it first. Every rank learns of a failure and raises the same error class, so no
+        Each rank restores its run's own `step-XXXXXX`, except for a `checkpoint.resume=` path outside
+        output_dir/checkpoints: every rank that can read that very directory (those of rank 0's node)
+        restores it, the others their step of that number. Each node's disk is its own: a node that
+        lacks that exact checkpoint (none, a corrupt copy, or a copy of the same step from an
+        abandoned timeline) downloads it. When the store lacks it too (the last attempt was killed
+        before its upload finished), rank 0 uploads it first. Every rank learns of a failure and raises the same error class, so no
         node waits forever in a collective for one that gave up, and every rank exits alike.
         """
         root = self.run_dir / "checkpoints"
         notes: list[str] = []
-        picked: tuple[int, str, str] | None = None  # (step, rank 0's path, digest)
+        picked: tuple[int, str, str, Directory | None] | None = None  # (step, rank 0's path, digest, directory)
+        chosen: Path | None = None
         if self.is_main:
             try:
                 chosen, notes = choose(
                     root, resume_setting, self.store, self.reachable, budget=self.budget, message=self.message
                 )
                 if chosen is not None:
-                    picked = (CheckpointManager.step_of(chosen), str(chosen), files_digest(chosen))
+                    step = CheckpointManager.step_of(chosen)
+                    # A path outside the run's checkpoints (checkpoint.resume=<path>) is named by its directory:
+                    # the ranks that can read that very one (rank 0's node) restore it; the others, their step.
+                    outside = chosen.absolute() != (root / chosen.name).absolute()
+                    directory = _directory(chosen) if outside else None
+                    picked = (step, str(chosen.absolute()), files_digest(chosen), directory)
             except Exception as e:
                 agree.broadcast((None, agree.failure(e)))  # the other ranks wait in the broadcast below
                 raise
@@ -158,10 +170,11 @@ class RemoteRun:
         agree.raise_failure([failed], prefix="rank 0 could not choose the checkpoint to resume from: ")
         if picked is None:
             return None, notes
-        step, rank0_path, digest = picked
-        here = Path(rank0_path) if self.is_main else root / f"step-{step:06d}"
+        step, rank0_path, digest, directory = picked
+        same = self.is_main or (directory is not None and _directory(Path(rank0_path)) == directory)
+        here = (chosen or Path(rank0_path)) if same else root / f"step-{step:06d}"
         self.resumed = here if self.is_main else None
-        lacks = self.is_local_main and not self.is_main and not _holds(root, here, digest)
+        lacks = self.is_local_main and not same and not _holds(root, here, digest)
         lacking = [r for r, flag in enumerate(agree.gather(lacks)) if flag]
         if lacking:
             if self.url is None:
@@ -169,17 +182,36 @@ class RemoteRun:
                     f"rank 0 resumes from step {step} but the disk of rank(s) {', '.join(map(str, lacking))} lacks "
                     "it; put output_dir on a shared filesystem or set checkpoint.remote"
                 )
-            problem = self._publish(Path(rank0_path), step, digest, notes) if self.is_main else None
-            problem = agree.broadcast(problem)
-            if problem is None and lacks:
-                problem = self._fetch(root, step, digest)
-            agree.raise_failure(agree.gather(problem))
+            self._bring(Path(rank0_path), root, step, digest, lacks, notes)
         if self.is_local_main and not self.is_main:  # one line per node: what it loaded
             self.message(f"spotune: rank {agree.rank()}: resuming from {here} at step {step} (chosen by rank 0)")
         return here, notes
 
-    def _publish(self, path: Path, step: int, digest: str, notes: list[str]) -> agree.Failure | None:
-        """Rank 0: make sure the store holds `path` as step `step` for the nodes that lack it."""
+    def _bring(self, path: Path, root: Path, step: int, digest: str, lacks: bool, notes: list[str]) -> None:
+        """Collective: rank 0 makes sure the store holds its checkpoint `path` as step `step`, and each node
+        that `lacks` it downloads it. A node that finds the store's copy corrupt (an object there that is
+        not what the manifest lists: a fenced holder's late write under the same manifest) has rank 0 send
+        it again, once: else every attempt would meet the same copy and exit 143 forever."""
+        for replace in (False, True):
+            problem = self._publish(path, step, digest, notes, replace=replace) if self.is_main else None
+            problem = agree.broadcast(problem)
+            corrupt = False
+            if problem is None and lacks:
+                problem, corrupt = self._fetch(root, step, digest)
+                lacks = problem is not None  # a node that has it now does not download it again
+            results = agree.gather((problem, corrupt))
+            if not replace and any(found for _, found in results):
+                if self.is_main:
+                    self.message(f"spotune: a node found the store's step {step} corrupt: uploading it again")
+                continue
+            agree.raise_failure([failed for failed, _ in results])
+            return
+
+    def _publish(
+        self, path: Path, step: int, digest: str, notes: list[str], *, replace: bool = False
+    ) -> agree.Failure | None:
+        """Rank 0: make sure the store holds `path` as step `step` for the nodes that lack it (`replace`: send
+        it even when the store's manifest lists these bytes; a node found an object there corrupt)."""
         store = self.store
         if store is None or not self.reachable:
             return (
@@ -189,9 +221,9 @@ class RemoteRun:
             )
 
         def publish() -> bool:
-            if step in store.committed() and _remote_digest(store, step) == digest:
+            if not replace and step in store.committed() and _remote_digest(store, step) == digest:
                 return False
-            store.upload(path, step)
+            store.upload(path, step, replace=replace)
             return True
 
         try:
@@ -204,8 +236,9 @@ class RemoteRun:
         )
         return None
 
-    def _fetch(self, root: Path, step: int, digest: str) -> agree.Failure | None:
-        """A node's local main: download step `step` from the store; None, or what went wrong."""
+    def _fetch(self, root: Path, step: int, digest: str) -> tuple[agree.Failure | None, bool]:
+        """A node's local main: download step `step` from the store; (None, or what went wrong; whether
+        the store's copy was found corrupt)."""
         store = Store(self.url or "", self.options)
         try:
             path = retrying(
@@ -213,15 +246,15 @@ class RemoteRun:
             )
         except Exception as e:
             kind, text = agree.failure(e)
-            return kind, f"rank {agree.rank()}: {text}"
+            return (kind, f"rank {agree.rank()}: {text}"), isinstance(e, Corrupt)
         if files_digest(path) != digest:  # rank 0 published another copy meanwhile: a restart sorts it out
             return (
                 "unreachable",
                 f"rank {agree.rank()}: {store.show_dir(step)} is not the checkpoint rank 0 resumes from",
-            )
+            ), False
         self.message(f"spotune: rank {agree.rank()}: this node lacked step {step}; downloaded {store.show_dir(step)}")
         CheckpointManager(root, keep_last=self.keep_last).prune(protect=path)  # only rank 0 saves: no other prune
-        return None
+        return None, False
 
     # ------------------------------------------------------------------ while training
 
@@ -372,6 +405,18 @@ def files_digest(checkpoint: Path) -> str:
 def _remote_digest(store: Store, step: int) -> str:
     files = json.loads(store.fs.cat_file(store.step_path(step, MANIFEST)))["files"]
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def _directory(path: Path) -> Directory | None:
+    """Which directory `path` is: equal on two ranks only when both read the very same one (the ranks of
+    one node; one kernel's (device, inode), named by its boot id, or the host name where there is none)."""
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    try:
+        kernel = boot.read_text().strip() if boot.exists() else socket.gethostname()
+        st = path.stat()
+    except OSError:
+        return None
+    return kernel, st.st_dev, st.st_ino
 
 
 def _holds(root: Path, path: Path, digest: str) -> bool:

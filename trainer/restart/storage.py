@@ -300,8 +300,10 @@ class Store:
 
     # ------------------------------------------------------------------ transfer
 
-    def upload(self, local: Path, step: int) -> int:
-        """Upload a committed local checkpoint directory, manifest last; returns bytes sent."""
+    def upload(self, local: Path, step: int, *, replace: bool = False) -> int:
+        """Upload a committed local checkpoint directory, manifest last; returns bytes sent. `replace`:
+        send it even when the store's manifest lists these very bytes (a download found an object there
+        that disagrees with it: another writer's late object)."""
         manifest = json.loads((local / MANIFEST).read_text())
         files = [f for f in files_below(local) if f.name != MANIFEST or f.parent != local]
         pause = float(os.environ.get(UPLOAD_PAUSE_ENV, "0") or 0)
@@ -309,10 +311,10 @@ class Store:
         self.writable()
         if self.fs.exists(self.step_path(step, MANIFEST)):
             there = json.loads(self.fs.cat_file(self.step_path(step, MANIFEST)))
-            if there.get("files") == manifest["files"]:  # these very bytes are committed there already
+            if there.get("files") == manifest["files"] and not replace:  # these very bytes are committed there
                 return 0  # (a resumed checkpoint caught up after a start that could not see the store)
             # The same step again with other bytes (a corrupt one replaced, or a step of a timeline the
-            # user abandoned): uncommit it first, if the rule allows.
+            # user abandoned), or objects there found corrupt: uncommit it first, if the rule allows.
             before = self.committed()
             self.floor.allow(f"replacing step {step}", before, [s for s in before if s != step])
             self.fs.rm_file(self.step_path(step, MANIFEST))
