@@ -25,9 +25,10 @@ from trainer.data.sampler import StepSampler
 from trainer.data.show import show_examples
 from trainer.data.template import IGNORE_INDEX
 from trainer.model.load import build
+from trainer.model.objective import PAIRS, Counts
 from trainer.model.preference import Preference
 from trainer.model.reference import InitAdapter, locate
-from trainer.training.batches import StepDataset, micro_batch
+from trainer.training.batches import StepDataset, eval_counts, micro_batch
 
 SKY = [{"role": "user", "content": "What colour is the sky?"}]
 BLUE, GREEN = {"role": "assistant", "content": "It is blue."}, {"role": "assistant", "content": "It is green."}
@@ -130,6 +131,12 @@ def test_packed_rows_keep_each_pair_together_in_order(tiny_llama: Path, tmp_path
     p = prepare(DataConfig(path=str(data), seq_len=256), str(tiny_llama), tmp_path / "c", progress=False, pairs=True)
     rows = datasets.load_from_disk(str(p.train_path))
     assert sum(rows["num_pairs"]) == 40 and max(rows["num_pairs"]) > 1
+    # What a step counts is defined once: the held-out set's counts are its rows' counts taken as one step's.
+    whole = Counts(
+        *StepDataset(rows, StepSampler(len(rows), len(rows), 0, shuffle=False), 0, 1, 3, 1)[0].counts.tolist()
+    )
+    assert whole.pairs == 40 and whole.real == sum(rows["num_real"]) and whole.doc_len_sq > whole.real
+    assert Counts(*eval_counts(rows).tolist()) == whole
     source = [json.loads(line) for line in data.read_text().splitlines()]
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     found = []
@@ -168,10 +175,10 @@ def _step_loss(
         for m in batch.micro:
             model.zero_grad()
             value, _ = objective.loss(model, m, counts)
-            (value / (counts[3].float() / world)).backward()
+            (value / (counts[PAIRS].float() / world)).backward()
             grads = [g + p.grad / world for g, p in zip(grads, params, strict=True)]
             loss += float(value.detach())
-    return loss / float(counts[3]), grads
+    return loss / float(counts[PAIRS]), grads
 
 
 def test_the_loss_is_per_pair_over_the_step_whatever_the_split(tiny_llama: Path, tmp_path: Path) -> None:
@@ -251,7 +258,7 @@ def test_starting_adapter_is_checked_and_kept_as_reference(tiny_llama: Path, tmp
     m = micro_batch(
         *(torch.tensor(packed[0:1][k]) for k in ("input_ids", "labels", "position_ids")), packed[0:1]["num_pairs"]
     )
-    counts = torch.tensor([0, 0, 0, m["num_pairs"], 1])
+    counts = Counts(pairs=m["num_pairs"], chosen_tokens=1).tensor()
     loss, stats = objective.loss(started, m, counts)
     assert float(loss.detach()) / m["num_pairs"] == pytest.approx(math.log(2), abs=1e-6)  # reference == starting point
     assert {n for n, p in started.named_parameters() if p.requires_grad} == trainable  # the switch back restored them

@@ -30,12 +30,11 @@ import torch.nn.functional as F
 from trainer.config import TrainConfig
 from trainer.config.schema import REFERENCE_OBJECTIVES
 from trainer.model.loss import CHUNK_ELEMENTS, labelled_hidden
+from trainer.model.objective import CHOSEN_TOKENS, PAIRS, Counts
 from trainer.model.reference import reference_forward
 
 STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected")
 """What each objective sums over its pairs (TRL's names); `rewards/margins` is chosen minus rejected."""
-PAIRS, CHOSEN_TOKENS = 3, 4
-"""Indices of the step's pairs and its chosen sequences' trainable tokens in `batches.COUNTS`."""
 
 
 @dataclass(frozen=True)
@@ -120,8 +119,8 @@ class Preference:
         shown = (chosen_avg, rejected_avg)
         return losses, beta * chosen_avg.detach(), beta * rejected_avg.detach(), shown
 
-    def report(self, stats: list[float], counts: list[float]) -> dict[str, float]:
-        pairs = counts[PAIRS]
+    def report(self, stats: list[float], counts: Counts) -> dict[str, float]:
+        pairs = counts.pairs
         if not pairs:
             return {}
         means = {name: value / pairs for name, value in zip(STATS, stats, strict=True)}
