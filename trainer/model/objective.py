@@ -19,7 +19,6 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from trainer.config import TrainConfig
 from trainer.model.loss import token_loss_sum
 
 
@@ -89,12 +88,3 @@ class Sft:
 
     def report(self, stats: list[float], counts: Counts) -> dict[str, float]:
         return {}
-
-
-def objective_for(train: TrainConfig) -> Objective:
-    """The objective `train.objective` names, with its settings."""
-    if train.objective == "sft":
-        return Sft()
-    from trainer.model.preference import Preference
-
-    return Preference.of(train)

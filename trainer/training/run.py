@@ -24,7 +24,8 @@ from trainer.data.sampler import StepSampler, run_steps
 from trainer.exit_codes import StopReason
 from trainer.model import compile_cache, distributed, flops
 from trainer.model.load import build, build_optimizer, count_params
-from trainer.model.objective import objective_for
+from trainer.model.objective import Objective, Sft
+from trainer.model.preference import Preference
 from trainer.restart import owner
 from trainer.restart.checkpoint import CheckpointManager
 from trainer.restart.ledger import Ledger, timed
@@ -126,6 +127,12 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
 
 
 # ---------------------------------------------------------------------------- the stages
+
+
+def objective_for(train: C.TrainConfig) -> Objective:
+    """The objective `train.objective` names, with its settings (here: objective.py's contract does not
+    import its implementations)."""
+    return Sft() if train.objective == "sft" else Preference.of(train)
 
 
 def _build_model(cfg: C.RunConfig, proc: process.Process) -> torch.nn.Module:
