@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -242,9 +243,17 @@ def test_starting_adapter_is_checked_and_kept_as_reference(tiny_llama: Path, tmp
         )
 
     init = InitAdapter(tmp_path / "run" / "final", reference=True)
-    started = build(
-        ModelConfig(name_or_path=str(tiny_llama), dtype="float32"), AdapterConfig(r=4, alpha=8, dropout=0.0), init=init
+    # A base with attention dropout, and the default adapter.dropout: a preference objective turns both off.
+    base = Path(shutil.copytree(tiny_llama, tmp_path / "base"))
+    (base / "config.json").write_text(
+        json.dumps({**json.loads((base / "config.json").read_text()), "attention_dropout": 0.3})
     )
+
+    def started_as(train: TrainConfig) -> torch.nn.Module:
+        model_cfg = ModelConfig(name_or_path=str(base), dtype="float32", attn_implementation="sdpa")
+        return build(model_cfg, AdapterConfig(r=4, alpha=8), init=init, no_dropout=C.dropout_off(train)).train()
+
+    started = started_as(TrainConfig(objective="dpo"))
     saved = get_peft_model_state_dict(model)
     for key, value in get_peft_model_state_dict(started).items():  # the trained adapter starts as the saved one
         assert torch.equal(value, saved[key])
@@ -261,6 +270,13 @@ def test_starting_adapter_is_checked_and_kept_as_reference(tiny_llama: Path, tmp
     counts = Counts(pairs=m["num_pairs"], chosen_tokens=1).tensor()
     loss, stats = objective.loss(started, m, counts)
     assert float(loss.detach()) / m["num_pairs"] == pytest.approx(math.log(2), abs=1e-6)  # reference == starting point
+    assert stats[3] == objective.loss(started, m, counts)[1][3]  # in train mode: no draw, the same logps every time
+    # Control: with dropout kept (SFT's rule), the policy's forward at the starting point is not the reference's.
+    kept = started_as(TrainConfig())
+    dropped = objective.loss(kept, m, counts)[1]
+    assert dropped[0] != 0 and dropped[1] != 0
+    assert {getattr(mod, "attention_dropout", 0.0) for mod in kept.modules()} == {0.0, 0.3}
+    assert {getattr(mod, "attention_dropout", 0.0) for mod in started.modules()} == {0.0}
     assert {n for n, p in started.named_parameters() if p.requires_grad} == trainable  # the switch back restored them
     with torch.no_grad():  # the trained copy moves, the frozen reference does not: rewards appear
         for name, param in started.named_parameters():

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.config import AdapterConfig, CheckpointConfig, ModelConfig, TrainConfig
+from trainer.config import AdapterConfig, CheckpointConfig, ModelConfig, TrainConfig, dropout_off
 from trainer.config.schema import REFERENCE_OBJECTIVES
 from trainer.model import flops
 from trainer.plan import memory as mem
@@ -54,7 +54,7 @@ class Job:
             lora_params=self.lora_params,
             lora_r=self.adapter.r,
             target_modules=self.adapter.target_modules,
-            lora_dropout=self.adapter.dropout > 0,
+            lora_dropout=self.adapter.dropout > 0 and not dropout_off(self.train),
             optimizer=self.train.optimizer,
             micro_batch_size=micro if isinstance(micro := self.train.micro_batch_size, int) else 1,
             seq_len=self.seq_len,

@@ -148,6 +148,7 @@ def _build_model(cfg: C.RunConfig, proc: process.Process) -> torch.nn.Module:
         sharded=proc.sharding.fsdp,
         progress=proc.accelerator.is_local_main_process,  # a download shows, once per machine
         init=init_adapter(cfg),  # adapter.init_from (a DPO run's reference too)
+        no_dropout=C.dropout_off(cfg.train),
     )
 
 
@@ -174,7 +175,7 @@ def _schedule(cfg: C.RunConfig, proc: process.Process, prepared: Any, n_rows: in
     if saved is not None:
         notes += check_compatible(saved, structural, prepared.fingerprint, cfg.checkpoint.allow_config_change)
         if saved.world_size != proc.world:
-            notes.append(split.resume_note(saved.world_size, cfg.adapter.dropout))
+            notes.append(split.resume_note(saved.world_size, C.lora_dropout(cfg)))
     sampler = StepSampler(n_rows, split.global_rows, seed=cfg.seed, shuffle=cfg.data.shuffle)
     steps = run_steps(n_rows, split.global_rows, cfg.train.max_steps, cfg.train.epochs)
     state = TrainState(
