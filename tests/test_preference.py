@@ -159,7 +159,12 @@ def test_packed_rows_keep_each_pair_together_in_order(tiny_llama: Path, tmp_path
     tensors = [torch.tensor([row[k]]) for k in ("input_ids", "labels", "position_ids")]
     with pytest.raises(ValueError, match="claims .* preference pair"):
         micro_batch(*tensors, [row["num_pairs"] + 1])
-    assert len(micro_batch(*tensors, [row["num_pairs"]])["seq_tokens"]) == 2 * row["num_pairs"]  # control
+    batch = micro_batch(*tensors, [row["num_pairs"]])  # control
+    assert len(batch["seq_lengths"]) == 2 * row["num_pairs"]
+    # The loss's token counts travel as a tensor (moved with the micro-batch, asynchronously): the loss never
+    # copies host values to the device itself; its split sizes are host ints.
+    assert batch["seq_tokens"].dtype == torch.int64 and batch["seq_tokens"].tolist() == batch["seq_lengths"]
+    assert all(type(n) is int for n in batch["seq_lengths"])
 
 
 def _step_loss(

@@ -3,7 +3,7 @@ defines each (trl/trainer/dpo_trainer.py `_compute_loss`; trl/experimental/orpo,
 log-probabilities they are built from.
 
 A micro-batch holds whole pairs (trainer/training/batches.py): each sequence's labelled tokens lie
-contiguously in `label_index` order, chosen before rejected, `seq_tokens` long. Per sequence, log p =
+contiguously in `label_index` order, chosen before rejected, `seq_lengths` long (`seq_tokens` on the device). Per sequence, log p =
 the sum of its tokens' log-probabilities, each summed alone (so a pair's figure does not depend on what
 else the micro-batch holds). `dpo` computes the same for the reference (trainer/model/reference.py)
 under no_grad in the same step, before the policy's forward.
@@ -65,7 +65,7 @@ class Preference:
     def loss(
         self, model: torch.nn.Module, micro: dict[str, Any], counts: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        lengths = list(micro["seq_tokens"])
+        lengths = micro["seq_lengths"]  # host ints: the split sizes; their tensor came with the micro-batch
         assert sum(lengths) == micro["label_targets"].numel(), "every labelled token belongs to one sequence"
         reference = None
         if self.needs_reference:
@@ -74,8 +74,7 @@ class Preference:
                 reference = sequence_sums(_token_logprobs(model, micro), lengths)
         token_logp = _token_logprobs(model, micro)
         logps = sequence_sums(token_logp, lengths)
-        tokens = torch.tensor(lengths, dtype=torch.float32, device=logps.device)
-        losses, chosen_r, rejected_r, shown = self.pair_terms(logps, tokens, reference)
+        losses, chosen_r, rejected_r, shown = self.pair_terms(logps, micro["seq_tokens"].float(), reference)
         # A micro-batch without pairs (a rank's filler) still backpropagates a zero through the model.
         loss = losses.sum() if lengths else token_logp.sum()
         if self.sft_weight:

@@ -11,8 +11,11 @@ the meter need.
 
 Preference rows (prepared with pairs: a `num_pairs` column) hold their pairs as documents in the order
 chosen, rejected, chosen, rejected..., then at most the trailing padding (trainer/data/pairs.py); a
-micro-batch then also carries `seq_tokens`, the labelled tokens of each of its sequences in that order
-(the loss sums each sequence's log-probabilities over them), and `num_pairs`.
+micro-batch then also carries `num_pairs` and the labelled tokens of each of its sequences in that order
+(the loss sums each sequence's log-probabilities over them): `seq_lengths` as host ints (the split sizes)
+and `seq_tokens`, the same as an int64 tensor that moves to the device with the rest (pinned, asynchronous),
+so the loss never copies host values to the device itself (a stream sync: trainer/training/loop.py has one
+host sync per step).
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ def counts_of(batch: dict[str, Any], num_real: Any) -> Counts:
         lengths = document_lengths(positions[: int(n_real)])
         real += int(n_real)
         doc_sq += int((lengths.astype(np.int64) ** 2).sum())
-    pairs, chosen = (batch["num_pairs"], sum(batch["seq_tokens"][0::2])) if PAIRS in batch else (0, 0)
+    pairs, chosen = (batch["num_pairs"], sum(batch["seq_lengths"][0::2])) if PAIRS in batch else (0, 0)
     return Counts(count_trainable(batch["labels"]), real, doc_sq, pairs, chosen)
 
 
@@ -158,7 +161,8 @@ def micro_batch(
     }
     if row_pairs is not None:
         out["num_pairs"] = sum(row_pairs)
-        out["seq_tokens"] = sequence_tokens(labels, cu, row_pairs)
+        out["seq_lengths"] = sequence_tokens(labels, cu, row_pairs)
+        out["seq_tokens"] = torch.tensor(out["seq_lengths"], dtype=torch.int64)
     return out
 
 
