@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from trainer.config import TrainConfig
 from trainer.config.schema import REFERENCE_OBJECTIVES
-from trainer.model.loss import CHUNK_ELEMENTS, labelled_hidden
+from trainer.model.loss import labelled_hidden, token_logprobs
 from trainer.model.objective import CHOSEN_TOKENS, PAIRS, Counts
 from trainer.model.reference import reference_forward
 
@@ -138,58 +138,6 @@ def sequence_sums(token_logp: torch.Tensor, lengths: list[int]) -> torch.Tensor:
 def _token_logprobs(model: torch.nn.Module, micro: dict[str, Any]) -> torch.Tensor:
     hidden, head = labelled_hidden(model, micro)
     return token_logprobs(hidden, head.weight, micro["label_targets"], getattr(head, "bias", None))
-
-
-def token_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """log p(target) per token (fp32, [T]) of `hidden @ weight.T + bias`, without [T x V] logits at once
-    (trainer/model/loss.py's chunking, per token instead of summed). A trainable head (never a LoRA run's)
-    takes the plain path."""
-    hidden = hidden.to(weight.dtype)
-    if torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad)):
-        logits = F.linear(hidden, weight, bias).float()
-        return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
-    chunk = max(1, CHUNK_ELEMENTS // weight.size(0))
-    return ChunkedTokenLogprobs.apply(hidden, weight, bias, targets, chunk, torch.is_grad_enabled())
-
-
-class ChunkedTokenLogprobs(torch.autograd.Function):
-    """Per-token log-probabilities of a frozen head, chunked over tokens: each chunk's logits give its
-    log-probabilities and, when a gradient is needed, d logp / d hidden = (onehot - softmax) @ weight,
-    kept per token; backward scales each token's row by its incoming gradient. Logits are never stored."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        targets: torch.Tensor,
-        chunk: int,
-        grad_enabled: bool,
-    ) -> torch.Tensor:
-        need = grad_enabled and ctx.needs_input_grad[0]
-        out = torch.empty(hidden.size(0), dtype=torch.float32, device=hidden.device)
-        grad_h = torch.empty_like(hidden) if need else None
-        for start in range(0, hidden.size(0), chunk):
-            h, y = hidden[start : start + chunk], targets[start : start + chunk]
-            logits = F.linear(h, weight, bias).float()
-            logp = torch.log_softmax(logits, dim=-1)
-            del logits
-            out[start : start + chunk] = logp.gather(1, y[:, None]).squeeze(1)
-            if grad_h is not None:
-                grad = logp.exp_().neg_()  # -softmax, in place of the log-probabilities
-                grad[torch.arange(len(y), device=y.device), y] += 1.0
-                grad_h[start : start + chunk] = grad.to(weight.dtype) @ weight
-        ctx.save_for_backward(grad_h)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
-        (grad_h,) = ctx.saved_tensors
-        out_h = None if grad_h is None else (grad_h.float() * grad_out.float()[:, None]).to(grad_h.dtype)
-        return out_h, None, None, None, None, None
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
