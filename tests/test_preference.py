@@ -418,9 +418,13 @@ def test_the_estimate_counts_the_reference_forward_and_the_frozen_adapter() -> N
     # The meter's MFU counts the same forward: a DPO step's FLOPs are SFT's plus the reference's; ORPO has none.
     config = load_config("Qwen/Qwen2.5-7B-Instruct")
     counts = (8192.0, 8192.0 * 512, 3000.0)  # real tokens, sum of squared document lengths, labelled tokens
+    # One answer to "does this objective run a reference?", which the step, the meter and the estimate read.
+    assert [o for o in ("sft", "dpo", "orpo", "simpo") if C.runs_reference(o)] == ["dpo"]
+    assert Preference.of(TrainConfig(objective="dpo")).needs_reference
+    assert not Preference.of(TrainConfig(objective="orpo")).needs_reference
     plain = flops.meter_flops_fn(config, 10**7)
-    with_reference = flops.meter_flops_fn(config, 10**7, Preference.of(TrainConfig(objective="dpo")))
-    reference_free = flops.meter_flops_fn(config, 10**7, Preference.of(TrainConfig(objective="orpo")))
+    with_reference = flops.meter_flops_fn(config, 10**7, reference=C.runs_reference("dpo"))
+    reference_free = flops.meter_flops_fn(config, 10**7, reference=C.runs_reference("orpo"))
     assert plain is not None and with_reference is not None and reference_free is not None
     assert with_reference(*counts) == pytest.approx(plain(*counts) + flops.reference_forward_flops(shape, *counts))
     assert reference_free(*counts) == plain(*counts)

@@ -165,11 +165,6 @@ class DataConfig:
     """DataLoader worker processes that prefetch whole steps: `auto` is 1 on CUDA (reading and collating hide behind the GPU's work) and 0 on CPU (a worker would only compete for the cores). Same batches either way."""
 
 
-REFERENCE_OBJECTIVES = ("dpo",)
-"""The values of `train.objective` whose step also runs the reference's forward (the training step, the
-meter's MFU and the estimate count it)."""
-
-
 @dataclass(frozen=True)
 class TrainConfig:
     objective: Literal["sft", "dpo", "orpo", "simpo"] = "sft"

@@ -27,8 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trainer.config import TrainConfig
-from trainer.config.schema import REFERENCE_OBJECTIVES
+from trainer.config import TrainConfig, runs_reference
 from trainer.model.loss import labelled_hidden, token_logprobs
 from trainer.model.objective import CHOSEN_TOKENS, PAIRS, Counts
 from trainer.model.reference import reference_forward
@@ -57,7 +56,7 @@ class Preference:
 
     @property
     def needs_reference(self) -> bool:
-        return self.kind in REFERENCE_OBJECTIVES
+        return runs_reference(self.kind)
 
     def normaliser(self, counts: torch.Tensor) -> torch.Tensor:
         return counts[PAIRS]

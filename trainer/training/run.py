@@ -231,7 +231,9 @@ def _open_books(
     meter = metrics.Meter(
         world_size=proc.world,
         warmup_steps=cfg.metrics.warmup_steps,
-        flops_fn=flops.meter_flops_fn(proc.accelerator.unwrap_model(model).config, trainable, objective_for(cfg.train)),
+        flops_fn=flops.meter_flops_fn(
+            proc.accelerator.unwrap_model(model).config, trainable, C.runs_reference(cfg.train.objective)
+        ),
         peak_flops=peak_flops,
         price_per_hour=cfg.metrics.price_per_hour,
         total_steps=sched.steps,
