@@ -28,7 +28,7 @@ from trainer.data.template import IGNORE_INDEX
 from trainer.model.load import build
 from trainer.model.objective import PAIRS, Counts
 from trainer.model.preference import Preference
-from trainer.model.reference import InitAdapter, locate
+from trainer.model.reference import REFERENCE, InitAdapter, locate
 from trainer.training.batches import StepDataset, eval_counts, micro_batch
 
 SKY = [{"role": "user", "content": "What colour is the sky?"}]
@@ -276,6 +276,11 @@ def test_starting_adapter_is_checked_and_kept_as_reference(tiny_llama: Path, tmp
     loss, stats = objective.loss(started, m, counts)
     assert float(loss.detach()) / m["num_pairs"] == pytest.approx(math.log(2), abs=1e-6)  # reference == starting point
     assert stats[3] == objective.loss(started, m, counts)[1][3]  # in train mode: no draw, the same logps every time
+    # Step 1's backward reaches the trained adapter only: the reference's forward left no graph to it.
+    loss.backward()
+    grads = {n: p.grad for n, p in started.named_parameters() if "lora_" in n}
+    assert {n for n, g in grads.items() if g is not None and bool(g.abs().sum())} == trainable
+    assert all(g is None for n, g in grads.items() if f".{REFERENCE}." in n) and len(grads) == 2 * len(trainable)
     # Control: with dropout kept (SFT's rule), the policy's forward at the starting point is not the reference's.
     kept = started_as(TrainConfig())
     dropped = objective.loss(kept, m, counts)[1]
