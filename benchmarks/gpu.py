@@ -104,8 +104,9 @@ def packed_rows(seq_len: int, n_rows: int, vocab: int, seed: int = 0) -> list[Ro
     return rows
 
 
-def to_micro(rows: list[Row], seq_len: int) -> dict[str, Any]:
-    """spotune's micro-batch of these rows (trailing padding as in `spotune prepare`)."""
+def to_micro(rows: list[Row], seq_len: int, row_pairs: list[int] | None = None) -> dict[str, Any]:
+    """spotune's micro-batch of these rows (trailing padding as in `spotune prepare`); `row_pairs`: preference
+    rows holding that many pairs each (trainer/training/batches.py)."""
     ids, labels, pos = (torch.zeros(len(rows), seq_len, dtype=torch.int64) for _ in range(3))
     labels.fill_(IGNORE_INDEX)
     for r, docs in enumerate(rows):
@@ -117,7 +118,7 @@ def to_micro(rows: list[Row], seq_len: int) -> dict[str, Any]:
             pos[r, at : at + n] = torch.arange(n)
             at += n
         pos[r, at:] = torch.arange(seq_len - at)
-    return micro_batch(ids, labels, pos)
+    return micro_batch(ids, labels, pos, row_pairs)
 
 
 def row_counts(rows: list[Row]) -> tuple[int, int, int]:

@@ -48,7 +48,7 @@ from trainer.data.template import IGNORE_INDEX  # noqa: E402
 from trainer.model import flops  # noqa: E402
 from trainer.model.load import build  # noqa: E402
 from trainer.model.preference import Preference  # noqa: E402
-from trainer.training.batches import sequence_tokens, to_device  # noqa: E402
+from trainer.training.batches import to_device  # noqa: E402
 
 Pair = tuple[list[int], list[int], list[int]]  # prompt, chosen answer, rejected answer (token ids)
 
@@ -79,13 +79,7 @@ def spotune_micros(pairs: list[Pair], seq_len: int, mbs: int) -> list[dict[str, 
                 docs.append((prompt + answer, [IGNORE_INDEX] * len(prompt) + answer))
         rows.append(docs)
         per_row.append(len(b))
-    micros = []
-    for at in range(0, len(rows), mbs):
-        micro = gpu.to_micro(rows[at : at + mbs], seq_len)
-        micro["num_pairs"] = sum(per_row[at : at + mbs])
-        micro["seq_tokens"] = sequence_tokens(micro["labels"], micro["cu_seq_lens"], per_row[at : at + mbs])
-        micros.append(micro)
-    return micros
+    return [gpu.to_micro(rows[at : at + mbs], seq_len, per_row[at : at + mbs]) for at in range(0, len(rows), mbs)]
 
 
 def run_spotune(path: Path, steps: list[list[Pair]], args: argparse.Namespace) -> list[float]:

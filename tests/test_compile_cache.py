@@ -62,9 +62,10 @@ def test_each_save_links_the_staged_artifacts(tmp_path: Path) -> None:
     assert not (tmp_path / "save-6").exists()
 
 
-def test_the_key_follows_the_settings_that_shape_the_graph(tiny_llama: Path) -> None:
+def test_the_key_follows_the_settings_that_shape_the_graph(tiny_llama: Path, tmp_path: Path) -> None:
     from trainer.config import AdapterConfig, ModelConfig
     from trainer.model.load import build
+    from trainer.model.reference import InitAdapter
 
     model = build(ModelConfig(name_or_path=str(tiny_llama), dtype="float32"), AdapterConfig(r=4))
     cpu = torch.device("cpu")
@@ -85,6 +86,18 @@ def test_the_key_follows_the_settings_that_shape_the_graph(tiny_llama: Path) -> 
             == f"model_shape {base['model_shape']!r} in the checkpoint, {other['model_shape']!r} here"
         )
     assert base["device"].startswith("cpu ")
+
+    # Where adapter.init_from lies is no part of the graph (a resume on another machine finds it elsewhere);
+    # the frozen reference adapter a DPO run keeps beside the trained one is.
+    moved = [key(ModelConfig(dtype="float32"), AdapterConfig(r=4, init_from=p)) for p in ("/a/sft", "/b/sft")]
+    assert moved == [base, base]
+    model.save_pretrained(tmp_path / "sft")
+    model = build(
+        ModelConfig(name_or_path=str(tiny_llama), dtype="float32"),
+        AdapterConfig(r=4),
+        init=InitAdapter(tmp_path / "sft", reference=True),
+    )
+    assert key(ModelConfig(dtype="float32"), AdapterConfig(r=4, init_from="/a/sft")) != base
 
 
 def test_kernels_built_by_another_toolchain_are_refused() -> None:

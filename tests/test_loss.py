@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from trainer.config import AdapterConfig, ModelConfig
 from trainer.model import load as model_lib
@@ -60,6 +61,39 @@ def test_chunked_fused_loss_equals_plain_in_bf16(monkeypatch: pytest.MonkeyPatch
     for got, want in zip(fused[1], plain[1], strict=True):
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_chunked_token_logprobs_equal_plain_per_token(bias: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One chunked head kernel: per-token log-probabilities (what the preference objectives sum per
+    sequence, each token with its own incoming gradient), and SFT's loss is minus their sum."""
+    monkeypatch.setattr(micro_loss, "CHUNK_ELEMENTS", 8 * V)
+    args = _inputs(torch.float32, bias)
+    upstream = torch.linspace(-1.0, 2.0, T)  # a different incoming gradient per token
+
+    def per_token(fn, hidden, weight, b, targets):  # type: ignore[no-untyped-def]
+        return _loss_and_grads(lambda *a: (fn(*a) * upstream).sum() * 2, hidden, weight, b, targets)
+
+    def plain(hidden, weight, targets, b):  # type: ignore[no-untyped-def]
+        return torch.log_softmax(F.linear(hidden, weight, b).float(), dim=-1).gather(1, targets[:, None]).squeeze(1)
+
+    want, got = per_token(plain, *args), per_token(micro_loss.token_logprobs, *args)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-5)
+    for g, w in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    # Control: one shifted target changes that token's log-probability alone.
+    hidden, weight, b, targets = args
+    wrong = torch.where(torch.arange(T) == T - 1, (targets + 1) % V, targets)
+    with torch.no_grad():
+        right, moved = (
+            micro_loss.token_logprobs(hidden, weight, targets, b),
+            micro_loss.token_logprobs(hidden, weight, wrong, b),
+        )
+    assert torch.equal(moved[:-1], right[:-1]) and moved[-1] != right[-1]
+    # SFT's loss off CUDA is minus their sum, gradients and all.
+    sft = _loss_and_grads(micro_loss.linear_cross_entropy, *args)
+    summed = _loss_and_grads(lambda *a: -micro_loss.token_logprobs(*a).sum(), *args)
+    assert torch.equal(sft[0], summed[0]) and all(torch.equal(x, y) for x, y in zip(sft[1], summed[1], strict=True))
 
 
 def test_frozen_head_gets_no_weight_gradient_and_eval_needs_none() -> None:

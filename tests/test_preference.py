@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,10 @@ from trainer.data.sampler import StepSampler
 from trainer.data.show import show_examples
 from trainer.data.template import IGNORE_INDEX
 from trainer.model.load import build
+from trainer.model.objective import PAIRS, Counts
 from trainer.model.preference import Preference
-from trainer.model.reference import InitAdapter, locate
-from trainer.training.batches import StepDataset, micro_batch
+from trainer.model.reference import REFERENCE, InitAdapter, locate
+from trainer.training.batches import StepDataset, eval_counts, micro_batch
 
 SKY = [{"role": "user", "content": "What colour is the sky?"}]
 BLUE, GREEN = {"role": "assistant", "content": "It is blue."}, {"role": "assistant", "content": "It is green."}
@@ -130,6 +132,12 @@ def test_packed_rows_keep_each_pair_together_in_order(tiny_llama: Path, tmp_path
     p = prepare(DataConfig(path=str(data), seq_len=256), str(tiny_llama), tmp_path / "c", progress=False, pairs=True)
     rows = datasets.load_from_disk(str(p.train_path))
     assert sum(rows["num_pairs"]) == 40 and max(rows["num_pairs"]) > 1
+    # What a step counts is defined once: the held-out set's counts are its rows' counts taken as one step's.
+    whole = Counts(
+        *StepDataset(rows, StepSampler(len(rows), len(rows), 0, shuffle=False), 0, 1, 3, 1)[0].counts.tolist()
+    )
+    assert whole.pairs == 40 and whole.real == sum(rows["num_real"]) and whole.doc_len_sq > whole.real
+    assert Counts(*eval_counts(rows).tolist()) == whole
     source = [json.loads(line) for line in data.read_text().splitlines()]
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     found = []
@@ -151,7 +159,12 @@ def test_packed_rows_keep_each_pair_together_in_order(tiny_llama: Path, tmp_path
     tensors = [torch.tensor([row[k]]) for k in ("input_ids", "labels", "position_ids")]
     with pytest.raises(ValueError, match="claims .* preference pair"):
         micro_batch(*tensors, [row["num_pairs"] + 1])
-    assert len(micro_batch(*tensors, [row["num_pairs"]])["seq_tokens"]) == 2 * row["num_pairs"]  # control
+    batch = micro_batch(*tensors, [row["num_pairs"]])  # control
+    assert len(batch["seq_lengths"]) == 2 * row["num_pairs"]
+    # The loss's token counts travel as a tensor (moved with the micro-batch, asynchronously): the loss never
+    # copies host values to the device itself; its split sizes are host ints.
+    assert batch["seq_tokens"].dtype == torch.int64 and batch["seq_tokens"].tolist() == batch["seq_lengths"]
+    assert all(type(n) is int for n in batch["seq_lengths"])
 
 
 def _step_loss(
@@ -168,10 +181,10 @@ def _step_loss(
         for m in batch.micro:
             model.zero_grad()
             value, _ = objective.loss(model, m, counts)
-            (value / (counts[3].float() / world)).backward()
+            (value / (counts[PAIRS].float() / world)).backward()
             grads = [g + p.grad / world for g, p in zip(grads, params, strict=True)]
             loss += float(value.detach())
-    return loss / float(counts[3]), grads
+    return loss / float(counts[PAIRS]), grads
 
 
 def test_the_loss_is_per_pair_over_the_step_whatever_the_split(tiny_llama: Path, tmp_path: Path) -> None:
@@ -235,9 +248,17 @@ def test_starting_adapter_is_checked_and_kept_as_reference(tiny_llama: Path, tmp
         )
 
     init = InitAdapter(tmp_path / "run" / "final", reference=True)
-    started = build(
-        ModelConfig(name_or_path=str(tiny_llama), dtype="float32"), AdapterConfig(r=4, alpha=8, dropout=0.0), init=init
+    # A base with attention dropout, and the default adapter.dropout: a preference objective turns both off.
+    base = Path(shutil.copytree(tiny_llama, tmp_path / "base"))
+    (base / "config.json").write_text(
+        json.dumps({**json.loads((base / "config.json").read_text()), "attention_dropout": 0.3})
     )
+
+    def started_as(train: TrainConfig) -> torch.nn.Module:
+        model_cfg = ModelConfig(name_or_path=str(base), dtype="float32", attn_implementation="sdpa")
+        return build(model_cfg, AdapterConfig(r=4, alpha=8), init=init, no_dropout=C.dropout_off(train)).train()
+
+    started = started_as(TrainConfig(objective="dpo"))
     saved = get_peft_model_state_dict(model)
     for key, value in get_peft_model_state_dict(started).items():  # the trained adapter starts as the saved one
         assert torch.equal(value, saved[key])
@@ -251,9 +272,21 @@ def test_starting_adapter_is_checked_and_kept_as_reference(tiny_llama: Path, tmp
     m = micro_batch(
         *(torch.tensor(packed[0:1][k]) for k in ("input_ids", "labels", "position_ids")), packed[0:1]["num_pairs"]
     )
-    counts = torch.tensor([0, 0, 0, m["num_pairs"], 1])
+    counts = Counts(pairs=m["num_pairs"], chosen_tokens=1).tensor()
     loss, stats = objective.loss(started, m, counts)
     assert float(loss.detach()) / m["num_pairs"] == pytest.approx(math.log(2), abs=1e-6)  # reference == starting point
+    assert stats[3] == objective.loss(started, m, counts)[1][3]  # in train mode: no draw, the same logps every time
+    # Step 1's backward reaches the trained adapter only: the reference's forward left no graph to it.
+    loss.backward()
+    grads = {n: p.grad for n, p in started.named_parameters() if "lora_" in n}
+    assert {n for n, g in grads.items() if g is not None and bool(g.abs().sum())} == trainable
+    assert all(g is None for n, g in grads.items() if f".{REFERENCE}." in n) and len(grads) == 2 * len(trainable)
+    # Control: with dropout kept (SFT's rule), the policy's forward at the starting point is not the reference's.
+    kept = started_as(TrainConfig())
+    dropped = objective.loss(kept, m, counts)[1]
+    assert dropped[0] != 0 and dropped[1] != 0
+    assert {getattr(mod, "attention_dropout", 0.0) for mod in kept.modules()} == {0.0, 0.3}
+    assert {getattr(mod, "attention_dropout", 0.0) for mod in started.modules()} == {0.0}
     assert {n for n, p in started.named_parameters() if p.requires_grad} == trainable  # the switch back restored them
     with torch.no_grad():  # the trained copy moves, the frozen reference does not: rewards appear
         for name, param in started.named_parameters():
@@ -390,9 +423,13 @@ def test_the_estimate_counts_the_reference_forward_and_the_frozen_adapter() -> N
     # The meter's MFU counts the same forward: a DPO step's FLOPs are SFT's plus the reference's; ORPO has none.
     config = load_config("Qwen/Qwen2.5-7B-Instruct")
     counts = (8192.0, 8192.0 * 512, 3000.0)  # real tokens, sum of squared document lengths, labelled tokens
+    # One answer to "does this objective run a reference?", which the step, the meter and the estimate read.
+    assert [o for o in ("sft", "dpo", "orpo", "simpo") if C.runs_reference(o)] == ["dpo"]
+    assert Preference.of(TrainConfig(objective="dpo")).needs_reference
+    assert not Preference.of(TrainConfig(objective="orpo")).needs_reference
     plain = flops.meter_flops_fn(config, 10**7)
-    with_reference = flops.meter_flops_fn(config, 10**7, Preference.of(TrainConfig(objective="dpo")))
-    reference_free = flops.meter_flops_fn(config, 10**7, Preference.of(TrainConfig(objective="orpo")))
+    with_reference = flops.meter_flops_fn(config, 10**7, reference=C.runs_reference("dpo"))
+    reference_free = flops.meter_flops_fn(config, 10**7, reference=C.runs_reference("orpo"))
     assert plain is not None and with_reference is not None and reference_free is not None
     assert with_reference(*counts) == pytest.approx(plain(*counts) + flops.reference_forward_flops(shape, *counts))
     assert reference_free(*counts) == plain(*counts)

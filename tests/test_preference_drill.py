@@ -43,7 +43,11 @@ def _recipe(out: Path, model: Path, data: Path, cache: Path) -> dict[str, Any]:
         "output_dir": str(out),
         "seed": 5,
         "model": {"name_or_path": str(model), "dtype": "float32"},
-        "adapter": {"r": 4, "alpha": 8, "dropout": 0.1},  # dropout draws: the RNG's restore is part of the test
+        "adapter": {
+            "r": 4,
+            "alpha": 8,
+            "dropout": 0.1,
+        },  # off for DPO (trainer/config: dropout_off); the SFT drills draw masks
         "data": {"path": str(data), "seq_len": 128, "cache_dir": str(cache), "eval_fraction": 0.1, "loader_workers": 1},
         "train": {
             "objective": "dpo",

@@ -201,6 +201,27 @@ def structural_fields(cfg: RunConfig, world_size: int = 1, global_rows: int | No
     }
 
 
+def runs_reference(objective: str) -> bool:
+    """Whether `train.objective`'s step also runs the reference's forward (dpo; orpo and simpo are
+    reference-free). The one answer: the step (trainer/model/preference.py), the starting adapter kept
+    frozen as that reference (trainer/training/inputs.py), the meter's MFU and the estimate's FLOPs and
+    memory read it."""
+    return objective == "dpo"
+
+
+def dropout_off(train: TrainConfig) -> bool:
+    """Whether the run trains with every dropout off, the adapter's (whatever `adapter.dropout` says) and the
+    model's own: the preference objectives do, as TRL's DPO, ORPO and CPO trainers do by default
+    (`disable_dropout`). The policy's forward is then a function of its weights alone: from
+    `adapter.init_from` it equals the reference's at step 1, and the loss is TRL's."""
+    return train.objective != "sft"
+
+
+def lora_dropout(cfg: RunConfig) -> float:
+    """The LoRA dropout the run trains with (`adapter.dropout` unless `dropout_off`)."""
+    return 0.0 if dropout_off(cfg.train) else cfg.adapter.dropout
+
+
 @dataclass(frozen=True)
 class BatchSplit:
     """How an optimizer step's global batch is spread over `world` devices."""

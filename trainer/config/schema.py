@@ -53,7 +53,7 @@ class AdapterConfig:
     alpha: float = 32.0
     """LoRA alpha; the update is scaled by alpha / r."""
     dropout: float = 0.05
-    """Dropout on the LoRA input."""
+    """Dropout on the LoRA input (SFT). The preference objectives (dpo, orpo, simpo) train with every dropout off, this one and the model's own, as TRL's trainers do (`disable_dropout`): from `init_from`, step 1's policy is then exactly the reference."""
     target_modules: tuple[str, ...] = ("all-linear",)
     """Module names to adapt; `all-linear` adapts every linear layer but the output head."""
     fused: bool = False
@@ -163,11 +163,6 @@ class DataConfig:
     """Shuffle rows each epoch (order is a pure function of seed and epoch)."""
     loader_workers: int | Literal["auto"] = "auto"
     """DataLoader worker processes that prefetch whole steps: `auto` is 1 on CUDA (reading and collating hide behind the GPU's work) and 0 on CPU (a worker would only compete for the cores). Same batches either way."""
-
-
-REFERENCE_OBJECTIVES = ("dpo",)
-"""The values of `train.objective` whose step also runs the reference's forward (the training step, the
-meter's MFU and the estimate count it)."""
 
 
 @dataclass(frozen=True)

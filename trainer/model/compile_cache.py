@@ -63,12 +63,23 @@ def device_kind(device: torch.device) -> str:
 
 def graph_settings(model: torch.nn.Module, model_cfg: ModelConfig, adapter: AdapterConfig, precision: str) -> dict:
     """Everything that shapes the compiled decoder layer: the architecture (the model's config), the
-    dtype, attention, tiling, checkpointing and offloading, the adapter (targets, r, dropout, fused)
-    and the mixed precision."""
+    dtype, attention, tiling, checkpointing and offloading, the adapter (targets, r, dropout, fused;
+    the adapters each LoRA layer holds: a DPO run from `adapter.init_from` has its frozen reference
+    beside the trained one) and the mixed precision. Not where `init_from` lies (a resume on another
+    machine may find it elsewhere) nor its weights: neither changes what is compiled."""
     arch = {k: v for k, v in causal_lm(model).config.to_dict().items() if not k.startswith("_")}
     arch.pop("transformers_version", None)
     chosen = {k: v for k, v in asdict(model_cfg).items() if k not in _NOT_GRAPH}
-    return {"architecture": arch, "model": chosen, "adapter": asdict(adapter), "mixed_precision": precision}
+    lora = {k: v for k, v in asdict(adapter).items() if k != "init_from"}
+    lora["adapters"] = sorted(
+        {
+            name
+            for m in model.modules()
+            if isinstance(a := getattr(m, "lora_A", None), torch.nn.ModuleDict)
+            for name in a
+        }
+    )
+    return {"architecture": arch, "model": chosen, "adapter": lora, "mixed_precision": precision}
 
 
 @functools.cache

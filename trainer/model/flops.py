@@ -266,16 +266,15 @@ def mfu_flops(
 
 
 def meter_flops_fn(
-    hf_config: Any, trainable: int, objective: Any = None
+    hf_config: Any, trainable: int, reference: bool = False
 ) -> Callable[[float, float, float], float] | None:
     """The meter's FLOPs of a step (tokens, sum of squared document lengths, head tokens) for this
     model with `trainable` LoRA parameters, or None for an architecture the FLOP model does not know.
-    An `objective` that `needs_reference` (DPO) also runs the reference forward over the same tokens."""
+    `reference`: the step also runs the reference forward over the same tokens (`config.runs_reference`)."""
     try:
         shape = model_shape(hf_config)
     except ValueError:
         return None  # an architecture the FLOP model does not know: MFU stays null
-    reference = bool(getattr(objective, "needs_reference", False))
 
     def fn(tokens: float, doc_sq: float, head_tokens: float) -> float:
         # The meter's `mfu` is the published count (MFU below); the others sit beside it here.

@@ -209,9 +209,12 @@ def build(
     sharded: bool = False,
     progress: bool = False,
     init: InitAdapter | None = None,
+    no_dropout: bool = False,
 ):
     """Base model + LoRA adapter (a `peft.PeftModel`), ready for the training loop; `init`: the adapter
     starts from that one (and keeps it, frozen, as the DPO reference: trainer/model/reference.py).
+    `no_dropout`: every dropout off, the adapter's whatever `adapter_cfg.dropout` and the model's
+    (`config.dropout_off`: the preference objectives).
 
     `autocast`: the loop runs under mixed precision (accelerate's autocast), so the LoRA layers
     may take the bf16/fp16 activation as it is (see the module docstring). `sharded`: the model
@@ -236,7 +239,7 @@ def build(
     lora = LoraConfig(
         r=adapter_cfg.r,
         lora_alpha=adapter_cfg.alpha,  # type: ignore[arg-type]  # annotated int; peft scales by alpha / r as a float
-        lora_dropout=adapter_cfg.dropout,
+        lora_dropout=0.0 if no_dropout else adapter_cfg.dropout,  # 0: peft's identity, which lora_fused needs
         target_modules="all-linear" if targets == ["all-linear"] else targets,
         exclude_modules=outside_the_decoder(base),
         bias="none",
@@ -254,6 +257,8 @@ def build(
         ) from e
     if init is not None:  # before the runtime views below, which then cover the reference adapter too
         load_init(model, init, adapter_cfg)
+    if no_dropout:
+        disable_dropout(model)
     if autocast:
         compute_adapters_in_autocast_dtype(model)
     if adapter_cfg.fused:  # before compile: the compiled layers trace the fused view
@@ -269,6 +274,21 @@ def build(
     if model_cfg.activation_offload == "on":
         offload.attach(model)
     return model  # accelerate.prepare places a non-quantised model on its device
+
+
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Every dropout of `model` off in train mode too: its dropout layers (TRL's `disable_dropout_in_model`)
+    and the attention dropout its attention modules hold as a probability (`attention_dropout`, read in
+    train mode only; TRL leaves it, most models have it 0). Returns the modules changed."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout) and module.p:
+            module.p = 0.0
+            changed += 1
+        if isinstance(getattr(module, "attention_dropout", None), float) and module.attention_dropout:
+            setattr(module, "attention_dropout", 0.0)  # noqa: B010 (typed as Tensor | Module)
+            changed += 1
+    return changed
 
 
 def compute_adapters_in_autocast_dtype(model: torch.nn.Module) -> int:

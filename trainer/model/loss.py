@@ -10,9 +10,10 @@ Convention (what must stay true):
   (trainer/model/attention.py), so none attends across documents whatever the micro-batch size.
 
 The head and the loss are ours, not the model's: only labelled positions reach the vocabulary
-projection, and the chunked fused linear cross-entropy below never holds [tokens x vocab]
-logits at once. That replaces `logits_to_keep` as a 2-D tensor, which only recent
-transformers releases handle (5.17's Llama indexed hidden[:, keep] into [B, B, K, H]).
+projection, and the chunked fused head below (per-token log-probabilities: SFT sums them, the
+preference objectives sum them per sequence) never holds [tokens x vocab] logits at once. That
+replaces `logits_to_keep` as a 2-D tensor, which only recent transformers releases handle (5.17's
+Llama indexed hidden[:, keep] into [B, B, K, H]).
 """
 
 from __future__ import annotations
@@ -116,8 +117,8 @@ def linear_cross_entropy(
 ) -> torch.Tensor:
     """sum_t CE(hidden[t] @ weight.T + bias, targets[t]) in fp32, without [T x V] logits at once.
 
-    Liger Kernel's Triton kernel on CUDA when installed (the `gpu` extra), else the chunked
-    pure-torch version. Matmuls run in the weight's dtype, the softmax in fp32, as the plain
+    Liger Kernel's Triton kernel on CUDA when installed (the `gpu` extra), else minus the sum of
+    `token_logprobs`. Matmuls run in the weight's dtype, the softmax in fp32, as the plain
     `F.cross_entropy(lm_head(h).float(), y)` does.
     """
     hidden = hidden.to(weight.dtype)
@@ -131,17 +132,28 @@ def linear_cross_entropy(
             ),
             torch.zeros((), dtype=torch.float32, device=hidden.device),
         )
+    return token_logprobs(hidden, weight, targets, bias).neg().sum()
+
+
+def token_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """log p(targets[t]) per token (fp32, [T]) of `hidden @ weight.T + bias`, without [T x V] logits at once:
+    SFT's loss is minus their sum, the preference objectives sum them per sequence (trainer/model/preference.py)."""
+    hidden = hidden.to(weight.dtype)
     chunk = max(1, CHUNK_ELEMENTS // weight.size(0))
-    return ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, chunk, torch.is_grad_enabled())
+    return ChunkedTokenLogprobs.apply(hidden, weight, bias, targets, chunk, torch.is_grad_enabled())
 
 
-class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Fused head + summed cross-entropy, chunked over tokens (pure torch, any device).
+class ChunkedTokenLogprobs(torch.autograd.Function):
+    """Fused head + per-token log-probabilities, chunked over tokens (pure torch, any device).
 
-    Forward computes each chunk's logits, its loss and, when a gradient is needed, the
-    gradients of hidden (and of the head weight/bias only when they require grad: a frozen head
-    needs none), then drops the logits. Backward only scales them by the incoming gradient, so
-    logits are computed once and never stored: memory is O(chunk x V) instead of O(T x V).
+    Forward computes each chunk's logits, its tokens' log-probabilities and, when a gradient is
+    needed, d logp / d hidden = (onehot - softmax) @ weight per token, then drops the logits.
+    Backward only scales each token's row by its incoming gradient, so logits are computed once and
+    never stored: memory is O(chunk x V) instead of O(T x V). A trainable head (never a LoRA run's:
+    `check_head` refuses an adapted one, the base's is frozen) gets its gradients in backward, chunk by
+    chunk from recomputed logits, where each token's incoming gradient is known.
     """
 
     @staticmethod
@@ -155,42 +167,52 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_enabled: bool,
     ) -> torch.Tensor:
         # needs_input_grad alone would still ask for a trainable head's gradient under no_grad (eval).
-        need_h, need_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
-        need_b = grad_enabled and bias is not None and ctx.needs_input_grad[2]
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        need_h = grad_enabled and ctx.needs_input_grad[0]
+        ctx.head = (
+            grad_enabled and ctx.needs_input_grad[1],
+            grad_enabled and bias is not None and ctx.needs_input_grad[2],
+        )
+        out = torch.empty(hidden.size(0), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
-        grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b and bias is not None else None
         for start in range(0, hidden.size(0), chunk):
             h, y = hidden[start : start + chunk], targets[start : start + chunk]
             logits = F.linear(h, weight, bias).float()
-            loss += F.cross_entropy(logits, y, reduction="sum")
-            if not (need_h or need_w or need_b):
-                continue
-            # d(sum CE)/d(logits) = softmax - onehot, in fp32, cast to the matmul dtype like
-            # autograd does for the plain computation.
-            grad = torch.softmax(logits, dim=-1)
-            grad[torch.arange(len(y), device=y.device), y] -= 1.0
-            del logits
+            out[start : start + chunk] = torch.log_softmax(logits, dim=-1).gather(1, y[:, None]).squeeze(1)
             if grad_h is not None:
-                grad_h[start : start + chunk] = grad.to(weight.dtype) @ weight
-            if grad_w is not None:
-                grad_w += grad.t() @ h.float()
-            if grad_b is not None:
-                grad_b += grad.sum(0)
-        ctx.save_for_backward(grad_h, grad_w, grad_b)
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        return loss
+                # fp32, cast to the matmul dtype like autograd does for the plain computation.
+                grad_h[start : start + chunk] = _dlogp_dlogits(logits, y).to(weight.dtype) @ weight
+        ctx.chunk = chunk
+        ctx.save_for_backward(grad_h, *((hidden, weight, bias, targets) if any(ctx.head) else ()))
+        return out
 
     @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor) -> Any:
-        grad_h, grad_w, grad_b = ctx.saved_tensors
-        w_dtype, b_dtype = ctx.dtypes
-        scale = grad_loss.float()
-        out_h = None if grad_h is None else (grad_h.float() * scale).to(grad_h.dtype)
-        out_w = None if grad_w is None else (grad_w * scale).to(w_dtype)
-        out_b = None if grad_b is None else (grad_b * scale).to(b_dtype)
+    def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
+        grad_h, *inputs = ctx.saved_tensors
+        scale = grad_out.float()
+        out_h = None if grad_h is None else (grad_h.float() * scale[:, None]).to(grad_h.dtype)
+        out_w = out_b = None
+        if inputs:
+            hidden, weight, bias, targets = inputs
+            need_w, need_b = ctx.head
+            grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+            grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
+            for start in range(0, hidden.size(0), ctx.chunk):
+                h, y = hidden[start : start + ctx.chunk], targets[start : start + ctx.chunk]
+                grad = _dlogp_dlogits(F.linear(h, weight, bias).float(), y) * scale[start : start + ctx.chunk, None]
+                if grad_w is not None:
+                    grad_w += grad.t() @ h.float()
+                if grad_b is not None:
+                    grad_b += grad.sum(0)
+            out_w = None if grad_w is None else grad_w.to(weight.dtype)
+            out_b = None if grad_b is None else grad_b.to(bias.dtype)
         return out_h, out_w, out_b, None, None, None
+
+
+def _dlogp_dlogits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """d log p(target) / d logits = onehot - softmax, per row (fp32; the logits are read, not changed)."""
+    grad = torch.softmax(logits, dim=-1).neg_()
+    grad[torch.arange(len(targets), device=targets.device), targets] += 1.0
+    return grad
 
 
 def _liger() -> Any:

@@ -3,7 +3,7 @@ defines each (trl/trainer/dpo_trainer.py `_compute_loss`; trl/experimental/orpo,
 log-probabilities they are built from.
 
 A micro-batch holds whole pairs (trainer/training/batches.py): each sequence's labelled tokens lie
-contiguously in `label_index` order, chosen before rejected, `seq_tokens` long. Per sequence, log p =
+contiguously in `label_index` order, chosen before rejected, `seq_lengths` long (`seq_tokens` on the device). Per sequence, log p =
 the sum of its tokens' log-probabilities, each summed alone (so a pair's figure does not depend on what
 else the micro-batch holds). `dpo` computes the same for the reference (trainer/model/reference.py)
 under no_grad in the same step, before the policy's forward.
@@ -27,15 +27,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trainer.config import TrainConfig
-from trainer.config.schema import REFERENCE_OBJECTIVES
-from trainer.model.loss import CHUNK_ELEMENTS, labelled_hidden
+from trainer.config import TrainConfig, runs_reference
+from trainer.model.loss import labelled_hidden, token_logprobs
+from trainer.model.objective import CHOSEN_TOKENS, PAIRS, Counts
 from trainer.model.reference import reference_forward
 
 STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected")
 """What each objective sums over its pairs (TRL's names); `rewards/margins` is chosen minus rejected."""
-PAIRS, CHOSEN_TOKENS = 3, 4
-"""Indices of the step's pairs and its chosen sequences' trainable tokens in `batches.COUNTS`."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +56,7 @@ class Preference:
 
     @property
     def needs_reference(self) -> bool:
-        return self.kind in REFERENCE_OBJECTIVES
+        return runs_reference(self.kind)
 
     def normaliser(self, counts: torch.Tensor) -> torch.Tensor:
         return counts[PAIRS]
@@ -66,7 +64,7 @@ class Preference:
     def loss(
         self, model: torch.nn.Module, micro: dict[str, Any], counts: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        lengths = list(micro["seq_tokens"])
+        lengths = micro["seq_lengths"]  # host ints: the split sizes; their tensor came with the micro-batch
         assert sum(lengths) == micro["label_targets"].numel(), "every labelled token belongs to one sequence"
         reference = None
         if self.needs_reference:
@@ -75,8 +73,7 @@ class Preference:
                 reference = sequence_sums(_token_logprobs(model, micro), lengths)
         token_logp = _token_logprobs(model, micro)
         logps = sequence_sums(token_logp, lengths)
-        tokens = torch.tensor(lengths, dtype=torch.float32, device=logps.device)
-        losses, chosen_r, rejected_r, shown = self.pair_terms(logps, tokens, reference)
+        losses, chosen_r, rejected_r, shown = self.pair_terms(logps, micro["seq_tokens"].float(), reference)
         # A micro-batch without pairs (a rank's filler) still backpropagates a zero through the model.
         loss = losses.sum() if lengths else token_logp.sum()
         if self.sft_weight:
@@ -120,8 +117,8 @@ class Preference:
         shown = (chosen_avg, rejected_avg)
         return losses, beta * chosen_avg.detach(), beta * rejected_avg.detach(), shown
 
-    def report(self, stats: list[float], counts: list[float]) -> dict[str, float]:
-        pairs = counts[PAIRS]
+    def report(self, stats: list[float], counts: Counts) -> dict[str, float]:
+        pairs = counts.pairs
         if not pairs:
             return {}
         means = {name: value / pairs for name, value in zip(STATS, stats, strict=True)}
@@ -140,58 +137,6 @@ def sequence_sums(token_logp: torch.Tensor, lengths: list[int]) -> torch.Tensor:
 def _token_logprobs(model: torch.nn.Module, micro: dict[str, Any]) -> torch.Tensor:
     hidden, head = labelled_hidden(model, micro)
     return token_logprobs(hidden, head.weight, micro["label_targets"], getattr(head, "bias", None))
-
-
-def token_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """log p(target) per token (fp32, [T]) of `hidden @ weight.T + bias`, without [T x V] logits at once
-    (trainer/model/loss.py's chunking, per token instead of summed). A trainable head (never a LoRA run's)
-    takes the plain path."""
-    hidden = hidden.to(weight.dtype)
-    if torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad)):
-        logits = F.linear(hidden, weight, bias).float()
-        return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
-    chunk = max(1, CHUNK_ELEMENTS // weight.size(0))
-    return ChunkedTokenLogprobs.apply(hidden, weight, bias, targets, chunk, torch.is_grad_enabled())
-
-
-class ChunkedTokenLogprobs(torch.autograd.Function):
-    """Per-token log-probabilities of a frozen head, chunked over tokens: each chunk's logits give its
-    log-probabilities and, when a gradient is needed, d logp / d hidden = (onehot - softmax) @ weight,
-    kept per token; backward scales each token's row by its incoming gradient. Logits are never stored."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        targets: torch.Tensor,
-        chunk: int,
-        grad_enabled: bool,
-    ) -> torch.Tensor:
-        need = grad_enabled and ctx.needs_input_grad[0]
-        out = torch.empty(hidden.size(0), dtype=torch.float32, device=hidden.device)
-        grad_h = torch.empty_like(hidden) if need else None
-        for start in range(0, hidden.size(0), chunk):
-            h, y = hidden[start : start + chunk], targets[start : start + chunk]
-            logits = F.linear(h, weight, bias).float()
-            logp = torch.log_softmax(logits, dim=-1)
-            del logits
-            out[start : start + chunk] = logp.gather(1, y[:, None]).squeeze(1)
-            if grad_h is not None:
-                grad = logp.exp_().neg_()  # -softmax, in place of the log-probabilities
-                grad[torch.arange(len(y), device=y.device), y] += 1.0
-                grad_h[start : start + chunk] = grad.to(weight.dtype) @ weight
-        ctx.save_for_backward(grad_h)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
-        (grad_h,) = ctx.saved_tensors
-        out_h = None if grad_h is None else (grad_h.float() * grad_out.float()[:, None]).to(grad_h.dtype)
-        return out_h, None, None, None, None, None
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:

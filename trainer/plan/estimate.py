@@ -40,8 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer import catalog as cat
-from trainer.config import CheckpointConfig, batch_split
-from trainer.config.schema import REFERENCE_OBJECTIVES
+from trainer.config import CheckpointConfig, batch_split, runs_reference
 from trainer.data.sampler import run_steps
 from trainer.model import flops
 from trainer.plan import PlanError, lacks
@@ -196,7 +195,7 @@ def _totals(job: Job, work: wl.Workload, gpus: int) -> Totals:
     run_flops = flops.train_flops(
         job.shape, tokens, doc_sq, job.shape.matmul_params(), job.lora_params, head_tokens=trainable
     )
-    if job.train.objective in REFERENCE_OBJECTIVES:  # DPO: the reference's forward over the same tokens
+    if runs_reference(job.train.objective):  # DPO: the reference's forward over the same tokens
         run_flops += flops.reference_forward_flops(job.shape, tokens, doc_sq, trainable)
     return Totals(steps, global_rows, tokens, trainable, doc_sq, run_flops)
 

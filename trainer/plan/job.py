@@ -6,8 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.config import AdapterConfig, CheckpointConfig, ModelConfig, TrainConfig
-from trainer.config.schema import REFERENCE_OBJECTIVES
+from trainer.config import AdapterConfig, CheckpointConfig, ModelConfig, TrainConfig, dropout_off, runs_reference
 from trainer.model import flops
 from trainer.plan import memory as mem
 
@@ -54,7 +53,7 @@ class Job:
             lora_params=self.lora_params,
             lora_r=self.adapter.r,
             target_modules=self.adapter.target_modules,
-            lora_dropout=self.adapter.dropout > 0,
+            lora_dropout=self.adapter.dropout > 0 and not dropout_off(self.train),
             optimizer=self.train.optimizer,
             micro_batch_size=micro if isinstance(micro := self.train.micro_batch_size, int) else 1,
             seq_len=self.seq_len,
@@ -67,7 +66,7 @@ class Job:
             mlp_tile_tokens=self.model.tiled_mlp_tokens,
             attention_output_copy=self.model.attn_implementation not in ("flash_attention_2", "flash_attention_3"),
         )
-        reference = self.train.objective in REFERENCE_OBJECTIVES and self.adapter.init_from is not None
+        reference = runs_reference(self.train.objective) and self.adapter.init_from is not None
         return mem.with_reference_adapter(estimate) if reference else estimate
 
     def fsdp_devices(self, memory_gib: float) -> int | None:

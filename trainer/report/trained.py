@@ -20,7 +20,7 @@ from typing import Any
 
 import fsspec
 
-from trainer.config import ConfigError, RunConfig, batch_split
+from trainer.config import ConfigError, RunConfig, batch_split, lora_dropout
 
 ADAPTER_CONFIG = "adapter_config.json"
 STATE_FILE = "trainer_state.json"
@@ -163,7 +163,7 @@ def _adapter_text(config: RunConfig, adapter_config: dict[str, Any] | None) -> s
     targets = (adapter_config or {}).get("target_modules") or list(a.target_modules)
     if isinstance(targets, str):
         targets = [targets]
-    return f"{kind}, rank {a.r}, alpha {a.alpha:g}, dropout {a.dropout:g}; targets: {', '.join(sorted(targets))}"
+    return f"{kind}, rank {a.r}, alpha {a.alpha:g}, dropout {lora_dropout(config):g}; targets: {', '.join(sorted(targets))}"
 
 
 def _data_facts(config: RunConfig | None, manifest: dict[str, Any] | None) -> list[Fact]:

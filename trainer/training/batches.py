@@ -11,8 +11,11 @@ the meter need.
 
 Preference rows (prepared with pairs: a `num_pairs` column) hold their pairs as documents in the order
 chosen, rejected, chosen, rejected..., then at most the trailing padding (trainer/data/pairs.py); a
-micro-batch then also carries `seq_tokens`, the labelled tokens of each of its sequences in that order
-(the loss sums each sequence's log-probabilities over them), and `num_pairs`.
+micro-batch then also carries `num_pairs` and the labelled tokens of each of its sequences in that order
+(the loss sums each sequence's log-probabilities over them): `seq_lengths` as host ints (the split sizes)
+and `seq_tokens`, the same as an int64 tensor that moves to the device with the rest (pinned, asynchronous),
+so the loss never copies host values to the device itself (a stream sync: trainer/training/loop.py has one
+host sync per step).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import numpy as np
 import torch
 
 from trainer.data.template import IGNORE_INDEX
+from trainer.model.objective import Counts
 from trainer.restart.preemption import SIGNALS
 from trainer.training.shutdown import close_loader
 
@@ -33,8 +37,6 @@ COLUMNS = ("input_ids", "labels", "position_ids")
 """The columns of a packed row that a forward pass needs."""
 PAIRS = "num_pairs"
 """The column of preference rows: how many pairs (two documents each, chosen first) the row starts with."""
-COUNTS = ("trainable", "real", "doc_len_sq", "pairs", "chosen_tokens")
-"""What `StepBatch.counts` holds, in order."""
 
 
 class StepBatch(NamedTuple):
@@ -47,8 +49,7 @@ class StepBatch(NamedTuple):
     micro: list[dict[str, Any]]
     """Per micro-batch, see `micro_batch`."""
     counts: torch.Tensor
-    """int64 `COUNTS` of this rank: trainable tokens (shifted labels), real tokens, sum of squared document
-    lengths, preference pairs and their chosen sequences' trainable tokens (0 and 0 for SFT rows)."""
+    """This rank's `Counts` (trainer/model/objective.py) as its int64 tensor."""
 
 
 class StepDataset(torch.utils.data.Dataset):
@@ -75,7 +76,7 @@ class StepDataset(torch.utils.data.Dataset):
         return self.total_steps
 
     def __getitem__(self, step: int) -> StepBatch:
-        micro, trainable, real, doc_sq, pairs, chosen = [], 0, 0, 0, 0, 0
+        micro, counts = [], []
         for indices in self.sampler.micro_batches(step, self.rank, self.world_size, self.micro_batch_size):
             if not indices:
                 # This rank's share of an uneven global batch ran out: every rank still runs the
@@ -90,16 +91,20 @@ class StepDataset(torch.utils.data.Dataset):
             row_pairs = [int(n) for n in cols[PAIRS]] if self.pairs else None
             ids, labels, positions = (torch.from_numpy(stack_column(cols[k])) for k in COLUMNS)
             batch = micro_batch(ids, labels, positions, row_pairs)
-            trainable += count_trainable(batch["labels"])
-            if row_pairs is not None:
-                pairs += batch["num_pairs"]
-                chosen += sum(batch["seq_tokens"][0::2])
-            for positions, n_real in zip(cols["position_ids"], cols["num_real"], strict=True):
-                lengths = document_lengths(positions[: int(n_real)])
-                real += int(n_real)
-                doc_sq += int((lengths.astype(np.int64) ** 2).sum())
+            counts.append(counts_of(batch, cols["num_real"]))
             micro.append(batch)
-        return StepBatch(step, micro, torch.tensor([trainable, real, doc_sq, pairs, chosen], dtype=torch.int64))
+        return StepBatch(step, micro, Counts.total(counts).tensor())
+
+
+def counts_of(batch: dict[str, Any], num_real: Any) -> Counts:
+    """The `Counts` of one micro-batch (see `micro_batch`) whose rows hold `num_real` real tokens each."""
+    real = doc_sq = 0
+    for positions, n_real in zip(batch["position_ids"].numpy(), num_real, strict=True):
+        lengths = document_lengths(positions[: int(n_real)])
+        real += int(n_real)
+        doc_sq += int((lengths.astype(np.int64) ** 2).sum())
+    pairs, chosen = (batch["num_pairs"], sum(batch["seq_lengths"][0::2])) if PAIRS in batch else (0, 0)
+    return Counts(count_trainable(batch["labels"]), real, doc_sq, pairs, chosen)
 
 
 def document_lengths(positions: np.ndarray) -> np.ndarray:
@@ -156,7 +161,8 @@ def micro_batch(
     }
     if row_pairs is not None:
         out["num_pairs"] = sum(row_pairs)
-        out["seq_tokens"] = sequence_tokens(labels, cu, row_pairs)
+        out["seq_lengths"] = sequence_tokens(labels, cu, row_pairs)
+        out["seq_tokens"] = torch.tensor(out["seq_lengths"], dtype=torch.int64)
     return out
 
 
@@ -260,17 +266,14 @@ def eval_micro_batches(rows: Any, rank: int, world: int, micro_batch_size: int) 
 
 
 def eval_counts(rows: Any) -> torch.Tensor:
-    """`COUNTS` of the whole held-out set (every rank reads all of it: the same totals everywhere), for
-    normalising the evaluation's loss as a step's is normalised."""
-    pairs_column = PAIRS in rows.column_names
-    cols = rows.with_format("numpy", columns=["labels", "position_ids", *([PAIRS] if pairs_column else [])])
-    trainable = pairs = chosen = 0
+    """The `Counts` tensor of the whole held-out set (every rank reads all of it: the same totals
+    everywhere), for normalising the evaluation's loss as a step's is normalised."""
+    pairs = PAIRS in rows.column_names
+    cols = rows.with_format("numpy", columns=[*COLUMNS, "num_real", *([PAIRS] if pairs else [])])
+    counts = []
     for start in range(0, len(rows), 256):
         chunk = cols[start : start + 256]
-        labels, positions = (torch.from_numpy(stack_column(chunk[k])) for k in ("labels", "position_ids"))
-        trainable += count_trainable(labels)
-        if pairs_column:
-            batch = micro_batch(torch.zeros_like(labels), labels, positions, [int(n) for n in chunk[PAIRS]])
-            pairs += batch["num_pairs"]
-            chosen += sum(batch["seq_tokens"][0::2])
-    return torch.tensor([trainable, 0, 0, pairs, chosen], dtype=torch.int64)
+        ids, labels, positions = (torch.from_numpy(stack_column(chunk[k])) for k in COLUMNS)
+        row_pairs = [int(n) for n in chunk[PAIRS]] if pairs else None
+        counts.append(counts_of(micro_batch(ids, labels, positions, row_pairs), chunk["num_real"]))
+    return Counts.total(counts).tensor()

@@ -17,7 +17,6 @@ import yaml
 
 from trainer import builtin_assets
 from trainer import config as C
-from trainer.config.schema import REFERENCE_OBJECTIVES
 from trainer.data.cache import data_cache_root, in_turns
 
 if TYPE_CHECKING:
@@ -144,7 +143,7 @@ def init_adapter(cfg: C.RunConfig) -> InitAdapter | None:
 
     if cfg.adapter.init_from is None:
         return None
-    return InitAdapter(locate(cfg.adapter.init_from), reference=cfg.train.objective in REFERENCE_OBJECTIVES)
+    return InitAdapter(locate(cfg.adapter.init_from), reference=C.runs_reference(cfg.train.objective))
 
 
 def init_structural(cfg: C.RunConfig) -> dict[str, Any]:

@@ -27,7 +27,7 @@ import torch
 
 from trainer.exit_codes import StopReason
 from trainer.model import distributed
-from trainer.model.objective import Objective, Sft
+from trainer.model.objective import Counts, Objective, Sft
 from trainer.restart.checkpoint import save_step_due, save_time_due
 from trainer.restart.preemption import agree_all
 from trainer.restart.state import Counters
@@ -178,11 +178,11 @@ def train_loop(
         grad_norm = distributed.clip_grad_norm_(accelerator, params, plan.max_grad_norm or math.inf)
         # The one host sync per step (one small transfer): a non-finite loss or gradient is
         # never applied, and the same read brings the step's token counts for the meter.
-        loss_value, norm_value, trainable, real, doc_sq, *rest = torch.stack(
-            [global_loss.double(), grad_norm.double(), *counts.double(), *reduced[1:]]
+        loss_value, norm_value, *rest = torch.cat(
+            [global_loss.double()[None], grad_norm.double()[None], counts.double(), reduced[1:]]
         ).tolist()
-        n_counts = counts.numel()
-        extras = objective.report(rest[n_counts - 3 :], [trainable, real, doc_sq, *rest[: n_counts - 3]])
+        step_counts = Counts(*(int(n) for n in rest[: len(Counts._fields)]))
+        extras = objective.report(rest[len(Counts._fields) :], step_counts)
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)
         if finite:
             with _out_of_memory_at(step, None, batch):  # the first step allocates AdamW's state
@@ -199,8 +199,8 @@ def train_loop(
             )
         optimizer.zero_grad(set_to_none=True)
         counters.step += 1
-        counters.tokens += int(trainable)
-        counters.real_tokens += int(real)
+        counters.tokens += step_counts.trainable
+        counters.real_tokens += step_counts.real
         hooks.on_step(
             StepRecord(
                 counters=dataclasses.replace(counters),
@@ -210,9 +210,9 @@ def train_loop(
                 applied=finite,
                 seconds=time.monotonic() - t_start,
                 stall_seconds=stall,
-                trainable_tokens=int(trainable),
-                real_tokens=int(real),
-                doc_len_sq=int(doc_sq),
+                trainable_tokens=step_counts.trainable,
+                real_tokens=step_counts.real,
+                doc_len_sq=step_counts.doc_len_sq,
                 extras=extras,
             )
         )
@@ -316,7 +316,7 @@ def make_evaluator(
         total = accelerator.reduce(total, reduction="sum").tolist()
         loss = total[0] / max(1.0, float(objective.normaliser(counts)))
         if report is not None:
-            report(loss, time.monotonic() - started, objective.report(total[1:], counts.double().tolist()))
+            report(loss, time.monotonic() - started, objective.report(total[1:], Counts(*counts.tolist())))
         return loss
 
     return evaluate

@@ -24,7 +24,8 @@ from trainer.data.sampler import StepSampler, run_steps
 from trainer.exit_codes import StopReason
 from trainer.model import compile_cache, distributed, flops
 from trainer.model.load import build, build_optimizer, count_params
-from trainer.model.objective import objective_for
+from trainer.model.objective import Objective, Sft
+from trainer.model.preference import Preference
 from trainer.restart import owner
 from trainer.restart.checkpoint import CheckpointManager
 from trainer.restart.ledger import Ledger, timed
@@ -128,6 +129,12 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
 # ---------------------------------------------------------------------------- the stages
 
 
+def objective_for(train: C.TrainConfig) -> Objective:
+    """The objective `train.objective` names, with its settings (here: objective.py's contract does not
+    import its implementations)."""
+    return Sft() if train.objective == "sft" else Preference.of(train)
+
+
 def _build_model(cfg: C.RunConfig, proc: process.Process) -> torch.nn.Module:
     model_cfg = cfg.model
     if proc.sharding.activation_checkpointing:  # asked for by an accelerate FSDP config
@@ -141,6 +148,7 @@ def _build_model(cfg: C.RunConfig, proc: process.Process) -> torch.nn.Module:
         sharded=proc.sharding.fsdp,
         progress=proc.accelerator.is_local_main_process,  # a download shows, once per machine
         init=init_adapter(cfg),  # adapter.init_from (a DPO run's reference too)
+        no_dropout=C.dropout_off(cfg.train),
     )
 
 
@@ -167,7 +175,7 @@ def _schedule(cfg: C.RunConfig, proc: process.Process, prepared: Any, n_rows: in
     if saved is not None:
         notes += check_compatible(saved, structural, prepared.fingerprint, cfg.checkpoint.allow_config_change)
         if saved.world_size != proc.world:
-            notes.append(split.resume_note(saved.world_size, cfg.adapter.dropout))
+            notes.append(split.resume_note(saved.world_size, C.lora_dropout(cfg)))
     sampler = StepSampler(n_rows, split.global_rows, seed=cfg.seed, shuffle=cfg.data.shuffle)
     steps = run_steps(n_rows, split.global_rows, cfg.train.max_steps, cfg.train.epochs)
     state = TrainState(
@@ -223,7 +231,9 @@ def _open_books(
     meter = metrics.Meter(
         world_size=proc.world,
         warmup_steps=cfg.metrics.warmup_steps,
-        flops_fn=flops.meter_flops_fn(proc.accelerator.unwrap_model(model).config, trainable, objective_for(cfg.train)),
+        flops_fn=flops.meter_flops_fn(
+            proc.accelerator.unwrap_model(model).config, trainable, C.runs_reference(cfg.train.objective)
+        ),
         peak_flops=peak_flops,
         price_per_hour=cfg.metrics.price_per_hour,
         total_steps=sched.steps,
