@@ -125,6 +125,26 @@ def test_drops_are_counted_by_reason_and_pairs_fit_one_row(tiny_llama: Path, tmp
     assert "8 pairs in -> 4 kept; dropped: no_shared_prompt 2, null_field 2; truncated: 2" in p.summary()
 
 
+def test_implicit_pairs_are_kept_whatever_keys_arrow_fills_into_their_turns(tiny_llama: Path, tmp_path: Path) -> None:
+    """Arrow gives every turn of a column every key any turn of it has, None where absent, and chosen and
+    rejected are two columns: a `name` on one rejected turn must not make the shared user turns differ."""
+    from trainer.data.read import data_columns, read_rows
+    from trainer.data.rows import head
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    plain = SHAPES["implicit, no prompt column"]
+    data = _jsonl(tmp_path / "p.jsonl", [{"chosen": [*SKY, BLUE], "rejected": [*SKY, {**GREEN, "name": "bot"}]}, plain])
+    ds = read_rows(data)
+    assert ds[1]["rejected"][0] == {**SKY[0], "name": None} and "name" not in ds[1]["chosen"][0]  # as Arrow reads it
+    out = tokenize_pairs_for(DataConfig(seq_len=512), tok, "test").settle(data_columns(ds), head(ds))(ds.to_dict())
+    assert out["status"] == ["", ""]
+    assert out["input_ids"] == [_pairs(tok, [plain])["input_ids"][0]] * 2  # the same pair as the rows as written
+    # control: conversations whose user turns do differ still share no prompt
+    assert _pairs(tok, [{"chosen": [*SKY, BLUE], "rejected": [{**SKY[0], "content": "Why?"}, GREEN]}])["status"] == [
+        "no_shared_prompt"
+    ]
+
+
 def test_packed_rows_keep_each_pair_together_in_order(tiny_llama: Path, tmp_path: Path) -> None:
     data = builtin_assets.write_pairs(tmp_path / "pairs.jsonl", n=40)
     p = prepare(DataConfig(path=str(data), seq_len=256), str(tiny_llama), tmp_path / "c", progress=False, pairs=True)

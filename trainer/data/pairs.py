@@ -113,6 +113,8 @@ def to_pair(row: dict[str, Any], fields: dict[str, str], has_template: bool) -> 
             return Drop(NULL_FIELD, f"field {prompt_col!r} is missing or null")
     else:
         shared = _shared_prefix(chosen, rejected)
+        if isinstance(shared, Drop):
+            return shared
         if shared is None:
             return Drop(NO_SHARED_PROMPT, "the chosen and rejected conversations share no prompt")
         prompt, chosen, rejected = shared
@@ -142,10 +144,15 @@ def _messages(value: Any, role: str) -> Messages | Drop:
     return ex if isinstance(ex, Drop) else list(ex.messages or [])
 
 
-def _shared_prefix(chosen: Any, rejected: Any) -> tuple[Any, Any, Any] | None:
+def _shared_prefix(chosen: Any, rejected: Any) -> tuple[Any, Any, Any] | Drop | None:
     """(prompt, chosen answer, rejected answer) of an implicit prompt, as TRL's `extract_prompt`
     splits it: the longest common prefix of the two conversations (or strings, where a space before
-    the answers stays with them); None when nothing is shared or the split leaves no answer."""
+    the answers stays with them); None when nothing is shared or the split leaves no answer, a Drop
+    when a conversation's turns are malformed.
+
+    Turns are compared as the messages they render (trainer/data/turns.py), not as read: Arrow gives
+    every turn of a column the keys any turn of it has, filled with None, and chosen and rejected are
+    two columns, so the same user turn read from each may differ in keys that hold nothing."""
     if isinstance(chosen, str) and isinstance(rejected, str):
         n = _common(chosen, rejected)
         if n > 0 and chosen[n - 1] == " ":
@@ -153,6 +160,9 @@ def _shared_prefix(chosen: Any, rejected: Any) -> tuple[Any, Any, Any] | None:
         return (chosen[:n], chosen[n:], rejected[n:]) if n > 0 else None
     if not isinstance(chosen, list) or not isinstance(rejected, list):
         return None
+    chosen, rejected = _messages(chosen, "assistant"), _messages(rejected, "assistant")
+    if isinstance(chosen, Drop) or isinstance(rejected, Drop):
+        return chosen if isinstance(chosen, Drop) else rejected
     n = _common(chosen, rejected)
     if n == 0 or n == len(chosen) or n == len(rejected):
         return None
