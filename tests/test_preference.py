@@ -145,6 +145,36 @@ def test_implicit_pairs_are_kept_whatever_keys_arrow_fills_into_their_turns(tiny
     ]
 
 
+def test_a_tools_column_is_rendered_in_front_of_both_answers(tiny_llama: Path, tmp_path: Path) -> None:
+    """Tool-calling pairs render the template's tools header, as TRL's DPOTrainer renders a `tools` column:
+    the prompt both answers follow is the template's rendering of the prompt with the tools, never scored."""
+    template = (
+        "{% if tools %}<|tools|>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% endif %}"
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+        "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    tools = [{"type": "function", "function": {"name": "sky", "parameters": {"type": "object", "properties": {}}}}]
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    rows = [{**SHAPES["explicit messages"], "tools": json.dumps(tools)}, {**SHAPES["explicit messages"], "tools": "{"}]
+    out = _pairs(tok, rows, chat_template=template)
+    assert out["status"] == ["", "malformed_tools"]
+    ids, labels, cut = out["input_ids"][0], out["labels"][0], out["chosen_length"][0]
+    want = tok.apply_chat_template(
+        SKY, tools=tools, chat_template=template, add_generation_prompt=True, return_dict=True
+    )
+    for part, lab in ((ids[:cut], labels[:cut]), (ids[cut:], labels[cut:])):
+        assert part[: next(i for i, x in enumerate(lab) if x != IGNORE_INDEX)] == list(want["input_ids"])
+    assert _scored(tok, out) == ("It is blue.</s>", "It is green.</s>")  # the header is never scored
+    plain = _pairs(tok, [SHAPES["explicit messages"]], chat_template=template)  # control: no tools, no header
+    assert "<|tools|>" in tok.decode(ids) and "<|tools|>" not in tok.decode(plain["input_ids"][0])
+    # Prepared from a file, the column is read as pairs read it (a list of schemas, kept as JSON text).
+    data = _jsonl(tmp_path / "t.jsonl", [{**SHAPES["explicit messages"], "tools": tools}])
+    cfg = DataConfig(path=str(data), seq_len=512, chat_template=template)
+    p = prepare(cfg, str(tiny_llama), tmp_path / "c", progress=False, pairs=True)
+    assert datasets.load_from_disk(str(p.train_path))[0]["input_ids"][: len(ids)] == ids
+
+
 def test_packed_rows_keep_each_pair_together_in_order(tiny_llama: Path, tmp_path: Path) -> None:
     data = builtin_assets.write_pairs(tmp_path / "pairs.jsonl", n=40)
     p = prepare(DataConfig(path=str(data), seq_len=256), str(tiny_llama), tmp_path / "c", progress=False, pairs=True)

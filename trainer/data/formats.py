@@ -17,7 +17,7 @@ __all__ = ["BAD_MESSAGES", "FORMAT_FIELDS", "NULL_FIELD", "UNKNOWN_ROLE", "Drop"
 
 # The one map of data formats to the columns they read: (config key, role in Tokenize, required).
 # alpaca's `input` and `system` are optional (many sets have neither), as is the conversational
-# formats' `tools` (function schemas, for rows that call them); the rest are required.
+# formats' and preference pairs' `tools` (function schemas, for rows that call them); the rest are required.
 _TOOLS = ("tools_field", "tools", False)
 FORMAT_FIELDS: dict[str, tuple[tuple[str, str, bool], ...]] = {
     "alpaca": (
@@ -37,6 +37,7 @@ FORMAT_FIELDS: dict[str, tuple[tuple[str, str, bool], ...]] = {
         ("chosen_field", "chosen", True),
         ("rejected_field", "rejected", True),
         ("system_field", "system", False),
+        _TOOLS,
     ),
 }
 FORMAT_FIELDS["chat"] = FORMAT_FIELDS["messages"]  # the earlier name of `messages`, still accepted
