@@ -66,6 +66,13 @@ def test_one_conversation_in_every_format_trains_the_same_tokens(tiny_tokenizer:
     # control: without the system column alpaca renders another conversation
     bare = dict(ROWS["alpaca"], system=None)
     assert _tokenized(tok, "alpaca", [bare])["input_ids"] != ref["input_ids"]
+    # LLaMA-Factory's ShareGPT form (messages alike): the system prompt in a `system` column beside the turns,
+    # read where the conversation has none of its own (its own is the one rendered, never both)
+    for fmt, key in (("sharegpt", "conversations"), ("messages", "messages")):
+        column = {key: ROWS[fmt][key][1:], "system": SYSTEM}
+        assert _tokenized(tok, fmt, [column]) == ref == _tokenized(tok, "auto", [column]), fmt
+        assert _tokenized(tok, fmt, [{key: ROWS[fmt][key], "system": "Another."}]) == ref, fmt
+        assert _tokenized(tok, fmt, [{key: ROWS[fmt][key][1:]}])["input_ids"] != ref["input_ids"]  # control
 
 
 def test_auto_says_what_it_picked_and_why(tmp_path: Path, tiny_tokenizer: Path, capfd: pytest.CaptureFixture) -> None:

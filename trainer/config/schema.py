@@ -130,7 +130,7 @@ class DataConfig:
     output_field: str = "output"
     """Field holding the alpaca response (trained)."""
     system_field: str = "system"
-    """Field holding an optional alpaca system prompt (rendered as the system turn)."""
+    """Field holding an optional system prompt (rendered as the system turn): alpaca's, a preference pair's, or the one beside `messages`/`sharegpt` turns (LLaMA-Factory's ShareGPT form; read when the turns hold no system turn)."""
     prompt_field: str = "prompt"
     """Field holding the prompt of `prompt_completion` and `preference` data (a string, or a list of messages; for pairs it may be absent: the turns chosen and rejected share)."""
     completion_field: str = "completion"

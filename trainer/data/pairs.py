@@ -46,7 +46,7 @@ from trainer.data.template import (
     Tokenize,
     tokenize_for,
 )
-from trainer.data.turns import Drop, messages_of, tools_of
+from trainer.data.turns import Drop, messages_of, tools_of, with_system
 
 FORMAT = "preference"
 WHAT = "preference (chosen/rejected pairs, with a prompt column or sharing their prompt)"
@@ -128,8 +128,7 @@ def to_pair(row: dict[str, Any], fields: dict[str, str], has_template: bool) -> 
     msgs, good, bad = _messages(prompt, "user"), _messages(chosen, "assistant"), _messages(rejected, "assistant")
     if isinstance(msgs, Drop) or isinstance(good, Drop) or isinstance(bad, Drop):
         return next(part for part in (msgs, good, bad) if isinstance(part, Drop))
-    if system and not any(m["role"] == "system" for m in msgs):
-        msgs = [{"role": "system", "content": str(system)}, *msgs]
+    msgs = with_system(msgs, system)
     if not all(any(m["role"] == "assistant" for m in answer) for answer in (good, bad)):
         why = "an answer holds no assistant turn"
         return Drop(NO_SHARED_PROMPT, why) if not prompt_col else Drop(formats.BAD_MESSAGES, why)
