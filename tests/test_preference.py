@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import numpy as np
 import pytest
 import torch
 from conftest import SHARED_DATA
@@ -27,7 +28,8 @@ from trainer.data.template import IGNORE_INDEX
 from trainer.model.load import build
 from trainer.model.preference import Preference
 from trainer.model.reference import InitAdapter, locate
-from trainer.training.batches import StepDataset, micro_batch
+from trainer.plan import workload
+from trainer.training.batches import StepDataset, document_lengths, micro_batch
 
 SKY = [{"role": "user", "content": "What colour is the sky?"}]
 BLUE, GREEN = {"role": "assistant", "content": "It is blue."}, {"role": "assistant", "content": "It is green."}
@@ -195,6 +197,13 @@ def test_packed_rows_keep_each_pair_together_in_order(tiny_llama: Path, tmp_path
             found.append((chosen, rejected))
         assert row["position_ids"][bounds[2 * row["num_pairs"]] :] == list(range(256 - bounds[2 * row["num_pairs"]]))
     assert sorted(found) == sorted((r["chosen"][0]["content"], r["rejected"][0]["content"]) for r in source)
+    # The estimate's attention work is the meter's: each answer a document (c**2 + r**2, not (c + r)**2)
+    metered = sum(
+        int((document_lengths(np.asarray(row["position_ids"][: row["num_real"]])) ** 2).sum()) for row in rows
+    )
+    assert workload.from_manifest(p.manifest).doc_len_sq_sum == metered
+    train = {k: v for k, v in p.manifest["train"].items() if k != "doc_len_sq"}  # control: a manifest before it
+    assert workload.doc_len_sq(train, 256) != metered
 
     # What the loss relies on is asserted where it is read: a row claiming a pair more than it holds is refused.
     row = rows[0]

@@ -305,6 +305,8 @@ def _tokenize_pack_save(
     _save_rows(packed, cfg.seq_len, out_dir / name)
 
     n_rows, real = len(bins), int(packed["num_real"].sum())
+    # Attention's work as the meter counts it (per packed document: a pair's chosen and rejected apart)
+    documents = np.diff(offsets)[[i for b in bins for i in b]].astype(np.int64)
     return {
         **{k: per_source[0][k] for k in ("format", "format_reason", "chat_template")},  # the first source's
         "examples_in": len(status),
@@ -316,6 +318,7 @@ def _tokenize_pack_save(
         "truncation": truncation(lengths, status, cfg.seq_len),  # what seq_len loses (trainer/data/stats.py)
         "real_tokens": real,
         "trainable_tokens": int(packed["num_trainable"].sum()),
+        "doc_len_sq": int((documents**2).sum()),
         "rows": n_rows,
         "packing_efficiency": real / (n_rows * cfg.seq_len),
         "packing_algorithm": algorithm,
