@@ -348,6 +348,24 @@ def test_config_rules_and_other_tools_names(tmp_path: Path) -> None:
     assert "means train.dpo_loss='ipo', but train.dpo_loss is set to 'hinge'" in problems(
         "rl=ipo", "train.dpo_loss=hinge"
     )
+
+    # TRL's CPO simpo and Axolotl's rl: simpo keep CPO's default cpo_alpha=1.0 SFT term; LLaMA-Factory's has none
+    def sft_weight(text: str, *overrides: str) -> tuple[str, str, float]:
+        recipe.write_text(text)
+        t = C.load(recipe, list(overrides)).train
+        return t.objective, t.dpo_loss, t.sft_weight
+
+    assert sft_weight("loss_type: simpo\n") == ("simpo", "sigmoid", 1.0)
+    assert sft_weight("rl: simpo\n") == ("simpo", "sigmoid", 1.0)
+    assert sft_weight("rl: simpo\ncpo_alpha: 0.5\n") == ("simpo", "sigmoid", 0.5)
+    assert sft_weight("loss_type: simpo\ntrain:\n  sft_weight: 0.0\n") == ("simpo", "sigmoid", 0.0)
+    assert sft_weight("loss_type: simpo\n", "train.sft_weight=0.25") == ("simpo", "sigmoid", 0.25)
+    assert sft_weight("stage: dpo\npref_loss: simpo\n") == ("simpo", "sigmoid", 0.0)  # control
+    # TRL 1.x's list of losses: [sigmoid, sft] is DPO plus the SFT term; another list is answered, naming the key
+    assert sft_weight("rl: dpo\nloss_type: [sigmoid, sft]\n") == ("dpo", "sigmoid", 1.0)
+    recipe.write_text("rl: dpo\nloss_type: [sigmoid, bco_pair]\n")
+    with pytest.raises(C.ConfigError, match=r"loss_type: spotune trains one preference loss .* a list is read only as"):
+        C.load(recipe)
     # A run's structure names its objective (SFT keeps the fields its checkpoints always had).
     assert C.structural_fields(C.load(None, ["train.objective=dpo"]))["train.objective"] == "dpo"
     assert C.structural_fields(C.load(None))["train.objective"] is None
