@@ -210,8 +210,10 @@ class Chat:
             return self.tokenizer.apply_chat_template(
                 conversation.messages(), add_generation_prompt=True, return_tensors="pt", return_dict=True
             )
-        # text (or data that met no template): every token was trained, the conversation is text to continue
-        text = "\n".join(t["content"] for t in conversation.turns) + "\n"
+        if self.source.format == "text":  # every token was trained: the conversation is text to continue
+            text = "\n".join(t["content"] for t in conversation.turns) + "\n"
+        else:  # data that met no template trained a raw prompt directly followed by its completion (template.py)
+            text = "".join(t["content"] for t in conversation.turns)
         return self.tokenizer(text, add_special_tokens=True, return_tensors="pt")
 
 
