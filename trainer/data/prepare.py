@@ -32,12 +32,12 @@ from trainer.data import cache, dropped, rows, tokenizer
 from trainer.data import pairs as pair_data
 from trainer.data.chat_templates import resolve_chat_template, template_name, uses_date
 from trainer.data.formats import FORMAT_FIELDS
-from trainer.data.pack import batch_pad_efficiency, build_rows, one_per_row, pack_lengths
-from trainer.data.read import DataError, data_columns
+from trainer.data.pack import batch_pad_efficiency, build_rows, doc_len_sq, one_per_row, pack_lengths
+from trainer.data.read import DataError
 from trainer.data.rows import Parts
 from trainer.data.sources import Located, eval_sources, local_files, locate, sources_of
 from trainer.data.stats import BASELINE_BATCH, format_summary, length_stats, truncation
-from trainer.data.template import Tokenize, tokenize_for
+from trainer.data.template import Tokenize
 
 _TOKENIZED = Features(
     {
@@ -218,18 +218,8 @@ class _Job:
 def _tokenize(loc: Located, raw: datasets.Dataset, job: _Job, j: int) -> tuple[datasets.Dataset, Tokenize]:
     """One source's rows through its own template (format and fields)."""
     src = loc.source
-    if src.key.startswith("data.sources[") and src.fmt != "auto":
-        rows.check_fields(raw, src, loc.label)  # names data.sources[i].fields.<role>, the key to fix
-    # The source's own DataConfig (its format and columns): built like a single-source prepare's.
+    mapped, tok = rows.tokenize_source(loc, job.cfg, raw, rows.head(raw), job.tokenizer, job.tokenizer_path, job.pairs)
     cfg = src.data_config(job.cfg, FORMAT_FIELDS)
-    mapped: Tokenize | pair_data.TokenizePairs
-    if job.pairs:
-        mapped = pair_data.tokenize_pairs_for(cfg, job.tokenizer, loc.label)
-        mapped = mapped.settle(data_columns(raw), rows.head(raw), job.tokenizer_path)
-        tok = mapped.tok
-    else:
-        tok = mapped = tokenize_for(cfg, job.tokenizer, source=loc.label)
-        tok = mapped = tok.settle(data_columns(raw), rows.head(raw), job.tokenizer_path)
     tokenized = raw.map(
         mapped,
         batched=True,
@@ -305,8 +295,6 @@ def _tokenize_pack_save(
     _save_rows(packed, cfg.seq_len, out_dir / name)
 
     n_rows, real = len(bins), int(packed["num_real"].sum())
-    # Attention's work as the meter counts it (per packed document: a pair's chosen and rejected apart)
-    documents = np.diff(offsets)[[i for b in bins for i in b]].astype(np.int64)
     return {
         **{k: per_source[0][k] for k in ("format", "format_reason", "chat_template")},  # the first source's
         "examples_in": len(status),
@@ -318,7 +306,7 @@ def _tokenize_pack_save(
         "truncation": truncation(lengths, status, cfg.seq_len),  # what seq_len loses (trainer/data/stats.py)
         "real_tokens": real,
         "trainable_tokens": int(packed["num_trainable"].sum()),
-        "doc_len_sq": int((documents**2).sum()),
+        "doc_len_sq": doc_len_sq(offsets, bins),
         "rows": n_rows,
         "packing_efficiency": real / (n_rows * cfg.seq_len),
         "packing_algorithm": algorithm,
