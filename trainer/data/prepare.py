@@ -5,14 +5,12 @@ documents side by side in one row (trainer/data/pairs.py), and each packed row r
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import shutil
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +36,7 @@ from trainer.data.rows import Parts
 from trainer.data.sources import Located, eval_sources, local_files, locate, sources_of
 from trainer.data.stats import BASELINE_BATCH, format_summary, length_stats, truncation
 from trainer.data.template import Tokenize
+from trainer.progress import datasets_bars
 
 _TOKENIZED = Features(
     {
@@ -93,7 +92,7 @@ def prepare(
     manifest = cache.load_complete(cache_root, fp)
     reused = manifest is not None
     if manifest is None:
-        with cache.atomic_build(cache_root, fp) as tmp, _progress_bars(progress):
+        with cache.atomic_build(cache_root, fp) as tmp, datasets_bars(progress):
             manifest = _build(tmp, plan, seed, pairs)
     final = cache_root / fp
     return Prepared(
@@ -338,14 +337,3 @@ def _plot(manifest: dict[str, Any], png: Path) -> None:
         plot_lengths(manifest, png)
     except ImportError:
         print("spotune prepare: matplotlib is not installed; skipping lengths.png", file=sys.stderr)
-
-
-@contextlib.contextmanager
-def _progress_bars(enabled: bool) -> Iterator[None]:
-    """datasets' progress bars follow a global switch: set it for this call, then restore it."""
-    was = datasets.utils.logging.is_progress_bar_enabled()
-    (datasets.utils.logging.enable_progress_bar if enabled else datasets.utils.logging.disable_progress_bar)()
-    try:
-        yield
-    finally:
-        (datasets.utils.logging.enable_progress_bar if was else datasets.utils.logging.disable_progress_bar)()

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import DataConfig
+from trainer.progress import datasets_bars
 
 
 @dataclass(frozen=True)
@@ -156,11 +157,11 @@ def from_sample(
 ) -> Workload:
     """Prepare the first `sample_size` examples (pairs, for a preference objective) in a scratch directory and extrapolate."""
     from trainer.data import prepare
-    from trainer.data.prepare import FORMAT_FIELDS, _progress_bars
+    from trainer.data.prepare import FORMAT_FIELDS
     from trainer.data.sources import write_sample
 
     # No datasets bars: a sample is quick, and the estimate's output is a table (maybe a log file's).
-    with tempfile.TemporaryDirectory(prefix="spotune-estimate-") as tmp, _progress_bars(False):
+    with tempfile.TemporaryDirectory(prefix="spotune-estimate-") as tmp, datasets_bars(False):
         # Every source of a mix in its share, local or on the hub (trainer/data/sources.py).
         resolved = dataclasses.replace(data, path=resolved_path)
         sample_cfg, total, n = write_sample(resolved, FORMAT_FIELDS, Path(tmp), sample_size, seed)
