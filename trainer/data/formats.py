@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainer.data.read import INTERNAL
 from trainer.data.turns import (
     BAD_MESSAGES,
     NULL_FIELD,
@@ -81,6 +82,19 @@ def fields_of(fmt: str, cfg: Any) -> dict[str, str]:
 def fields_default() -> dict[str, str]:
     """Role -> the column each role is read from by default (its config key without `_field`)."""
     return {role: role for key, role, _ in FORMAT_FIELDS["auto"]}
+
+
+def unread(fmt: str, columns: list[str], fields: dict[str, str]) -> str | None:
+    """A line naming the data columns no role of `fmt` reads (their content does not train), or None: a
+    misnamed column (alpaca-style pairs' instruction/input beside chosen/rejected) shows before the run."""
+    read = {fields.get(role) for _, role, _ in FORMAT_FIELDS[normalise(fmt)]}
+    left = [c for c in columns if c not in read and not c.startswith(INTERNAL)]
+    if not left:
+        return None
+    return (
+        f"format {normalise(fmt)} reads no column {', '.join(map(repr, left))} (only "
+        f"{', '.join(repr(c) for c in columns if c in read)}); set the data.*_field key of a role to read one"
+    )
 
 
 def required(fmt: str, fields: dict[str, str]) -> dict[str, str]:

@@ -200,6 +200,7 @@ class TokenizePairs:
         chosen = next((r.get(fields["chosen"]) for r in head if r.get(fields["chosen"]) is not None), None)
         if not isinstance(chosen, str) or (fields["prompt"] and isinstance(head[0].get(fields["prompt"]), list)):
             require_template(tok.template, FORMAT, tokenizer_path or str(tok.source))
+        tok.say_unread(columns)
         return TokenizePairs(tok)
 
     def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
