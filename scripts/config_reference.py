@@ -29,9 +29,18 @@ def table() -> str:
 def alias_table() -> str:
     lines = ["| name | read as | values |", "|---|---|---|"]
     for name, alias in ALIASES.items():
-        values = ", ".join(f"`{k}` -> `{v}`" for k, v in (alias.values or {}).items())
+        values = ", ".join(f"`{_value(k)}` -> `{v}`" for k, v in (alias.values or {}).items())
+        values += "".join(
+            f", `{_value(k)}` also sets " + ", ".join(f"`{key}: {v}` unless set" for key, v in keys.items())
+            for k, keys in (alias.defaults or {}).items()
+        )
         lines.append(f"| `{name}` | `{alias.key}` | {values} |")
     return "\n".join(lines)
+
+
+def _value(value: object) -> str:
+    """A table's value as written in a recipe (a list key is its sorted tuple)."""
+    return f"[{', '.join(map(str, value))}]" if isinstance(value, tuple) else str(value)
 
 
 def answer_table() -> str:

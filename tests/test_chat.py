@@ -169,6 +169,19 @@ def test_ctrl_c_stops_a_reply_and_at_the_prompt_ends_the_chat(run_dir: Path) -> 
     assert second.strip() and "(stopped)" not in second
 
 
+def test_generation_pads_with_the_pad_token_even_when_its_id_is_0(tiny_tokenizer: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from trainer.serve.chat import pad_id
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer)
+    tok.pad_token = tok.convert_ids_to_tokens(0)
+    assert tok.pad_token_id == 0 != tok.eos_token_id
+    assert pad_id(tok) == 0
+    tok.pad_token = None
+    assert pad_id(tok) == tok.eos_token_id  # control: no pad token, EOS pads
+
+
 def test_bad_path_exits_2_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert spotune(["chat", str(tmp_path / "nope"), "--prompt", "hi"]) == EXIT_BAD_INPUT
     assert f"{tmp_path / 'nope'} does not exist" in capsys.readouterr().err

@@ -209,3 +209,23 @@ def test_on_a_terminal_the_bar_starts_at_the_resumed_step() -> None:
     last = tty.getvalue().split("\r")[-1]
     assert "51/100" in last and "loss=1.2500" in last and "eval=1.5000" in last, last
     assert "spotune: step" not in tty.getvalue()  # the bar, not lines
+
+
+def test_datasets_bars_follow_the_switch_for_the_call_and_are_restored() -> None:
+    """`prepare` shows datasets' bars when asked, the estimate's sample never: the global switch is set for
+    the call and put back as it was (whichever it was), even when the call raises."""
+    import datasets
+
+    from trainer.progress import datasets_bars
+
+    logging_ = datasets.utils.logging
+    was = logging_.is_progress_bar_enabled()
+    try:
+        for before, inside in ((True, False), (False, True), (True, True), (False, False)):
+            (logging_.enable_progress_bar if before else logging_.disable_progress_bar)()
+            with pytest.raises(KeyError), datasets_bars(inside):
+                assert logging_.is_progress_bar_enabled() is inside
+                raise KeyError("interrupted")
+            assert logging_.is_progress_bar_enabled() is before
+    finally:
+        (logging_.enable_progress_bar if was else logging_.disable_progress_bar)()

@@ -66,6 +66,13 @@ def test_one_conversation_in_every_format_trains_the_same_tokens(tiny_tokenizer:
     # control: without the system column alpaca renders another conversation
     bare = dict(ROWS["alpaca"], system=None)
     assert _tokenized(tok, "alpaca", [bare])["input_ids"] != ref["input_ids"]
+    # LLaMA-Factory's ShareGPT form (messages alike): the system prompt in a `system` column beside the turns,
+    # read where the conversation has none of its own (its own is the one rendered, never both)
+    for fmt, key in (("sharegpt", "conversations"), ("messages", "messages")):
+        column = {key: ROWS[fmt][key][1:], "system": SYSTEM}
+        assert _tokenized(tok, fmt, [column]) == ref == _tokenized(tok, "auto", [column]), fmt
+        assert _tokenized(tok, fmt, [{key: ROWS[fmt][key], "system": "Another."}]) == ref, fmt
+        assert _tokenized(tok, fmt, [{key: ROWS[fmt][key][1:]}])["input_ids"] != ref["input_ids"]  # control
 
 
 def test_auto_says_what_it_picked_and_why(tmp_path: Path, tiny_tokenizer: Path, capfd: pytest.CaptureFixture) -> None:
@@ -74,6 +81,23 @@ def test_auto_says_what_it_picked_and_why(tmp_path: Path, tiny_tokenizer: Path, 
     assert p.manifest["train"]["format"] == "sharegpt"
     assert "data.format=auto -> sharegpt (column 'conversations' holds turns of from/value)" in capfd.readouterr().err
     assert p.manifest["train"]["chat_template"] == "the tokenizer's own"
+
+
+def test_columns_no_role_reads_are_named_once_per_source(tiny_tokenizer: Path, capfd: pytest.CaptureFixture) -> None:
+    """Alpaca-style pairs (instruction/input beside chosen/rejected) train their shared prefix as the prompt, and a
+    misnamed column trains nothing: each source says which of its columns its format reads none of."""
+    from trainer.data.pairs import tokenize_pairs_for
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer)
+    pair = {"instruction": "Capital?", "input": "France", "chosen": "Paris", "rejected": "Lyon"}
+    tokenize_pairs_for(DataConfig(), tok, "pairs.jsonl").settle(list(pair), [pair])
+    err = capfd.readouterr().err
+    assert "pairs.jsonl: format preference reads no column 'instruction', 'input' (only 'chosen', 'rejected')" in err
+    _tokenized(tok, "messages", [{**ROWS["messages"], "lang": "en"}])
+    assert "rows.jsonl: format messages reads no column 'lang' (only 'messages')" in capfd.readouterr().err
+    for fmt, row in ROWS.items():  # control: every column read, nothing said
+        _tokenized(tok, fmt, [row])
+        assert "reads no column" not in capfd.readouterr().err, fmt
 
 
 @pytest.mark.parametrize(

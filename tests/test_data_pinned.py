@@ -133,8 +133,9 @@ def test_a_dated_template_renders_the_runs_day_on_every_restart(tmp_path: Path, 
 
 # ----------------------------------------------------------------------------- the pipeline's version
 
-RENDERED: dict[str, str] = {"3": "9a3c28de8a919be9"}
-"""PIPELINE_VERSION -> the digest of what the pipeline makes of GOLDEN (ids, labels, drops, packed rows)."""
+RENDERED: dict[str, str] = {"3": "9a3c28de8a919be9", "4": "c7134cb5890afdd5"}
+"""PIPELINE_VERSION -> the digest of what the pipeline makes of GOLDEN and PAIRS (ids, labels, drops, packed rows);
+an old entry is the digest of the fixture of its day."""
 CALL = {"id": "call00001", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "x"}'}}
 GOLDEN: dict[str, list[dict[str, Any]]] = {
     "alpaca": [
@@ -176,9 +177,41 @@ GOLDEN: dict[str, list[dict[str, Any]]] = {
             ]
         },
         {"conversations": [{"from": "narrator", "value": "Once."}, {"from": "gpt", "value": "Upon."}]},
+        # LLaMA-Factory's ShareGPT form: the system prompt in a column beside the turns; a whitespace-only
+        # tools cell (no tools); an empty call
+        {
+            "conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hi."}],
+            "system": "Kind.",
+            "tools": " ",
+        },
+        {"conversations": [{"from": "human", "value": "Do."}, {"from": "function_call", "value": ""}]},
     ],
     "text": [{"text": "Plain text, every token trained."}],
 }
+# Preference pairs, each list one source (its columns settle how its pairs read): a prompt column with
+# the system and tools columns; and whole conversations sharing their prompt, whose turns carry the
+# None-filled keys Arrow gives a column (a `name` only the rejected one has).
+PAIRS: list[list[dict[str, Any]]] = [
+    [
+        {
+            "prompt": [{"role": "user", "content": "Look x up."}],
+            "chosen": [{"role": "assistant", "content": None, "tool_calls": [CALL]}],
+            "rejected": [{"role": "assistant", "content": "No."}],
+            "system": "Use tools.",
+            "tools": json.dumps([{"name": "lookup", "parameters": {"type": "object"}}]),
+        },
+        {"prompt": "Sky?", "chosen": "Blue.", "rejected": "Green.", "system": None, "tools": "  "},
+    ],
+    [
+        {
+            "chosen": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+            "rejected": [
+                {"role": "user", "content": "2+2?", "name": None},
+                {"role": "assistant", "content": "5", "name": "bot"},
+            ],
+        }
+    ],
+]
 TOOL_TEMPLATE = (  # a template that renders tools and calls, as Qwen2.5's does
     "{% if tools %}<|system|>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% endif %}"
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{% for c in m.tool_calls or [] %}"
@@ -209,6 +242,7 @@ def _rendering_digest(seq_len: int = 400) -> str:
     from trainer.data.chat_templates import NAMED
     from trainer.data.formats import SHAREGPT_ROLES, fields_default
     from trainer.data.pack import build_rows, pack_lengths
+    from trainer.data.pairs import TokenizePairs
     from trainer.data.template import Tokenize
 
     tok = _byte_tokenizer()
@@ -219,10 +253,14 @@ def _rendering_digest(seq_len: int = 400) -> str:
         {"train_on_inputs": True},
         {"chat_template": DATED, "template_date": "2024-07-26"},
     ]
-    for fmt, rows in GOLDEN.items():
+    sources = [*GOLDEN.items(), *(("preference", rows) for rows in PAIRS)]
+    for fmt, rows in sources:
+        columns = list(dict.fromkeys(k for r in rows for k in r))
         for kw in settings:
-            t = Tokenize(fmt, tok, fields_default(), seq_len, "truncate", roles=dict(SHAREGPT_ROLES), **kw)
-            out = t({k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)})
+            t: Any = Tokenize(fmt, tok, fields_default(), seq_len, "truncate", roles=dict(SHAREGPT_ROLES), **kw)
+            if fmt == "preference":
+                t = TokenizePairs(t).settle(columns, rows)
+            out = t({k: [r.get(k) for r in rows] for k in columns})
             h.update(json.dumps([fmt, kw, out]).encode())
             kept = [i for i, st in enumerate(out["status"]) if not st]
             ids = [t for i in kept for t in out["input_ids"][i]]

@@ -25,6 +25,7 @@ from trainer import config as C
 from trainer.config import DataConfig, SourceConfig
 from trainer.data import DataError, Prepared, prepare
 from trainer.data.prepare import data_fingerprint
+from trainer.data.show import show_examples
 from trainer.data.sources import pin_revisions
 
 ALPACA = [
@@ -408,6 +409,10 @@ def test_bad_mix_entries_name_their_key(tmp_path: Path, tiny_tokenizer: Path) ->
     assert "data.sources[1].fields: 'question' is not a field of format 'alpaca'" in msg
     msg = fails([sources[0], {"path": sources[1]["path"]}])  # the qa columns are not the alpaca defaults
     assert "field 'instruction' not found" in msg and "set data.sources[1].fields.instruction" in msg
+    with pytest.raises(DataError) as shown:  # `inspect --show` reads a source as prepare does: the same refusal
+        show_examples(_mix_cfg([sources[0], {"path": sources[1]["path"]}]), str(tiny_tokenizer), 1)
+    assert str(shown.value) == msg
+    assert "alpaca" in show_examples(_mix_cfg(sources[:1]), str(tiny_tokenizer), 1)  # control: a good source shows
     msg = fails([dict(sources[0], rows=13), sources[1]])
     assert "data.sources[0].rows: asks for 13 rows but the source has 12" in msg
     msg = fails([sources[0], {"path": str(tmp_path / "nope.jsonl")}])

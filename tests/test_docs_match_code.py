@@ -58,6 +58,19 @@ def test_chat_docs_table_is_how_chat_builds_each_formats_prompt(tiny_tokenizer: 
     # Without a chat template: the formats that refuse are the conversational ones.
     sentence = " ".join(text.split("A tokenizer with no chat template", 1)[1].split("cannot chat")[0].split())
     assert set(re.findall(r"`([a-z_]+)`", sentence)) - {"data", "chat_template"} == set(CONVERSATIONAL) - {"chat"}
+    # ...and the others continue the raw prompt as training tokenised it: special tokens, no separator
+    raw = " ".join(
+        text.split("A tokenizer with no chat template", 1)[1].split("cannot chat")[1].split("\n\n")[0].split()
+    )
+    assert "no separator" in raw
+    assert set(re.findall(r"`([a-z_]+)`", raw)) == formats - set(CONVERSATIONAL) - {"text"}
+    tok.chat_template = None
+    as_raw = tok("Which city?\n\nFrance", add_special_tokens=True)
+    assert list(as_raw["input_ids"]) != list(as_text["input_ids"])  # control: the two continuations differ
+    for fmt in set(re.findall(r"`([a-z_]+)`", raw)) | {"text"}:
+        session = SimpleNamespace(source=SimpleNamespace(format=fmt), tokenizer=tok)
+        fed = Chat.prompt(session, conversation)  # type: ignore[arg-type]
+        assert fed["input_ids"][0].tolist() == list((as_text if fmt == "text" else as_raw)["input_ids"]), fmt
 
 
 def test_control_the_two_renderings_differ(tiny_tokenizer: Path) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import numpy as np
 import pytest
 import torch
 from conftest import SHARED_DATA
@@ -29,7 +30,8 @@ from trainer.model.load import build
 from trainer.model.objective import PAIRS, Counts
 from trainer.model.preference import Preference
 from trainer.model.reference import REFERENCE, InitAdapter, locate
-from trainer.training.batches import StepDataset, eval_counts, micro_batch
+from trainer.plan import workload
+from trainer.training.batches import StepDataset, document_lengths, eval_counts, micro_batch
 
 SKY = [{"role": "user", "content": "What colour is the sky?"}]
 BLUE, GREEN = {"role": "assistant", "content": "It is blue."}, {"role": "assistant", "content": "It is green."}
@@ -127,6 +129,56 @@ def test_drops_are_counted_by_reason_and_pairs_fit_one_row(tiny_llama: Path, tmp
     assert "8 pairs in -> 4 kept; dropped: no_shared_prompt 2, null_field 2; truncated: 2" in p.summary()
 
 
+def test_implicit_pairs_are_kept_whatever_keys_arrow_fills_into_their_turns(tiny_llama: Path, tmp_path: Path) -> None:
+    """Arrow gives every turn of a column every key any turn of it has, None where absent, and chosen and
+    rejected are two columns: a `name` on one rejected turn must not make the shared user turns differ."""
+    from trainer.data.read import data_columns, read_rows
+    from trainer.data.rows import head
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    plain = SHAPES["implicit, no prompt column"]
+    data = _jsonl(tmp_path / "p.jsonl", [{"chosen": [*SKY, BLUE], "rejected": [*SKY, {**GREEN, "name": "bot"}]}, plain])
+    ds = read_rows(data)
+    assert ds[1]["rejected"][0] == {**SKY[0], "name": None} and "name" not in ds[1]["chosen"][0]  # as Arrow reads it
+    out = tokenize_pairs_for(DataConfig(seq_len=512), tok, "test").settle(data_columns(ds), head(ds))(ds.to_dict())
+    assert out["status"] == ["", ""]
+    assert out["input_ids"] == [_pairs(tok, [plain])["input_ids"][0]] * 2  # the same pair as the rows as written
+    # control: conversations whose user turns do differ still share no prompt
+    assert _pairs(tok, [{"chosen": [*SKY, BLUE], "rejected": [{**SKY[0], "content": "Why?"}, GREEN]}])["status"] == [
+        "no_shared_prompt"
+    ]
+
+
+def test_a_tools_column_is_rendered_in_front_of_both_answers(tiny_llama: Path, tmp_path: Path) -> None:
+    """Tool-calling pairs render the template's tools header, as TRL's DPOTrainer renders a `tools` column:
+    the prompt both answers follow is the template's rendering of the prompt with the tools, never scored."""
+    template = (
+        "{% if tools %}<|tools|>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% endif %}"
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+        "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    tools = [{"type": "function", "function": {"name": "sky", "parameters": {"type": "object", "properties": {}}}}]
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    rows = [{**SHAPES["explicit messages"], "tools": json.dumps(tools)}, {**SHAPES["explicit messages"], "tools": "{"}]
+    out = _pairs(tok, rows, chat_template=template)
+    assert out["status"] == ["", "malformed_tools"]
+    ids, labels, cut = out["input_ids"][0], out["labels"][0], out["chosen_length"][0]
+    want = tok.apply_chat_template(
+        SKY, tools=tools, chat_template=template, add_generation_prompt=True, return_dict=True
+    )
+    for part, lab in ((ids[:cut], labels[:cut]), (ids[cut:], labels[cut:])):
+        assert part[: next(i for i, x in enumerate(lab) if x != IGNORE_INDEX)] == list(want["input_ids"])
+    assert _scored(tok, out) == ("It is blue.</s>", "It is green.</s>")  # the header is never scored
+    plain = _pairs(tok, [SHAPES["explicit messages"]], chat_template=template)  # control: no tools, no header
+    assert "<|tools|>" in tok.decode(ids) and "<|tools|>" not in tok.decode(plain["input_ids"][0])
+    # Prepared from a file, the column is read as pairs read it (a list of schemas, kept as JSON text).
+    data = _jsonl(tmp_path / "t.jsonl", [{**SHAPES["explicit messages"], "tools": tools}])
+    cfg = DataConfig(path=str(data), seq_len=512, chat_template=template)
+    p = prepare(cfg, str(tiny_llama), tmp_path / "c", progress=False, pairs=True)
+    assert datasets.load_from_disk(str(p.train_path))[0]["input_ids"][: len(ids)] == ids
+
+
 def test_packed_rows_keep_each_pair_together_in_order(tiny_llama: Path, tmp_path: Path) -> None:
     data = builtin_assets.write_pairs(tmp_path / "pairs.jsonl", n=40)
     p = prepare(DataConfig(path=str(data), seq_len=256), str(tiny_llama), tmp_path / "c", progress=False, pairs=True)
@@ -153,6 +205,13 @@ def test_packed_rows_keep_each_pair_together_in_order(tiny_llama: Path, tmp_path
             found.append((chosen, rejected))
         assert row["position_ids"][bounds[2 * row["num_pairs"]] :] == list(range(256 - bounds[2 * row["num_pairs"]]))
     assert sorted(found) == sorted((r["chosen"][0]["content"], r["rejected"][0]["content"]) for r in source)
+    # The estimate's attention work is the meter's: each answer a document (c**2 + r**2, not (c + r)**2)
+    metered = sum(
+        int((document_lengths(np.asarray(row["position_ids"][: row["num_real"]])) ** 2).sum()) for row in rows
+    )
+    assert workload.from_manifest(p.manifest).doc_len_sq_sum == metered
+    train = {k: v for k, v in p.manifest["train"].items() if k != "doc_len_sq"}  # control: a manifest before it
+    assert workload.doc_len_sq(train, 256) != metered
 
     # What the loss relies on is asserted where it is read: a row claiming a pair more than it holds is refused.
     row = rows[0]
@@ -322,6 +381,24 @@ def test_config_rules_and_other_tools_names(tmp_path: Path) -> None:
     assert "means train.dpo_loss='ipo', but train.dpo_loss is set to 'hinge'" in problems(
         "rl=ipo", "train.dpo_loss=hinge"
     )
+
+    # TRL's CPO simpo and Axolotl's rl: simpo keep CPO's default cpo_alpha=1.0 SFT term; LLaMA-Factory's has none
+    def sft_weight(text: str, *overrides: str) -> tuple[str, str, float]:
+        recipe.write_text(text)
+        t = C.load(recipe, list(overrides)).train
+        return t.objective, t.dpo_loss, t.sft_weight
+
+    assert sft_weight("loss_type: simpo\n") == ("simpo", "sigmoid", 1.0)
+    assert sft_weight("rl: simpo\n") == ("simpo", "sigmoid", 1.0)
+    assert sft_weight("rl: simpo\ncpo_alpha: 0.5\n") == ("simpo", "sigmoid", 0.5)
+    assert sft_weight("loss_type: simpo\ntrain:\n  sft_weight: 0.0\n") == ("simpo", "sigmoid", 0.0)
+    assert sft_weight("loss_type: simpo\n", "train.sft_weight=0.25") == ("simpo", "sigmoid", 0.25)
+    assert sft_weight("stage: dpo\npref_loss: simpo\n") == ("simpo", "sigmoid", 0.0)  # control
+    # TRL 1.x's list of losses: [sigmoid, sft] is DPO plus the SFT term; another list is answered, naming the key
+    assert sft_weight("rl: dpo\nloss_type: [sigmoid, sft]\n") == ("dpo", "sigmoid", 1.0)
+    recipe.write_text("rl: dpo\nloss_type: [sigmoid, bco_pair]\n")
+    with pytest.raises(C.ConfigError, match=r"loss_type: spotune trains one preference loss .* a list is read only as"):
+        C.load(recipe)
     # A run's structure names its objective (SFT keeps the fields its checkpoints always had).
     assert C.structural_fields(C.load(None, ["train.objective=dpo"]))["train.objective"] == "dpo"
     assert C.structural_fields(C.load(None))["train.objective"] is None

@@ -174,6 +174,29 @@ def test_export_merge_matches_base_plus_adapter(trained_run: Path, tmp_path: Pat
     assert AutoTokenizer.from_pretrained(base_path).chat_template != NAMED["alpaca"]  # control: the base's differs
 
 
+def test_an_exported_checkpoint_serves_as_final_would(trained_run: Path, tmp_path: Path) -> None:
+    """A run that never reached final/ (preempted, budget-stopped) exports its newest checkpoint, which
+    carries no tokenizer and no generation config: the export writes the ones final/ would have held."""
+    import shutil
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(trained_run, unfinished, ignore=lambda d, names: ["final"] if Path(d) == trained_run else [])
+    assert not any(p.name.startswith("tokenizer") for p in (unfinished / "checkpoints" / "step-000024").iterdir())
+    out = export(unfinished, tmp_path / "export")
+    final = trained_run / "final"
+    assert AutoTokenizer.from_pretrained(out).chat_template == NAMED["alpaca"]  # the run's template, not the base's
+    assert GenerationConfig.from_pretrained(out).to_dict() == GenerationConfig.from_pretrained(final).to_dict()
+    served = {p.name for p in final.iterdir()} - {"README.md"}  # PEFT's model card is no part of serving
+    assert {p.name for p in out.iterdir()} == served
+    # from final/ every tokenizer file is copied (the one list of them), byte for byte
+    copied = export(trained_run, tmp_path / "from-final")
+    assert {p.name for p in copied.iterdir()} == served
+    for name in served:
+        assert (copied / name).read_bytes() == (final / name).read_bytes(), name
+
+
 def test_qlora_4bit_with_8bit_adamw_trains_on_cpu(tmp_path: Path, tiny_llama: Path, tiny_data: Path) -> None:
     cfg = make_cfg(
         tmp_path / "q",

@@ -3,13 +3,15 @@
 A scheduler (Slurm, Kubernetes, SkyPilot, nohup) captures stderr into a file, where a tqdm
 bar is one ever-growing line of carriage returns. So where stderr is not a terminal, progress
 is written as whole lines, one every `LINE_SECONDS` at most. Used by the training console
-(trainer/training/console.py) and by model downloads (trainer/model/load.py), so it imports
-nothing of trainer/.
+(trainer/training/console.py), model downloads (trainer/model/load.py) and datasets' bars (prepare,
+the estimate's sample), so it imports nothing of trainer/.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import IO, Any
 
 LINE_SECONDS = 5.0
@@ -65,3 +67,17 @@ def hub_download_bar(stream: IO[str] | None = None) -> type[Any]:
             super().__init__(*args, **kwargs)
 
     return LineBar
+
+
+@contextmanager
+def datasets_bars(enabled: bool) -> Iterator[None]:
+    """datasets' progress bars follow a global switch: set it for this call, then restore it (`prepare`
+    shows them when asked; the estimate's sample never does)."""
+    from datasets.utils import logging as datasets_logging
+
+    was = datasets_logging.is_progress_bar_enabled()
+    (datasets_logging.enable_progress_bar if enabled else datasets_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (datasets_logging.enable_progress_bar if was else datasets_logging.disable_progress_bar)()

@@ -39,10 +39,20 @@ class Alias:
     """The other tool's value -> further spotune keys it sets (Axolotl's `rl: ipo` is train.objective=dpo and
     train.dpo_loss=ipo). An implied key wins over one set through another tool's name (LLaMA-Factory's
     `stage: dpo` with `pref_loss: orpo` is ORPO) and must agree with one written as spotune's own key."""
+    defaults: Mapping[Any, Mapping[str, Any]] | None = None
+    """The other tool's value -> further spotune keys it sets unless they are set (by any name): the other
+    tool's default that spotune's lacks (TRL's CPO `loss_type: simpo` keeps its cpo_alpha=1.0 SFT term)."""
+    lists: str | None = None
+    """The answer to a list value not in `values`, for a name the other tool also takes a list of (TRL 1.x's
+    `loss_type: [sigmoid, sft]`); lists in `values` are keyed as their sorted tuple."""
 
 
 _TO_OBJECTIVE = {"orpo": {"train.objective": "orpo"}, "simpo": {"train.objective": "simpo"}}
 """A preference loss that is an objective of its own in spotune (LLaMA-Factory's and TRL's CPO `simpo`)."""
+_CPO_ALPHA = {"train.sft_weight": 1.0}
+"""TRL's CPOConfig default cpo_alpha, kept by `loss_type: simpo` there and by Axolotl's `rl: simpo` (which passes
+it on); LLaMA-Factory's `pref_loss: simpo` has no such term. TRL 1.x's `[sigmoid, sft]` weighs both 1."""
+_SIGMOID_SFT = ("sft", "sigmoid")
 
 _ADAMW = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw_bnb_8bit": "adamw_8bit"}
 
@@ -88,14 +98,24 @@ ALIASES: dict[str, Alias] = {
     "report_to": Alias("metrics.trackers", {"none": [], "all": ["tensorboard", "wandb"]}),
     "output_dir": Alias("output_dir"),
     "seed": Alias("seed"),
-    "rl": Alias("train.objective", {"ipo": "dpo"}, implies={"ipo": {"train.dpo_loss": "ipo"}}),
+    "rl": Alias(
+        "train.objective", {"ipo": "dpo"}, implies={"ipo": {"train.dpo_loss": "ipo"}}, defaults={"simpo": _CPO_ALPHA}
+    ),
     "rl_beta": Alias("train.beta"),
     "orpo_alpha": Alias("train.beta"),
     "dpo_label_smoothing": Alias("train.label_smoothing"),
     "stage": Alias("train.objective"),
     "pref_beta": Alias("train.beta"),
     "pref_loss": Alias("train.dpo_loss", {"orpo": "sigmoid", "simpo": "sigmoid"}, implies=_TO_OBJECTIVE),
-    "loss_type": Alias("train.dpo_loss", {"simpo": "sigmoid"}, implies={"simpo": _TO_OBJECTIVE["simpo"]}),
+    "loss_type": Alias(
+        "train.dpo_loss",
+        {"simpo": "sigmoid", _SIGMOID_SFT: "sigmoid"},
+        implies={"simpo": _TO_OBJECTIVE["simpo"]},
+        defaults={"simpo": _CPO_ALPHA, _SIGMOID_SFT: _CPO_ALPHA},
+        lists="spotune trains one preference loss (train.dpo_loss), plus train.sft_weight times the chosen answers' "
+        "next-token loss: a list is read only as [sigmoid, sft] (train.dpo_loss=sigmoid train.sft_weight=1.0); "
+        "set train.dpo_loss and train.sft_weight",
+    ),
     "rpo_alpha": Alias("train.sft_weight"),
     "cpo_alpha": Alias("train.sft_weight"),
 }
@@ -163,6 +183,7 @@ def resolve(
     problems: list[str] = []
     origin: dict[str, str] = {}
     implied: list[tuple[str, str, Any]] = []  # (name, key, value)
+    defaults: list[tuple[str, str, Any]] = []  # the same, where the key is not set
     for dotted, value in pairs.items():
         target, value, problem = _target(dotted, value, fields)
         if target in out and problem is None:
@@ -179,8 +200,10 @@ def resolve(
             if dotted in marks:
                 out_marks[target] = Mark(marks[dotted].where, marks[dotted].text if value == pairs[dotted] else None)
             alias = ALIASES.get(dotted.rpartition(".")[2])
-            if alias is not None and alias.implies and _hashable(pairs[dotted]):
-                implied += [(dotted, k, v) for k, v in alias.implies.get(pairs[dotted], {}).items()]
+            written = _key(pairs[dotted])
+            if alias is not None and _hashable(written):
+                implied += [(dotted, k, v) for k, v in (alias.implies or {}).get(written, {}).items()]
+                defaults += [(dotted, k, v) for k, v in (alias.defaults or {}).get(written, {}).items()]
     for name, key, value in implied:
         if key in out and origin[key] == key and out[key] != value:
             problem = (
@@ -192,6 +215,12 @@ def resolve(
         _note(f"{name}={pairs[name]}", f"{key}={value}", marks.get(name))
         if name in marks:
             out_marks[key] = Mark(marks[name].where, None)
+    for name, key, value in defaults:
+        if key not in out:
+            out[key], origin[key] = value, name
+            _note(f"{name}={pairs[name]}", f"{key}={value}", marks.get(name))
+            if name in marks:
+                out_marks[key] = Mark(marks[name].where, None)
     return out, out_marks, problems
 
 
@@ -209,6 +238,8 @@ def _target(dotted: str, value: Any, fields: Mapping[str, frozenset[str]]) -> tu
         same = alias is not None and alias.key == dotted  # `train.optimizer: adamw_torch`
         return dotted, _mapped(alias, value) if same and alias is not None else value, None
     if alias is not None:
+        if alias.lists and isinstance(value, list) and _key(value) not in (alias.values or {}):
+            return dotted, value, f"{dotted}: {alias.lists}"
         return alias.key, _mapped(alias, value), None
     if leaf in ANSWERS:
         return dotted, value, f"{dotted}: {ANSWERS[leaf].format(value=value)}"
@@ -219,7 +250,13 @@ def _target(dotted: str, value: Any, fields: Mapping[str, frozenset[str]]) -> tu
 
 
 def _mapped(alias: Alias, value: Any) -> Any:
-    return alias.values.get(value, value) if alias.values and _hashable(value) else value
+    key = _key(value)
+    return alias.values.get(key, value) if alias.values and _hashable(key) else value
+
+
+def _key(value: Any) -> Any:
+    """`value` as the tables key it: a list as its sorted tuple (TRL 1.x's `loss_type: [sigmoid, sft]`)."""
+    return tuple(sorted(map(str, value))) if isinstance(value, list) else value
 
 
 def _gives_way(name: str, value: Any, other: Any) -> bool:

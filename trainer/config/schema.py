@@ -130,7 +130,7 @@ class DataConfig:
     output_field: str = "output"
     """Field holding the alpaca response (trained)."""
     system_field: str = "system"
-    """Field holding an optional alpaca system prompt (rendered as the system turn)."""
+    """Field holding an optional system prompt (rendered as the system turn): alpaca's, a preference pair's, or the one beside `messages`/`sharegpt` turns (LLaMA-Factory's ShareGPT form; read when the turns hold no system turn)."""
     prompt_field: str = "prompt"
     """Field holding the prompt of `prompt_completion` and `preference` data (a string, or a list of messages; for pairs it may be absent: the turns chosen and rejected share)."""
     completion_field: str = "completion"
@@ -146,7 +146,7 @@ class DataConfig:
     sharegpt_roles: dict[str, str] = field(default_factory=dict)
     """ShareGPT speaker -> role, added to the defaults human/user -> user, gpt/assistant -> assistant, system, tool/observation -> tool, function_call -> tool_call (an assistant turn whose value is a JSON call `{name, arguments}`); a turn with another speaker drops its row, counted as unknown_role."""
     tools_field: str = "tools"
-    """Field holding a conversation's tools (function schemas, a list or its JSON text), for `messages`, `sharegpt` and `prompt_completion` rows that call functions; rendered by the chat template's tools header (never trained). Optional."""
+    """Field holding a conversation's tools (function schemas, a list or its JSON text), for `messages`, `sharegpt` and `prompt_completion` rows and `preference` pairs that call functions; rendered by the chat template's tools header (never trained). Optional."""
     text_field: str = "text"
     """Field holding raw text for `text` format."""
     cache_dir: str | None = None

@@ -11,24 +11,38 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainer.data.turns import BAD_MESSAGES, NULL_FIELD, TOOL_CALL, UNKNOWN_ROLE, Drop, Example, messages_of, tools_of
+from trainer.data.read import INTERNAL
+from trainer.data.turns import (
+    BAD_MESSAGES,
+    NULL_FIELD,
+    TOOL_CALL,
+    UNKNOWN_ROLE,
+    Drop,
+    Example,
+    messages_of,
+    tools_of,
+    with_system,
+)
 
 __all__ = ["BAD_MESSAGES", "FORMAT_FIELDS", "NULL_FIELD", "UNKNOWN_ROLE", "Drop", "Example", "to_example"]
 
 # The one map of data formats to the columns they read: (config key, role in Tokenize, required).
-# alpaca's `input` and `system` are optional (many sets have neither), as is the conversational
-# formats' `tools` (function schemas, for rows that call them); the rest are required.
+# alpaca's `input` and `system` are optional (many sets have neither), as are the conversational
+# formats' and preference pairs' `tools` (function schemas, for rows that call them) and the `system`
+# column beside a conversation (LLaMA-Factory's ShareGPT form: read where the turns hold no system turn);
+# the rest are required.
 _TOOLS = ("tools_field", "tools", False)
+_SYSTEM = ("system_field", "system", False)
 FORMAT_FIELDS: dict[str, tuple[tuple[str, str, bool], ...]] = {
     "alpaca": (
         ("instruction_field", "instruction", True),
         ("input_field", "input", False),
         ("output_field", "output", True),
-        ("system_field", "system", False),
+        _SYSTEM,
     ),
     "prompt_completion": (("prompt_field", "prompt", True), ("completion_field", "completion", True), _TOOLS),
-    "messages": (("messages_field", "messages", True), _TOOLS),
-    "sharegpt": (("conversations_field", "conversations", True), _TOOLS),
+    "messages": (("messages_field", "messages", True), _SYSTEM, _TOOLS),
+    "sharegpt": (("conversations_field", "conversations", True), _SYSTEM, _TOOLS),
     "text": (("text_field", "text", True),),
     # Pairs for the preference objectives (trainer/data/pairs.py reads them): without a prompt
     # column the prompt is what chosen and rejected share.
@@ -36,7 +50,8 @@ FORMAT_FIELDS: dict[str, tuple[tuple[str, str, bool], ...]] = {
         ("prompt_field", "prompt", False),
         ("chosen_field", "chosen", True),
         ("rejected_field", "rejected", True),
-        ("system_field", "system", False),
+        _SYSTEM,
+        _TOOLS,
     ),
 }
 FORMAT_FIELDS["chat"] = FORMAT_FIELDS["messages"]  # the earlier name of `messages`, still accepted
@@ -67,6 +82,19 @@ def fields_of(fmt: str, cfg: Any) -> dict[str, str]:
 def fields_default() -> dict[str, str]:
     """Role -> the column each role is read from by default (its config key without `_field`)."""
     return {role: role for key, role, _ in FORMAT_FIELDS["auto"]}
+
+
+def unread(fmt: str, columns: list[str], fields: dict[str, str]) -> str | None:
+    """A line naming the data columns no role of `fmt` reads (their content does not train), or None: a
+    misnamed column (alpaca-style pairs' instruction/input beside chosen/rejected) shows before the run."""
+    read = {fields.get(role) for _, role, _ in FORMAT_FIELDS[normalise(fmt)]}
+    left = [c for c in columns if c not in read and not c.startswith(INTERNAL)]
+    if not left:
+        return None
+    return (
+        f"format {normalise(fmt)} reads no column {', '.join(map(repr, left))} (only "
+        f"{', '.join(repr(c) for c in columns if c in read)}); set the data.*_field key of a role to read one"
+    )
 
 
 def required(fmt: str, fields: dict[str, str]) -> dict[str, str]:
@@ -164,6 +192,9 @@ def to_example(
         key = "messages" if fmt == "messages" else "conversations"
         turns = row.get(fields[key])
         ex = _missing(fields[key]) if turns is None else messages_of(turns, roles if fmt == "sharegpt" else None)
+        if not isinstance(ex, Drop) and ex.messages is not None and ex.trainable is not None and "system" in fields:
+            msgs = with_system(ex.messages, row.get(fields["system"]))
+            ex = Example(messages=msgs, trainable=[False] * (len(msgs) - len(ex.messages)) + ex.trainable)
     if isinstance(ex, Drop) or ex.messages is None:
         return ex
     tools = tools_of(row.get(fields["tools"])) if "tools" in fields else None

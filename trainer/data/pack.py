@@ -262,6 +262,13 @@ def build_rows(
     }
 
 
+def doc_len_sq(offsets: np.ndarray, bins: list[list[int]]) -> int:
+    """Sum over the packed documents (tokens offsets[i]:offsets[i+1], i in `bins`) of length**2: attention's
+    work as the meter counts it from the rows' position_ids (a pair's chosen and rejected are two)."""
+    lengths = np.diff(offsets)[[i for b in bins for i in b]].astype(np.int64)
+    return int((lengths**2).sum())
+
+
 def batch_pad_efficiency(lengths: Sequence[int] | np.ndarray, batch_size: int, seed: int = 0) -> float:
     """Real tokens / padded tokens when random batches are padded to their longest example.
 

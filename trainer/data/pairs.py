@@ -10,6 +10,8 @@ What a row may look like (TRL's preference formats, read as TRL reads them):
   repeats the first user turn and is not read;
 - field-mapped columns such as Intel/orca_dpo_pairs' `system`/`question`/`chosen`/`rejected`
   (`data.prompt_field: question`; `format: auto` reads a `question` column as the prompt and says so).
+A `tools` column (function schemas, read as the conversational SFT formats read it) is rendered by the
+template's tools header in front of both answers, as TRL's DPOTrainer renders it.
 
 Each sequence is rendered and labelled by the SFT pipeline (`Tokenize.encode`: the model's chat template,
 trained tokens = the answer after the prompt's generation prompt and its end of turn, one rendering of
@@ -44,7 +46,7 @@ from trainer.data.template import (
     Tokenize,
     tokenize_for,
 )
-from trainer.data.turns import Drop, messages_of
+from trainer.data.turns import Drop, messages_of, tools_of, with_system
 
 FORMAT = "preference"
 WHAT = "preference (chosen/rejected pairs, with a prompt column or sharing their prompt)"
@@ -65,6 +67,8 @@ class Pair:
     prompt: Messages | str
     chosen: Messages | str
     rejected: Messages | str
+    tools: Messages | None = None
+    """Function schemas both sequences are rendered with (the template's tools header, as TRL renders them)."""
 
 
 def detect(columns: list[str], head: list[dict[str, Any]], fields: dict[str, str]) -> tuple[dict[str, str], str]:
@@ -94,9 +98,9 @@ def detect(columns: list[str], head: list[dict[str, Any]], fields: dict[str, str
     else:
         why = f"no {prompt!r} column: the prompt is what {chosen!r} and {rejected!r} share"
         out["prompt"] = ""
-    system = fields.get("system", "system")
-    if system in cols:
-        why += f", system prompt {system!r}"
+    for role, what in (("system", "system prompt"), ("tools", "tools")):
+        if fields.get(role, role) in cols:
+            why += f", {what} {fields.get(role, role)!r}"
     return out, why
 
 
@@ -113,6 +117,8 @@ def to_pair(row: dict[str, Any], fields: dict[str, str], has_template: bool) -> 
             return Drop(NULL_FIELD, f"field {prompt_col!r} is missing or null")
     else:
         shared = _shared_prefix(chosen, rejected)
+        if isinstance(shared, Drop):
+            return shared
         if shared is None:
             return Drop(NO_SHARED_PROMPT, "the chosen and rejected conversations share no prompt")
         prompt, chosen, rejected = shared
@@ -122,12 +128,12 @@ def to_pair(row: dict[str, Any], fields: dict[str, str], has_template: bool) -> 
     msgs, good, bad = _messages(prompt, "user"), _messages(chosen, "assistant"), _messages(rejected, "assistant")
     if isinstance(msgs, Drop) or isinstance(good, Drop) or isinstance(bad, Drop):
         return next(part for part in (msgs, good, bad) if isinstance(part, Drop))
-    if system and not any(m["role"] == "system" for m in msgs):
-        msgs = [{"role": "system", "content": str(system)}, *msgs]
+    msgs = with_system(msgs, system)
     if not all(any(m["role"] == "assistant" for m in answer) for answer in (good, bad)):
         why = "an answer holds no assistant turn"
         return Drop(NO_SHARED_PROMPT, why) if not prompt_col else Drop(formats.BAD_MESSAGES, why)
-    return Pair(msgs, good, bad)
+    tools = tools_of(row.get(fields["tools"])) if fields.get("tools") else None
+    return tools if isinstance(tools, Drop) else Pair(msgs, good, bad, tools)
 
 
 def _role(message: dict[str, Any]) -> Any:
@@ -142,10 +148,15 @@ def _messages(value: Any, role: str) -> Messages | Drop:
     return ex if isinstance(ex, Drop) else list(ex.messages or [])
 
 
-def _shared_prefix(chosen: Any, rejected: Any) -> tuple[Any, Any, Any] | None:
+def _shared_prefix(chosen: Any, rejected: Any) -> tuple[Any, Any, Any] | Drop | None:
     """(prompt, chosen answer, rejected answer) of an implicit prompt, as TRL's `extract_prompt`
     splits it: the longest common prefix of the two conversations (or strings, where a space before
-    the answers stays with them); None when nothing is shared or the split leaves no answer."""
+    the answers stays with them); None when nothing is shared or the split leaves no answer, a Drop
+    when a conversation's turns are malformed.
+
+    Turns are compared as the messages they render (trainer/data/turns.py), not as read: Arrow gives
+    every turn of a column the keys any turn of it has, filled with None, and chosen and rejected are
+    two columns, so the same user turn read from each may differ in keys that hold nothing."""
     if isinstance(chosen, str) and isinstance(rejected, str):
         n = _common(chosen, rejected)
         if n > 0 and chosen[n - 1] == " ":
@@ -153,6 +164,9 @@ def _shared_prefix(chosen: Any, rejected: Any) -> tuple[Any, Any, Any] | None:
         return (chosen[:n], chosen[n:], rejected[n:]) if n > 0 else None
     if not isinstance(chosen, list) or not isinstance(rejected, list):
         return None
+    chosen, rejected = _messages(chosen, "assistant"), _messages(rejected, "assistant")
+    if isinstance(chosen, Drop) or isinstance(rejected, Drop):
+        return chosen if isinstance(chosen, Drop) else rejected
     n = _common(chosen, rejected)
     if n == 0 or n == len(chosen) or n == len(rejected):
         return None
@@ -186,6 +200,7 @@ class TokenizePairs:
         chosen = next((r.get(fields["chosen"]) for r in head if r.get(fields["chosen"]) is not None), None)
         if not isinstance(chosen, str) or (fields["prompt"] and isinstance(head[0].get(fields["prompt"]), list)):
             require_template(tok.template, FORMAT, tokenizer_path or str(tok.source))
+        tok.say_unread(columns)
         return TokenizePairs(tok)
 
     def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
@@ -201,7 +216,7 @@ class TokenizePairs:
                 drops[2 * i] = drops[2 * i + 1] = pair
                 examples += [None, None]
             else:
-                examples += [_example(pair.prompt, pair.chosen), _example(pair.prompt, pair.rejected)]
+                examples += [_example(pair, pair.chosen), _example(pair, pair.rejected)]
         encoded = tok.encode(examples, [r for r in rows for _ in range(2)], drops, template)
         out: dict[str, list[Any]] = {
             "input_ids": [],
@@ -253,13 +268,17 @@ class TokenizePairs:
         return c_ids, c_lab, r_ids, r_lab, None
 
 
-def _example(prompt: Messages | str, answer: Messages | str) -> formats.Example:
-    """One sequence to encode: the prompt (never trained) and the answer (its assistant turns trained)."""
+def _example(pair: Pair, answer: Messages | str) -> formats.Example:
+    """One sequence to encode: the pair's prompt (never trained) and `answer` (its assistant turns
+    trained), rendered with the pair's tools."""
+    prompt = pair.prompt
     if isinstance(prompt, str) and isinstance(answer, str):
         return formats.Example(prompt=prompt, text=answer)
     assert isinstance(prompt, list) and isinstance(answer, list)
     return formats.Example(
-        messages=prompt + answer, trainable=[False] * len(prompt) + [m["role"] == "assistant" for m in answer]
+        messages=prompt + answer,
+        trainable=[False] * len(prompt) + [m["role"] == "assistant" for m in answer],
+        tools=pair.tools,
     )
 
 

@@ -5,14 +5,12 @@ documents side by side in one row (trainer/data/pairs.py), and each packed row r
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import shutil
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,12 +30,13 @@ from trainer.data import cache, dropped, rows, tokenizer
 from trainer.data import pairs as pair_data
 from trainer.data.chat_templates import resolve_chat_template, template_name, uses_date
 from trainer.data.formats import FORMAT_FIELDS
-from trainer.data.pack import batch_pad_efficiency, build_rows, one_per_row, pack_lengths
-from trainer.data.read import DataError, data_columns
+from trainer.data.pack import batch_pad_efficiency, build_rows, doc_len_sq, one_per_row, pack_lengths
+from trainer.data.read import DataError
 from trainer.data.rows import Parts
 from trainer.data.sources import Located, eval_sources, local_files, locate, sources_of
 from trainer.data.stats import BASELINE_BATCH, format_summary, length_stats, truncation
-from trainer.data.template import Tokenize, tokenize_for
+from trainer.data.template import Tokenize
+from trainer.progress import datasets_bars
 
 _TOKENIZED = Features(
     {
@@ -93,7 +92,7 @@ def prepare(
     manifest = cache.load_complete(cache_root, fp)
     reused = manifest is not None
     if manifest is None:
-        with cache.atomic_build(cache_root, fp) as tmp, _progress_bars(progress):
+        with cache.atomic_build(cache_root, fp) as tmp, datasets_bars(progress):
             manifest = _build(tmp, plan, seed, pairs)
     final = cache_root / fp
     return Prepared(
@@ -218,18 +217,8 @@ class _Job:
 def _tokenize(loc: Located, raw: datasets.Dataset, job: _Job, j: int) -> tuple[datasets.Dataset, Tokenize]:
     """One source's rows through its own template (format and fields)."""
     src = loc.source
-    if src.key.startswith("data.sources[") and src.fmt != "auto":
-        rows.check_fields(raw, src, loc.label)  # names data.sources[i].fields.<role>, the key to fix
-    # The source's own DataConfig (its format and columns): built like a single-source prepare's.
+    mapped, tok = rows.tokenize_source(loc, job.cfg, raw, rows.head(raw), job.tokenizer, job.tokenizer_path, job.pairs)
     cfg = src.data_config(job.cfg, FORMAT_FIELDS)
-    mapped: Tokenize | pair_data.TokenizePairs
-    if job.pairs:
-        mapped = pair_data.tokenize_pairs_for(cfg, job.tokenizer, loc.label)
-        mapped = mapped.settle(data_columns(raw), rows.head(raw), job.tokenizer_path)
-        tok = mapped.tok
-    else:
-        tok = mapped = tokenize_for(cfg, job.tokenizer, source=loc.label)
-        tok = mapped = tok.settle(data_columns(raw), rows.head(raw), job.tokenizer_path)
     tokenized = raw.map(
         mapped,
         batched=True,
@@ -316,6 +305,7 @@ def _tokenize_pack_save(
         "truncation": truncation(lengths, status, cfg.seq_len),  # what seq_len loses (trainer/data/stats.py)
         "real_tokens": real,
         "trainable_tokens": int(packed["num_trainable"].sum()),
+        "doc_len_sq": doc_len_sq(offsets, bins),
         "rows": n_rows,
         "packing_efficiency": real / (n_rows * cfg.seq_len),
         "packing_algorithm": algorithm,
@@ -347,14 +337,3 @@ def _plot(manifest: dict[str, Any], png: Path) -> None:
         plot_lengths(manifest, png)
     except ImportError:
         print("spotune prepare: matplotlib is not installed; skipping lengths.png", file=sys.stderr)
-
-
-@contextlib.contextmanager
-def _progress_bars(enabled: bool) -> Iterator[None]:
-    """datasets' progress bars follow a global switch: set it for this call, then restore it."""
-    was = datasets.utils.logging.is_progress_bar_enabled()
-    (datasets.utils.logging.enable_progress_bar if enabled else datasets.utils.logging.disable_progress_bar)()
-    try:
-        yield
-    finally:
-        (datasets.utils.logging.enable_progress_bar if was else datasets.utils.logging.disable_progress_bar)()

@@ -16,10 +16,11 @@ import numpy as np
 
 from trainer.config import DataConfig
 from trainer.data.formats import FORMAT_FIELDS
+from trainer.data.pairs import TokenizePairs, tokenize_pairs_for
 from trainer.data.read import DataError, data_columns, require_fields
 from trainer.data.sources import Located, Source, choose
 from trainer.data.sources import read as read_source
-from trainer.data.template import HEAD_ROWS, ROW_COLUMN
+from trainer.data.template import HEAD_ROWS, ROW_COLUMN, Tokenize, tokenize_for
 
 Parts = list[tuple[Located, datasets.Dataset]]
 """Each source's rows of one split, in source order."""
@@ -79,6 +80,30 @@ def check_fields(ds: datasets.Dataset, src: Source, source: str) -> None:
 
     need = {key(k, role): src.fields[role] for k, role, required in FORMAT_FIELDS[src.fmt] if required}
     require_fields(data_columns(ds), need, source)
+
+
+def tokenize_source(
+    loc: Located,
+    cfg: DataConfig,
+    ds: datasets.Dataset,
+    first: list[dict[str, Any]],
+    tokenizer: Any,
+    tokenizer_path: str,
+    pairs: bool,
+) -> tuple[Tokenize | TokenizePairs, Tokenize]:
+    """How one source's rows are tokenised, by `prepare` and `spotune inspect --show` alike: a mix entry of
+    a set format has its required columns checked (naming data.sources[i].fields.<role>, the key to fix),
+    then its own DataConfig (format, columns) is settled on its columns and `first` rows. Returns the
+    function to map over the rows (TokenizePairs for preference `pairs`) and its Tokenize."""
+    src = loc.source
+    if src.key.startswith("data.sources[") and src.fmt != "auto":
+        check_fields(ds, src, loc.label)
+    source_cfg = src.data_config(cfg, FORMAT_FIELDS)
+    if pairs:
+        mapped = tokenize_pairs_for(source_cfg, tokenizer, loc.label).settle(data_columns(ds), first, tokenizer_path)
+        return mapped, mapped.tok
+    tok = tokenize_for(source_cfg, tokenizer, source=loc.label).settle(data_columns(ds), first, tokenizer_path)
+    return tok, tok
 
 
 def head(ds: datasets.Dataset, n: int = HEAD_ROWS) -> list[dict[str, Any]]:

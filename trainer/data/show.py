@@ -15,12 +15,11 @@ from typing import Any
 
 from trainer.config import DataConfig
 from trainer.data import dropped, rows
-from trainer.data import pairs as pair_data
 from trainer.data.chat_templates import template_name
 from trainer.data.formats import FORMAT_FIELDS
-from trainer.data.read import LINE_COLUMN, data_columns
+from trainer.data.read import LINE_COLUMN
 from trainer.data.sources import FILE_COLUMN, eval_sources, locate, sources_of
-from trainer.data.template import HEAD_ROWS, IGNORE_INDEX, tokenize_for
+from trainer.data.template import HEAD_ROWS, IGNORE_INDEX
 
 OPEN, CLOSE = "[[", "]]"
 ANSI_ON, ANSI_OFF = "\x1b[30;42m", "\x1b[0m"  # black on green: trained
@@ -67,11 +66,9 @@ def show_examples(
     held_out = bool(eval_sources(cfg, FORMAT_FIELDS))
     for loc, ds in rows.read_training(cfg, located, held_out, seed).train:
         shown = rows.head(ds, max(n, HEAD_ROWS))
-        tok = tokenize_for(loc.source.data_config(cfg, FORMAT_FIELDS), tokenizer, loc.label)
-        mapped: Any = pair_data.TokenizePairs(tok).settle(data_columns(ds), shown, tokenizer_path) if pairs else None
-        tok = mapped.tok if pairs else tok.settle(data_columns(ds), shown, tokenizer_path)
+        mapped, tok = rows.tokenize_source(loc, cfg, ds, shown, tokenizer, tokenizer_path, pairs)
         shown = shown[:n]
-        out = (mapped or tok)({c: [r[c] for r in shown] for c in ds.column_names})
+        out = mapped({c: [r[c] for r in shown] for c in ds.column_names})
         template = template_name(tok.chat_template) if tok.template is not None else "none (raw text)"
         name = f"{loc.source.key} {loc.label}" if cfg.sources else loc.label
         why = f" ({tok.reason})" if tok.reason else ""

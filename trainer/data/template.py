@@ -86,7 +86,14 @@ class Tokenize:
                 )
         if fmt in ("alpaca", "messages", "sharegpt") or _conversational_pc(fmt, head, out.fields):
             require_template(out.template, fmt, tokenizer_path or str(self.source))
+        out.say_unread(columns)
         return out
+
+    def say_unread(self, columns: list[str]) -> None:
+        """Say once, on settling a source, which of its data columns its format reads none of."""
+        line = formats.unread(self.fmt, columns, self.fields)
+        if line:
+            print(f"spotune: {self.source}: {line}", file=sys.stderr, flush=True)
 
     @property
     def template(self) -> str | None:

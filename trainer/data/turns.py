@@ -90,6 +90,14 @@ def _message(t: dict[str, Any], roles: dict[str, str] | None, n: int) -> dict[st
     return {**msg, "role": role, "content": content}
 
 
+def with_system(messages: list[dict[str, Any]], system: Any) -> list[dict[str, Any]]:
+    """`messages` led by a system turn holding `system` (a row's system column, as LLaMA-Factory's ShareGPT
+    form and pairs' `system` carry it), unless it is empty or the conversation has a system turn of its own."""
+    if not system or any(m["role"] == "system" for m in messages):
+        return messages
+    return [{"role": "system", "content": str(system)}, *messages]
+
+
 def tool_calls_of(value: Any, n: int) -> list[dict[str, Any]] | Drop:
     """OpenAI `tool_calls` (or a ShareGPT call: JSON text of one call or a list) -> normalised calls."""
     value = _parsed(value, BAD_MESSAGES, f"turn {n}: the tool call")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import DataConfig
+from trainer.progress import datasets_bars
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,8 @@ class Workload:
     trainable_tokens: float
     examples: int
     doc_len_sq_sum: float
-    """Sum over documents of length**2 (from the length histogram: an estimate either way)."""
+    """Sum over documents of length**2: exact from a manifest that records it (scaled, from a sample), else
+    from the length histogram."""
     eval_rows: float = 0.0
     eval_real_tokens: float = 0.0
     sampled_examples: int | None = None
@@ -105,9 +107,7 @@ def from_manifest(manifest: dict[str, Any], path: Path | None = None) -> Workloa
         real_tokens=float(train["real_tokens"]),
         trainable_tokens=float(train["trainable_tokens"]),
         examples=int(train["examples_out"]),
-        doc_len_sq_sum=doc_len_sq_from_lengths(
-            train.get("lengths", {}), manifest["settings"]["seq_len"], int(train["examples_out"])
-        ),
+        doc_len_sq_sum=doc_len_sq(train, manifest["settings"]["seq_len"]),
         eval_rows=float(ev.get("rows", 0)),
         eval_real_tokens=float(ev.get("real_tokens", 0)),
         manifest_path=str(path) if path else None,
@@ -123,6 +123,14 @@ def _truncation(split: dict[str, Any]) -> dict[str, Any] | None:
         return None
     lengths = split.get("lengths") or {}
     return {**tr, "p99": lengths.get("p99") if lengths.get("count") else None}
+
+
+def doc_len_sq(split: dict[str, Any], seq_len: int) -> float:
+    """Sum of squared document lengths of a manifest split: exact as packed (`doc_len_sq`, each of a pair's
+    answers a document, as the meter counts them), else, from a manifest before it, from its histogram."""
+    if split.get("doc_len_sq") is not None:
+        return float(split["doc_len_sq"])
+    return doc_len_sq_from_lengths(split.get("lengths", {}), seq_len, int(split["examples_out"]))
 
 
 def doc_len_sq_from_lengths(lengths: dict[str, Any], seq_len: int, documents: int) -> float:
@@ -149,11 +157,11 @@ def from_sample(
 ) -> Workload:
     """Prepare the first `sample_size` examples (pairs, for a preference objective) in a scratch directory and extrapolate."""
     from trainer.data import prepare
-    from trainer.data.prepare import FORMAT_FIELDS, _progress_bars
+    from trainer.data.prepare import FORMAT_FIELDS
     from trainer.data.sources import write_sample
 
     # No datasets bars: a sample is quick, and the estimate's output is a table (maybe a log file's).
-    with tempfile.TemporaryDirectory(prefix="spotune-estimate-") as tmp, _progress_bars(False):
+    with tempfile.TemporaryDirectory(prefix="spotune-estimate-") as tmp, datasets_bars(False):
         # Every source of a mix in its share, local or on the hub (trainer/data/sources.py).
         resolved = dataclasses.replace(data, path=resolved_path)
         sample_cfg, total, n = write_sample(resolved, FORMAT_FIELDS, Path(tmp), sample_size, seed)
@@ -174,7 +182,7 @@ def from_sample(
         real_tokens=train["real_tokens"] * scale,
         trainable_tokens=train["trainable_tokens"] * scale,
         examples=round(train["examples_out"] * scale),
-        doc_len_sq_sum=doc_len_sq_from_lengths(train.get("lengths", {}), data.seq_len, train["examples_out"]) * scale,
+        doc_len_sq_sum=doc_len_sq(train, data.seq_len) * scale,
         eval_rows=float(ev.get("rows", 0)) * scale,
         eval_real_tokens=float(ev.get("real_tokens", 0)) * scale,
         sampled_examples=n,

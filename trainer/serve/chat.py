@@ -196,7 +196,7 @@ class Chat:
                 do_sample=sample,
                 temperature=sampling.temperature if sample else None,
                 top_p=sampling.top_p if sample else None,
-                pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
+                pad_token_id=pad_id(self.tokenizer),
                 eos_token_id=self.generation.eos_token_id,
                 streamer=streamer,
             )
@@ -210,9 +210,16 @@ class Chat:
             return self.tokenizer.apply_chat_template(
                 conversation.messages(), add_generation_prompt=True, return_tensors="pt", return_dict=True
             )
-        # text (or data that met no template): every token was trained, the conversation is text to continue
-        text = "\n".join(t["content"] for t in conversation.turns) + "\n"
+        if self.source.format == "text":  # every token was trained: the conversation is text to continue
+            text = "\n".join(t["content"] for t in conversation.turns) + "\n"
+        else:  # data that met no template trained a raw prompt directly followed by its completion (template.py)
+            text = "".join(t["content"] for t in conversation.turns)
         return self.tokenizer(text, add_special_tokens=True, return_tensors="pt")
+
+
+def pad_id(tokenizer: Any) -> Any:
+    """The id generation pads with: the tokenizer's pad token (id 0 is a token like any other), else EOS."""
+    return tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
 
 
 class _Streamer(TextStreamer):

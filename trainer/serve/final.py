@@ -51,6 +51,16 @@ def served_generation_config(base: Any, tokenizer: Any, chat_template: str | Non
     return served
 
 
+def write_served(out: Path, tokenizer: str | Path, data: DataConfig, base: Any, revision: str | None = None) -> Any:
+    """What a server needs to render and stop as the run trained, into `out`: the tokenizer at `tokenizer`
+    (a hub id at `revision`) carrying the run's chat template, and `base` (the base model's generation
+    config, or None) with the run's end of turn among its EOS ids. Returns that generation config."""
+    tok = save_tokenizer(tokenizer, out, data.chat_template, revision)
+    served = served_generation_config(base, tok, None, data.format)  # tok carries the template
+    served.save_pretrained(str(out))
+    return served
+
+
 def write_final(
     directory: Path,
     model: torch.nn.Module,
@@ -75,9 +85,6 @@ def write_final(
     # The trained adapter only: a DPO run's frozen reference (trainer/model/reference.py) stays behind.
     active = [peft_model.active_adapter]
     peft_model.save_pretrained(str(tmp), safe_serialization=True, state_dict=whole, selected_adapters=active)
-    data = data or DataConfig()
-    tok = save_tokenizer(tokenizer, tmp, data.chat_template)
-    base = getattr(peft_model.get_base_model(), "generation_config", None)
-    served_generation_config(base, tok, None, data.format).save_pretrained(str(tmp))  # tok carries the template
+    write_served(tmp, tokenizer, data or DataConfig(), getattr(peft_model.get_base_model(), "generation_config", None))
     fsync_tree(tmp)
     publish_dir(tmp, directory)
