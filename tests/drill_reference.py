@@ -60,3 +60,13 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) ->
     )
     assert not ref.same(ref.earlier)  # the control: the comparison can fail
     return ref
+
+
+def train_here(argv: list[str]) -> int:
+    """`spotune train ARGV` in this process (the CLI's own path): a single-process reference run
+    without the ~6 s of CPU a child process spends importing torch, transformers and peft, which
+    this process has imported already. For references only: a run a test kills, or one whose
+    process or launcher is what the test is about, stays a child process."""
+    from trainer.cli.main import main
+
+    return main(["train", *argv])

@@ -22,6 +22,7 @@ from typing import Any
 import psutil
 import pytest
 import torch
+from drill_reference import train_here
 from safetensors.torch import load_file
 
 from trainer.data.sampler import StepSampler
@@ -132,9 +133,7 @@ def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> Non
 def test_two_one_two_ranks_equal_one_uninterrupted_process(tmp_path: Path, tiny_llama: Path, tiny_data: Path) -> None:
     cache = tmp_path / "cache"
     ref = tmp_path / "reference"
-    assert _run(1, _args(tiny_llama, tiny_data, cache, ref, 4), tmp_path / "ref.log") == 0, (
-        tmp_path / "ref.log"
-    ).read_text()
+    assert train_here(_args(tiny_llama, tiny_data, cache, ref, 4)) == 0
 
     out = tmp_path / "elastic"
     args = _args(tiny_llama, tiny_data, cache, out, 4)
@@ -160,7 +159,7 @@ def test_three_ranks_take_uneven_shares_of_a_batch_of_eight(tmp_path: Path, tiny
     one, three = tmp_path / "one", tmp_path / "three"
     args_one = [*_args(tiny_llama, tiny_data, cache, one, 8), "train.max_steps=2"]
     args_three = [*_args(tiny_llama, tiny_data, cache, three, 8), "train.max_steps=2"]
-    assert _run(1, args_one, tmp_path / "one.log") == 0, (tmp_path / "one.log").read_text()[-3000:]
+    assert train_here(args_one) == 0
     assert _run(3, args_three, tmp_path / "three.log") == 0, (tmp_path / "three.log").read_text()[-3000:]
     assert _digests(three) == _digests(one)
     _assert_close(_adapter(three), _adapter(one))

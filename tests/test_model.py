@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -63,6 +65,34 @@ def test_qlora_4bit_quantises_the_base_on_cpu(tiny_llama: Path) -> None:
     out.float().sum().backward()
     grads = [p.grad for n, p in model.named_parameters() if p.requires_grad and "lora_B" in n]
     assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+_PLAIN_THEN_QUANTISED = """
+import sys
+from trainer.config import AdapterConfig, ModelConfig
+from trainer.model.load import build
+
+build(ModelConfig(name_or_path=sys.argv[1], dtype="float32"), AdapterConfig(r=4))
+print("plain", "bitsandbytes" in sys.modules)
+model = build(ModelConfig(name_or_path=sys.argv[1], dtype="bfloat16"), AdapterConfig(method="qlora", r=4))
+lora4 = [m for m in model.modules() if type(m).__module__ == "peft.tuners.lora.bnb" and type(m).__name__ == "Linear4bit"]
+print("quantised", "bitsandbytes" in sys.modules, len(lora4))
+"""
+
+
+def test_plain_lora_never_imports_bitsandbytes_and_a_quantised_base_after_it_gets_its_layers(tiny_llama: Path) -> None:
+    """In a fresh process (this one may have imported bitsandbytes for another test): plain LoRA
+    starts without bitsandbytes (1 s of CPU on each restart), and the 4-bit build that follows in
+    the same process still gets peft's 4-bit LoRA layers, which peft's cached "bitsandbytes is
+    absent" would refuse. "quantised True" is the control: the check sees bitsandbytes once loaded."""
+    out = subprocess.run(
+        [sys.executable, "-c", _PLAIN_THEN_QUANTISED, str(tiny_llama)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout.splitlines()
+    assert out == ["plain False", "quantised True 14"], out  # 2 layers x 7 block linears
 
 
 def test_activation_checkpointing_gives_the_same_gradients(tiny_llama: Path) -> None:

@@ -3,8 +3,11 @@ is the one final/ (and a merged export) carries, both answered by chat_templates
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import SHARED_DATA
@@ -51,13 +54,21 @@ def bare_tokenizer(tiny_tokenizer: Path, tmp_path_factory: pytest.TempPathFactor
     return out
 
 
+@pytest.fixture(scope="module")
+def loaded() -> Callable[[Path], Any]:
+    """The tokenizer at a folder, loaded once for every recipe of its family (Gemma's takes 2 s of
+    CPU). Only read: rendering (tokenize_for) and own_template change nothing on it."""
+    return functools.cache(AutoTokenizer.from_pretrained)
+
+
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(REPO / "recipes")))
 def test_recipe_ships_the_template_it_trains_with(
-    path: Path, tmp_path: Path, tiny_llama: Path, bare_tokenizer: Path
+    path: Path, tmp_path: Path, tiny_llama: Path, bare_tokenizer: Path, loaded: Callable[[Path], Any]
 ) -> None:
     cfg = C.load(path)
     tok_dir = _tokenizer_dir(cfg.model.name_or_path, tiny_llama, bare_tokenizer)
-    tok = AutoTokenizer.from_pretrained(tok_dir)
+    tok = loaded(tok_dir)
+    template_before = own_template(tok)
     rendered_with = tokenize_for(cfg.data, tok, str(path)).template
     save_tokenizer(tok_dir, tmp_path / "final", cfg.data.chat_template)  # what write_final and export call
     shipped = own_template(AutoTokenizer.from_pretrained(tmp_path / "final"))
@@ -68,6 +79,7 @@ def test_recipe_ships_the_template_it_trains_with(
             f"{path}: conversational data on a model without a chat template: set data.chat_template"
         )
         assert shipped == rendered_with
+    assert own_template(tok) == template_before  # the shared tokenizer is as loaded for the next recipe
 
 
 def test_the_tiny_recipe_trains_what_final_serves(tmp_path: Path, tiny_llama: Path) -> None:

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -77,6 +78,31 @@ def peft_wrapping() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         yield
+
+
+@contextlib.contextmanager
+def bitsandbytes_only_if_loaded() -> Iterator[None]:
+    """`import peft` and peft's LoRA dispatch import bitsandbytes whenever it is installed, and its
+    import wraps its CPU kernels in `torch.compile`, which loads TorchInductor: about 1 s of CPU on
+    every start (every restart) of a run that quantises nothing. A base model has bitsandbytes
+    layers only if bitsandbytes was imported to load it, so while it is not loaded peft is told it
+    is absent (`sys.modules[name] = None`: find_spec answers None, `import` raises ImportError),
+    and peft's cached answers are forgotten afterwards, so a quantised base built later in the same
+    process is dispatched to peft's bitsandbytes layers (tests/test_model.py holds both)."""
+    if "bitsandbytes" in sys.modules:
+        yield
+        return
+    sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if sys.modules.get("bitsandbytes", 0) is None:
+            del sys.modules["bitsandbytes"]
+        peft_imports = sys.modules.get("peft.import_utils")
+        for name in ("is_bnb_available", "is_bnb_4bit_available"):
+            cached = getattr(peft_imports, name, None)
+            if cached is not None and hasattr(cached, "cache_clear"):
+                cached.cache_clear()
 
 
 @dataclass(frozen=True)
@@ -227,8 +253,6 @@ def build(
     base is frozen (peft freezes it), and checkpointing is non-reentrant, which needs no
     input-grad hook.
     """
-    from peft import LoraConfig, get_peft_model
-
     base = load_base(
         model_cfg, adapter_cfg, name_or_path=name_or_path, device=device, sharded=sharded, progress=progress
     )
@@ -236,25 +260,28 @@ def build(
     if model_cfg.gradient_checkpointing is True:  # `auto` is resolved by trainer/training/autofit.py before build
         enable_activation_checkpointing(base)
     targets = list(adapter_cfg.target_modules)
-    lora = LoraConfig(
-        r=adapter_cfg.r,
-        lora_alpha=adapter_cfg.alpha,  # type: ignore[arg-type]  # annotated int; peft scales by alpha / r as a float
-        lora_dropout=0.0 if no_dropout else adapter_cfg.dropout,  # 0: peft's identity, which lora_fused needs
-        target_modules="all-linear" if targets == ["all-linear"] else targets,
-        exclude_modules=outside_the_decoder(base),
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-    try:
-        with peft_wrapping():
-            model = get_peft_model(base, lora, autocast_adapter_dtype=True)
-    except ValueError as e:
-        raise ConfigError(
-            [
-                f"adapter.target_modules: {targets} does not fit this model ({e}); "
-                "use 'all-linear' or names of its linear modules such as q_proj, v_proj"
-            ]
-        ) from e
+    with bitsandbytes_only_if_loaded():  # a base loaded without bitsandbytes has none of its layers
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=adapter_cfg.r,
+            lora_alpha=adapter_cfg.alpha,  # type: ignore[arg-type]  # annotated int; peft scales by alpha / r as a float
+            lora_dropout=0.0 if no_dropout else adapter_cfg.dropout,  # 0: peft's identity, which lora_fused needs
+            target_modules="all-linear" if targets == ["all-linear"] else targets,
+            exclude_modules=outside_the_decoder(base),
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        try:
+            with peft_wrapping():
+                model = get_peft_model(base, lora, autocast_adapter_dtype=True)
+        except ValueError as e:
+            raise ConfigError(
+                [
+                    f"adapter.target_modules: {targets} does not fit this model ({e}); "
+                    "use 'all-linear' or names of its linear modules such as q_proj, v_proj"
+                ]
+            ) from e
     if init is not None:  # before the runtime views below, which then cover the reference adapter too
         load_init(model, init, adapter_cfg)
     if no_dropout:
