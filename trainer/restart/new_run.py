@@ -19,16 +19,17 @@ from pathlib import Path
 from typing import Any
 
 from trainer.atomic import fsync_path
-from trainer.restart.ledger import recover_killed
+from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, recover_killed
+from trainer.restart.uploader import RAN_OUT_FILE
 
 PREFIX = "previous-run-"
 RUN_OUTPUTS = (
     "config.yaml",
     "metrics.jsonl",
-    "ledger.jsonl",
-    "ledger.current.json",  # restart/ledger.py: a killed attempt's heartbeat belongs to the old run
-    "trackers.json",  # training/trackers.py: the tracker runs' ids
-    "auto-out-of-memory.json",  # restart/uploader.py RAN_OUT_FILE
+    LEDGER_FILE,
+    HEARTBEAT_FILE,  # a killed attempt's heartbeat belongs to the old run
+    "trackers.json",  # training/trackers.py IDS_FILE (a later stage: not importable here)
+    RAN_OUT_FILE,
     "final",
     "compile",
     "tensorboard",

@@ -26,16 +26,13 @@ from trainer.exit_codes import EXIT_FINISHED, EXIT_PREEMPTED
 from trainer.restart import agree
 from trainer.restart.checkpoint import MANIFEST, CheckpointError, CheckpointManager
 from trainer.restart.choose import choose, retrying
-from trainer.restart.generations import merged_rows
+from trainer.restart.generations import APPEND_ONLY, merged_rows
 from trainer.restart.lease_object import Follower
-from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, read_rows
+from trainer.restart.ledger import HEARTBEAT_FILE, read_rows
 from trainer.restart.safety import Floor
 from trainer.restart.storage import Fence, Store, StoreDenied, StoreUnreachable, _short
 from trainer.restart.uploader import RAN_OUT_FILE, RUN_FILES, Uploader
 from trainer.urls import redact
-
-APPEND_ONLY = ("metrics.jsonl", LEDGER_FILE)
-"""Run files that only ever grow: the store's rows and this disk's are merged (trainer/restart/generations.py)."""
 
 FINISH_TIMEOUT = 600.0
 """Seconds a finished run waits for its last upload (a preempted one has checkpoint.notice_seconds)."""
@@ -189,7 +186,10 @@ class RemoteRun:
             )
 
         def publish() -> bool:
-            if step in store.committed() and _remote_digest(store, step) == digest:
+            if (
+                step in store.committed()
+                and manifest_digest(store.fs.cat_file(store.step_path(step, MANIFEST))) == digest
+            ):
                 return False
             store.upload(path, step)
             return True
@@ -362,16 +362,16 @@ def _continue(store: Store, name: str, local: Path) -> bool:
     return True
 
 
+def manifest_digest(manifest: bytes) -> str:
+    """sha256 over a checkpoint manifest's entries (every file's size and sha256): equal digests, equal
+    bytes. The manifest's own timestamp (and the generation a remote one records) is left out."""
+    files = json.loads(manifest)["files"]
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
 def files_digest(checkpoint: Path) -> str:
-    """sha256 over a committed checkpoint's manifest entries (every file's size and sha256): equal
-    digests, equal bytes. The manifest's own timestamp is left out."""
-    files = json.loads((checkpoint / MANIFEST).read_text())["files"]
-    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
-
-
-def _remote_digest(store: Store, step: int) -> str:
-    files = json.loads(store.fs.cat_file(store.step_path(step, MANIFEST)))["files"]
-    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+    """`manifest_digest` of a local committed checkpoint."""
+    return manifest_digest((checkpoint / MANIFEST).read_bytes())
 
 
 def _holds(root: Path, path: Path, digest: str) -> bool:
