@@ -31,8 +31,11 @@ the write before it happens and names the step.
 
 from __future__ import annotations
 
+import posixpath
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
+
+from trainer.restart.checkpoint import MANIFEST
 
 
 class SafetyViolation(AssertionError):
@@ -100,6 +103,17 @@ class Floor:
                 f"{action} would take committed step(s) {forbidden} out of the store, above step "
                 f"{self.resumed} this attempt resumed from (committed when it chose: {sorted(self.seen or [])}, "
                 f"corrupt: {sorted(self.corrupt)}); refused: nothing paid for is deleted"
+            )
+
+    def allow_unfinished(self, where: str, names: Collection[str], retired: Collection[str]) -> None:
+        """Assert that the step directory `where` (holding the objects `names`) is an upload killed
+        midway, whose objects nobody paid for: no manifest commits it, no retired marker says its data is
+        kept, and no retired folder of its step (`retired`) waits for the rest of a move."""
+        markers = sorted(n for n in names if posixpath.basename(n).endswith(MANIFEST))
+        if markers or retired:
+            raise SafetyViolation(
+                f"removing {where} as an unfinished upload would delete kept data (it holds {markers}, "
+                f"retired beside it: {sorted(retired)}); refused: nothing paid for is deleted"
             )
 
     def allow_set_aside(self, what: str) -> None:

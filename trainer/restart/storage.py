@@ -50,6 +50,8 @@ CHECKPOINTS = "checkpoints"
 RETIRED = "RETIRED-" + MANIFEST
 """The manifest of a set-aside remote checkpoint (resume=never or an older explicit one), whose objects then
 move to `step-XXXXXX.retired-<time>/`: kept, never resumed, never cleaned."""
+RETIRED_SUFFIX = ".retired-"
+"""Between a retired checkpoint's step directory name and the time it was retired."""
 WRITE_PROBE = ".spotune-write-probe"
 """The object `Store.check` writes and deletes at start, to prove these credentials may."""
 UPLOAD_PAUSE_ENV = "SPOTUNE_TEST_UPLOAD_PAUSE"
@@ -197,21 +199,25 @@ class Store:
 
     # ------------------------------------------------------------------ listing
 
-    def _step_dirs(self) -> dict[int, set[str]]:
-        """step -> names of the objects directly in its directory."""
+    def _listing(self) -> dict[str, set[str]]:
+        """Folder name under checkpoints/ -> names of the objects below it."""
         self.fs.invalidate_cache()
         base = self.path(CHECKPOINTS)
         try:
             entries = self.fs.find(base, detail=False)
         except FileNotFoundError:
             return {}
-        out: dict[int, set[str]] = {}
+        out: dict[str, set[str]] = {}
         for entry in entries:
             rel = posixpath.relpath(entry, base).split("/")
-            m = _STEP.match(rel[0])
-            if m and len(rel) > 1:
-                out.setdefault(int(m.group(1)), set()).add("/".join(rel[1:]))
+            if len(rel) > 1:
+                out.setdefault(rel[0], set()).add("/".join(rel[1:]))
         return out
+
+    def _step_dirs(self, listing: dict[str, set[str]] | None = None) -> dict[int, set[str]]:
+        """step -> names of the objects in its directory."""
+        listing = self._listing() if listing is None else listing
+        return {int(m.group(1)): names for folder, names in listing.items() if (m := _STEP.match(folder))}
 
     def _manifests(self) -> dict[int, int]:
         """step -> the generation its remote manifest records (0: none), for every manifest there."""
@@ -237,17 +243,23 @@ class Store:
 
     def clean(self) -> list[int]:
         """Delete remote step directories that have no manifest (uploads killed midway), and those
-        whose manifest is a fenced holder's late write (manifest first, as in `prune`)."""
+        whose manifest is a fenced holder's late write (manifest first, as in `prune`). A directory
+        with a retired sibling (`step-XXXXXX.retired-*`) is never taken for an unfinished upload: it may
+        hold what a retire cut off midway has not moved yet (`retire` finishes it)."""
         manifests = self._manifests()
         current = current_steps(manifests)
-        dirs = self._step_dirs()
+        listing = self._listing()
+        dirs = self._step_dirs(listing)
         doomed = sorted(s for s, names in dirs.items() if MANIFEST not in names and RETIRED not in names)
+        doomed = [s for s in doomed if not _retired_folders(listing, s)]
         late = [s for s in manifests if s not in current]
         if not doomed and not late:
             return []
         self.writable()
         kept = {s: g for s, g in manifests.items() if s not in late}
         self.floor.allow("removing late manifests", current, current_steps(kept))
+        for step in doomed:
+            self.floor.allow_unfinished(self.show_dir(step), dirs[step], _retired_folders(listing, step))
         for step in late:
             self.fence.check()
             self.fs.rm_file(self.step_path(step, MANIFEST))
@@ -258,12 +270,15 @@ class Store:
 
     def retire(self, after_step: int) -> list[str]:
         """Set aside remote checkpoints above `after_step`, kept: each is uncommitted first (its manifest
-        renamed RETIRED-MANIFEST.json, one request), then moved whole to `step-XXXXXX.retired-<time>`, so
-        the new timeline's checkpoint of the same step never overwrites its objects. Only for a new timeline
-        the user asked for. A move a kill interrupted is finished at the next retire. Returns the new names."""
+        renamed RETIRED-MANIFEST.json in place, one request), then moved to `step-XXXXXX.retired-<time>`
+        object by object, that marker last, so the new timeline's checkpoint of the same step never
+        overwrites its objects. Until its move ends the step's directory holds the marker: `clean` never
+        takes it for an unfinished upload, and the next retire finishes the move into the same folder.
+        Only for a new timeline the user asked for. Returns the new names."""
         manifests = self._manifests()
         moved = [s for s in manifests if s > after_step]
-        unfinished = [s for s, names in self._step_dirs().items() if RETIRED in names and MANIFEST not in names]
+        listing = self._listing()
+        unfinished = [s for s, names in self._step_dirs(listing).items() if RETIRED in names and MANIFEST not in names]
         if not moved and not unfinished:
             return []
         self.writable()
@@ -275,9 +290,12 @@ class Store:
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
         names = []
         for step in sorted({*moved, *unfinished}):
-            name = f"step-{step:06d}.retired-{stamp}"
+            # A move cut off midway goes on into its folder (the one whose marker has not arrived yet).
+            started = [f for f in _retired_folders(listing, step) if RETIRED not in listing[f]]
+            name = started[0] if started else f"step-{step:06d}.retired-{stamp}"
             self.fs.invalidate_cache()
-            for obj in self.fs.find(self.step_path(step), detail=False):  # an object store moves object by object
+            objects = sorted(self.fs.find(self.step_path(step), detail=False), key=lambda o: o.endswith("/" + RETIRED))
+            for obj in objects:  # an object store moves object by object; the marker goes last
                 self.fence.check()
                 rel = posixpath.relpath(obj, self.step_path(step))
                 self.fs.mv(obj, self.path(CHECKPOINTS, name, rel))
@@ -435,6 +453,11 @@ class Store:
                 raise self.fault(e, "read") from e
             raise
         return final
+
+
+def _retired_folders(listing: dict[str, set[str]], step: int) -> list[str]:
+    """The folders a retire moved (or is moving) checkpoint `step` to, oldest first."""
+    return sorted(f for f in listing if f.startswith(f"step-{step:06d}{RETIRED_SUFFIX}"))
 
 
 def _manifest_files(path: Path, url: str) -> dict[str, Any]:

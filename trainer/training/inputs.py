@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from trainer import builtin_assets
-from trainer.atomic import write_text
 from trainer import config as C
+from trainer.atomic import write_text
 from trainer.config.schema import REFERENCE_OBJECTIVES
 from trainer.data.cache import data_cache_root, in_turns
 
