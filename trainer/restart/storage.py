@@ -297,8 +297,9 @@ class Store:
             objects = sorted(self.fs.find(self.step_path(step), detail=False), key=lambda o: o.endswith("/" + RETIRED))
             for obj in objects:  # an object store moves object by object; the marker goes last
                 self.fence.check()
-                rel = posixpath.relpath(obj, self.step_path(step))
-                self.fs.mv(obj, self.path(CHECKPOINTS, name, rel))
+                dest = self.path(CHECKPOINTS, name, posixpath.relpath(obj, self.step_path(step)))
+                self._parent_of(dest)
+                self.fs.mv(obj, dest)
             names.append(name)
         return names
 
@@ -334,15 +335,12 @@ class Store:
             before = self.committed()
             self.floor.allow(f"replacing step {step}", before, [s for s in before if s != step])
             self.fs.rm_file(self.step_path(step, MANIFEST))
-        if not _is_object_store(self.fs):
-            self.fs.makedirs(self.step_path(step), exist_ok=True)
         sent = 0
         for i, f in enumerate(files):
             if pause and i == len(files) // 2:
                 time.sleep(pause)
             rel = f.relative_to(local).as_posix()
-            if "/" in rel and not _is_object_store(self.fs):
-                self.fs.makedirs(posixpath.dirname(self.step_path(step, rel)), exist_ok=True)
+            self._parent_of(self.step_path(step, rel))
             self.fence.check()
             self.fs.put_file(str(f), self.step_path(step, rel))
             sent += f.stat().st_size
@@ -366,6 +364,12 @@ class Store:
             self.floor.allow(f"committing step {step}", current_steps(manifests), current_steps(after))
             self.fence.commit(commit)
             return sent + sent_manifest.stat().st_size
+
+    def _parent_of(self, path: str) -> None:
+        """Make the folder an object is about to move or upload into: a local directory has real folders
+        (and moving into a missing one fails); an object store has none to make."""
+        if not _is_object_store(self.fs):
+            self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
 
     def run_file(self, rel: str) -> str | None:
         """The copy of run file `rel` of the highest generation; None if there is none."""
@@ -403,6 +407,7 @@ class Store:
             return []
         self.writable()
         self.floor.allow_set_aside(f"the run files of {self.shown}")
+        self._parent_of(self.path(folder, "-"))
         for path in moved:
             self.fence.check()
             self.fs.mv(path, self.path(folder, posixpath.basename(path)))
