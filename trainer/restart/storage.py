@@ -243,7 +243,8 @@ class Store:
 
     def clean(self) -> list[int]:
         """Delete remote step directories that have no manifest (uploads killed midway), and those
-        whose manifest is a fenced holder's late write (manifest first, as in `prune`). A directory
+        whose manifest is a fenced holder's late write (manifest first, as in `prune`), once this attempt
+        chose its step (the floor refuses a late one it saw committed then). A directory
         with a retired sibling (`step-XXXXXX.retired-*`) is never taken for an unfinished upload: it may
         hold what a retire cut off midway has not moved yet (`retire` finishes it)."""
         manifests = self._manifests()
@@ -256,8 +257,9 @@ class Store:
         if not doomed and not late:
             return []
         self.writable()
-        kept = {s: g for s, g in manifests.items() if s not in late}
-        self.floor.allow("removing late manifests", current, current_steps(kept))
+        # Judged on the raw manifests, not the current view (where a late one is absent by definition): a
+        # "late" step this attempt saw committed when it chose means the generation rule was broken.
+        self.floor.allow("removing late manifests", sorted(manifests), [s for s in manifests if s not in late])
         for step in doomed:
             self.floor.allow_unfinished(self.show_dir(step), dirs[step], _retired_folders(listing, step))
         for step in late:
