@@ -271,3 +271,26 @@ def test_a_retire_cut_off_midway_keeps_every_object_and_the_next_one_finishes_it
             marker["files"]["adapter_model.safetensors"][k] for k in ("size", "sha256")
         ]
     assert MANIFEST not in str(listing).replace(RETIRED, "")
+
+
+# A role whose s3:ListBucket is scoped by s3:prefix to `run/*` (the proxy plays IAM): any bucket-level request
+# not listing under run/ (the bucket root, a HeadBucket) is refused AccessDenied.
+OUTSIDE_THE_PREFIX = r"^(GET|HEAD) /spotune-[0-9a-f]+/?(\?(?!.*prefix=run(/|%2F)).*)?$"
+
+
+def test_a_role_scoped_to_the_runs_prefix_may_start_and_a_missing_bucket_is_named(
+    s3_remote: str, proxy: FaultProxy
+) -> None:
+    from trainer.restart.storage import StoreDenied
+
+    proxy.set(refuse=[{"match": OUTSIDE_THE_PREFIX, "as": "denied"}])
+    Store(s3_remote + "/fresh").check()  # a prefix nothing is under yet: fine, the bucket exists
+    Store(s3_remote).check()
+    refused = [e for e in proxy.log() if e.get("action", "").startswith("refused")]
+    assert refused == [], refused  # it never looked outside run/
+    bucket = s3_remote.split("/")[2]
+    with pytest.raises(StoreDenied, match="list refused"):  # the control: the rule is live
+        Store(f"s3://{bucket}").check()
+    proxy.set()
+    with pytest.raises(StoreDenied, match="check the bucket name"):
+        Store("s3://spotune-no-such-bucket/run").check()

@@ -163,8 +163,12 @@ class Store:
         lists and reads but refuses writes is named at start, not found out by uploads that never land."""
         try:
             self.fs.invalidate_cache()
-            if _is_object_store(self.fs):  # the bucket must exist and be listable with these credentials
-                self.fs.ls(self.root.split("/", 1)[0], detail=False)
+            if _is_object_store(self.fs):
+                # A listing under the run's own prefix, never the bucket's root: a role may be scoped to its
+                # prefix (s3:prefix), and a shared bucket's other keys are none of this run's business. An
+                # empty prefix lists nothing; a missing bucket answers FileNotFoundError (NoSuchBucket), as
+                # a HeadBucket would, which a prefix-scoped role may not send.
+                self.fs.find(self.root, prefix=WRITE_PROBE, detail=False)
             else:
                 self.fs.makedirs(self.root, exist_ok=True)
         except Exception as e:
