@@ -77,7 +77,7 @@ class RemoteRun:
 
     # ------------------------------------------------------------------ start
 
-    def connect(self, new_run: str | None = None) -> None:
+    def connect(self, new_run: str | None = None, set_aside_here: Callable[[], None] | None = None) -> None:
         """Collective. Rank 0 checks the store (list, and a probe write and delete) and, on a machine
         without the run files, downloads them (this disk's ledger and metrics rows merged with the store's).
 
@@ -85,19 +85,23 @@ class RemoteRun:
         bucket, and StoreUnreachable (exit 143) when it does not answer for `budget` seconds and no local
         checkpoint lets training start; with one, rank 0 warns and goes on cut off (the floor reads the
         store before the first write). `new_run` (checkpoint.resume=never): the folder the store's run
-        files of the old run are moved to first (trainer/restart/new_run.py)."""
+        files of the old run are moved to, once the store answered, in one step with its checkpoints retired
+        and with `set_aside_here` (rank 0: this disk's part, trainer/restart/new_run.py); a store that does
+        not answer then stops the attempt (exit 143) before anything moved."""
         if self.url is None:
+            if set_aside_here is not None:
+                set_aside_here()
             return
         if self.is_main:
             try:
-                self._connect_main(new_run)
+                self._connect_main(new_run, set_aside_here)
             except Exception as e:
                 agree.broadcast((agree.failure(e), None))  # the other ranks wait in the broadcast below
                 raise
         problem, self.holder = agree.broadcast((None, getattr(self.fence, "id", None)))
         agree.raise_failure([problem], prefix="rank 0 could not connect to the store: ")
 
-    def _connect_main(self, new_run: str | None) -> None:
+    def _connect_main(self, new_run: str | None, set_aside_here: Callable[[], None] | None) -> None:
         store = self.store = Store(self.url or "", self.options)
         store.floor = self.floor
         self.floor.new_timeline = new_run is not None
@@ -105,9 +109,12 @@ class RemoteRun:
             store.fence = self.fence
         local = CheckpointManager(self.run_dir / "checkpoints").committed()
 
+        here = [set_aside_here] if set_aside_here is not None else []
+
         def reach() -> None:
             store.check()
             if new_run is not None:
+                self._begin_new_run(store, here.pop() if here else None)  # once: a retry finds nothing here
                 moved = store.set_aside(RUN_FILES, new_run)
                 if moved:
                     self.message(
@@ -122,11 +129,28 @@ class RemoteRun:
         except StoreDenied:
             raise  # a setting to fix: waiting changes nothing (exit 2)
         except StoreUnreachable as e:
+            if new_run is not None:  # a new run sets the store's checkpoints aside first: it needs the store
+                raise StoreUnreachable(
+                    f"{e}. checkpoint.resume=never sets the old run aside in the store too; nothing was moved "
+                    "(exit 143: rerun once the store answers)"
+                ) from e
             if not local:  # a fault of the moment, and nothing to train from without the store (exit 143)
                 raise StoreUnreachable(f"{e}. No local checkpoint lets training start without it") from e
             self.message(f"spotune: {e}. Continuing from the local checkpoint {local[-1].name}; uploads will retry.")
             return
         self.reachable = True
+
+    def _begin_new_run(self, store: Store, set_aside_here: Callable[[], None] | None) -> None:
+        """resume=never, the store answering: its checkpoints retired (renamed, kept), then this disk's."""
+        self.floor.choose(None, store.committed(), new_timeline=True)
+        moved = store.retire(-1)
+        if moved:
+            self.message(
+                f"spotune: checkpoint.resume=never: set aside remote checkpoint(s) above step 0, kept as "
+                f"{', '.join(f'{store.shown}/checkpoints/{name}' for name in moved)}"
+            )
+        if set_aside_here is not None:
+            set_aside_here()
 
     def resolve(self, resume_setting: str) -> tuple[Path | None, list[str]]:
         """The checkpoint every rank resumes from: chosen on rank 0 (local or remote, the newest
