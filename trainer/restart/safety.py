@@ -1,5 +1,9 @@
-"""The rule that keeps what a run paid for, stated once. Every path of the store that deletes,
-uncommits or supersedes remote state asks it first (`Floor.allow`, called by trainer/restart/storage.py).
+"""The rule that keeps what a run paid for, stated once. Every `Store` method that deletes, moves,
+uncommits or supersedes remote state asks it first (`Floor.allow*`, called by trainer/restart/storage.py;
+tests/test_safety.py checks each one does): pruning, replacing or committing a step, retiring, setting run
+files aside, and `clean`, for a late manifest (judged on the raw manifests: a step this attempt saw
+committed when it chose is never "late") and for an unfinished upload (`allow_unfinished`: no manifest, no
+retired marker, no retire of its step left unfinished).
 
 **No attempt deletes, uncommits or supersedes a committed remote checkpoint, ledger row or metrics
 row above the step it resumed from, unless the user asked for a new timeline** (`checkpoint.resume=never`

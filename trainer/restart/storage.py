@@ -432,8 +432,8 @@ class Store:
         """Download remote checkpoint `step`, verify every file, publish it under `local_root`.
 
         Raises Corrupt naming the object's URL when the checkpoint does not verify (the one reason to
-        skip it), StoreDenied when these credentials may not read it; anything else is a fault of the
-        moment and propagates as it came (the caller retries).
+        skip it), StoreDenied when these credentials may not read it; anything else (a store that does
+        not answer, or a local error such as a full disk) propagates as it came, for the caller to judge.
         """
         local_root.mkdir(parents=True, exist_ok=True)
         final = local_root / f"step-{step:06d}"
