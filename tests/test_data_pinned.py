@@ -131,6 +131,25 @@ def test_a_dated_template_renders_the_runs_day_on_every_restart(tmp_path: Path, 
         run.replace(**{"data.template_date": "26 Jul 2024"})
 
 
+def test_config_yaml_is_written_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write cut short (here: text that cannot be encoded, past the first bytes) leaves no config.yaml:
+    a torn one would exist, so no later start would write it again, and never load, so every restart would
+    pin the hub data and the day anew."""
+    from trainer.training.inputs import saved_config, write_config
+
+    run = C.RunConfig().replace(**{"output_dir": str(tmp_path / "run"), "data.template_date": "2024-07-26"})
+    whole = C.to_yaml(run)
+    monkeypatch.setattr(C, "to_yaml", lambda cfg: whole + "# \udc80\n")
+    with pytest.raises(UnicodeEncodeError):
+        write_config(tmp_path / "run", run)
+    assert not (tmp_path / "run" / "config.yaml").exists() and saved_config(tmp_path / "run") is None
+    monkeypatch.undo()
+    write_config(tmp_path / "run", run)  # the control: written whole, it loads, and a second start keeps it
+    write_config(tmp_path / "run", run.replace(**{"data.template_date": "2025-01-02"}))
+    saved = saved_config(tmp_path / "run")
+    assert saved is not None and saved.data.template_date == "2024-07-26"
+
+
 # ----------------------------------------------------------------------------- the pipeline's version
 
 RENDERED: dict[str, str] = {"3": "9a3c28de8a919be9", "4": "c7134cb5890afdd5"}

@@ -164,3 +164,27 @@ def test_a_fenced_holders_late_manifest_changes_nothing_the_next_reader_sees(tmp
 
     control = history(s3_remote + "-control", late_generation=0, current=0)  # as before generations
     assert control.committed() == [80, 90, 100]
+
+
+def test_clean_deletes_a_late_manifest_only_if_this_attempt_never_saw_it_committed(
+    tmp_path: Path, s3_remote: str
+) -> None:
+    """The invariant broken on purpose: generation 2 chose seeing 100 committed (it resumed from 80, so it
+    protects 100), then another writer committed 90 at generation 3 below it, so 100 now reads as a late
+    write. `clean` judges the raw manifests with the floor: 100 stays. The control: a holder that never saw
+    100 committed (it landed after it chose) removes it."""
+    manager = CheckpointManager(tmp_path / "local" / "checkpoints", keep_last=5)
+    ckpt = {step: _commit(manager, step) for step in (80, 90, 100)}
+    for step in (80, 100):
+        _store(s3_remote, 1).upload(ckpt[step], step)
+    saw = _store(s3_remote, 2)
+    saw.floor.choose(80, saw.committed())  # [80, 100]
+    _store(s3_remote, 3).upload(ckpt[90], 90)  # the breach: a newer generation commits below 100
+    assert saw.committed() == [80, 90]  # 100 reads as late now
+    with pytest.raises(SafetyViolation, match=r"removing late manifests would take committed step\(s\) \[100\]"):
+        saw.clean()
+    assert saw.fs.exists(saw.step_path(100, MANIFEST))
+    never_saw = _store(s3_remote, 3)
+    never_saw.floor.choose(90, [80, 90])
+    assert never_saw.clean() == [100]
+    assert Store(s3_remote).committed() == [80, 90] and not Store(s3_remote).fs.exists(saw.step_path(100, MANIFEST))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from trainer.restart.checkpoint import MANIFEST, CheckpointManager
-from trainer.restart.safety import SafetyViolation
+from trainer.restart.safety import Floor, SafetyViolation
 from trainer.restart.storage import Fence, Store
 
 PACKAGE = Path(__file__).resolve().parents[1] / "trainer"
@@ -111,3 +111,16 @@ def test_every_path_that_deletes_moves_or_uncommits_remote_state_asks_the_rule()
         (PACKAGE / "restart" / "storage.py").read_text().replace("self.floor.allow", "self.floor.skip"),
         "restart/storage.py",
     )
+
+
+def test_an_unfinished_upload_is_removed_only_when_nothing_in_it_is_kept() -> None:
+    """`Store.clean` asks this before deleting a step directory without a manifest: the directory of a retire
+    cut off midway (its marker still there, or a retired folder of its step beside it) holds paid-for data."""
+    floor = Floor()
+    floor.allow_unfinished("s3://b/run/checkpoints/step-000010", {"adapter_model.safetensors"}, [])  # the control
+    with pytest.raises(SafetyViolation, match=r"holds \['RETIRED-MANIFEST.json'\]"):
+        floor.allow_unfinished("step-000010", {"adapter_model.safetensors", "RETIRED-MANIFEST.json"}, [])
+    with pytest.raises(SafetyViolation, match=r"retired beside it: \['step-000010.retired-20260101T000000'\]"):
+        floor.allow_unfinished("step-000010", {"adapter_model.safetensors"}, ["step-000010.retired-20260101T000000"])
+    with pytest.raises(SafetyViolation, match="MANIFEST.json"):
+        floor.allow_unfinished("step-000010", {"MANIFEST.json"}, [])

@@ -1,11 +1,12 @@
 """Faults a healthy run survives, the pieces: the lease against moto's S3 through a fault-injecting
 proxy (tests/fault_proxy.py). A store cut off past the lease's expiry, a PUT delivered twice, a
-store that ignores conditional writes, a taker whose wall clock is far ahead. The end-to-end drills
+store that ignores conditional writes, a taker whose wall clock is far ahead, a retire cut off midway. The end-to-end drills
 (`spotune train` through the proxy, the wiped-machine kill drill for the ledger) are in
 test_store_fault_drill.py."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -16,11 +17,12 @@ import pytest
 from fault_proxy import FaultProxy
 from moto_fixture import s3_env
 
+from trainer.restart.checkpoint import MANIFEST, CheckpointManager, file_digest
 from trainer.restart.conditional import conditional
 from trainer.restart.lease import Lease, LeaseLost, read_lease
 from trainer.restart.lock import RunBusy
 from trainer.restart.owner import break_lease
-from trainer.restart.storage import Store, StoreOffline
+from trainer.restart.storage import RETIRED, Store, StoreOffline
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -229,3 +231,66 @@ def test_a_taker_whose_clock_is_an_hour_ahead_never_takes_a_live_lease(
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_retire_cut_off_midway_keeps_every_object_and_the_next_one_finishes_it(
+    tmp_path: Path, s3_remote: str, proxy: FaultProxy
+) -> None:
+    """resume=never retires the store's checkpoints object by object; the store fails one move (every
+    retry of it) of step 10. The next attempt's `clean` must not take step 10's data for an unfinished
+    upload (it is a retired checkpoint's, paid for), and its `retire` finishes the move into the same
+    folder: each retired checkpoint whole, its marker beside its data."""
+    local = CheckpointManager(tmp_path / "local", keep_last=5)
+    for step in (5, 10):
+        path = local.save(
+            step, lambda tmp, step=step: (tmp / "adapter_model.safetensors").write_bytes(b"%d" % step * 300)
+        ).path
+        Store(s3_remote).upload(path, step)
+
+    def never() -> Store:  # an attempt of checkpoint.resume=never: a new timeline from step 0
+        store = Store(s3_remote)
+        store.floor.choose(None, store.committed(), new_timeline=True)
+        return store
+
+    moving = r"^PUT /[^/]+/run/checkpoints/step-000010\.retired-[^/]+/adapter_model"
+    proxy.set(refuse=[{"match": moving, "as": "flaky", "times": 5}])  # s3fs tries 5 times
+    with pytest.raises(Exception, match="reduce your request rate|Could not connect"):  # a 503 or a reset
+        never().retire(-1)
+    proxy.set()
+    store = never()
+    assert store.committed() == [] and store.clean() == []  # nothing deleted
+    store.retire(-1)
+    listing = store.fs.find(store.path("checkpoints"), detail=False)
+    folders = sorted({p.split("/checkpoints/")[1].split("/")[0] for p in listing})
+    assert [f.split(".retired-")[0] for f in folders] == ["step-000005", "step-000010"], folders
+    for step, folder in zip((5, 10), folders, strict=True):
+        marker = json.loads(store.fs.cat_file(store.path("checkpoints", folder, RETIRED)))
+        data = tmp_path / f"{step}.bin"
+        store.fs.get_file(store.path("checkpoints", folder, "adapter_model.safetensors"), str(data))
+        assert list(file_digest(data, fsync=False)) == [
+            marker["files"]["adapter_model.safetensors"][k] for k in ("size", "sha256")
+        ]
+    assert MANIFEST not in str(listing).replace(RETIRED, "")
+
+
+# A role whose s3:ListBucket is scoped by s3:prefix to `run/*` (the proxy plays IAM): any bucket-level request
+# not listing under run/ (the bucket root, a HeadBucket) is refused AccessDenied.
+OUTSIDE_THE_PREFIX = r"^(GET|HEAD) /spotune-[0-9a-f]+/?(\?(?!.*prefix=run(/|%2F)).*)?$"
+
+
+def test_a_role_scoped_to_the_runs_prefix_may_start_and_a_missing_bucket_is_named(
+    s3_remote: str, proxy: FaultProxy
+) -> None:
+    from trainer.restart.storage import StoreDenied
+
+    proxy.set(refuse=[{"match": OUTSIDE_THE_PREFIX, "as": "denied"}])
+    Store(s3_remote + "/fresh").check()  # a prefix nothing is under yet: fine, the bucket exists
+    Store(s3_remote).check()
+    refused = [e for e in proxy.log() if e.get("action", "").startswith("refused")]
+    assert refused == [], refused  # it never looked outside run/
+    bucket = s3_remote.split("/")[2]
+    with pytest.raises(StoreDenied, match="list refused"):  # the control: the rule is live
+        Store(f"s3://{bucket}").check()
+    proxy.set()
+    with pytest.raises(StoreDenied, match="check the bucket name"):
+        Store("s3://spotune-no-such-bucket/run").check()

@@ -108,12 +108,13 @@ def choose(
 def _choose_remote(
     root: Path, resume_setting: str, store: Store, local_step: int | None, error: CheckpointError | None
 ) -> tuple[Path | None, list[str]]:
-    """The store's part of `choose`: None means the local choice stands."""
-    notes = [f"removed the unfinished upload {store.show_dir(s)}" for s in store.clean()]
+    """The store's part of `choose`: None means the local choice stands. The store is cleaned once the
+    floor recorded the choice (what it saw committed then is what `clean` may not delete)."""
     committed = store.committed()
     if resume_setting != "auto":
         after = local_step if local_step is not None else -1
         store.floor.choose(local_step, committed, new_timeline=True)
+        notes = _clean(store)
         moved = store.retire(after)
         if moved:
             notes.append(
@@ -121,6 +122,7 @@ def _choose_remote(
                 f"kept as {', '.join(f'{store.shown}/checkpoints/{name}' for name in moved)}"
             )
         return None, notes
+    notes = []
     corrupt: list[int] = []
     for step in reversed(committed):
         if local_step is not None and step <= local_step:
@@ -133,8 +135,12 @@ def _choose_remote(
             continue
         store.floor.choose(step, committed, corrupt=corrupt)
         notes.append(f"downloaded {store.show_dir(step)} (newer than any local checkpoint)")
-        return path, notes
+        return path, notes + _clean(store)
     if local_step is None and error is not None:
         raise error
     store.floor.choose(local_step, committed, corrupt=corrupt)
-    return None, notes
+    return None, notes + _clean(store)
+
+
+def _clean(store: Store) -> list[str]:
+    return [f"removed the unfinished upload {store.show_dir(s)}" for s in store.clean()]

@@ -29,9 +29,11 @@ import posixpath
 from collections.abc import Iterable
 from typing import Any
 
+from trainer.restart.ledger import LEDGER_FILE
+
 GEN = ".gen-"
 """Between a run file's name and the generation that wrote it."""
-APPEND_ONLY = ("metrics.jsonl", "ledger.jsonl")
+APPEND_ONLY = ("metrics.jsonl", LEDGER_FILE)
 """Run files whose rows only ever accumulate: read as the merge of every generation's copy."""
 
 

@@ -8,6 +8,11 @@ runs (trackers.json), starts its ledger and metrics from nothing, and `spotune c
 `status` read the new run. The old run's checkpoints are retired where they are, as for an explicit
 checkpoint (trainer/restart/checkpoint.py `retire`, trainer/restart/storage.py `retire`). Only the run's
 own outputs move: the lock, the prepared data, the pilot and a saved estimate stay.
+
+It is one step, taken once the store answered (trainer/restart/remote.py `connect`): the store's
+checkpoints retired, this disk's checkpoints retired and its files set aside, the store's run files set
+aside. A store that does not answer stops the attempt (exit 143) before anything moved, so no failure
+leaves the old checkpoints beside a new ledger for a later `auto` to resume.
 """
 
 from __future__ import annotations
@@ -19,16 +24,19 @@ from pathlib import Path
 from typing import Any
 
 from trainer.atomic import fsync_path
-from trainer.restart.ledger import recover_killed
+from trainer.restart.checkpoint import CheckpointManager
+from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, recover_killed
+from trainer.restart.storage import CHECKPOINTS
+from trainer.restart.uploader import RAN_OUT_FILE
 
 PREFIX = "previous-run-"
 RUN_OUTPUTS = (
     "config.yaml",
     "metrics.jsonl",
-    "ledger.jsonl",
-    "ledger.current.json",  # restart/ledger.py: a killed attempt's heartbeat belongs to the old run
-    "trackers.json",  # training/trackers.py: the tracker runs' ids
-    "auto-out-of-memory.json",  # restart/uploader.py RAN_OUT_FILE
+    LEDGER_FILE,
+    HEARTBEAT_FILE,  # a killed attempt's heartbeat belongs to the old run
+    "trackers.json",  # training/trackers.py IDS_FILE (a later stage: not importable here)
+    RAN_OUT_FILE,
     "final",
     "compile",
     "tensorboard",
@@ -49,13 +57,15 @@ def stamp() -> str:
     return PREFIX + time.strftime("%Y%m%dT%H%M%S", time.gmtime())
 
 
-def set_aside(run_dir: Path, folder: str, unbooked: Sequence[dict[str, Any]] = ()) -> list[str]:
-    """Move the old run's outputs of `run_dir` into `run_dir/folder`; the names moved (none: nothing to do).
+def set_aside(run_dir: Path, folder: str, unbooked: Sequence[dict[str, Any]] = ()) -> tuple[list[str], list[str]]:
+    """Retire the old run's checkpoints (renamed `checkpoints/step-XXXXXX.retired-<time>`) and move its outputs
+    of `run_dir` into `run_dir/folder`; the names moved there and the retired checkpoints' new names.
     `unbooked`: the old run's attempts its lease carried without a ledger row (trainer/restart/handover.py),
     booked into the ledger set aside, where they belong."""
+    retired = CheckpointManager(run_dir / CHECKPOINTS).retire(after_step=-1)  # renamed where they are, kept
     present = [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
     if not present and not unbooked:
-        return []
+        return [], [p.name for p in retired]
     dest = run_dir / folder
     dest.mkdir(parents=True, exist_ok=True)
     for name in present:
@@ -64,4 +74,4 @@ def set_aside(run_dir: Path, folder: str, unbooked: Sequence[dict[str, Any]] = (
         recover_killed(dest, unbooked, before=time.time())
     fsync_path(dest)
     fsync_path(run_dir)
-    return present
+    return present, [p.name for p in retired]

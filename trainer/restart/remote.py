@@ -27,16 +27,13 @@ from trainer.exit_codes import EXIT_FINISHED, EXIT_PREEMPTED
 from trainer.restart import agree
 from trainer.restart.checkpoint import MANIFEST, CheckpointError, CheckpointManager
 from trainer.restart.choose import choose, retrying
-from trainer.restart.generations import merged_rows
+from trainer.restart.generations import APPEND_ONLY, merged_rows
 from trainer.restart.lease_object import Follower
-from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, read_rows
+from trainer.restart.ledger import HEARTBEAT_FILE, read_rows
 from trainer.restart.safety import Floor
 from trainer.restart.storage import Corrupt, Fence, Store, StoreDenied, StoreUnreachable, _short
 from trainer.restart.uploader import RAN_OUT_FILE, RUN_FILES, Uploader
 from trainer.urls import redact
-
-APPEND_ONLY = ("metrics.jsonl", LEDGER_FILE)
-"""Run files that only ever grow: the store's rows and this disk's are merged (trainer/restart/generations.py)."""
 
 Directory = tuple[str, int, int]
 """Which directory a path is on one machine (`_directory`)."""
@@ -84,7 +81,7 @@ class RemoteRun:
 
     # ------------------------------------------------------------------ start
 
-    def connect(self, new_run: str | None = None) -> None:
+    def connect(self, new_run: str | None = None, set_aside_here: Callable[[], None] | None = None) -> None:
         """Collective. Rank 0 checks the store (list, and a probe write and delete) and, on a machine
         without the run files, downloads them (this disk's ledger and metrics rows merged with the store's).
 
@@ -92,19 +89,23 @@ class RemoteRun:
         bucket, and StoreUnreachable (exit 143) when it does not answer for `budget` seconds and no local
         checkpoint lets training start; with one, rank 0 warns and goes on cut off (the floor reads the
         store before the first write). `new_run` (checkpoint.resume=never): the folder the store's run
-        files of the old run are moved to first (trainer/restart/new_run.py)."""
+        files of the old run are moved to, once the store answered, in one step with its checkpoints retired
+        and with `set_aside_here` (rank 0: this disk's part, trainer/restart/new_run.py); a store that does
+        not answer then stops the attempt (exit 143) before anything moved."""
         if self.url is None:
+            if set_aside_here is not None:
+                set_aside_here()
             return
         if self.is_main:
             try:
-                self._connect_main(new_run)
+                self._connect_main(new_run, set_aside_here)
             except Exception as e:
                 agree.broadcast((agree.failure(e), None))  # the other ranks wait in the broadcast below
                 raise
         problem, self.holder = agree.broadcast((None, getattr(self.fence, "id", None)))
         agree.raise_failure([problem], prefix="rank 0 could not connect to the store: ")
 
-    def _connect_main(self, new_run: str | None) -> None:
+    def _connect_main(self, new_run: str | None, set_aside_here: Callable[[], None] | None) -> None:
         store = self.store = Store(self.url or "", self.options)
         store.floor = self.floor
         self.floor.new_timeline = new_run is not None
@@ -112,9 +113,12 @@ class RemoteRun:
             store.fence = self.fence
         local = CheckpointManager(self.run_dir / "checkpoints").committed()
 
+        here = [set_aside_here] if set_aside_here is not None else []
+
         def reach() -> None:
             store.check()
             if new_run is not None:
+                self._begin_new_run(store, here.pop() if here else None)  # once: a retry finds nothing here
                 moved = store.set_aside(RUN_FILES, new_run)
                 if moved:
                     self.message(
@@ -129,11 +133,28 @@ class RemoteRun:
         except StoreDenied:
             raise  # a setting to fix: waiting changes nothing (exit 2)
         except StoreUnreachable as e:
+            if new_run is not None:  # a new run sets the store's checkpoints aside first: it needs the store
+                raise StoreUnreachable(
+                    f"{e}. checkpoint.resume=never sets the old run aside in the store too; nothing was moved "
+                    "(exit 143: rerun once the store answers)"
+                ) from e
             if not local:  # a fault of the moment, and nothing to train from without the store (exit 143)
                 raise StoreUnreachable(f"{e}. No local checkpoint lets training start without it") from e
             self.message(f"spotune: {e}. Continuing from the local checkpoint {local[-1].name}; uploads will retry.")
             return
         self.reachable = True
+
+    def _begin_new_run(self, store: Store, set_aside_here: Callable[[], None] | None) -> None:
+        """resume=never, the store answering: its checkpoints retired (renamed, kept), then this disk's."""
+        self.floor.choose(None, store.committed(), new_timeline=True)
+        moved = store.retire(-1)
+        if moved:
+            self.message(
+                f"spotune: checkpoint.resume=never: set aside remote checkpoint(s) above step 0, kept as "
+                f"{', '.join(f'{store.shown}/checkpoints/{name}' for name in moved)}"
+            )
+        if set_aside_here is not None:
+            set_aside_here()
 
     def resolve(self, resume_setting: str) -> tuple[Path | None, list[str]]:
         """The checkpoint every rank resumes from: chosen on rank 0 (local or remote, the newest
@@ -221,7 +242,11 @@ class RemoteRun:
             )
 
         def publish() -> bool:
-            if not replace and step in store.committed() and _remote_digest(store, step) == digest:
+            if (
+                not replace
+                and step in store.committed()
+                and manifest_digest(store.fs.cat_file(store.step_path(step, MANIFEST))) == digest
+            ):
                 return False
             store.upload(path, step, replace=replace)
             return True
@@ -395,16 +420,16 @@ def _continue(store: Store, name: str, local: Path) -> bool:
     return True
 
 
+def manifest_digest(manifest: bytes) -> str:
+    """sha256 over a checkpoint manifest's entries (every file's size and sha256): equal digests, equal
+    bytes. The manifest's own timestamp (and the generation a remote one records) is left out."""
+    files = json.loads(manifest)["files"]
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
 def files_digest(checkpoint: Path) -> str:
-    """sha256 over a committed checkpoint's manifest entries (every file's size and sha256): equal
-    digests, equal bytes. The manifest's own timestamp is left out."""
-    files = json.loads((checkpoint / MANIFEST).read_text())["files"]
-    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
-
-
-def _remote_digest(store: Store, step: int) -> str:
-    files = json.loads(store.fs.cat_file(store.step_path(step, MANIFEST)))["files"]
-    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+    """`manifest_digest` of a local committed checkpoint."""
+    return manifest_digest((checkpoint / MANIFEST).read_bytes())
 
 
 def _directory(path: Path) -> Directory | None:

@@ -1,5 +1,9 @@
-"""The rule that keeps what a run paid for, stated once. Every path of the store that deletes,
-uncommits or supersedes remote state asks it first (`Floor.allow`, called by trainer/restart/storage.py).
+"""The rule that keeps what a run paid for, stated once. Every `Store` method that deletes, moves,
+uncommits or supersedes remote state asks it first (`Floor.allow*`, called by trainer/restart/storage.py;
+tests/test_safety.py checks each one does): pruning, replacing or committing a step, retiring, setting run
+files aside, and `clean`, for a late manifest (judged on the raw manifests: a step this attempt saw
+committed when it chose is never "late") and for an unfinished upload (`allow_unfinished`: no manifest, no
+retired marker, no retire of its step left unfinished).
 
 **No attempt deletes, uncommits or supersedes a committed remote checkpoint, ledger row or metrics
 row above the step it resumed from, unless the user asked for a new timeline** (`checkpoint.resume=never`
@@ -31,8 +35,11 @@ the write before it happens and names the step.
 
 from __future__ import annotations
 
+import posixpath
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
+
+from trainer.restart.checkpoint import MANIFEST
 
 
 class SafetyViolation(AssertionError):
@@ -100,6 +107,17 @@ class Floor:
                 f"{action} would take committed step(s) {forbidden} out of the store, above step "
                 f"{self.resumed} this attempt resumed from (committed when it chose: {sorted(self.seen or [])}, "
                 f"corrupt: {sorted(self.corrupt)}); refused: nothing paid for is deleted"
+            )
+
+    def allow_unfinished(self, where: str, names: Collection[str], retired: Collection[str]) -> None:
+        """Assert that the step directory `where` (holding the objects `names`) is an upload killed
+        midway, whose objects nobody paid for: no manifest commits it, no retired marker says its data is
+        kept, and no retired folder of its step (`retired`) waits for the rest of a move."""
+        markers = sorted(n for n in names if posixpath.basename(n).endswith(MANIFEST))
+        if markers or retired:
+            raise SafetyViolation(
+                f"removing {where} as an unfinished upload would delete kept data (it holds {markers}, "
+                f"retired beside it: {sorted(retired)}); refused: nothing paid for is deleted"
             )
 
     def allow_set_aside(self, what: str) -> None:

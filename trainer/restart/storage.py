@@ -50,6 +50,8 @@ CHECKPOINTS = "checkpoints"
 RETIRED = "RETIRED-" + MANIFEST
 """The manifest of a set-aside remote checkpoint (resume=never or an older explicit one), whose objects then
 move to `step-XXXXXX.retired-<time>/`: kept, never resumed, never cleaned."""
+RETIRED_SUFFIX = ".retired-"
+"""Between a retired checkpoint's step directory name and the time it was retired."""
 WRITE_PROBE = ".spotune-write-probe"
 """The object `Store.check` writes and deletes at start, to prove these credentials may."""
 UPLOAD_PAUSE_ENV = "SPOTUNE_TEST_UPLOAD_PAUSE"
@@ -161,8 +163,12 @@ class Store:
         lists and reads but refuses writes is named at start, not found out by uploads that never land."""
         try:
             self.fs.invalidate_cache()
-            if _is_object_store(self.fs):  # the bucket must exist and be listable with these credentials
-                self.fs.ls(self.root.split("/", 1)[0], detail=False)
+            if _is_object_store(self.fs):
+                # A listing under the run's own prefix, never the bucket's root: a role may be scoped to its
+                # prefix (s3:prefix), and a shared bucket's other keys are none of this run's business. An
+                # empty prefix lists nothing; a missing bucket answers FileNotFoundError (NoSuchBucket), as
+                # a HeadBucket would, which a prefix-scoped role may not send.
+                self.fs.find(self.root, prefix=WRITE_PROBE, detail=False)
             else:
                 self.fs.makedirs(self.root, exist_ok=True)
         except Exception as e:
@@ -197,21 +203,25 @@ class Store:
 
     # ------------------------------------------------------------------ listing
 
-    def _step_dirs(self) -> dict[int, set[str]]:
-        """step -> names of the objects directly in its directory."""
+    def _listing(self) -> dict[str, set[str]]:
+        """Folder name under checkpoints/ -> names of the objects below it."""
         self.fs.invalidate_cache()
         base = self.path(CHECKPOINTS)
         try:
             entries = self.fs.find(base, detail=False)
         except FileNotFoundError:
             return {}
-        out: dict[int, set[str]] = {}
+        out: dict[str, set[str]] = {}
         for entry in entries:
             rel = posixpath.relpath(entry, base).split("/")
-            m = _STEP.match(rel[0])
-            if m and len(rel) > 1:
-                out.setdefault(int(m.group(1)), set()).add("/".join(rel[1:]))
+            if len(rel) > 1:
+                out.setdefault(rel[0], set()).add("/".join(rel[1:]))
         return out
+
+    def _step_dirs(self, listing: dict[str, set[str]] | None = None) -> dict[int, set[str]]:
+        """step -> names of the objects in its directory."""
+        listing = self._listing() if listing is None else listing
+        return {int(m.group(1)): names for folder, names in listing.items() if (m := _STEP.match(folder))}
 
     def _manifests(self) -> dict[int, int]:
         """step -> the generation its remote manifest records (0: none), for every manifest there."""
@@ -237,17 +247,25 @@ class Store:
 
     def clean(self) -> list[int]:
         """Delete remote step directories that have no manifest (uploads killed midway), and those
-        whose manifest is a fenced holder's late write (manifest first, as in `prune`)."""
+        whose manifest is a fenced holder's late write (manifest first, as in `prune`), once this attempt
+        chose its step (the floor refuses a late one it saw committed then). A directory
+        with a retired sibling (`step-XXXXXX.retired-*`) is never taken for an unfinished upload: it may
+        hold what a retire cut off midway has not moved yet (`retire` finishes it)."""
         manifests = self._manifests()
         current = current_steps(manifests)
-        dirs = self._step_dirs()
+        listing = self._listing()
+        dirs = self._step_dirs(listing)
         doomed = sorted(s for s, names in dirs.items() if MANIFEST not in names and RETIRED not in names)
+        doomed = [s for s in doomed if not _retired_folders(listing, s)]
         late = [s for s in manifests if s not in current]
         if not doomed and not late:
             return []
         self.writable()
-        kept = {s: g for s, g in manifests.items() if s not in late}
-        self.floor.allow("removing late manifests", current, current_steps(kept))
+        # Judged on the raw manifests, not the current view (where a late one is absent by definition): a
+        # "late" step this attempt saw committed when it chose means the generation rule was broken.
+        self.floor.allow("removing late manifests", sorted(manifests), [s for s in manifests if s not in late])
+        for step in doomed:
+            self.floor.allow_unfinished(self.show_dir(step), dirs[step], _retired_folders(listing, step))
         for step in late:
             self.fence.check()
             self.fs.rm_file(self.step_path(step, MANIFEST))
@@ -258,12 +276,15 @@ class Store:
 
     def retire(self, after_step: int) -> list[str]:
         """Set aside remote checkpoints above `after_step`, kept: each is uncommitted first (its manifest
-        renamed RETIRED-MANIFEST.json, one request), then moved whole to `step-XXXXXX.retired-<time>`, so
-        the new timeline's checkpoint of the same step never overwrites its objects. Only for a new timeline
-        the user asked for. A move a kill interrupted is finished at the next retire. Returns the new names."""
+        renamed RETIRED-MANIFEST.json in place, one request), then moved to `step-XXXXXX.retired-<time>`
+        object by object, that marker last, so the new timeline's checkpoint of the same step never
+        overwrites its objects. Until its move ends the step's directory holds the marker: `clean` never
+        takes it for an unfinished upload, and the next retire finishes the move into the same folder.
+        Only for a new timeline the user asked for. Returns the new names."""
         manifests = self._manifests()
         moved = [s for s in manifests if s > after_step]
-        unfinished = [s for s, names in self._step_dirs().items() if RETIRED in names and MANIFEST not in names]
+        listing = self._listing()
+        unfinished = [s for s, names in self._step_dirs(listing).items() if RETIRED in names and MANIFEST not in names]
         if not moved and not unfinished:
             return []
         self.writable()
@@ -275,12 +296,16 @@ class Store:
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
         names = []
         for step in sorted({*moved, *unfinished}):
-            name = f"step-{step:06d}.retired-{stamp}"
+            # A move cut off midway goes on into its folder (the one whose marker has not arrived yet).
+            started = [f for f in _retired_folders(listing, step) if RETIRED not in listing[f]]
+            name = started[0] if started else f"step-{step:06d}.retired-{stamp}"
             self.fs.invalidate_cache()
-            for obj in self.fs.find(self.step_path(step), detail=False):  # an object store moves object by object
+            objects = sorted(self.fs.find(self.step_path(step), detail=False), key=lambda o: o.endswith("/" + RETIRED))
+            for obj in objects:  # an object store moves object by object; the marker goes last
                 self.fence.check()
-                rel = posixpath.relpath(obj, self.step_path(step))
-                self.fs.mv(obj, self.path(CHECKPOINTS, name, rel))
+                dest = self.path(CHECKPOINTS, name, posixpath.relpath(obj, self.step_path(step)))
+                self._parent_of(dest)
+                self.fs.mv(obj, dest)
             names.append(name)
         return names
 
@@ -318,15 +343,12 @@ class Store:
             before = self.committed()
             self.floor.allow(f"replacing step {step}", before, [s for s in before if s != step])
             self.fs.rm_file(self.step_path(step, MANIFEST))
-        if not _is_object_store(self.fs):
-            self.fs.makedirs(self.step_path(step), exist_ok=True)
         sent = 0
         for i, f in enumerate(files):
             if pause and i == len(files) // 2:
                 time.sleep(pause)
             rel = f.relative_to(local).as_posix()
-            if "/" in rel and not _is_object_store(self.fs):
-                self.fs.makedirs(posixpath.dirname(self.step_path(step, rel)), exist_ok=True)
+            self._parent_of(self.step_path(step, rel))
             self.fence.check()
             self.fs.put_file(str(f), self.step_path(step, rel))
             sent += f.stat().st_size
@@ -350,6 +372,12 @@ class Store:
             self.floor.allow(f"committing step {step}", current_steps(manifests), current_steps(after))
             self.fence.commit(commit)
             return sent + sent_manifest.stat().st_size
+
+    def _parent_of(self, path: str) -> None:
+        """Make the folder an object is about to move or upload into: a local directory has real folders
+        (and moving into a missing one fails); an object store has none to make."""
+        if not _is_object_store(self.fs):
+            self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
 
     def run_file(self, rel: str) -> str | None:
         """The copy of run file `rel` of the highest generation; None if there is none."""
@@ -387,6 +415,7 @@ class Store:
             return []
         self.writable()
         self.floor.allow_set_aside(f"the run files of {self.shown}")
+        self._parent_of(self.path(folder, "-"))
         for path in moved:
             self.fence.check()
             self.fs.mv(path, self.path(folder, posixpath.basename(path)))
@@ -405,8 +434,8 @@ class Store:
         """Download remote checkpoint `step`, verify every file, publish it under `local_root`.
 
         Raises Corrupt naming the object's URL when the checkpoint does not verify (the one reason to
-        skip it), StoreDenied when these credentials may not read it; anything else is a fault of the
-        moment and propagates as it came (the caller retries).
+        skip it), StoreDenied when these credentials may not read it; anything else (a store that does
+        not answer, or a local error such as a full disk) propagates as it came, for the caller to judge.
         """
         local_root.mkdir(parents=True, exist_ok=True)
         final = local_root / f"step-{step:06d}"
@@ -437,6 +466,11 @@ class Store:
                 raise self.fault(e, "read") from e
             raise
         return final
+
+
+def _retired_folders(listing: dict[str, set[str]], step: int) -> list[str]:
+    """The folders a retire moved (or is moving) checkpoint `step` to, oldest first."""
+    return sorted(f for f in listing if f.startswith(f"step-{step:06d}{RETIRED_SUFFIX}"))
 
 
 def _manifest_files(path: Path, url: str) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import yaml
 
 from trainer import builtin_assets
 from trainer import config as C
+from trainer.atomic import write_text
 from trainer.data.cache import data_cache_root, in_turns
 
 if TYPE_CHECKING:
@@ -130,10 +131,17 @@ def prepare_once_per_node(cfg: C.RunConfig, proc: Process) -> Any:
         barrier=proc.accelerator.wait_for_everyone,
     )
     if proc.is_main:
-        proc.out.mkdir(parents=True, exist_ok=True)
-        if not (proc.out / "config.yaml").exists():
-            (proc.out / "config.yaml").write_text(C.to_yaml(cfg))
+        write_config(proc.out, cfg)
     return prepared
+
+
+def write_config(run_dir: Path, cfg: C.RunConfig) -> None:
+    """config.yaml on the run's first start: what every restart pins its data and day from (`saved_config`).
+    Atomic: a torn file from a kill mid-write would be kept (it exists) yet never load, and every restart
+    would then pin the hub data and the day anew."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not (run_dir / "config.yaml").exists():
+        write_text(run_dir / "config.yaml", C.to_yaml(cfg))
 
 
 def init_adapter(cfg: C.RunConfig) -> InitAdapter | None:

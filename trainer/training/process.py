@@ -66,18 +66,25 @@ def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitSt
     closing.callback(remote.stop)
     if fence is not None:
         remote.fence = fence
-    # checkpoint.resume=never: a new run. The old run's files go aside before anything reads them.
+    # checkpoint.resume=never: a new run. The old run's files and checkpoints go aside before anything reads
+    # them, and only once the store answered (trainer/restart/new_run.py): one step, never half of it.
     fresh = new_run.stamp() if ck.resume == "never" else None
-    if fresh is not None and accelerator.is_main_process:
-        moved = new_run.set_aside(out, fresh, fence.new_run() if fence is not None else [])
+
+    def set_aside_here() -> None:
+        moved, retired = new_run.set_aside(out, str(fresh), fence.new_run() if fence is not None else [])
         if moved:
             print(
                 f"spotune: checkpoint.resume=never: a new run; the old run's files are set aside in "
-                f"{out / fresh} ({', '.join(moved)}): kept, never read by this run",
+                f"{out / str(fresh)} ({', '.join(moved)}): kept, never read by this run",
                 flush=True,
             )
-    with timed(phases, "store"):
-        remote.connect(fresh)  # first: a fresh machine fetches the run's config, ledger and metrics before writing any
+        if retired:
+            print(f"spotune: checkpoint.resume=never: the old run's checkpoints are kept as {', '.join(retired)}")
+
+    with timed(
+        phases, "store"
+    ):  # first: a fresh machine fetches the run's config, ledger and metrics before writing any
+        remote.connect(fresh, set_aside_here if fresh is not None and accelerator.is_main_process else None)
     stop = preemption.Preemption().install()
     closing.callback(stop.uninstall)
     if fence is not None:  # a store gone past checkpoint.store_outage_seconds: save locally, exit 143
