@@ -189,3 +189,32 @@ def test_a_tokenizer_the_hub_could_not_serve_keeps_the_cause_that_decides_the_ex
             local_dir("org/model", None)
         outcomes.append(E.transient(e.value))
     assert outcomes == [True, False]  # the second is the control
+
+
+# Rank 0 loses its lease (exit_busy ends the process from the thread that found it) after rank 1
+# recorded running out of memory in the same attempt: the file keeps 5, the most specific.
+LOSES_ITS_LEASE = """
+import sys
+from trainer.restart.reclaim import exit_busy
+print("started", flush=True)
+sys.stdin.readline()  # rank 1 records its code meanwhile
+exit_busy("another attempt took the run's lease")
+"""
+
+
+def test_a_lost_lease_merges_into_the_exit_file_as_every_code_does(tmp_path: Path) -> None:
+    exit_file = tmp_path / "code"
+    env = {**os.environ, E.EXIT_FILE_ENV: str(exit_file), "RANK": "0", "PYTHONPATH": str(REPO)}
+    p = subprocess.Popen(
+        [sys.executable, "-c", LOSES_ITS_LEASE], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert p.stdout is not None and p.stdin is not None and p.stdout.readline() == "started\n"
+    E.record(E.EXIT_OUT_OF_MEMORY, since=time.time() - 60, path=str(exit_file))  # rank 1, this attempt
+    p.stdin.write("\n")
+    p.stdin.close()
+    assert p.wait(timeout=60) == E.EXIT_BUSY
+    assert exit_file.read_text() == f"{E.EXIT_OUT_OF_MEMORY}\n"
+    # Control: alone, the lost lease is what the file says.
+    exit_file.unlink()
+    done = subprocess.run([sys.executable, "-c", LOSES_ITS_LEASE], env=env, input="\n", capture_output=True, text=True)
+    assert done.returncode == E.EXIT_BUSY and exit_file.read_text() == f"{E.EXIT_BUSY}\n"

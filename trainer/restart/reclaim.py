@@ -17,15 +17,16 @@ local checkpoint, then EXIT_PREEMPTED, which supervisors restart).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Protocol
 
-from trainer.exit_codes import EXIT_BUSY, EXIT_FILE_ENV
-from trainer.restart.clock import boot_clock
+from trainer import exit_codes
+from trainer.exit_codes import EXIT_BUSY
+from trainer.restart.clock import boot_clock, process_start
 from trainer.restart.lease_object import LeaseLost
 from trainer.restart.lock import RunBusy
 from trainer.restart.storage import Store, _short
@@ -155,10 +156,10 @@ class Keeper:
 
 
 def exit_busy(why: str) -> None:
-    """Exit the whole process now, from whichever thread found the lease lost (no thread writes again)."""
-    path = os.environ.get(EXIT_FILE_ENV)
-    if path and os.environ.get("RANK", "0") == "0":
-        Path(path).write_text(f"{EXIT_BUSY}\n")
+    """Exit the whole process now, from whichever thread found the lease lost (no thread writes again).
+    The code merges into the exit file as every rank's does (a rank 1 that ran out of memory stays 5)."""
+    with contextlib.suppress(OSError):  # the code still reaches the launcher as the process's status
+        exit_codes.record(EXIT_BUSY, since=process_start())
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(EXIT_BUSY)
