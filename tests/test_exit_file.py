@@ -164,6 +164,33 @@ def test_a_fault_of_the_moment_is_told_by_its_causes() -> None:
     assert isinstance(s3("AccessDenied", 403), PermissionError)  # what tells a refusal: s3fs's own mapping
 
 
+def test_one_classifier_gives_every_error_its_code() -> None:
+    """`code_for` is what the command line exits with and what agree.py carries to the other ranks: a
+    carried code first, a fault of the moment by its causes, else the most derived class listed."""
+    from trainer.config import ConfigError
+    from trainer.data import DataError
+    from trainer.restart.agree import Agreed
+    from trainer.restart.lease_object import LeaseLost
+    from trainer.restart.lock import RunBusy
+    from trainer.restart.storage import Corrupt, StoreDenied, StoreError, StoreOffline, StoreUnreachable
+
+    cases = {
+        E.EXIT_BAD_INPUT: [ConfigError(["x"]), DataError("x"), StoreDenied("x"), StoreError("no gcsfs")],
+        E.EXIT_PREEMPTED: [
+            StoreUnreachable("x"),
+            Corrupt("x"),
+            StoreOffline("x"),
+            _chain(DataError("x"), TimeoutError()),
+        ],
+        E.EXIT_BUSY: [RunBusy("x"), LeaseLost("x")],
+        E.EXIT_OUT_OF_MEMORY: [Agreed("rank 1 ran out", E.EXIT_OUT_OF_MEMORY)],
+        E.EXIT_ERROR: [KeyError("x"), RuntimeError("x")],
+    }
+    assert {code: [E.code_for(e) for e in errors] for code, errors in cases.items()} == {
+        code: [code] * len(errors) for code, errors in cases.items()
+    }
+
+
 def test_a_tokenizer_the_hub_could_not_serve_keeps_the_cause_that_decides_the_exit_code(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -134,6 +134,42 @@ _FAULTS = {
 _SETTINGS = {"OfflineModeIsEnabled", "PermissionError", "StoreDenied"}
 
 
+def code_for(e: BaseException) -> int:
+    """The exit code of a command that `e` ends, the one classifier of errors (trainer/cli/main.py asks it
+    on every rank; trainer/restart/agree.py carries its answer from the rank that met the error to the
+    others, so the ranks exit alike): a code the error carries (agreed across ranks), 143 for a fault of
+    the moment (`transient`, by its causes), the code its class is listed with in `BY_CLASS` (by name:
+    this module imports nothing of spotune), else 1 (a bug: the traceback says where)."""
+    carried = getattr(e, "exit_code", None)
+    if isinstance(carried, int) and not isinstance(carried, bool):
+        return carried
+    if transient(e):
+        return EXIT_PREEMPTED
+    for cls in type(e).__mro__:  # the most derived listed class decides (Corrupt before CheckpointError)
+        if cls.__name__ in BY_CLASS:
+            return BY_CLASS[cls.__name__]
+    return EXIT_ERROR
+
+
+BY_CLASS: dict[str, int] = {
+    # Another attempt holds the run (trainer/restart/lock.py; LeaseLost derives from it).
+    "RunBusy": EXIT_BUSY,
+    # A store's bytes that disagree with their manifest, or this attempt cut off from the store
+    # (trainer/restart/storage.py): the next attempt reads the store again.
+    "Corrupt": EXIT_PREEMPTED,
+    "StoreOffline": EXIT_PREEMPTED,
+    # Settings and inputs to fix; each message names the key, file, line or permission. CheckpointError
+    # covers "none verifies", ResumeMismatch, StoreDenied and a store backend that is not installed.
+    "ConfigError": EXIT_BAD_INPUT,
+    "DataError": EXIT_BAD_INPUT,
+    "CheckpointError": EXIT_BAD_INPUT,
+    "PlanError": EXIT_BAD_INPUT,
+    "CatalogError": EXIT_BAD_INPUT,
+    "ReportError": EXIT_BAD_INPUT,
+}
+"""Error classes (by name, matched along the exception's MRO) and the code each ends a command with."""
+
+
 MTIME_SLACK = 0.05
 """Seconds a file's modification time may lag the clock (the kernel stamps it from a coarse clock)."""
 

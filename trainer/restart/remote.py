@@ -183,7 +183,7 @@ class RemoteRun:
         store = self.store
         if store is None or not self.reachable:
             return (
-                "unreachable",
+                EXIT_PREEMPTED,
                 f"rank 0 resumes from its local step {step}, other nodes lack it and checkpoint.remote="
                 f"{redact(self.url or '')} was unreachable at start (exit 143: rerun once it answers)",
             )
@@ -212,11 +212,11 @@ class RemoteRun:
                 f"downloading step {step} from", self.budget, lambda: store.download(step, root), self.message, store
             )
         except Exception as e:
-            kind, text = agree.failure(e)
-            return kind, f"rank {agree.rank()}: {text}"
+            code, text = agree.failure(e)
+            return code, f"rank {agree.rank()}: {text}"
         if files_digest(path) != digest:  # rank 0 published another copy meanwhile: a restart sorts it out
             return (
-                "unreachable",
+                EXIT_PREEMPTED,
                 f"rank {agree.rank()}: {store.show_dir(step)} is not the checkpoint rank 0 resumes from",
             )
         self.message(f"spotune: rank {agree.rank()}: this node lacked step {step}; downloaded {store.show_dir(step)}")
