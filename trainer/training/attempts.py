@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from trainer.restart import agree
 from trainer.restart.checkpoint import CheckpointManager
 from trainer.restart.ledger import HEARTBEAT_FILE, Ledger, read_rows
 from trainer.restart.state import Counters, restore_training_state
@@ -24,10 +25,9 @@ def finished_already(proc: process.Process, steps: int, resume_dir: Path | None)
     store holds its last checkpoint: say so, and the attempt ends here. Rank 0 decides (its disk, its
     store); every rank follows. A run short of any of these goes on and does what is missing: trains,
     writes final/, books an attempt killed after it (then closes with a finished row), uploads."""
-    from trainer.restart.preemption import agree
 
-    done = False
-    if proc.is_main and resume_dir is not None:
+    def decide() -> bool:
+        assert resume_dir is not None
         step = CheckpointManager.step_of(resume_dir)
         rows = read_rows(proc.out)
         closed = bool(rows) and rows[-1].get("exit_reason") == "finished" and not (proc.out / HEARTBEAT_FILE).exists()
@@ -39,7 +39,11 @@ def finished_already(proc: process.Process, steps: int, resume_dir: Path | None)
                 "train.epochs; to start over set checkpoint.resume=never or another output_dir.",
                 flush=True,
             )
-    return agree(done, proc.accelerator)
+        return done
+
+    if resume_dir is None:  # the same on every rank (broadcast by resolve): nothing trained yet
+        return False
+    return agree.on_rank0(decide, proc.is_main, "tell whether the run finished already")
 
 
 def restore(resume_dir: Path, model: torch.nn.Module, optimizer: Any, accelerator: Any) -> Counters:
