@@ -273,15 +273,20 @@ class RemoteRun:
             )
 
     def exit_code(self, code: int, final: Path) -> int:
-        """`code`, or 143 for a finished run whose last checkpoint the store lacks: done here, not yet
-        safe (a spot VM torn down after exit 0 takes the result with it); the supervisor then runs the
-        same command, which uploads it first (`start_uploads`) and exits 0."""
-        if code != EXIT_FINISHED or self.uploader is None or self.flushed:
+        """Collective. `code`, or 143 for a finished run whose last checkpoint the store lacks: done here,
+        not yet safe (a spot VM torn down after exit 0 takes the result with it); the supervisor then runs
+        the same command, which uploads it first (`start_uploads`) and exits 0. Rank 0 (the uploader's)
+        decides for every rank, so every rank exits with the code alike."""
+        if self.url is None:
             return code
-        self.message(
-            f"spotune: training finished ({final}), but {redact(self.url or '')} lacks its last checkpoint: "
-            f"exit {EXIT_PREEMPTED}; run the same command again to upload it"
-        )
+        unsafe = agree.broadcast(code == EXIT_FINISHED and self.uploader is not None and not self.flushed)
+        if not unsafe:
+            return code
+        if self.is_main:
+            self.message(
+                f"spotune: training finished ({final}), but {redact(self.url or '')} lacks its last checkpoint: "
+                f"exit {EXIT_PREEMPTED}; run the same command again to upload it"
+            )
         return EXIT_PREEMPTED
 
     def push_run_files(self, notice_seconds: float) -> None:
