@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+from collections.abc import Iterator
 from typing import Literal
 
 EXIT_FINISHED = 0
@@ -94,19 +95,29 @@ FOR_STOP: dict[str, int] = {
 """The exit code of `spotune train` for each way the loop can stop."""
 
 
-def transient(e: BaseException) -> bool:
-    """Whether `e` is a fault of the moment (exit 143), by its chain of causes: a lost connection, a
-    timeout, a broken transfer, an HTTP 5xx or 429 (throttling), a store or hub that does not answer.
-    A setting the user chose is never one: offline mode (HF_HUB_OFFLINE), a refused credential."""
+def causes(e: BaseException) -> Iterator[BaseException]:
+    """`e` and the exceptions below it: each one's cause, else the exception its `except` block was handling
+    (libraries re-raise either way; s3fs drops the cause on some paths). The one walk of an error's chain
+    (`transient` here, `trainer.restart.storage.denied`)."""
     seen: BaseException | None = e
     while seen is not None:
+        yield seen
+        seen = seen.__cause__ or (None if seen.__suppress_context__ else seen.__context__)
+
+
+def transient(e: BaseException) -> bool:
+    """Whether `e` is a fault of the moment (exit 143), by its chain of causes: a lost connection, a
+    timeout, a broken transfer, an HTTP 5xx or 429 (throttling), a store or hub that does not answer, a
+    lease cut off from its store. The one definition: what is retried (trainer/restart/choose.py) is what
+    this says, and nothing else is. A setting the user chose is never one: offline mode (HF_HUB_OFFLINE), a
+    refused credential; nor is a bug or this machine's own disk (full, refused)."""
+    for seen in causes(e):
         names = {c.__name__ for c in type(seen).__mro__}
         if names & _SETTINGS:
             return False
         status = _status(getattr(seen, "response", None))
         if names & _FAULTS or (isinstance(status, int) and (status >= 500 or status == 429)):
             return True
-        seen = seen.__cause__ or (None if seen.__suppress_context__ else seen.__context__)
     return False
 
 
@@ -130,6 +141,7 @@ _FAULTS = {
     "ReadTimeoutError",
     "ConnectTimeoutError",
     "StoreUnreachable",  # trainer/restart/storage.py
+    "StoreOffline",  # cut off from the store (its lease not renewed in time): uploads retry
 }
 _SETTINGS = {"OfflineModeIsEnabled", "PermissionError", "StoreDenied"}
 
@@ -154,10 +166,9 @@ def code_for(e: BaseException) -> int:
 BY_CLASS: dict[str, int] = {
     # Another attempt holds the run (trainer/restart/lock.py; LeaseLost derives from it).
     "RunBusy": EXIT_BUSY,
-    # A store's bytes that disagree with their manifest, or this attempt cut off from the store
-    # (trainer/restart/storage.py): the next attempt reads the store again.
+    # A store's bytes that disagree with their manifest (trainer/restart/storage.py): not retried (the one
+    # reason to skip a checkpoint), but the next attempt reads the store again.
     "Corrupt": EXIT_PREEMPTED,
-    "StoreOffline": EXIT_PREEMPTED,
     # Settings and inputs to fix; each message names the key, file, line or permission. CheckpointError
     # covers "none verifies", ResumeMismatch, StoreDenied and a store backend that is not installed.
     "ConfigError": EXIT_BAD_INPUT,

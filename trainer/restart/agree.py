@@ -14,7 +14,7 @@ no rank is left waiting in a collective for one that gave up.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -86,9 +86,10 @@ def on_rank0(decide: Callable[[], T], is_main: bool, what: str) -> T:
             raise
         broadcast((None, value))
         return value
-    failed, answer = broadcast((None, None))
+    nothing: tuple[Failure | None, Any] = (None, None)
+    failed, answer = broadcast(nothing)
     raise_failure([failed], prefix=f"rank 0 could not {what}: ")
-    return answer  # type: ignore[no-any-return]  # rank 0's value of type T, as broadcast
+    return cast(T, answer)  # rank 0's value of type T, as broadcast
 
 
 def gather(value: T) -> list[T]:

@@ -82,7 +82,7 @@ def hold(
                 raise
             except Exception as e:
                 action = "write" if store.conditional is None else "read"  # the probe write comes first on S3
-                if denied(e, action):  # these credentials may not use the store: a setting to fix (exit 2)
+                if denied(e, action, store.root):  # these credentials may not use the store: a setting to fix (exit 2)
                     raise store.fault(e, action) from e
                 # Unreachable now: RemoteRun.connect decides whether training may start; if it does,
                 # the lease thread takes the lease once the store answers (or stops the run).
