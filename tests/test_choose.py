@@ -82,3 +82,22 @@ def test_a_refusal_is_the_stores_when_the_store_refused(tmp_path: Path) -> None:
     in_store = PermissionError(errno.EACCES, "Permission denied", f"{store.root}/checkpoints/step-000001/x")
     here = PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "run" / "checkpoints"))
     assert denied(in_store, "read", store.root) and not denied(here, "read", store.root)
+
+
+def test_an_unreachable_store_and_no_local_checkpoint_that_verifies_is_a_fault_of_the_moment(tmp_path: Path) -> None:
+    """The store did not answer at start and every local checkpoint fails to verify: the store may hold
+    good ones, so the attempt stops with 143 (rerun once it answers), not 2 ("none verifies")."""
+    from trainer.restart.checkpoint import CheckpointError, CheckpointManager
+    from trainer.restart.choose import choose
+
+    root = tmp_path / "run" / "checkpoints"
+    manager = CheckpointManager(root, keep_last=2)
+    saved = manager.save(10, lambda d: (d / "adapter_model.safetensors").write_bytes(b"a" * 64)).path
+    (saved / "adapter_model.safetensors").write_bytes(b"b" * 64)  # rotted on this disk
+    with pytest.raises(StoreUnreachable, match="(?s)verifies.*exit 143") as got:
+        choose(root, "auto", _store(tmp_path), reachable=False, budget=0.0, message=print)
+    assert E.code_for(got.value) == E.EXIT_PREEMPTED
+    # The control: with no store configured, nothing else could hold a good checkpoint (exit 2).
+    with pytest.raises(CheckpointError, match="verifies") as plain:
+        choose(root, "auto", None, reachable=False, budget=0.0, message=print)
+    assert E.code_for(plain.value) == E.EXIT_BAD_INPUT

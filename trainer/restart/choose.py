@@ -13,6 +13,7 @@ recorded on the store's `Floor` before anything is written there.
   answer is a fault of the moment here too.
 - The store unreachable at start (`reachable` False, a local checkpoint exists): the local newest,
   and the floor reads the store before the first write (an attempt on a stale disk stops there).
+  When no local checkpoint verifies, the store may hold one that does: StoreUnreachable (exit 143).
 """
 
 from __future__ import annotations
@@ -80,8 +81,13 @@ def choose(
     try:
         local, notes = resolve_resume(root, resume_setting)
     except CheckpointError as e:
-        if not (store is not None and reachable and resume_setting == "auto"):
+        if store is None or resume_setting != "auto":
             raise
+        if not reachable:  # the store may hold good checkpoints: read it once it answers
+            raise StoreUnreachable(
+                f"{e}\ncheckpoint.remote={store.shown} did not answer at start and may hold a checkpoint that "
+                "verifies; stopping before training from step 0 (exit 143: rerun once the store answers)"
+            ) from e
         local, notes, error = None, [], e  # a good remote checkpoint may still save the run
     if store is None:
         return local, notes
