@@ -5,7 +5,8 @@ scripts/launch/) decide from these whether to rerun the same command.
 
 What a supervisor should do with each:
 - `EXIT_FINISHED = 0`: training reached its end; `final/` holds the adapter. Do not rerun.
-- `EXIT_ERROR = 1`: an unexpected error (a traceback); look at it before rerunning.
+- `EXIT_ERROR = 1`: an unexpected error (a traceback), or a store write the safety rule refused (a bug
+  in spotune; a local checkpoint was saved); look at it before rerunning.
 - `EXIT_BAD_INPUT = 2`: bad configuration or data, a checkpoint that cannot be resumed, or a store
   that refuses these credentials (no such bucket, reading or writing denied: checked at start with
   a real probe write); the message names the key, file, line or permission to fix. Rerunning
