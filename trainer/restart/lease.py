@@ -112,6 +112,8 @@ class Lease(Fence):
     @on_outage.setter
     def on_outage(self, call: Callable[[str], object]) -> None:
         self.keeper.on_outage = call
+        if self.keeper.stop_asked is not None:  # asked before the stop path was set up
+            call(self.keeper.stop_asked)
 
     @property
     def previous(self) -> list[dict[str, Any]]:
@@ -119,8 +121,10 @@ class Lease(Fence):
 
     # ------------------------------------------------------------------ taking it
 
-    def acquire(self, wait: float | None = None) -> None:
-        """Take the lease, or raise RunBusy naming its live holder (after waiting `wait` seconds)."""
+    def acquire(self, wait: float | None = None, stopping: threading.Event | None = None) -> None:
+        """Take the lease, or raise RunBusy naming its live holder (after waiting `wait` seconds). Once
+        `stopping` is set (the lease thread: the lease released) it stops waiting and raises LeaseLost."""
+        stopping = stopping or threading.Event()
         started = boot_clock()
         deadline = started + (wait or 0.0)
         self.requests += 3 if self.store.conditional is None and hasattr(self.store.fs, "call_s3") else 0
@@ -162,7 +166,8 @@ class Lease(Fence):
                 self.message(
                     f"spotune: waiting up to {left:.0f}s for the lease of {self.store.shown}, held by {describe_lease(current)}"
                 )
-            time.sleep(max(0.05, min(POLL_SECONDS, left, ttl_of(current, self.ttl) / 6)))
+            if stopping.wait(max(0.05, min(POLL_SECONDS, left, ttl_of(current, self.ttl) / 6))):
+                raise LeaseLost("this attempt released the lease before it could take it")
 
     def _may_take(self, current: dict[str, Any]) -> bool:
         if current.get("released") or current.get("holder") == self.id:
@@ -175,8 +180,10 @@ class Lease(Fence):
         self.keeper.start()
         return self
 
-    def offline(self, why: str) -> None:
-        """The store could not be reached to take the lease at start: write nothing until it is taken."""
+    def offline(self, why: str, wait: float | None = None) -> None:
+        """The store could not be reached to take the lease at start: write nothing until it is taken; the
+        lease thread takes it, waiting at most `wait` more seconds (what is left of `--wait`) for a holder."""
+        self.keeper.wait_until = None if wait is None else boot_clock() + wait
         self.keeper.cut(
             f"spotune: the lease of {self.store.shown} could not be taken ({why}); writing nothing there until it is"
         )

@@ -86,7 +86,7 @@ def hold(
                     raise store.fault(e, action) from e
                 # Unreachable now: RemoteRun.connect decides whether training may start; if it does,
                 # the lease thread takes the lease once the store answers (or stops the run).
-                lease.offline(_short(e))
+                lease.offline(_short(e), None if wait is None else max(0.0, wait - (time.monotonic() - started)))
             lease.start()
         try:
             yield Holding(lock, lease)
