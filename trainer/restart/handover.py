@@ -7,6 +7,8 @@ started, on how many devices, its last sign of life (`attempt_record`). Its ledg
 open (`hand_over`: trainer/restart/ledger.py's `lost_attempts`, matched by `attempt_id`, so a record
 whose attempt already has a row is not booked twice). The records leave the lease only once the
 ledger that booked them is in the store (`pushed`): a kill before that leaves them to the next holder.
+A holder that found the run finished books what it carries the same way and releases the lease as
+`no_attempt`: it trained nothing, so the next holder carries its chain but no record of it.
 At most `CHAIN_LIMIT` records travel (kills in a row before any ledger upload).
 """
 
@@ -42,9 +44,12 @@ class Handover:
         self._handed: set[Any] = set()  # attempt ids of `previous` the ledger has booked
 
     def took_over(self, current: dict[str, Any], own_id: str) -> None:
-        """The lease object `current` is being replaced by this attempt's: carry its holder and its chain."""
+        """The lease object `current` is being replaced by this attempt's: carry its holder and its chain.
+        A holder that released it as `no_attempt` (it found the run finished and trained nothing) is no
+        attempt to book; its chain still is."""
         if current.get("holder") != own_id:
-            self.previous = [attempt_record(current), *current.get("unbooked", [])][:CHAIN_LIMIT]
+            mine = [] if current.get("released") and current.get("no_attempt") else [attempt_record(current)]
+            self.previous = [*mine, *current.get("unbooked", [])][:CHAIN_LIMIT]
 
     def hand_over(self) -> list[dict[str, Any]]:
         """The records of earlier attempts for the ledger to book now; they leave the lease once it is uploaded."""

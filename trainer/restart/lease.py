@@ -83,6 +83,9 @@ class Lease(Fence):
         self.on_lost: Callable[[str], None] = exit_busy
         self.lost: str | None = None
         self.released = False  # after `release`, an upload thread still running must not take it again
+        self.no_attempt = False
+        """This process trained nothing (the run finished already): its release says so (`no_attempt`), and the
+        next holder carries its chain but books no attempt for it (trainer/restart/handover.py)."""
         self.lock = threading.RLock()
         self.keeper = Keeper(self, outage_seconds)
         """Online or cut off, and the thread that renews or reclaims (trainer/restart/reclaim.py)."""
@@ -350,6 +353,8 @@ class Lease(Fence):
         }
         if released:
             body["released"] = True
+            if self.no_attempt:
+                body["no_attempt"] = True
         self.requests += 1
         self._attempted = (body, sent)
         etag = write_object(

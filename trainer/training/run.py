@@ -87,7 +87,9 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
         with timed(phases, "resolve"):
             resume_dir, resume_notes = proc.remote.resolve(cfg.checkpoint.resume)  # local or remote, on rank 0
         sched = _schedule(cfg, proc, prepared, len(rows), resume_dir)
-        if attempts.finished_already(proc, sched.steps, resume_dir):  # before the model loads: no attempt, no hours
+        if attempts.finished_already(
+            proc, sched.steps, resume_dir, holding.lease
+        ):  # before the model loads: no attempt, no hours
             return exit_codes.EXIT_FINISHED, False
         set_seed(cfg.seed)  # same LoRA init on every rank (DDP also broadcasts rank 0's weights)
         with timed(phases, "model"):
