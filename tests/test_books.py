@@ -65,7 +65,9 @@ def test_redone_steps_are_counted_from_the_checkpoint_resumed_and_the_step_reach
     )
     assert redone_by_attempt(legacy) == {2: 1}
     assert hours_unit(["cpu", "cpu"]) == "device-hours" and hours_unit(["NVIDIA H100 80GB HBM3"]) == "GPU-hours"
-    assert hours_unit(["NVIDIA H100 80GB HBM3", None]) == "device-hours"
+    # An attempt whose device was never recorded (killed before it knew) does not decide; none recorded does.
+    assert hours_unit(["NVIDIA H100 80GB HBM3", None]) == "GPU-hours" and hours_unit([None]) == "device-hours"
+    assert hours_unit(["NVIDIA H100 80GB HBM3", None, "cpu"]) == "device-hours"
 
 
 def _recipe(tmp: Path, tiny_llama: Path, **extra: Any) -> Path:

@@ -212,3 +212,46 @@ def test_attempts_known_only_from_the_lease_are_booked_once_with_an_estimated_ta
     assert all(r["exit_reason"] == "killed" and r["device_seconds"] == 2 * r["wall_seconds"] for r in rows)
     assert L.recover_killed(tmp_path, lease_records, before=1030.0) == []  # booked once
     assert len(L.read_rows(tmp_path)) == 3
+
+
+def test_an_attempt_known_only_from_its_lease_is_booked_with_its_device_and_cost(tmp_path: Path) -> None:
+    """The lease carries the holder's device and price: the attempt it books has both, so a GPU run's one
+    killed-while-loading attempt neither drops the whole run's cost nor turns its GPU-hours into
+    device-hours; a row without a cost (a lease written before it knew its rate) is priced at the run's."""
+    import dataclasses
+
+    from trainer.report.load import Attempt, RunData
+    from trainer.report.totals import totals
+    from trainer.restart.handover import attempt_record
+    from trainer.restart.lease import Lease, read_lease
+    from trainer.restart.storage import Store
+
+    (tmp_path / "bucket").mkdir()
+    lease = Lease(Store(f"file://{tmp_path / 'bucket'}"), 30.0, tmp_path / "run")
+    lease.device, lease.price_per_hour = "NVIDIA H100 80GB HBM3", 3.6
+    lease.acquire()
+    body, _ = read_lease(Store(f"file://{tmp_path / 'bucket'}"))
+    assert body is not None
+    record = attempt_record({**body, "renewed_at": body["process_start"] + 100.0})
+    run = tmp_path / "run"
+    first = {"attempt": 1, "attempt_id": "a1", "start": L._iso(body["process_start"] - 1000), "world_size": 1}
+    first.update(end=L._iso(body["process_start"] - 500), device_seconds=500.0, cost=0.5, exit_reason="preempted")
+    first.update(device="NVIDIA H100 80GB HBM3")
+    run.mkdir(exist_ok=True)
+    (run / L.LEDGER_FILE).write_text(json.dumps(first) + "\n")
+    (row,) = L.recover_killed(run, [record])
+    assert row["device"] == "NVIDIA H100 80GB HBM3" and row["cost"] == row["device_seconds"] / 3600 * 3.6
+    data = RunData(source=str(run), config=None, train_rows=[], eval_rows=[], attempts=[])
+    data.attempts = [Attempt.from_row(r) for r in L.read_rows(run)]
+    got = totals(data)
+    assert got.cost == 0.5 + row["cost"] and got.hours_unit == "GPU-hours"
+    # A row without a cost or a device: priced at the run's rate (config.yaml's), and the GPU run stays GPU-hours.
+    bare = dataclasses.replace(data.attempts[1], cost=None, device=None)
+    priced = dataclasses.replace(data, attempts=[data.attempts[0], bare])
+    assert totals(priced).cost is None  # the control: no rate known for the run, so no cost claimed
+    from trainer import config as C
+
+    cfg = C.from_dict({"model": {"name_or_path": "x"}, "data": {"path": "x"}, "metrics": {"price_per_hour": 3.6}})
+    assert totals(dataclasses.replace(priced, config=cfg)).cost == got.cost
+    assert totals(priced).hours_unit == "GPU-hours"
+

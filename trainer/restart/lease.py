@@ -4,7 +4,8 @@ fence every store write of its holder asks first.
 Contract. At most one attempt writes a run's store at any moment, whatever the clocks, pauses and
 outages. `<remote>/lease.json` names the attempt that may write the run (holder id, host, pid, run
 directory, `generation`, `renewed_at`, `expires_at`, and for the ledger: when the process started,
-its device count, and the earlier attempts no ledger row books yet, trainer/restart/handover.py). An
+its device count, device and price per hour, and the earlier attempts no ledger row books yet,
+trainer/restart/handover.py). An
 attempt takes it before it reads or writes anything else in the store:
 - absent: created with `If-None-Match: *` (two machines racing: one wins);
 - released, or held by this same run directory on this same host (the kernel lock of
@@ -84,6 +85,10 @@ class Lease(Fence):
         self.lost: str | None = None
         self.released = False  # after `release`, an upload thread still running must not take it again
         self.no_attempt = False
+        self.device: str | None = None
+        self.price_per_hour: float | None = None
+        """What this attempt runs on and its rate (set once known): a kill before its ledger opens is still
+        booked with its device and cost by the next holder (trainer/restart/handover.py)."""
         """This process trained nothing (the run finished already): its release says so (`no_attempt`), and the
         next holder carries its chain but books no attempt for it (trainer/restart/handover.py)."""
         self.lock = threading.RLock()
@@ -350,6 +355,8 @@ class Lease(Fence):
             "ttl": self.ttl,
             "step": last_step(self.run_dir),
             "unbooked": self.handover.previous,
+            "device": self.device,
+            "price_per_hour": self.price_per_hour,
         }
         if released:
             body["released"] = True

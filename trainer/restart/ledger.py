@@ -385,6 +385,8 @@ def _progress_of(record: dict[str, Any]) -> dict[str, Any]:
         "first_step_time": None,
         "world_size": int(record.get("world_size") or 1),
         "last_step": record.get("step"),
+        "device": record.get("device"),
+        "price_per_hour": record.get("price_per_hour"),
     }
 
 

@@ -74,6 +74,9 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
         proc = process.start(cfg, phases, closing, fence=holding.lease)  # accelerator, DDP/FSDP, store, stop paths
         cfg = process.resolved_precision(cfg, proc.accelerator)  # `auto`: what the accelerator runs on this GPU
         device = proc.accelerator.device
+        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        if holding.lease is not None:  # a kill before the ledger opens is still booked with its device and rate
+            holding.lease.device, holding.lease.price_per_hour = device_name, cfg.metrics.price_per_hour
         with timed(phases, "data"):
             cfg = pin_data(cfg, proc.is_main)  # hub datasets stay at the commit of the run's first start
             prepared = prepare_once_per_node(cfg, proc)
@@ -104,7 +107,7 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
         books = _open_books(cfg, proc, sched, model, counts.trainable, peak_flops, phases, closing, holding)
         books.ledger.phases["imports"] += entered - books.ledger.start  # interpreter, CLI and config before train()
         books.ledger.data_reused = bool(prepared.reused)
-        books.ledger.device = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        books.ledger.device = device_name
         for note in [*notes, *proc.sharding.notes, *auto_notes, *resume_notes, *sched.notes]:
             books.console.message(f"spotune: {note}")
         saver = _saver(cfg, proc, sched, model, optimizer, books, resume_dir)  # loads compiled artifacts
