@@ -387,5 +387,7 @@ def _finish(
     proc.remote.close()
     books.console.close()
     if proc.is_main:
-        books.console.message(books.telemetry.final_summary(reason, sched.steps, summary, proc.out, proc.stop.reason))
+        books.console.message(
+            books.telemetry.final_summary(reason, sched.steps, summary, proc.out, proc.stop.reason, proc.stop.planned)
+        )
     return proc.remote.exit_code(exit_codes.FOR_STOP[reason], proc.out / "final")
