@@ -255,3 +255,27 @@ def test_an_attempt_known_only_from_its_lease_is_booked_with_its_device_and_cost
     assert totals(dataclasses.replace(priced, config=cfg)).cost == got.cost
     assert totals(priced).hours_unit == "GPU-hours"
 
+
+def test_the_last_attempt_is_the_one_that_ran_last_not_the_last_line(tmp_path: Path) -> None:
+    """A disk that comes back after another machine finished the run: the store's rows are merged first and
+    its own stale row (an attempt the store was found ahead of) after them. "The last attempt" is the
+    one that ended last (then by attempt id), for the resume line and the report alike."""
+    from trainer.report.load import Attempt, load_run
+    from trainer.report.totals import resume_line
+
+    def row(attempt: int, attempt_id: str, start: float, reason: str, step: int) -> dict:
+        times = {"start": L._iso(start), "end": L._iso(start + 50), "device_seconds": 50.0, "world_size": 1}
+        return {"attempt": attempt, "attempt_id": attempt_id, "exit_reason": reason, "last_step": step, **times}
+
+    merged = [row(1, "a", 1000, "preempted", 20), row(3, "c", 1200, "finished", 50)]  # the store's rows
+    merged.append(row(2, "b", 1100, "preempted", 30))  # this disk's own, found stale: appended after them
+    (tmp_path / L.LEDGER_FILE).write_text("".join(json.dumps(r) + "\n" for r in merged))
+    rows = L.read_rows(tmp_path)
+    assert [r["attempt_id"] for r in rows] == ["a", "b", "c"]
+    line = resume_line([Attempt.from_row(r) for r in rows], 50)
+    assert line is not None and line.startswith("attempt 3 finished at step 50"), line
+    assert [a.attempt for a in load_run(str(tmp_path)).attempts] == [1, 2, 3]
+    # Same end (whole seconds): the attempt id decides, whatever the file order.
+    tied = [row(4, "z", 1300, "killed", 50), row(4, "y", 1300, "preempted", 50)]
+    (tmp_path / L.LEDGER_FILE).write_text("".join(json.dumps(r) + "\n" for r in tied))
+    assert [r["attempt_id"] for r in L.read_rows(tmp_path)] == ["y", "z"]
