@@ -81,6 +81,9 @@ class Lease(Fence):
         self.acquired_at: float | None = None
         self.waited = 0.0
         self.requests = 0  # reads, writes and the probe: its cost on the store's bill
+        self.doing = "write"
+        """The kind of the last store request (`read` or `write`; the conditional probe writes): what a refusal
+        at start names the permission of (trainer/restart/owner.py)."""
         self.on_lost: Callable[[str], None] = exit_busy
         self.lost: str | None = None
         self.released = False  # after `release`, an upload thread still running must not take it again
@@ -136,6 +139,7 @@ class Lease(Fence):
         started = boot_clock()
         deadline = started + (wait or 0.0)
         self.requests += 3 if self.store.conditional is None and hasattr(self.store.fs, "call_s3") else 0
+        self.doing = "write"
         conditional(self.store)  # probed once, before the first conditional write relies on it
         watched: tuple[str | None, float] = (None, 0.0)  # the etag seen unchanged since when (our clock)
         alive = False  # seen to change: its holder renews
@@ -336,6 +340,7 @@ class Lease(Fence):
 
     def _read(self) -> tuple[dict[str, Any] | None, str | None]:
         self.requests += 1
+        self.doing = "read"
         return read_lease(self.store)
 
     def _write(self, generation: int, if_match: str | None, *, new: bool, released: bool = False) -> None:
@@ -363,6 +368,7 @@ class Lease(Fence):
             if self.no_attempt:
                 body["no_attempt"] = True
         self.requests += 1
+        self.doing = "write"
         self._attempted = (body, sent)
         etag = write_object(
             self.store, self.store.path(LEASE_FILE), json.dumps(body).encode(), if_match=if_match, new=new

@@ -2,9 +2,11 @@
 step on rank 0 for every rank, upload while training, flush on exit.
 
 `run.py` holds one `RemoteRun` (or a disabled one when `checkpoint.remote` is null) and
-calls it at five points: `connect` before anything is written locally, `resolve` instead of
-the local-only `resolve_resume`, `submit` after each committed save, `metrics` for each
-metrics row, and `finish` before the process exits. The loop never sees it.
+calls it at these points: `connect` before anything is written locally, `resolve` instead of
+the local-only `resolve_resume`, `start_uploads` once the ledger is open, `submit` after each
+committed save, `metrics` for each metrics row, `finish` before the process exits, `close` after
+the ledger row, `exit_code` for the code every rank exits with, and `push_run_files` before an
+early exit that saved nothing (out of memory). The loop never sees it.
 
 `connect` and `resolve` are collective: what rank 0 meets (the store refusing these credentials,
 or not answering) is raised alike on every rank (trainer/restart/agree.py), so the ranks exit with
