@@ -77,15 +77,17 @@ def _not_before_previous(start: float, rows: list[dict[str, Any]]) -> float:
 
 
 def chronological(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Ledger rows in the order their attempts ran: by end, then attempt id. One writer at a time, so the
-    attempts' ends are in the order they ran (a start is this process's, which one process running several
-    attempts in a row shares). The file's order is not chronology: the store's rows are merged first and a
-    stale disk's own rows after them. Readers of "the last attempt" ask this (`read_rows`,
-    trainer/report/load.py). A row without an end keeps its place before the others."""
+    """Ledger rows in the order their attempts ran: by end, then attempt number (ends are whole seconds),
+    then attempt id. One writer at a time, so the attempts' ends are in the order they ran (a start is this
+    process's, which one process running several attempts in a row shares). The file's order is not
+    chronology: the store's rows are merged first and a stale disk's own rows after them. Readers of "the
+    last attempt" ask this (`read_rows`, trainer/report/load.py). A row without an end comes first."""
 
-    def when(row: dict[str, Any]) -> tuple[float, str]:
+    def when(row: dict[str, Any]) -> tuple[float, int, str]:
         end = row.get("end")
-        return (row_time(end) if isinstance(end, str) else float("-inf"), str(row.get("attempt_id") or ""))
+        number = row.get("attempt")
+        at = (row_time(end) if isinstance(end, str) else float("-inf"), number if isinstance(number, int) else 0)
+        return (*at, str(row.get("attempt_id") or ""))
 
     return sorted(rows, key=when)
 
