@@ -164,6 +164,33 @@ def test_a_fault_of_the_moment_is_told_by_its_causes() -> None:
     assert isinstance(s3("AccessDenied", 403), PermissionError)  # what tells a refusal: s3fs's own mapping
 
 
+def test_one_classifier_gives_every_error_its_code() -> None:
+    """`code_for` is what the command line exits with and what agree.py carries to the other ranks: a
+    carried code first, a fault of the moment by its causes, else the most derived class listed."""
+    from trainer.config import ConfigError
+    from trainer.data import DataError
+    from trainer.restart.agree import Agreed
+    from trainer.restart.lease_object import LeaseLost
+    from trainer.restart.lock import RunBusy
+    from trainer.restart.storage import Corrupt, StoreDenied, StoreError, StoreOffline, StoreUnreachable
+
+    cases = {
+        E.EXIT_BAD_INPUT: [ConfigError(["x"]), DataError("x"), StoreDenied("x"), StoreError("no gcsfs")],
+        E.EXIT_PREEMPTED: [
+            StoreUnreachable("x"),
+            Corrupt("x"),
+            StoreOffline("x"),
+            _chain(DataError("x"), TimeoutError()),
+        ],
+        E.EXIT_BUSY: [RunBusy("x"), LeaseLost("x")],
+        E.EXIT_OUT_OF_MEMORY: [Agreed("rank 1 ran out", E.EXIT_OUT_OF_MEMORY)],
+        E.EXIT_ERROR: [KeyError("x"), RuntimeError("x")],
+    }
+    assert {code: [E.code_for(e) for e in errors] for code, errors in cases.items()} == {
+        code: [code] * len(errors) for code, errors in cases.items()
+    }
+
+
 def test_a_tokenizer_the_hub_could_not_serve_keeps_the_cause_that_decides_the_exit_code(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -189,3 +216,32 @@ def test_a_tokenizer_the_hub_could_not_serve_keeps_the_cause_that_decides_the_ex
             local_dir("org/model", None)
         outcomes.append(E.transient(e.value))
     assert outcomes == [True, False]  # the second is the control
+
+
+# Rank 0 loses its lease (exit_busy ends the process from the thread that found it) after rank 1
+# recorded running out of memory in the same attempt: the file keeps 5, the most specific.
+LOSES_ITS_LEASE = """
+import sys
+from trainer.restart.reclaim import exit_busy
+print("started", flush=True)
+sys.stdin.readline()  # rank 1 records its code meanwhile
+exit_busy("another attempt took the run's lease")
+"""
+
+
+def test_a_lost_lease_merges_into_the_exit_file_as_every_code_does(tmp_path: Path) -> None:
+    exit_file = tmp_path / "code"
+    env = {**os.environ, E.EXIT_FILE_ENV: str(exit_file), "RANK": "0", "PYTHONPATH": str(REPO)}
+    p = subprocess.Popen(
+        [sys.executable, "-c", LOSES_ITS_LEASE], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert p.stdout is not None and p.stdin is not None and p.stdout.readline() == "started\n"
+    E.record(E.EXIT_OUT_OF_MEMORY, since=time.time() - 60, path=str(exit_file))  # rank 1, this attempt
+    p.stdin.write("\n")
+    p.stdin.close()
+    assert p.wait(timeout=60) == E.EXIT_BUSY
+    assert exit_file.read_text() == f"{E.EXIT_OUT_OF_MEMORY}\n"
+    # Control: alone, the lost lease is what the file says.
+    exit_file.unlink()
+    done = subprocess.run([sys.executable, "-c", LOSES_ITS_LEASE], env=env, input="\n", capture_output=True, text=True)
+    assert done.returncode == E.EXIT_BUSY and exit_file.read_text() == f"{E.EXIT_BUSY}\n"

@@ -212,3 +212,70 @@ def test_attempts_known_only_from_the_lease_are_booked_once_with_an_estimated_ta
     assert all(r["exit_reason"] == "killed" and r["device_seconds"] == 2 * r["wall_seconds"] for r in rows)
     assert L.recover_killed(tmp_path, lease_records, before=1030.0) == []  # booked once
     assert len(L.read_rows(tmp_path)) == 3
+
+
+def test_an_attempt_known_only_from_its_lease_is_booked_with_its_device_and_cost(tmp_path: Path) -> None:
+    """The lease carries the holder's device and price: the attempt it books has both, so a GPU run's one
+    killed-while-loading attempt neither drops the whole run's cost nor turns its GPU-hours into
+    device-hours; a row without a cost (a lease written before it knew its rate) is priced at the run's."""
+    import dataclasses
+
+    from trainer.report.load import Attempt, RunData
+    from trainer.report.totals import totals
+    from trainer.restart.handover import attempt_record
+    from trainer.restart.lease import Lease, read_lease
+    from trainer.restart.storage import Store
+
+    (tmp_path / "bucket").mkdir()
+    lease = Lease(Store(f"file://{tmp_path / 'bucket'}"), 30.0, tmp_path / "run")
+    lease.device, lease.price_per_hour = "NVIDIA H100 80GB HBM3", 3.6
+    lease.acquire()
+    body, _ = read_lease(Store(f"file://{tmp_path / 'bucket'}"))
+    assert body is not None
+    record = attempt_record({**body, "renewed_at": body["process_start"] + 100.0})
+    run = tmp_path / "run"
+    first = {"attempt": 1, "attempt_id": "a1", "start": L._iso(body["process_start"] - 1000), "world_size": 1}
+    first.update(end=L._iso(body["process_start"] - 500), device_seconds=500.0, cost=0.5, exit_reason="preempted")
+    first.update(device="NVIDIA H100 80GB HBM3")
+    run.mkdir(exist_ok=True)
+    (run / L.LEDGER_FILE).write_text(json.dumps(first) + "\n")
+    (row,) = L.recover_killed(run, [record])
+    assert row["device"] == "NVIDIA H100 80GB HBM3" and row["cost"] == row["device_seconds"] / 3600 * 3.6
+    data = RunData(source=str(run), config=None, train_rows=[], eval_rows=[], attempts=[])
+    data.attempts = [Attempt.from_row(r) for r in L.read_rows(run)]
+    got = totals(data)
+    assert got.cost == 0.5 + row["cost"] and got.hours_unit == "GPU-hours"
+    # A row without a cost or a device: priced at the run's rate (config.yaml's), and the GPU run stays GPU-hours.
+    bare = dataclasses.replace(data.attempts[1], cost=None, device=None)
+    priced = dataclasses.replace(data, attempts=[data.attempts[0], bare])
+    assert totals(priced).cost is None  # the control: no rate known for the run, so no cost claimed
+    from trainer import config as C
+
+    cfg = C.from_dict({"model": {"name_or_path": "x"}, "data": {"path": "x"}, "metrics": {"price_per_hour": 3.6}})
+    assert totals(dataclasses.replace(priced, config=cfg)).cost == got.cost
+    assert totals(priced).hours_unit == "GPU-hours"
+
+
+def test_the_last_attempt_is_the_one_that_ran_last_not_the_last_line(tmp_path: Path) -> None:
+    """A disk that comes back after another machine finished the run: the store's rows are merged first and
+    its own stale row (an attempt the store was found ahead of) after them. "The last attempt" is the
+    one that ended last (then by attempt id), for the resume line and the report alike."""
+    from trainer.report.load import Attempt, load_run
+    from trainer.report.totals import resume_line
+
+    def row(attempt: int, attempt_id: str, start: float, reason: str, step: int) -> dict:
+        times = {"start": L._iso(start), "end": L._iso(start + 50), "device_seconds": 50.0, "world_size": 1}
+        return {"attempt": attempt, "attempt_id": attempt_id, "exit_reason": reason, "last_step": step, **times}
+
+    merged = [row(1, "a", 1000, "preempted", 20), row(3, "c", 1200, "finished", 50)]  # the store's rows
+    merged.append(row(2, "b", 1100, "preempted", 30))  # this disk's own, found stale: appended after them
+    (tmp_path / L.LEDGER_FILE).write_text("".join(json.dumps(r) + "\n" for r in merged))
+    rows = L.read_rows(tmp_path)
+    assert [r["attempt_id"] for r in rows] == ["a", "b", "c"]
+    line = resume_line([Attempt.from_row(r) for r in rows], 50)
+    assert line is not None and line.startswith("attempt 3 finished at step 50"), line
+    assert [a.attempt for a in load_run(str(tmp_path)).attempts] == [1, 2, 3]
+    # Same end (whole seconds): the attempt id decides, whatever the file order.
+    tied = [row(4, "z", 1300, "killed", 50), row(4, "y", 1300, "preempted", 50)]
+    (tmp_path / L.LEDGER_FILE).write_text("".join(json.dumps(r) + "\n" for r in tied))
+    assert [r["attempt_id"] for r in L.read_rows(tmp_path)] == ["y", "z"]

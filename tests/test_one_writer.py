@@ -322,3 +322,56 @@ def test_status_of_a_local_run_whose_store_does_not_answer(
     assert cli.main(["status", "--json", str(run)]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["step"] == 3 and shown["lease_unknown"].startswith(f"{s3_remote} could not be read (")
+
+
+def test_a_lease_not_taken_at_start_is_taken_with_what_is_left_of_wait_and_never_under_the_lock(
+    tmp_path: Path,
+) -> None:
+    """The store blipped at start, and a killed predecessor's lease has not expired yet: the lease thread
+    takes it with what is left of --wait (not 75, which supervisors never restart), waiting without
+    `lease.lock` (a `check` meanwhile answers at once); held by a live attempt past the wait, it asks for
+    the save-and-exit path (143), never 75; and a release stops the wait at once. In process, a
+    local-directory store."""
+    import threading
+
+    remote = f"file://{tmp_path / 'bucket'}"
+    (tmp_path / "bucket").mkdir()
+    dead, _ = _lease(remote, tmp_path / "dead", ttl=1.5)
+    dead.acquire()  # killed: never renews
+    new, new_lost = _lease(remote, tmp_path / "new", ttl=1.5)
+    stops: list[str] = []
+    new.on_outage = stops.append
+    new.offline("a blip", wait=20.0)  # hold(): the first request failed, --wait 20
+    ticking = threading.Thread(target=new.keeper.tick)
+    ticking.start()
+    time.sleep(0.3)
+    started = time.monotonic()
+    with pytest.raises(Exception, match="cut off"):  # StoreOffline, at once: the lock is free
+        new.check()
+    assert time.monotonic() - started < 0.2 and ticking.is_alive()
+    ticking.join(timeout=20)
+    assert new.held and new.generation == 2 and new_lost == [] and stops == []
+    assert not new.keeper.cut_off
+
+    # Held by a live attempt past the wait: 143 (the stop path), not 75; the stop asked before the stop
+    # path was set up still reaches it.
+    new.keeper.start()  # renews every ttl / 3: a live holder
+    time.sleep(0.6)
+    late, late_lost = _lease(remote, tmp_path / "late", ttl=1.5)
+    late.offline("a blip", wait=None)
+    late.keeper.tick()
+    heard: list[str] = []
+    late.on_outage = heard.append
+    assert late_lost == [] and not late.held and len(heard) == 1 and "exit 143" in heard[0], heard
+    late.keeper.tick()  # gave up: asks the store nothing more
+    assert len(heard) == 1
+
+    # Waiting for a live holder, the attempt ends: the release stops the wait at once.
+    slow, slow_lost = _lease(remote, tmp_path / "slow", ttl=1.5)
+    slow.offline("a blip", wait=60.0)
+    slow.keeper.start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    slow.release()
+    assert time.monotonic() - started < 1.5 and slow_lost == [] and not slow.held
+    new.release()

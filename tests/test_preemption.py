@@ -85,3 +85,29 @@ def test_a_planned_stop_takes_the_signal_path_at_its_step(
     assert "planned stop after step 4" in capsys.readouterr().err
     monkeypatch.delenv(P.STOP_AFTER_ENV)
     assert not P.Preemption().due(10**6)  # control: without it, only a signal stops the run
+
+
+def test_a_planned_stop_is_told_by_a_flag_not_by_its_text(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """`Preemption.planned` says the stop is the one planned in advance: set by the planned stop only when
+    it was the first request (a SIGTERM before it is a preemption), and the run's last words read the flag,
+    not the text of what stopped it."""
+    from types import SimpleNamespace
+
+    from trainer.training.telemetry import Telemetry
+
+    monkeypatch.setenv(P.STOP_AFTER_ENV, "4")
+    planned = P.Preemption()
+    assert planned.due(4) and planned.planned
+    signalled = P.Preemption()
+    signalled.request("SIGTERM received")
+    assert signalled.due(4) and not signalled.planned
+
+    run = SimpleNamespace(last=None, final_loss=1.0, ledger=SimpleNamespace(device="cpu"))
+    summary = {"cost": None, "sustained_tokens_per_s": 1.0, "device_hours": 0.0}
+
+    def said(stopped_by: str, flag: bool) -> str:
+        return Telemetry.final_summary(run, "preempted", 10, summary, tmp_path, stopped_by, flag)  # type: ignore[arg-type]
+
+    assert said("a notice", True).startswith("spotune: stopped as planned")
+    # The control: a stop whose text names the variable but that was not the planned one is a preemption.
+    assert said(f"SIGTERM received ({P.STOP_AFTER_ENV} set)", False).startswith("spotune: preempted")

@@ -286,3 +286,36 @@ def test_a_local_directory_is_a_store_too(tmp_path: Path) -> None:
     got = store.download(3, tmp_path / "b")
     assert CheckpointManager(got.parent).verify(got) == [] and got.name == "step-000003"
     assert (got / "adapter_model.safetensors").read_bytes() == bytes([3]) * 4096
+
+
+def test_a_write_the_rule_refuses_stops_the_run_with_exit_1(tmp_path: Path) -> None:
+    """A SafetyViolation in the uploader is a bug in spotune: nothing more is uploaded, the run is asked to
+    stop (a checkpoint is saved locally) and it exits 1 (look before rerunning), not 143 (a requeue into the
+    same bug, training for hours with no remote copy). Against a local-directory store, in process."""
+    from trainer import exit_codes as E
+
+    url = f"file://{tmp_path / 'bucket'}/run"
+    first = _attempt(Store(url))
+    first.check()
+    first.upload(_commit(CheckpointManager(tmp_path / "a" / "checkpoints", keep_last=5), 20), 20)
+    remote = RemoteRun(url, {}, tmp_path / "run", keep_last=2, is_main=True, is_local_main=True, message=print)
+    remote.store = Store(url)
+    remote.store.floor.choose(16, [20])  # resumed from 16: replacing 20 with other bytes would lose it
+    remote.reachable = True
+    stops: list[str] = []
+    remote.on_violation = stops.append
+    remote.start_uploads()
+    assert remote.uploader is not None
+    manager = CheckpointManager(tmp_path / "run" / "checkpoints", keep_last=5)
+    other = manager.save(20, lambda d: (d / "adapter_model.safetensors").write_bytes(b"other bytes")).path
+    remote.submit(20, other)
+    remote.finish(preempted=False, notice_seconds=5)
+    assert stops and "a bug in spotune" in stops[0] and "replacing step 20" in stops[0], stops
+    assert not remote.flushed and remote.uploader.violation == stops[0]
+    assert remote.exit_code(E.EXIT_PREEMPTED, tmp_path / "run" / "final") == E.EXIT_ERROR
+    assert remote.exit_code(E.EXIT_FINISHED, tmp_path / "run" / "final") == E.EXIT_ERROR
+    assert Store(url).committed() == [20]
+    remote.close()
+    # The control: the store ahead of this attempt (refused, not a bug) keeps 143.
+    remote.uploader.violation, remote.uploader.refused = None, True
+    assert remote.exit_code(E.EXIT_FINISHED, tmp_path / "run" / "final") == E.EXIT_PREEMPTED

@@ -1,5 +1,5 @@
 """`spotune` command line: parse argv, hand the command to its module (trainer/cli/<command>.py),
-turn user errors into exit code 2.
+turn the error that ends it into its exit code (`exit_codes.code_for`).
 
 Exit codes are defined and documented once, in trainer/exit_codes.py: 0 finished,
 143 preempted after saving, or any fault of the moment (requeue), 3 budget reached, 4 too many
@@ -17,10 +17,9 @@ import time
 from collections.abc import Sequence
 from types import ModuleType
 
-from trainer import config as C
 from trainer import exit_codes
 from trainer.cli import chat, config, estimate, export, flags, pilot, prepare, report, status, train
-from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_BUSY, EXIT_ERROR, EXIT_FINISHED, EXIT_PREEMPTED
+from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_FINISHED, EXIT_PREEMPTED
 
 # Every command, in the order `spotune --help` lists them: its module has HELP, add_arguments
 # and run(args) -> exit code. Command modules never import one another.
@@ -99,33 +98,22 @@ def _main(argv: Sequence[str] | None) -> int:
         print("\n".join(f"spotune: {line}" for line in wrong), file=sys.stderr)
         return EXIT_BAD_INPUT
     args = parser.parse_args(argv)
-    from trainer.catalog import CatalogError
-    from trainer.data import DataError
-    from trainer.plan import PlanError
-    from trainer.report import ReportError
-    from trainer.restart.checkpoint import CheckpointError
-    from trainer.restart.lock import RunBusy
-
     try:
         return _dispatch(args)
-    except RunBusy as e:  # one writer per run: the message names the holder
-        print(f"spotune: {e}", file=sys.stderr)
-        return EXIT_BUSY
     except Exception as e:
-        if exit_codes.transient(e):  # a fault of the moment (store, hub, network): restartable, never "bad input"
-            print(f"spotune: {e}", file=sys.stderr)
+        code = exit_codes.code_for(e)  # the one classifier; another rank of the run gets the same answer
+        if code == EXIT_ERROR:
+            raise  # a bug: the traceback says where
+        # Each message is complete sentences naming the key, file, line, permission or holder; a
+        # traceback would only bury it.
+        print(f"spotune: {e}", file=sys.stderr)
+        if code == EXIT_PREEMPTED:  # a fault of the moment (store, hub, network): restartable, never "bad input"
             print(
                 f"spotune: that is a fault of the moment (the network, the store or the hub): exit {EXIT_PREEMPTED}; "
                 "run the same command again",
                 file=sys.stderr,
             )
-            return EXIT_PREEMPTED
-        if isinstance(e, (C.ConfigError, DataError, CheckpointError, PlanError, CatalogError, ReportError)):
-            # Each carries complete sentences naming the key, file, line or permission to fix; a traceback
-            # would only bury them. CheckpointError covers "none verifies", ResumeMismatch and StoreDenied.
-            print(f"spotune: {e}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        raise
+        return code
 
 
 def _dispatch(args: argparse.Namespace) -> int:

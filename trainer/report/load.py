@@ -22,7 +22,7 @@ from trainer.config import ConfigError, RunConfig, from_dict
 from trainer.report.example import Example, training_example
 from trainer.report.trained import Trained, load_trained
 from trainer.restart.generations import read_run_file
-from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, row_from_progress, row_time
+from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, chronological, row_from_progress, row_time
 from trainer.urls import redact
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,8 @@ def load_run(run_dir: str) -> RunData:
         )
     notes: list[str] = []
     metrics = _jsonl(texts[METRICS_FILE], f"{where}/{METRICS_FILE}", notes)
-    attempts = [Attempt.from_row(r) for r in _jsonl(texts[LEDGER_FILE], f"{where}/{LEDGER_FILE}", notes)]
+    rows = chronological(_jsonl(texts[LEDGER_FILE], f"{where}/{LEDGER_FILE}", notes))
+    attempts = [Attempt.from_row(r) for r in rows]  # in the order they ran; the open one (its heartbeat) last
     heartbeat_time = None
     if texts[HEARTBEAT_FILE]:
         try:
@@ -169,7 +170,7 @@ def load_run(run_dir: str) -> RunData:
         config=config,
         train_rows=[_floats(r) for r in metrics if "loss" in r and "step" in r],
         eval_rows=[_floats(r) for r in metrics if "eval_loss" in r and "step" in r],
-        attempts=sorted(attempts, key=lambda a: a.attempt),
+        attempts=attempts,
         pilot=_json(f"{base}/{PILOT_FILE}", notes),
         estimate=_json(f"{base}/{ESTIMATE_FILE}", notes),
         heartbeat_time=heartbeat_time,

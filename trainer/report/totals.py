@@ -109,9 +109,11 @@ def resume_line(attempts: list[Attempt], resumed_from: int) -> str | None:
 
 
 def hours_unit(devices: list[str | None]) -> str:
-    """What the run's device-hours are called: `GPU-hours` when every attempt ran on a GPU, else
-    `device-hours` (a CPU run, or an attempt whose device was not recorded)."""
-    return "GPU-hours" if devices and all(d and d != "cpu" for d in devices) else "device-hours"
+    """What the run's device-hours are called: `GPU-hours` when every attempt whose device is recorded ran
+    on a GPU, else `device-hours` (a CPU run, or none recorded). An attempt killed before it knew its device
+    (known only from a lease) does not make a GPU run's hours device-hours."""
+    known = [d for d in devices if d]
+    return "GPU-hours" if known and all(d != "cpu" for d in known) else "device-hours"
 
 
 def attempt_of(attempts: list[Attempt], row: dict[str, Any]) -> Attempt | None:
@@ -156,7 +158,9 @@ def totals(run: RunData) -> Totals:
     device = sum(x.device_seconds for x in a)
     productive = sum(x.productive_seconds for x in a)
     restart_s = [x.lost_seconds + (x.startup_seconds if i > 0 else 0.0) for i, x in enumerate(a)]
-    prices = [x.price_per_device_second for x in a]
+    # A row without a cost (an attempt known only from a lease that predates its rate) is priced at the run's.
+    rate = run.price_per_hour / 3600.0 if run.price_per_hour is not None else None
+    prices = [x.price_per_device_second if x.price_per_device_second is not None else rate for x in a]
     priced = bool(a) and all(p is not None for p in prices)
     last = a[-1] if a else None
     stops = Counter(x.exit_reason for x in a[:-1])
@@ -178,7 +182,11 @@ def totals(run: RunData) -> Totals:
         device_hours=device / 3600.0,
         productive_hours=productive / 3600.0,
         checkpoint_hours=sum(x.checkpoint_seconds for x in a) / 3600.0,
-        cost=sum(x.cost or 0.0 for x in a) if priced else None,
+        cost=sum(
+            x.cost if x.cost is not None else x.device_seconds * (p or 0.0) for x, p in zip(a, prices, strict=True)
+        )
+        if priced
+        else None,
         goodput=productive / device if device > 0 else 0.0,
         restart_hours=sum(restart_s) / 3600.0,
         restart_cost=sum(s * (p or 0.0) for s, p in zip(restart_s, prices, strict=True)) if priced else None,

@@ -1,57 +1,60 @@
-"""Ranks that decide together: rank 0's answer on every rank, and a failure raised alike on every rank.
+"""Ranks that decide together: rank 0's answer on every rank, and a failure ended alike on every rank.
 
 Several ranks of one attempt must end with one exit code (trainer/exit_codes.py merges them, the most
-specific first), so an error one rank meets at start travels to the others as (kind, message) and each
-raises the same class: a store fault of the moment is 143 on every rank, a refused credential 2 on every
-rank, never 143 on one and 2 ("bad input") on the others.
+specific first). So an error one rank meets at start travels to the others as (exit code, message):
+the code is `exit_codes.code_for`'s, the one classifier the command line uses too, so the rank that
+met the error (which raises its own exception) and every other rank (which raises `Agreed`, carrying
+that code) exit alike: a fault of the moment 143 on every rank, a setting to fix 2 on every rank.
+
+`broadcast` is the one way a value of rank 0's reaches the others; `on_rank0` wraps a decision rank 0
+makes alone (its disk, its store, the hub) so that its answer, or its failure, reaches every rank and
+no rank is left waiting in a collective for one that gave up.
 """
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
 
-from trainer.restart.checkpoint import CheckpointError
-from trainer.restart.storage import StoreDenied, StoreError, StoreUnreachable, _short
+from trainer.exit_codes import EXIT_ERROR, EXIT_PREEMPTED, PRIORITY, code_for
+from trainer.restart.storage import _short
 
 T = TypeVar("T")
 
-Failure = tuple[str, str]
-"""(kind, message) of an error to raise on every rank."""
+Failure = tuple[int, str]
+"""(exit code, message) of an error to raise on every rank."""
 
-_KINDS: dict[str, type[Exception]] = {
-    "unreachable": StoreUnreachable,  # 143: restart
-    "denied": StoreDenied,  # 2: a setting to fix
-    "checkpoint": CheckpointError,  # 2: no checkpoint can be resumed as asked
-    "error": RuntimeError,  # 1: a bug; look at rank 0's traceback
-}
+
+class Agreed(Exception):
+    """Another rank's failure, raised here with its exit code (`exit_codes.code_for` returns it)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def failure(e: BaseException) -> Failure:
-    """What to tell the other ranks of `e`. A store error that is neither refused nor the store being
-    down (a transfer that came out wrong, a checkpoint another node cannot match) is a fault of the
-    moment too: a restart tries again."""
-    if isinstance(e, StoreDenied):
-        kind = "denied"
-    elif isinstance(e, StoreError):
-        kind = "unreachable"
-    elif isinstance(e, CheckpointError):
-        kind = "checkpoint"
-    else:
-        kind = "error"
-    return kind, str(e) if kind != "error" else f"{type(e).__name__}: {_short(e)}"
+    """What to tell the other ranks of `e`: its exit code and its message (a bug's with its class)."""
+    code = code_for(e)
+    return code, str(e) if code != EXIT_ERROR else f"{type(e).__name__}: {_short(e)}"
+
+
+def _telling(failed: Failure) -> tuple[bool, int]:
+    """A failure's rank among several: a fault of the moment last (a setting to fix names what to do, a
+    bug's traceback is on the rank that met it), the others in the exit file's PRIORITY."""
+    code = failed[0]
+    return code == EXIT_PREEMPTED, PRIORITY.index(code) if code in PRIORITY else PRIORITY.index(EXIT_ERROR)
 
 
 def raise_failure(failures: list[Failure | None], prefix: str = "") -> None:
-    """Raise the most telling of the ranks' failures, if any (a refusal names what to fix, a bug beats a
-    fault of the moment), its message after `prefix`."""
+    """Raise the most telling of the ranks' failures, if any, its message after `prefix`."""
     found = [f for f in failures if f is not None]
     if not found:
         return
-    order = ("denied", "checkpoint", "error", "unreachable")
-    kind, text = min(found, key=lambda f: order.index(f[0]))
-    raise _KINDS[kind](prefix + text)
+    code, text = min(found, key=_telling)
+    raise Agreed(prefix + text, code)
 
 
 def distributed() -> bool:
@@ -69,6 +72,24 @@ def broadcast(value: T) -> T:
     box = [value]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def on_rank0(decide: Callable[[], T], is_main: bool, what: str) -> T:
+    """`decide()` run on rank 0 only, its answer on every rank. When it raises, rank 0 raises its own
+    exception and every other rank `Agreed` with the same exit code, its message after "rank 0 could not
+    `what`: " (none waits in a collective for rank 0, which gave up)."""
+    if is_main:
+        try:
+            value = decide()
+        except Exception as e:
+            broadcast((failure(e), None))  # the other ranks wait in the broadcast below
+            raise
+        broadcast((None, value))
+        return value
+    nothing: tuple[Failure | None, Any] = (None, None)
+    failed, answer = broadcast(nothing)
+    raise_failure([failed], prefix=f"rank 0 could not {what}: ")
+    return cast(T, answer)  # rank 0's value of type T, as broadcast
 
 
 def gather(value: T) -> list[T]:

@@ -4,15 +4,16 @@ recorded on the store's `Floor` before anything is written there.
 
 - `auto`: the newest checkpoint that verifies, on this disk or in the store (downloaded). Only a
   remote checkpoint whose bytes disagree with its manifest (`Corrupt`) is skipped. A fault of the
-  moment while listing or downloading (the network, 5xx, throttling, a broken transfer) is retried
-  with backoff for `budget` seconds, then ends the attempt with StoreUnreachable (exit 143) before
-  it trains: training from an older step would throw newer paid-for steps away. A refused
-  credential is StoreDenied (exit 2).
+  moment while listing or downloading (`exit_codes.transient`: the network, 5xx, throttling, a broken
+  transfer) is retried with backoff for `budget` seconds, then ends the attempt with StoreUnreachable
+  (exit 143) before it trains: training from an older step would throw newer paid-for steps away. A
+  refused credential is StoreDenied (exit 2); anything else (a full disk, a bug) ends it with its own code.
 - `never` or a checkpoint path: a new timeline, which the user asked for. The store's newer
   checkpoints are retired (renamed, kept); that needs the store readable, so a store that does not
   answer is a fault of the moment here too.
 - The store unreachable at start (`reachable` False, a local checkpoint exists): the local newest,
   and the floor reads the store before the first write (an attempt on a stale disk stops there).
+  When no local checkpoint verifies, the store may hold one that does: StoreUnreachable (exit 143).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from trainer.exit_codes import transient
 from trainer.restart.checkpoint import CheckpointError, CheckpointManager, resolve_resume
-from trainer.restart.safety import SafetyViolation
-from trainer.restart.storage import Corrupt, Store, StoreDenied, StoreError, StoreUnreachable, _short, denied
+from trainer.restart.storage import Corrupt, Store, StoreError, StoreUnreachable, _short, denied
 
 T = TypeVar("T")
 
@@ -36,24 +37,22 @@ def retrying(
     what: str, budget: float, fn: Callable[[], T], message: Callable[[str], None], store: Store, then: str = ""
 ) -> T:
     """`fn()`, tried again with backoff (1 s, doubling, at most MAX_DELAY) while it fails with a fault
-    of the moment, for `budget` seconds; then StoreUnreachable (exit 143), its message ending with `then`.
-    A refusal (StoreDenied), a
-    breach of the rule and a checkpoint that cannot be resumed as asked are not retried."""
+    of the moment (`exit_codes.transient`: the network, 5xx, throttling, a store that does not answer, the
+    lease cut off), for `budget` seconds; then StoreUnreachable (exit 143), its message ending with `then`.
+    Anything else propagates at once with its own code: the store refusing these credentials (StoreDenied,
+    exit 2), a checkpoint that does not verify (Corrupt), a breach of the rule, a checkpoint that cannot be
+    resumed as asked, this machine's full or refused disk, a bug."""
     deadline = time.monotonic() + budget
     delay = 1.0
     while True:
         try:
             return fn()
-        except (StoreDenied, SafetyViolation):
-            raise
-        except CheckpointError as e:
-            if not isinstance(e, StoreError) or isinstance(e, Corrupt):
+        except Exception as e:
+            if not isinstance(e, StoreError) and denied(e, "read", store.root):
+                raise store.fault(e, "read") from e
+            if isinstance(e, Corrupt) or not transient(e):
                 raise
             fault: Exception = e
-        except Exception as e:
-            if denied(e, "read"):
-                raise store.fault(e, "read") from e
-            fault = e
         left = deadline - time.monotonic()
         if left <= 0:
             said = str(fault) if isinstance(fault, StoreError) else f"{type(fault).__name__}: {_short(fault)}"
@@ -82,8 +81,13 @@ def choose(
     try:
         local, notes = resolve_resume(root, resume_setting)
     except CheckpointError as e:
-        if not (store is not None and reachable and resume_setting == "auto"):
+        if store is None or resume_setting != "auto":
             raise
+        if not reachable:  # the store may hold good checkpoints: read it once it answers
+            raise StoreUnreachable(
+                f"{e}\ncheckpoint.remote={store.shown} did not answer at start and may hold a checkpoint that "
+                "verifies; stopping before training from step 0 (exit 143: rerun once the store answers)"
+            ) from e
         local, notes, error = None, [], e  # a good remote checkpoint may still save the run
     if store is None:
         return local, notes
@@ -129,7 +133,7 @@ def _choose_remote(
             break
         try:
             path = store.download(step, root)
-        except Corrupt as e:  # the one reason to skip a checkpoint; anything else is retried by the caller
+        except Corrupt as e:  # the one reason to skip a checkpoint; a fault of the moment is retried by the caller
             notes.append(f"remote checkpoint {store.show_dir(step)} is corrupt, skipped: {e}")
             corrupt.append(step)
             continue

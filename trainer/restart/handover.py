@@ -3,10 +3,12 @@ even one killed before any of its rows reached the store.
 
 Contract. The attempt that takes the lease from another (`took_over`) carries, in its own lease
 object (`unbooked`), a record of that holder and of the holders it still carried: when each
-started, on how many devices, its last sign of life (`attempt_record`). Its ledger books them at
+started, on how many devices, on what device at what price, its last sign of life (`attempt_record`). Its ledger books them at
 open (`hand_over`: trainer/restart/ledger.py's `lost_attempts`, matched by `attempt_id`, so a record
 whose attempt already has a row is not booked twice). The records leave the lease only once the
 ledger that booked them is in the store (`pushed`): a kill before that leaves them to the next holder.
+A holder that found the run finished books what it carries the same way and releases the lease as
+`no_attempt`: it trained nothing, so the next holder carries its chain but no record of it.
 At most `CHAIN_LIMIT` records travel (kills in a row before any ledger upload).
 """
 
@@ -30,6 +32,8 @@ def attempt_record(lease: dict[str, Any]) -> dict[str, Any]:
         "renew_every": float(lease.get("ttl", 0.0)) / 3,
         "step": lease.get("step"),
         "released": bool(lease.get("released")),
+        "device": lease.get("device"),
+        "price_per_hour": lease.get("price_per_hour"),
     }
 
 
@@ -42,9 +46,12 @@ class Handover:
         self._handed: set[Any] = set()  # attempt ids of `previous` the ledger has booked
 
     def took_over(self, current: dict[str, Any], own_id: str) -> None:
-        """The lease object `current` is being replaced by this attempt's: carry its holder and its chain."""
+        """The lease object `current` is being replaced by this attempt's: carry its holder and its chain.
+        A holder that released it as `no_attempt` (it found the run finished and trained nothing) is no
+        attempt to book; its chain still is."""
         if current.get("holder") != own_id:
-            self.previous = [attempt_record(current), *current.get("unbooked", [])][:CHAIN_LIMIT]
+            mine = [] if current.get("released") and current.get("no_attempt") else [attempt_record(current)]
+            self.previous = [*mine, *current.get("unbooked", [])][:CHAIN_LIMIT]
 
     def hand_over(self) -> list[dict[str, Any]]:
         """The records of earlier attempts for the ledger to book now; they leave the lease once it is uploaded."""

@@ -4,7 +4,8 @@ fence every store write of its holder asks first.
 Contract. At most one attempt writes a run's store at any moment, whatever the clocks, pauses and
 outages. `<remote>/lease.json` names the attempt that may write the run (holder id, host, pid, run
 directory, `generation`, `renewed_at`, `expires_at`, and for the ledger: when the process started,
-its device count, and the earlier attempts no ledger row books yet, trainer/restart/handover.py). An
+its device count, device and price per hour, and the earlier attempts no ledger row books yet,
+trainer/restart/handover.py). An
 attempt takes it before it reads or writes anything else in the store:
 - absent: created with `If-None-Match: *` (two machines racing: one wins);
 - released, or held by this same run directory on this same host (the kernel lock of
@@ -80,9 +81,19 @@ class Lease(Fence):
         self.acquired_at: float | None = None
         self.waited = 0.0
         self.requests = 0  # reads, writes and the probe: its cost on the store's bill
+        self.doing = "write"
+        """The kind of the last store request (`read` or `write`; the conditional probe writes): what a refusal
+        at start names the permission of (trainer/restart/owner.py)."""
         self.on_lost: Callable[[str], None] = exit_busy
         self.lost: str | None = None
         self.released = False  # after `release`, an upload thread still running must not take it again
+        self.no_attempt = False
+        self.device: str | None = None
+        self.price_per_hour: float | None = None
+        """What this attempt runs on and its rate (set once known): a kill before its ledger opens is still
+        booked with its device and cost by the next holder (trainer/restart/handover.py)."""
+        """This process trained nothing (the run finished already): its release says so (`no_attempt`), and the
+        next holder carries its chain but books no attempt for it (trainer/restart/handover.py)."""
         self.lock = threading.RLock()
         self.keeper = Keeper(self, outage_seconds)
         """Online or cut off, and the thread that renews or reclaims (trainer/restart/reclaim.py)."""
@@ -112,6 +123,8 @@ class Lease(Fence):
     @on_outage.setter
     def on_outage(self, call: Callable[[str], object]) -> None:
         self.keeper.on_outage = call
+        if self.keeper.stop_asked is not None:  # asked before the stop path was set up
+            call(self.keeper.stop_asked)
 
     @property
     def previous(self) -> list[dict[str, Any]]:
@@ -119,11 +132,14 @@ class Lease(Fence):
 
     # ------------------------------------------------------------------ taking it
 
-    def acquire(self, wait: float | None = None) -> None:
-        """Take the lease, or raise RunBusy naming its live holder (after waiting `wait` seconds)."""
+    def acquire(self, wait: float | None = None, stopping: threading.Event | None = None) -> None:
+        """Take the lease, or raise RunBusy naming its live holder (after waiting `wait` seconds). Once
+        `stopping` is set (the lease thread: the lease released) it stops waiting and raises LeaseLost."""
+        stopping = stopping or threading.Event()
         started = boot_clock()
         deadline = started + (wait or 0.0)
         self.requests += 3 if self.store.conditional is None and hasattr(self.store.fs, "call_s3") else 0
+        self.doing = "write"
         conditional(self.store)  # probed once, before the first conditional write relies on it
         watched: tuple[str | None, float] = (None, 0.0)  # the etag seen unchanged since when (our clock)
         alive = False  # seen to change: its holder renews
@@ -162,7 +178,8 @@ class Lease(Fence):
                 self.message(
                     f"spotune: waiting up to {left:.0f}s for the lease of {self.store.shown}, held by {describe_lease(current)}"
                 )
-            time.sleep(max(0.05, min(POLL_SECONDS, left, ttl_of(current, self.ttl) / 6)))
+            if stopping.wait(max(0.05, min(POLL_SECONDS, left, ttl_of(current, self.ttl) / 6))):
+                raise LeaseLost("this attempt released the lease before it could take it")
 
     def _may_take(self, current: dict[str, Any]) -> bool:
         if current.get("released") or current.get("holder") == self.id:
@@ -175,8 +192,10 @@ class Lease(Fence):
         self.keeper.start()
         return self
 
-    def offline(self, why: str) -> None:
-        """The store could not be reached to take the lease at start: write nothing until it is taken."""
+    def offline(self, why: str, wait: float | None = None) -> None:
+        """The store could not be reached to take the lease at start: write nothing until it is taken; the
+        lease thread takes it, waiting at most `wait` more seconds (what is left of `--wait`) for a holder."""
+        self.keeper.wait_until = None if wait is None else boot_clock() + wait
         self.keeper.cut(
             f"spotune: the lease of {self.store.shown} could not be taken ({why}); writing nothing there until it is"
         )
@@ -321,6 +340,7 @@ class Lease(Fence):
 
     def _read(self) -> tuple[dict[str, Any] | None, str | None]:
         self.requests += 1
+        self.doing = "read"
         return read_lease(self.store)
 
     def _write(self, generation: int, if_match: str | None, *, new: bool, released: bool = False) -> None:
@@ -340,10 +360,15 @@ class Lease(Fence):
             "ttl": self.ttl,
             "step": last_step(self.run_dir),
             "unbooked": self.handover.previous,
+            "device": self.device,
+            "price_per_hour": self.price_per_hour,
         }
         if released:
             body["released"] = True
+            if self.no_attempt:
+                body["no_attempt"] = True
         self.requests += 1
+        self.doing = "write"
         self._attempted = (body, sent)
         etag = write_object(
             self.store, self.store.path(LEASE_FILE), json.dumps(body).encode(), if_match=if_match, new=new

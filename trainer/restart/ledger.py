@@ -76,8 +76,25 @@ def _not_before_previous(start: float, rows: list[dict[str, Any]]) -> float:
     return latest if start < latest <= start + START_SLACK_S else start
 
 
+def chronological(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ledger rows in the order their attempts ran: by end, then attempt number (ends are whole seconds),
+    then attempt id. One writer at a time, so the attempts' ends are in the order they ran (a start is this
+    process's, which one process running several attempts in a row shares). The file's order is not
+    chronology: the store's rows are merged first and a stale disk's own rows after them. Readers of "the
+    last attempt" ask this (`read_rows`, trainer/report/load.py). A row without an end comes first."""
+
+    def when(row: dict[str, Any]) -> tuple[float, int, str]:
+        end = row.get("end")
+        number = row.get("attempt")
+        at = (row_time(end) if isinstance(end, str) else float("-inf"), number if isinstance(number, int) else 0)
+        return (*at, str(row.get("attempt_id") or ""))
+
+    return sorted(rows, key=when)
+
+
 def read_rows(run_dir: Path | str) -> list[dict[str, Any]]:
-    """The ledger rows of `run_dir`, skipping (and logging) a torn last line."""
+    """The ledger rows of `run_dir` in the order their attempts ran (`chronological`), skipping (and
+    logging) a torn last line."""
     path = Path(run_dir) / LEDGER_FILE
     if not path.is_file():
         return []
@@ -89,7 +106,7 @@ def read_rows(run_dir: Path | str) -> list[dict[str, Any]]:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
             log.warning("%s line %d is not JSON (a torn write?); ignored", path, n)
-    return rows
+    return chronological(rows)
 
 
 class Ledger:
@@ -385,6 +402,8 @@ def _progress_of(record: dict[str, Any]) -> dict[str, Any]:
         "first_step_time": None,
         "world_size": int(record.get("world_size") or 1),
         "last_step": record.get("step"),
+        "device": record.get("device"),
+        "price_per_hour": record.get("price_per_hour"),
     }
 
 

@@ -81,12 +81,12 @@ def hold(
             except RunBusy:
                 raise
             except Exception as e:
-                action = "write" if store.conditional is None else "read"  # the probe write comes first on S3
-                if denied(e, action):  # these credentials may not use the store: a setting to fix (exit 2)
+                action = lease.doing  # the request refused: the probe or the lease written, or the lease read
+                if denied(e, action, store.root):  # these credentials may not use the store: a setting to fix (exit 2)
                     raise store.fault(e, action) from e
                 # Unreachable now: RemoteRun.connect decides whether training may start; if it does,
                 # the lease thread takes the lease once the store answers (or stops the run).
-                lease.offline(_short(e))
+                lease.offline(_short(e), None if wait is None else max(0.0, wait - (time.monotonic() - started)))
             lease.start()
         try:
             yield Holding(lock, lease)

@@ -39,6 +39,8 @@ class Preemption:
         """The signal that stopped the run, if a signal did."""
         self.reason: str | None = None
         """What stopped the run: a signal or a cloud notice, as printed."""
+        self.planned = False
+        """The stop is the one planned in advance (`SPOTUNE_STOP_AFTER_STEP`, the pilot's), not a preemption."""
         self._previous: dict[int, Any] = {}
         planned = os.environ.get(STOP_AFTER_ENV)
         self.stop_after = int(planned) if planned else None
@@ -47,7 +49,7 @@ class Preemption:
     def due(self, step: int) -> bool:
         """A stop was asked for, or the planned one is reached at `step` steps done."""
         if not self.requested and self.stop_after is not None and step >= self.stop_after:
-            self.request(f"planned stop after step {self.stop_after} ({STOP_AFTER_ENV})")
+            self.planned = self.request(f"planned stop after step {self.stop_after} ({STOP_AFTER_ENV})")
         return self.requested
 
     def request(self, reason: str, hint: str = "") -> bool:

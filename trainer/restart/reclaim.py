@@ -11,21 +11,27 @@ Availability first, never two writers. The states of a holder (trainer/restart/l
   the newest local checkpoint (which the store's floor checks first: trainer/restart/safety.py).
 - lost: another attempt took the lease meanwhile. `on_lost` ends the process at once with EXIT_BUSY
   (75), from whichever thread found it, so nothing it runs writes again.
+- never taken (the store did not answer at start): the thread takes it with what is left of `--wait`
+  (`wait_until`), outside `lease.lock` (waiting out a predecessor's ttl must not block `check` or
+  `release`), and stops waiting when the lease is released. Held by another attempt even then: this
+  attempt never wrote there, so it asks for the save-and-exit path (`on_outage`: a local checkpoint,
+  EXIT_PREEMPTED), not 75: the holder may be a killed predecessor whose lease expires by itself.
 Cut off for longer than `outage_seconds`, it asks once for the save-and-exit path (`on_outage`: a
 local checkpoint, then EXIT_PREEMPTED, which supervisors restart).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Protocol
 
-from trainer.exit_codes import EXIT_BUSY, EXIT_FILE_ENV
-from trainer.restart.clock import boot_clock
+from trainer import exit_codes
+from trainer.exit_codes import EXIT_BUSY
+from trainer.restart.clock import boot_clock, process_start
 from trainer.restart.lease_object import LeaseLost
 from trainer.restart.lock import RunBusy
 from trainer.restart.storage import Store, _short
@@ -50,7 +56,7 @@ class Holder(Protocol):
     @property
     def generation(self) -> int | None: ...
 
-    def acquire(self, wait: float | None = None) -> None: ...
+    def acquire(self, wait: float | None = None, stopping: threading.Event | None = None) -> None: ...
 
     def renew(self) -> None: ...
 
@@ -71,7 +77,13 @@ class Keeper:
         """boot_clock() when cut off from the store; None while the lease may write."""
         self.reported = False
         self.on_outage: Callable[[str], object] = lambda why: None
-        """Called once when the store stayed unreachable past `outage_seconds` (train: save locally, exit 143)."""
+        """Called once when the store stayed unreachable past `outage_seconds`, or the lease never taken is
+        another's (train: save locally, exit 143)."""
+        self.wait_until: float | None = None
+        """boot_clock() until which the lease never taken may be waited for (`--wait`); None: no wait."""
+        self.gave_up: str | None = None
+        """Why this attempt stopped trying to take the lease (another attempt holds it): it writes nothing there."""
+        self.stop_asked: str | None = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -84,6 +96,13 @@ class Keeper:
         if self.since is None:
             self.since = boot_clock()
             self.lease.message(why)
+
+    def ask_stop(self, why: str) -> None:
+        """Ask once for the save-and-exit path (`on_outage`); one set later hears it too (`Lease.on_outage`)."""
+        if not self.reported:
+            self.reported = True
+            self.stop_asked = why
+            self.on_outage(why)
 
     def start(self) -> Keeper:
         """Renew (or, cut off, retry) in the background until `stop`."""
@@ -116,26 +135,42 @@ class Keeper:
 
     def tick(self) -> None:
         """One step of the machine: renew when online; cut off, take the lease back if it is still
-        this attempt's. Raises LeaseLost when another attempt holds it, OSError-likes when unreachable."""
+        this attempt's; never taken, take it (outside `lease.lock`). Raises LeaseLost when another attempt
+        took it from this one, OSError-likes when unreachable."""
         lease = self.lease
         with lease.lock:
             if lease.lost is not None or lease.released:
                 raise LeaseLost(lease.lost or "this attempt released the lease")
-            if self.cut_off or not lease.held or lease.lapsed():
-                self._reclaim()
-            else:
-                lease.renew()
+            if self.gave_up is not None:
+                return
+            if lease.held:
+                if self.cut_off or lease.lapsed():
+                    lease.take_back()
+                    self._back()
+                else:
+                    lease.renew()
+                return
+        self._take()
 
-    def _reclaim(self) -> None:
-        """The store answers again (or for the first time): take the lease back if nobody else took it."""
+    def _take(self) -> None:
+        """The store answers (for the first time): take the lease with what is left of `--wait`, polling
+        without `lease.lock` and stopping when the lease is released."""
         lease = self.lease
-        if not lease.held:
-            try:
-                lease.acquire(None)
-            except RunBusy as e:
-                lease.lose(str(e))
-        else:
-            lease.take_back()
+        left = 0.0 if self.wait_until is None else max(0.0, self.wait_until - boot_clock())
+        try:
+            lease.acquire(left, stopping=self._stopping)
+        except RunBusy as e:
+            self.gave_up = str(e)
+            self.ask_stop(
+                f"spotune: the lease of {lease.store.shown} could not be taken: {e}. This attempt never wrote "
+                "there; saving locally and stopping (exit 143: the next attempt waits for the lease again)"
+            )
+            return
+        with lease.lock:
+            self._back()
+
+    def _back(self) -> None:
+        lease = self.lease
         if self.since is not None:
             lease.message(
                 f"spotune: {lease.store.shown} answers again and the run's lease was still this attempt's; took it "
@@ -147,18 +182,17 @@ class Keeper:
         if self.since is None or self.reported:
             return
         if boot_clock() - self.since > self.outage_seconds:
-            self.reported = True
-            self.on_outage(
+            self.ask_stop(
                 f"spotune: {self.lease.store.shown} has been unreachable for over {self.outage_seconds:g}s "
                 "(checkpoint.store_outage_seconds)"
             )
 
 
 def exit_busy(why: str) -> None:
-    """Exit the whole process now, from whichever thread found the lease lost (no thread writes again)."""
-    path = os.environ.get(EXIT_FILE_ENV)
-    if path and os.environ.get("RANK", "0") == "0":
-        Path(path).write_text(f"{EXIT_BUSY}\n")
+    """Exit the whole process now, from whichever thread found the lease lost (no thread writes again).
+    The code merges into the exit file as every rank's does (a rank 1 that ran out of memory stays 5)."""
+    with contextlib.suppress(OSError):  # the code still reaches the launcher as the process's status
+        exit_codes.record(EXIT_BUSY, since=process_start())
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(EXIT_BUSY)

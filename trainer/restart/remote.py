@@ -2,9 +2,11 @@
 step on rank 0 for every rank, upload while training, flush on exit.
 
 `run.py` holds one `RemoteRun` (or a disabled one when `checkpoint.remote` is null) and
-calls it at five points: `connect` before anything is written locally, `resolve` instead of
-the local-only `resolve_resume`, `submit` after each committed save, `metrics` for each
-metrics row, and `finish` before the process exits. The loop never sees it.
+calls it at these points: `connect` before anything is written locally, `resolve` instead of
+the local-only `resolve_resume`, `start_uploads` once the ledger is open, `submit` after each
+committed save, `metrics` for each metrics row, `finish` before the process exits, `close` after
+the ledger row, `exit_code` for the code every rank exits with, and `push_run_files` before an
+early exit that saved nothing (out of memory). The loop never sees it.
 
 `connect` and `resolve` are collective: what rank 0 meets (the store refusing these credentials,
 or not answering) is raised alike on every rank (trainer/restart/agree.py), so the ranks exit with
@@ -23,7 +25,7 @@ from typing import Any
 
 from trainer.atomic import write_bytes
 from trainer.config.schema import CheckpointConfig
-from trainer.exit_codes import EXIT_FINISHED, EXIT_PREEMPTED
+from trainer.exit_codes import EXIT_ERROR, EXIT_FINISHED, EXIT_PREEMPTED
 from trainer.restart import agree
 from trainer.restart.checkpoint import MANIFEST, CheckpointError, CheckpointManager
 from trainer.restart.choose import choose, retrying
@@ -76,6 +78,8 @@ class RemoteRun:
         self.fence: Fence | None = None  # the run's lease (trainer/restart/lease.py), set by run.py
         self.floor = Floor()
         """What this attempt may take out of sight in the store (trainer/restart/safety.py); on_ahead set by process.py."""
+        self.on_violation: Callable[[str], object] = lambda why: None
+        """What the uploader calls when the rule refused one of its writes (a bug): process.py asks for the stop."""
         self.holder: str | None = None
         """The lease holder id of this attempt, on every rank: another rank writes only under it (`push_run_files`)."""
 
@@ -236,7 +240,7 @@ class RemoteRun:
         store = self.store
         if store is None or not self.reachable:
             return (
-                "unreachable",
+                EXIT_PREEMPTED,
                 f"rank 0 resumes from its local step {step}, other nodes lack it and checkpoint.remote="
                 f"{redact(self.url or '')} was unreachable at start (exit 143: rerun once it answers)",
             )
@@ -270,11 +274,11 @@ class RemoteRun:
                 f"downloading step {step} from", self.budget, lambda: store.download(step, root), self.message, store
             )
         except Exception as e:
-            kind, text = agree.failure(e)
-            return (kind, f"rank {agree.rank()}: {text}"), isinstance(e, Corrupt)
+            code, text = agree.failure(e)
+            return (code, f"rank {agree.rank()}: {text}"), isinstance(e, Corrupt)
         if files_digest(path) != digest:  # rank 0 published another copy meanwhile: a restart sorts it out
             return (
-                "unreachable",
+                EXIT_PREEMPTED,
                 f"rank {agree.rank()}: {store.show_dir(step)} is not the checkpoint rank 0 resumes from",
             ), False
         self.message(f"spotune: rank {agree.rank()}: this node lacked step {step}; downloaded {store.show_dir(step)}")
@@ -292,7 +296,12 @@ class RemoteRun:
         except Exception:
             remote = []
         self.uploader = Uploader(
-            self.store, self.run_dir, self.keep_last, self.message, heartbeat_seconds=heartbeat_seconds
+            self.store,
+            self.run_dir,
+            self.keep_last,
+            self.message,
+            heartbeat_seconds=heartbeat_seconds,
+            on_violation=self.on_violation,
         ).start(remote[-1] if remote else None)
         # The checkpoint resumed from goes up first when the store lacks it (an earlier attempt saved it
         # while cut off, or stopped before its upload finished): a run with no step left to train still
@@ -331,16 +340,26 @@ class RemoteRun:
             )
 
     def exit_code(self, code: int, final: Path) -> int:
-        """`code`, or 143 for a finished run whose last checkpoint the store lacks: done here, not yet
-        safe (a spot VM torn down after exit 0 takes the result with it); the supervisor then runs the
-        same command, which uploads it first (`start_uploads`) and exits 0."""
-        if code != EXIT_FINISHED or self.uploader is None or self.flushed:
+        """Collective. `code`, or 1 when the safety rule refused one of the uploader's writes (a bug in
+        spotune: a requeue would meet it again; the local checkpoint is saved), or 143 for a finished run
+        whose last checkpoint the store lacks: done here, not yet safe (a spot VM torn down after exit 0
+        takes the result with it); the supervisor then runs the same command, which uploads it first
+        (`start_uploads`) and exits 0. Rank 0 (the uploader's) decides for every rank, so every rank exits
+        with the code alike."""
+        if self.url is None:
             return code
-        self.message(
-            f"spotune: training finished ({final}), but {redact(self.url or '')} lacks its last checkpoint: "
-            f"exit {EXIT_PREEMPTED}; run the same command again to upload it"
-        )
-        return EXIT_PREEMPTED
+        verdict = code
+        if self.is_main and self.uploader is not None:
+            if self.uploader.violation is not None:
+                verdict = EXIT_ERROR
+                self.message(f"spotune: {self.uploader.violation}: exit {EXIT_ERROR}")
+            elif code == EXIT_FINISHED and not self.flushed:
+                verdict = EXIT_PREEMPTED
+                self.message(
+                    f"spotune: training finished ({final}), but {redact(self.url or '')} lacks its last checkpoint: "
+                    f"exit {EXIT_PREEMPTED}; run the same command again to upload it"
+                )
+        return agree.broadcast(verdict)
 
     def push_run_files(self, notice_seconds: float) -> None:
         """Before an early exit that saved no checkpoint (out of memory), from the rank that ran out: on

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from trainer.atomic import files_below, fsync_tree, publish_dir, temp_sibling, write_bytes
+from trainer.exit_codes import causes
 from trainer.restart.checkpoint import MANIFEST, CheckpointError, file_digest
 from trainer.restart.generations import (
     current_steps,
@@ -186,7 +187,7 @@ class Store:
     def fault(self, e: BaseException, action: str) -> StoreError:
         """What a failed request means: StoreDenied (exit 2) when the store refused these credentials or
         the bucket does not exist, naming the permission `action` needs; else StoreUnreachable (exit 143)."""
-        if denied(e, action):
+        if denied(e, action, self.root):
             need = _permission(self.url, action)
             return StoreDenied(
                 f"checkpoint.remote={self.shown}: {action} refused ({type(e).__name__}: {_short(e)}). The credentials "
@@ -358,7 +359,7 @@ class Store:
         for rel, want in manifest["files"].items():
             size = self.fs.size(self.step_path(step, rel))
             if size != want["size"]:
-                raise StoreError(f"{self.show(step, rel)}: {size} bytes arrived, {want['size']} were sent")
+                raise StoreUnreachable(f"{self.show(step, rel)}: {size} bytes arrived, {want['size']} were sent")
         with tempfile.TemporaryDirectory() as tmp:
             sent_manifest = Path(tmp) / MANIFEST
 
@@ -434,8 +435,8 @@ class Store:
         """Download remote checkpoint `step`, verify every file, publish it under `local_root`.
 
         Raises Corrupt naming the object's URL when the checkpoint does not verify (the one reason to
-        skip it), StoreDenied when these credentials may not read it; anything else (a store that does
-        not answer, or a local error such as a full disk) propagates as it came, for the caller to judge.
+        skip it), StoreDenied when these credentials may not read it; anything else propagates as it came
+        (the caller retries a fault of the moment, `exit_codes.transient`, and nothing else).
         """
         local_root.mkdir(parents=True, exist_ok=True)
         final = local_root / f"step-{step:06d}"
@@ -462,7 +463,7 @@ class Store:
             publish_dir(tmp, final)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, Exception) and not isinstance(e, StoreError) and denied(e, "read"):
+            if isinstance(e, Exception) and not isinstance(e, StoreError) and denied(e, "read", self.root):
                 raise self.fault(e, "read") from e
             raise
         return final
@@ -495,16 +496,27 @@ def _short(e: BaseException) -> str:
     return re.sub(r"[a-z][a-z0-9+.-]*://[^\s'\"]+", lambda m: redact(m.group(0)), text)
 
 
-def denied(e: BaseException, action: str) -> bool:
+def denied(e: BaseException, action: str, root: str | None = None) -> bool:
     """Whether a failed store request is a setting to fix: the store refused these credentials
     (PermissionError: AccessDenied, an invalid key, a forbidden bucket), or, listing, the bucket does not
-    exist. Everything else (the network, 5xx, throttling, a broken transfer) is a fault of the moment."""
-    seen: BaseException | None = e
-    while seen is not None:
-        if isinstance(seen, PermissionError) or (action == "list" and isinstance(seen, FileNotFoundError)):
+    exist. Walks the chain `exit_codes.transient` walks. A PermissionError that names a file outside the
+    store's `root` is this machine's own (its disk), not the store's. Whether anything else is a fault of the
+    moment is `exit_codes.transient`'s to say."""
+    for seen in causes(e):
+        if isinstance(seen, PermissionError) and not _elsewhere(seen, root):
             return True
-        seen = seen.__cause__
+        if action == "list" and isinstance(seen, FileNotFoundError):
+            return True
     return False
+
+
+def _elsewhere(e: OSError, root: str | None) -> bool:
+    """Whether `e` names a file outside the store's `root` (a local destination: the store's own errors name
+    none, or a path under the root for a local-directory store)."""
+    name = e.filename
+    if root is None or not isinstance(name, str):
+        return False
+    return not posixpath.normpath(name).startswith(posixpath.normpath(root).rstrip("/") + "/")
 
 
 _PERMISSIONS = {

@@ -55,11 +55,14 @@ class Uploader:
         *,
         heartbeat_seconds: float = 60.0,
         max_backoff: float = 60.0,
+        on_violation: Callable[[str], object] = lambda why: None,
     ) -> None:
         self.store = store
         self.run_dir = run_dir
         self.keep_last = keep_last
         self.message = message
+        self.on_violation = on_violation
+        """Called (from the upload thread) with what a write the safety rule refused means: the run stops."""
         self.heartbeat_seconds = heartbeat_seconds
         self.max_backoff = max_backoff
         self._cond = threading.Condition()
@@ -71,6 +74,9 @@ class Uploader:
         self.failing = False
         self.refused = False
         """The store's floor refuses every write of this attempt (found ahead of it): nothing more is sent."""
+        self.violation: str | None = None
+        """A write the safety rule refused (a bug in spotune, trainer/restart/safety.py): nothing more is sent,
+        and the run stops with exit 1 (`RemoteRun.exit_code`), not 143: a requeue would meet the bug again."""
         self.stats: dict[str, Any] = {"uploads_skipped": 0}
         self._thread = threading.Thread(target=self._run, name="spotune-upload", daemon=True)
 
@@ -79,13 +85,18 @@ class Uploader:
         self._thread.start()
         return self
 
+    @property
+    def halted(self) -> bool:
+        """Nothing more is uploaded: the store is ahead of this attempt, or the rule refused a write."""
+        return self.refused or self.violation is not None
+
     # ------------------------------------------------------------------ the loop's side
 
     def submit(self, step: int, checkpoint: Path) -> None:
         """Queue committed checkpoint `step` for upload and return at once."""
         with self._cond:
             self.local_step = step
-            if self.refused:
+            if self.halted:
                 return  # the local checkpoint stays; the next attempt reads the store's newer one
         staged = temp_sibling(checkpoint, "upload")
         _link_tree(checkpoint, staged)
@@ -110,12 +121,12 @@ class Uploader:
         uploaded; False on timeout."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while (self._busy or self._pending is not None) and not self.refused:
+            while (self._busy or self._pending is not None) and not self.halted:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._thread.is_alive():
                     return False
                 self._cond.wait(min(left, 0.5))
-        if self.refused:
+        if self.halted:
             return False
         if not run_files:
             return True
@@ -185,8 +196,13 @@ class Uploader:
                 self.failing = self.refused = True
                 break
             except SafetyViolation as e:  # a bug: the write was refused before it happened; write nothing more
-                self.message(f"spotune: a bug in spotune: {e}. Nothing more is uploaded (the local checkpoints stay)")
-                self.failing = self.refused = True
+                self.violation = f"a bug in spotune: {e}"
+                self.failing = True
+                self.message(
+                    f"spotune: {self.violation}. Nothing more is uploaded (the local checkpoints stay); saving a "
+                    "checkpoint and stopping with exit 1: report it, rerunning meets it again"
+                )
+                self.on_violation(self.violation)
                 break
             except Exception as e:
                 self.failing = True

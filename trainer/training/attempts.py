@@ -12,34 +12,63 @@ from typing import Any
 
 import torch
 
+from trainer.restart import agree
 from trainer.restart.checkpoint import CheckpointManager
-from trainer.restart.ledger import HEARTBEAT_FILE, Ledger, read_rows
+from trainer.restart.clock import process_start
+from trainer.restart.lease import Lease
+from trainer.restart.ledger import LEDGER_FILE, Ledger, read_rows, recover_killed
 from trainer.restart.state import Counters, restore_training_state
+from trainer.restart.storage import _short
 from trainer.training import process
 
 
-def finished_already(proc: process.Process, steps: int, resume_dir: Path | None) -> bool:
-    """The run trained all `steps`, wrote final/, its books are closed (the last ledger row says
-    `finished` and no killed attempt's heartbeat waits to be booked) and (with checkpoint.remote) the
-    store holds its last checkpoint: say so, and the attempt ends here. Rank 0 decides (its disk, its
-    store); every rank follows. A run short of any of these goes on and does what is missing: trains,
-    writes final/, books an attempt killed after it (then closes with a finished row), uploads."""
-    from trainer.restart.preemption import agree
+def finished_already(proc: process.Process, steps: int, resume_dir: Path | None, lease: Lease | None = None) -> bool:
+    """The run trained all `steps`, wrote final/, a ledger row says `finished`, and (with
+    checkpoint.remote) the store holds its last checkpoint: say so, and the attempt ends here. Rank 0
+    decides (its disk, its store); every rank follows. A run short of any of these goes on and does
+    what is missing: trains, writes final/, uploads.
 
-    done = False
-    if proc.is_main and resume_dir is not None:
+    Ending here is no attempt (no row, no device-hours), yet its books are closed first: the attempts
+    killed since (a heartbeat left on this disk, the records `lease` carries) are booked and the
+    ledger pushed to the store; `lease` is marked `no_attempt`, so the next holder does not book this
+    process as a killed attempt (trainer/restart/handover.py)."""
+
+    def decide() -> bool:
+        assert resume_dir is not None
         step = CheckpointManager.step_of(resume_dir)
-        rows = read_rows(proc.out)
-        closed = bool(rows) and rows[-1].get("exit_reason") == "finished" and not (proc.out / HEARTBEAT_FILE).exists()
-        done = step >= steps and (proc.out / "final").is_dir() and closed and _stored(proc.remote, step)
-        if done:
+        if not (step >= steps and (proc.out / "final").is_dir() and _stored(proc.remote, step)):
+            return False
+        _book_carried(proc, lease)
+        if not any(r.get("exit_reason") == "finished" for r in read_rows(proc.out)):
+            return False  # final/ written but never closed (killed at the end): an attempt closes it
+        if lease is not None:
+            lease.no_attempt = True
+        print(
+            f"spotune: {proc.out} finished already: step {step} of {steps} is trained and final/ written; "
+            "nothing to do (no new attempt, no device-hours). To train further raise train.max_steps or "
+            "train.epochs; to start over set checkpoint.resume=never or another output_dir.",
+            flush=True,
+        )
+        return True
+
+    if resume_dir is None:  # the same on every rank (broadcast by resolve): nothing trained yet
+        return False
+    return agree.on_rank0(decide, proc.is_main, "tell whether the run finished already")
+
+
+def _book_carried(proc: process.Process, lease: Lease | None) -> None:
+    """Book the attempts killed since the run finished (a leftover heartbeat, the lease's records), and
+    push the ledger: the records leave the lease once the store has it (else the next holder books them)."""
+    booked = recover_killed(proc.out, lease.hand_over() if lease is not None else (), before=process_start())
+    store = proc.remote.store
+    if booked and store is not None and proc.remote.reachable:
+        try:
+            store.put(proc.out / LEDGER_FILE, LEDGER_FILE)
+        except Exception as e:  # the lease keeps the records for the next holder
             print(
-                f"spotune: {proc.out} finished already: step {step} of {steps} is trained and final/ written; "
-                "nothing to do (no new attempt, no device-hours). To train further raise train.max_steps or "
-                "train.epochs; to start over set checkpoint.resume=never or another output_dir.",
+                f"spotune: pushing {LEDGER_FILE} to {store.shown} failed ({_short(e)}); the next attempt does",
                 flush=True,
             )
-    return agree(done, proc.accelerator)
 
 
 def restore(resume_dir: Path, model: torch.nn.Module, optimizer: Any, accelerator: Any) -> Counters:

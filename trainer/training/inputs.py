@@ -44,27 +44,22 @@ def tokenizer_path(cfg: C.RunConfig) -> str:
 def pin_data(cfg: C.RunConfig, is_main: bool = True) -> C.RunConfig:
     """`cfg` with every hub dataset's revision a commit: the one the run directory's config.yaml
     holds (written on the run's first start; on a fresh machine fetched from checkpoint.remote
-    before this runs), else the one the hub names now. Rank 0 resolves; every rank gets its answer,
-    so all nodes read the same commit. The pinned config is what config.yaml and every checkpoint
+    before this runs), else the one the hub names now. Rank 0 resolves; every rank gets its answer
+    (or its failure: trainer/restart/agree.py), so all nodes read the same commit. The pinned config is what config.yaml and every checkpoint
     record (trainer/training/run.py writes them)."""
     from trainer.data.sources import pin_revisions
+    from trainer.restart import agree  # here: `spotune prepare` needs no torch
 
-    pinned: C.RunConfig | None = None
-    if is_main:
+    def pin() -> C.RunConfig:
         saved = saved_config(Path(cfg.output_dir))
         data, notes = pin_revisions(cfg.data, saved.data if saved is not None else None)
         data = dataclasses.replace(data, template_date=_template_date(cfg.data, saved))
-        pinned = dataclasses.replace(cfg, data=data)
         for note in notes:
             print(f"spotune: {note}", flush=True)
-    import torch  # here: `spotune prepare` needs no torch
+        return dataclasses.replace(cfg, data=data)
 
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        box = [pinned]
-        torch.distributed.broadcast_object_list(box, src=0)
-        pinned = box[0]
-    assert pinned is not None
-    return pinned
+    # A hub that fails rank 0 fails every rank with its exit code (none waits for an answer that never comes).
+    return agree.on_rank0(pin, is_main, "pin the hub datasets")
 
 
 def _template_date(data: C.DataConfig, saved: C.RunConfig | None) -> str:

@@ -92,6 +92,8 @@ def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitSt
     # A store found ahead of the step this attempt resumed from (it started cut off, on a stale disk):
     # nothing is written there; save locally, exit 143 (trainer/restart/safety.py).
     remote.floor.on_ahead = lambda why: stop.request(f"spotune: {why}", " (exit 143)")
+    # A store write the rule refused (a bug): save locally, exit 1 (RemoteRun.exit_code), not train on uncopied.
+    remote.on_violation = lambda why: stop.request(f"spotune: {why}", " (exit 1)")
     # A cloud notice sets the same flag as SIGTERM; one poller per machine.
     watcher = notice.NoticeWatcher(ck.preemption_notice, stop.request, ck.notice_endpoint, ck.notice_poll_seconds)
     if accelerator.is_local_main_process:

@@ -75,6 +75,9 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
         proc = process.start(cfg, phases, closing, fence=holding.lease)  # accelerator, DDP/FSDP, store, stop paths
         cfg = process.resolved_precision(cfg, proc.accelerator)  # `auto`: what the accelerator runs on this GPU
         device = proc.accelerator.device
+        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        if holding.lease is not None:  # a kill before the ledger opens is still booked with its device and rate
+            holding.lease.device, holding.lease.price_per_hour = device_name, cfg.metrics.price_per_hour
         with timed(phases, "data"):
             cfg = pin_data(cfg, proc.is_main)  # hub datasets stay at the commit of the run's first start
             prepared = prepare_once_per_node(cfg, proc)
@@ -88,7 +91,9 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
         with timed(phases, "resolve"):
             resume_dir, resume_notes = proc.remote.resolve(cfg.checkpoint.resume)  # local or remote, on rank 0
         sched = _schedule(cfg, proc, prepared, len(rows), resume_dir)
-        if attempts.finished_already(proc, sched.steps, resume_dir):  # before the model loads: no attempt, no hours
+        if attempts.finished_already(
+            proc, sched.steps, resume_dir, holding.lease
+        ):  # before the model loads: no attempt, no hours
             return exit_codes.EXIT_FINISHED, False
         set_seed(cfg.seed)  # same LoRA init on every rank (DDP also broadcasts rank 0's weights)
         with timed(phases, "model"):
@@ -103,7 +108,7 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
         books = _open_books(cfg, proc, sched, model, counts.trainable, peak_flops, phases, closing, holding)
         books.ledger.phases["imports"] += entered - books.ledger.start  # interpreter, CLI and config before train()
         books.ledger.data_reused = bool(prepared.reused)
-        books.ledger.device = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        books.ledger.device = device_name
         for note in [*notes, *proc.sharding.notes, *auto_notes, *resume_notes, *sched.notes]:
             books.console.message(f"spotune: {note}")
         saver = _saver(cfg, proc, sched, model, optimizer, books, resume_dir)  # loads compiled artifacts
@@ -392,5 +397,7 @@ def _finish(
     proc.remote.close()
     books.console.close()
     if proc.is_main:
-        books.console.message(books.telemetry.final_summary(reason, sched.steps, summary, proc.out, proc.stop.reason))
+        books.console.message(
+            books.telemetry.final_summary(reason, sched.steps, summary, proc.out, proc.stop.reason, proc.stop.planned)
+        )
     return proc.remote.exit_code(exit_codes.FOR_STOP[reason], proc.out / "final")

@@ -139,21 +139,26 @@ class Telemetry:
         return self.last.loss if self.last is not None else None
 
     def final_summary(
-        self, reason: str, steps: int, summary: dict[str, Any], out: Path, stopped_by: str | None = None
+        self,
+        reason: str,
+        steps: int,
+        summary: dict[str, Any],
+        out: Path,
+        stopped_by: str | None = None,
+        planned: bool = False,
     ) -> str:
         """The run's last words for a person: status, loss, speed, money and where to look next.
-        `stopped_by`: what asked a preempted run to stop (a signal, a notice, a planned stop)."""
+        `stopped_by`: what asked a preempted run to stop (a signal, a notice, a planned stop); `planned`:
+        the stop planned in advance (`Preemption.planned`, the pilot's), said as such, not as a preemption."""
         from trainer.report.totals import hours_unit
         from trainer.restart.ledger import read_rows
-        from trainer.restart.preemption import STOP_AFTER_ENV
 
         def num(value: float | None, fmt: str, missing: str = "n/a") -> str:
             return missing if value is None else format(value, fmt)
 
         step = self.last.counters.step if self.last is not None else None
         cost = summary["cost"]
-        planned = reason == "preempted" and STOP_AFTER_ENV in (stopped_by or "")  # the pilot's: no preemption
-        said = "stopped as planned" if planned else reason
+        said = "stopped as planned" if planned and reason == "preempted" else reason
         unit = hours_unit([row.get("device") for row in read_rows(out)] or [self.ledger.device])
         lines = [
             f"spotune: {said}" + (f" at step {step}/{steps}" if step is not None else f" ({steps} steps)"),
