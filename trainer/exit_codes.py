@@ -38,7 +38,7 @@ import contextlib
 import fcntl
 import os
 from collections.abc import Iterator
-from typing import Literal
+from typing import Literal, NoReturn
 
 EXIT_FINISHED = 0
 EXIT_ERROR = 1
@@ -73,6 +73,24 @@ its cause (bad input, out of memory, non-finite steps, busy) beats the plain err
 several-rank run is mostly a rank whose collective broke because another rank stopped; a saved
 stop (budget, preemption) beats an error too, since ranks only stop together after agreeing on
 it. Finished counts only when every rank finished. A code not listed (a signal's) ranks with 1."""
+
+
+_aborted = False
+
+
+def abort() -> NoReturn:
+    """The user's second Ctrl-C: remembered, then SystemExit(130). A signal handler's exception is lost
+    when the signal lands while Python runs code whose exceptions it ignores (a weakref callback, a
+    `__del__`: "Exception ignored in ..."), and the run then ends as the first signal asked (143); the
+    command's exit code still says what the user asked for (`aborted`, read by trainer/cli/main.py)."""
+    global _aborted
+    _aborted = True
+    raise SystemExit(EXIT_ABORTED)
+
+
+def aborted() -> bool:
+    """Whether `abort` was called in this process."""
+    return _aborted
 
 
 def most_specific(codes: list[int]) -> int:

@@ -19,7 +19,7 @@ from types import ModuleType
 
 from trainer import exit_codes
 from trainer.cli import chat, config, estimate, export, flags, pilot, prepare, report, status, train
-from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_FINISHED, EXIT_PREEMPTED
+from trainer.exit_codes import EXIT_ABORTED, EXIT_BAD_INPUT, EXIT_ERROR, EXIT_FINISHED, EXIT_PREEMPTED
 
 # Every command, in the order `spotune --help` lists them: its module has HELP, add_arguments
 # and run(args) -> exit code. Command modules never import one another.
@@ -74,6 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from trainer.model.distributed import end_process_group
 
             end_process_group()
+        if exit_codes.aborted():  # the second Ctrl-C's exit may have been swallowed: the run ended anyway
+            code = EXIT_ABORTED
         _record_exit_code(code, started)
     return code
 

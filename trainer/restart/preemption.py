@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from trainer.exit_codes import EXIT_ABORTED
+from trainer import exit_codes
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 STOP_AFTER_ENV = "SPOTUNE_STOP_AFTER_STEP"
@@ -87,7 +87,7 @@ class Preemption:
             # The user means it: no checkpoint, stop now. SystemExit unwinds `finally` blocks
             # (an unfinished save's temp dir is removed, the ledger row is written).
             print(f"\n{name} again: aborting without a checkpoint", file=sys.stderr, flush=True)
-            raise SystemExit(EXIT_ABORTED)
+            exit_codes.abort()
         hint = " (press Ctrl-C again to abort without saving)" if signum == signal.SIGINT else ""
         if self.request(f"{name} received", hint):
             self.signal_name = name
