@@ -90,6 +90,36 @@ def _wait(proc: subprocess.Popen, cond, timeout: float = 120.0) -> bool:
     raise AssertionError("timed out waiting for the training process")
 
 
+def start_attempt(procs: list, recipe: Path, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`python -m trainer train RECIPE` as a machine starts it: a session of its own (a kill takes its
+    loader workers too), its output in `log`, registered in `procs` for the fixture to end."""
+    cmd = [sys.executable, "-m", "trainer", "train", str(recipe)]
+    with open(log, "w") as out:
+        procs.append(
+            subprocess.Popen(
+                cmd, cwd=REPO, env=env or dict(os.environ), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        )
+    return procs[-1]
+
+
+def same_final(a: Path, b: Path) -> bool:
+    """Whether two runs' final adapters are equal bit for bit."""
+    x, y = (load_file(run / "final" / "adapter_model.safetensors") for run in (a, b))
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def finish_on_new_machines(start: Any, new_vm: Any, attempts: range, logs: Path) -> None:
+    """The same command on a fresh machine each time (`new_vm` wipes it, `start(n)` runs attempt n) until
+    an attempt finishes; fails naming the last attempt's log when none of `attempts` does."""
+    for n in attempts:
+        new_vm()
+        p = start(n)
+        if p.wait(timeout=300) == 0:
+            return
+    raise AssertionError((logs / f"attempt{n}.log").read_text())
+
+
 def drill_seed() -> int:
     """A kill schedule of its own in every run: earlier tests seed `random`, which made a schedule
     drawn from it the same in every suite run. SPOTUNE_DRILL_SEED replays one."""
@@ -110,18 +140,13 @@ def test_kill_anywhere_then_finish_equals_uninterrupted(
 
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(_recipe(out, tiny_llama, data, cache)))
-    cmd = [sys.executable, "-m", "trainer", "train", str(recipe)]
     ck = CheckpointManager(out / "checkpoints", keep_last=2)
     logs = tmp_path / "logs"
     logs.mkdir()
 
     def start(n: int, pause: float = 0.0) -> subprocess.Popen:
         env = {**os.environ, "SPOTUNE_TEST_SAVE_PAUSE": str(pause)}
-        log = open(logs / f"attempt{n}.log", "w")
-        procs.append(
-            subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        )
-        return procs[-1]
+        return start_attempt(procs, recipe, logs / f"attempt{n}.log", env)
 
     def steps_logged() -> int:
         return max((r["step"] for r in _metric_rows(out)), default=0)
@@ -160,9 +185,7 @@ def test_kill_anywhere_then_finish_equals_uninterrupted(
         p.wait(timeout=300)
     assert p.returncode == 0, (logs / f"attempt{n}.log").read_text()
 
-    a = load_file(ref_out / "final" / "adapter_model.safetensors")
-    b = load_file(out / "final" / "adapter_model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert same_final(ref_out, out)
     # Every logged loss, including steps redone after a kill, equals the uninterrupted run's.
     for r in _metric_rows(out):
         assert r["loss"] == reference[r["step"]], (r["step"], seed)

@@ -14,17 +14,21 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import yaml
 from moto_fixture import s3_env
-from safetensors.torch import load_file
-from test_kill_anywhere import REPO, _wait, drill_seed, procs  # noqa: F401 (procs: a fixture)
+from test_kill_anywhere import (  # noqa: F401 (procs: a fixture)
+    _wait,
+    drill_seed,
+    finish_on_new_machines,
+    procs,
+    same_final,
+    start_attempt,
+)
 
 from trainer import builtin_assets
 from trainer import config as C
@@ -102,12 +106,7 @@ def test_dpo_killed_anywhere_on_wiped_machines_resumes_bit_identical(
 
     def start(n: int, save_pause: float = 0.0) -> subprocess.Popen:
         env = {**os.environ, **s3_env(moto_endpoint), PAUSE_ENV: str(save_pause)}
-        log = open(logs / f"attempt{n}.log", "w")
-        cmd = [sys.executable, "-m", "trainer", "train", str(recipe)]
-        procs.append(
-            subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        )
-        return procs[-1]
+        return start_attempt(procs, recipe, logs / f"attempt{n}.log", env)
 
     def new_vm() -> None:
         shutil.rmtree(out, ignore_errors=True)
@@ -120,16 +119,8 @@ def test_dpo_killed_anywhere_on_wiped_machines_resumes_bit_identical(
     new_vm()
 
     # Then the same command on a new VM each time until it finishes.
-    for n in range(2, 6):
-        new_vm()
-        p = start(n)
-        if p.wait(timeout=300) == 0:
-            break
-    assert p.returncode == 0, (logs / f"attempt{n}.log").read_text()
-
-    a = load_file(ref_out / "final" / "adapter_model.safetensors")
-    b = load_file(out / "final" / "adapter_model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"seed {seed}"
+    finish_on_new_machines(start, new_vm, range(2, 6), logs)
+    assert same_final(ref_out, out), f"seed {seed}"
     rows = _rows(out)  # carried through the bucket: every attempt's rows, redone steps included
     assert {r["step"] for r in rows if "loss" in r} == set(range(1, STEPS + 1))
     for row in rows:

@@ -13,17 +13,25 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from drill_reference import Reference
 from moto_fixture import SECRET, s3_env
-from safetensors.torch import load_file
-from test_kill_anywhere import REPO, STEPS, _metric_rows, _recipe, _wait, drill_seed, procs  # noqa: F401 (procs: a fixture)
+from test_kill_anywhere import (  # noqa: F401 (procs: a fixture)
+    REPO,
+    STEPS,
+    _metric_rows,
+    _recipe,
+    _wait,
+    drill_seed,
+    finish_on_new_machines,
+    procs,
+    same_final,
+    start_attempt,
+)
 
 from trainer.exit_codes import EXIT_PREEMPTED
 from trainer.restart.checkpoint import MANIFEST, PAUSE_ENV
@@ -64,12 +72,7 @@ def test_kill_delete_output_dir_rerun_from_the_bucket(
             UPLOAD_PAUSE_ENV: str(upload_pause),
             PAUSE_ENV: str(save_pause),
         }
-        log = open(logs / f"attempt{n}.log", "w")
-        cmd = [sys.executable, "-m", "trainer", "train", str(recipe)]
-        procs.append(
-            subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        )
-        return procs[-1]
+        return start_attempt(procs, recipe, logs / f"attempt{n}.log", env)
 
     def remote_steps() -> list[int]:
         return store.committed()
@@ -130,16 +133,8 @@ def test_kill_delete_output_dir_rerun_from_the_bucket(
     new_vm()
 
     # Then the same command on a new VM each time until it finishes.
-    for n in range(4, 9):
-        new_vm()
-        p = start(n)
-        if p.wait(timeout=300) == 0:
-            break
-    assert p.returncode == 0, (logs / f"attempt{n}.log").read_text()
-
-    a = load_file(ref_out / "final" / "adapter_model.safetensors")
-    b = load_file(out / "final" / "adapter_model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), _divergence(seed, ref_out, out, logs)
+    finish_on_new_machines(start, new_vm, range(4, 9), logs)
+    assert same_final(ref_out, out), _divergence(seed, ref_out, out, logs)
     # The half-finished upload was cleaned by a later attempt.
     store.fs.invalidate_cache()
     dirs = {int(d.rsplit("-", 1)[1]) for d in store.fs.ls(store.path("checkpoints"), detail=False)}

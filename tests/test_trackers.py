@@ -10,14 +10,21 @@ import os
 import socket
 import struct
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from test_kill_anywhere import REPO, STEPS, _metric_rows, _recipe, _wait, procs  # noqa: F401 (procs: a fixture)
+from test_kill_anywhere import (  # noqa: F401 (procs: a fixture)
+    REPO,
+    STEPS,
+    _metric_rows,
+    _recipe,
+    _wait,
+    procs,
+    start_attempt,
+)
 
 from trainer import builtin_assets
 from trainer.restart.checkpoint import CheckpointManager
@@ -107,12 +114,7 @@ def test_sigkilled_twice_is_one_tracker_run_with_every_step_once(
     ck = CheckpointManager(out / "checkpoints", keep_last=2)
 
     def start(n: int) -> subprocess.Popen:
-        log = open(tmp_path / f"attempt{n}.log", "w")
-        cmd = [sys.executable, "-m", "trainer", "train", str(recipe)]
-        procs.append(
-            subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        )
-        return procs[-1]
+        return start_attempt(procs, recipe, tmp_path / f"attempt{n}.log", env)
 
     def logged() -> int:
         return max((r["step"] for r in _metric_rows(out)), default=0)
