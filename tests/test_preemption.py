@@ -132,8 +132,9 @@ def test_a_second_ctrl_c_whose_exit_python_swallowed_still_ends_the_command_with
         del held
         return E.EXIT_PREEMPTED  # the run went on to its planned stop
 
-    monkeypatch.setattr(E, "_aborted", False)
     monkeypatch.setattr(cli_main, "_main", lambda argv: E.EXIT_PREEMPTED)
     assert cli_main.main(["train"]) == E.EXIT_PREEMPTED  # control: no second Ctrl-C
     monkeypatch.setattr(cli_main, "_main", run_whose_abort_is_swallowed)
-    assert cli_main.main(["train"]) == E.EXIT_ABORTED and E.aborted()
+    assert cli_main.main(["train"]) == E.EXIT_ABORTED
+    monkeypatch.setattr(cli_main, "_main", lambda argv: E.EXIT_FINISHED)
+    assert cli_main.main(["train"]) == E.EXIT_FINISHED  # the next command in this process: its own count

@@ -75,22 +75,22 @@ stop (budget, preemption) beats an error too, since ranks only stop together aft
 it. Finished counts only when every rank finished. A code not listed (a signal's) ranks with 1."""
 
 
-_aborted = False
+_aborts = 0
 
 
 def abort() -> NoReturn:
-    """The user's second Ctrl-C: remembered, then SystemExit(130). A signal handler's exception is lost
+    """The user's second Ctrl-C: counted, then SystemExit(130). A signal handler's exception is lost
     when the signal lands while Python runs code whose exceptions it ignores (a weakref callback, a
     `__del__`: "Exception ignored in ..."), and the run then ends as the first signal asked (143); the
-    command's exit code still says what the user asked for (`aborted`, read by trainer/cli/main.py)."""
-    global _aborted
-    _aborted = True
+    command's exit code still says what the user asked for (`aborts`, read by trainer/cli/main.py)."""
+    global _aborts
+    _aborts += 1
     raise SystemExit(EXIT_ABORTED)
 
 
-def aborted() -> bool:
-    """Whether `abort` was called in this process."""
-    return _aborted
+def aborts() -> int:
+    """How many times `abort` was called in this process: a command compares the count before and after."""
+    return _aborts
 
 
 def most_specific(codes: list[int]) -> int:

@@ -58,6 +58,7 @@ def _version() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.time()
+    aborts = exit_codes.aborts()
     before = frozenset(c.pid for c in multiprocessing.active_children() if c.pid is not None)
     code = EXIT_ERROR  # what an exception that escapes (a traceback) exits with
     try:
@@ -74,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from trainer.model.distributed import end_process_group
 
             end_process_group()
-        if exit_codes.aborted():  # the second Ctrl-C's exit may have been swallowed: the run ended anyway
+        if exit_codes.aborts() > aborts:  # the second Ctrl-C's exit may have been swallowed: the run ended anyway
             code = EXIT_ABORTED
         _record_exit_code(code, started)
     return code
