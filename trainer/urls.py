@@ -21,6 +21,13 @@ def redact(url: str) -> str:
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line for logs, the ledger and the ranks' messages, any URL in it
+    redacted (a signed URL or credentials in an error never reach a log)."""
+    text = " ".join(str(e).split())[:300]
+    return re.sub(r"[a-z][a-z0-9+.-]*://[^\s'\"]+", lambda m: redact(m.group(0)), text)
+
+
 def known_protocol(url: str) -> str | None:
     """None when fsspec knows the URL's scheme (a plain path is a local directory), else the problem."""
     from fsspec.registry import known_implementations, registry

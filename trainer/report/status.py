@@ -21,8 +21,8 @@ from trainer.report.totals import FINISHED, Totals, ago, redone_by_attempt, tota
 from trainer.restart.checkpoint import CheckpointManager
 from trainer.restart.lease_object import describe_lease, read_lease
 from trainer.restart.lock import describe, holder
-from trainer.restart.storage import Store, _short
-from trainer.urls import redact
+from trainer.restart.storage import Store
+from trainer.urls import one_line, redact
 
 TRAINING, STARTING, STOPPED = "training", "starting", "stopped"
 KILLED = "killed"
@@ -175,7 +175,7 @@ def _live_lease(remote: str, options: dict[str, Any]) -> tuple[dict[str, Any] | 
         store = Store(remote, options)
         lease, _ = read_lease(store)
     except Exception as e:
-        return None, f"{redact(remote)} could not be read ({type(e).__name__}: {_short(e)})"
+        return None, f"{redact(remote)} could not be read ({type(e).__name__}: {one_line(e)})"
     if lease is None or lease.get("released") or float(lease.get("expires_at", 0)) <= time.time():
         return None, None
     return lease, None

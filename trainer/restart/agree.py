@@ -19,7 +19,7 @@ from typing import Any, TypeVar, cast
 import torch
 
 from trainer.exit_codes import EXIT_ERROR, EXIT_PREEMPTED, PRIORITY, code_for
-from trainer.restart.storage import _short
+from trainer.urls import one_line
 
 T = TypeVar("T")
 
@@ -38,7 +38,7 @@ class Agreed(Exception):
 def failure(e: BaseException) -> Failure:
     """What to tell the other ranks of `e`: its exit code and its message (a bug's with its class)."""
     code = code_for(e)
-    return code, str(e) if code != EXIT_ERROR else f"{type(e).__name__}: {_short(e)}"
+    return code, str(e) if code != EXIT_ERROR else f"{type(e).__name__}: {one_line(e)}"
 
 
 def _telling(failed: Failure) -> tuple[bool, int]:

@@ -25,7 +25,8 @@ from typing import TypeVar
 
 from trainer.exit_codes import transient
 from trainer.restart.checkpoint import CheckpointError, CheckpointManager, resolve_resume
-from trainer.restart.storage import Corrupt, Store, StoreError, StoreUnreachable, _short, denied
+from trainer.restart.storage import Corrupt, Store, StoreError, StoreUnreachable, denied
+from trainer.urls import one_line
 
 T = TypeVar("T")
 
@@ -55,12 +56,12 @@ def retrying(
             fault: Exception = e
         left = deadline - time.monotonic()
         if left <= 0:
-            said = str(fault) if isinstance(fault, StoreError) else f"{type(fault).__name__}: {_short(fault)}"
+            said = str(fault) if isinstance(fault, StoreError) else f"{type(fault).__name__}: {one_line(fault)}"
             over = f" (tried for {budget:g}s)" if budget > 0 else ""
             raise StoreUnreachable(f"{what} {store.shown} failed: {said}{over}{then}") from fault
         wait = min(delay, left)
         message(
-            f"spotune: {what} {store.shown} failed ({type(fault).__name__}: {_short(fault)}); retrying in {wait:.0f}s"
+            f"spotune: {what} {store.shown} failed ({type(fault).__name__}: {one_line(fault)}); retrying in {wait:.0f}s"
         )
         time.sleep(wait)
         delay = min(delay * 2, MAX_DELAY)

@@ -27,7 +27,8 @@ from trainer.config.schema import CheckpointConfig
 from trainer.restart.conditional import Refused, write_object
 from trainer.restart.lease import LEASE_FILE, Lease, describe_lease, read_lease
 from trainer.restart.lock import RunBusy, RunLock
-from trainer.restart.storage import Store, _short, denied
+from trainer.restart.storage import Store, denied
+from trainer.urls import one_line
 
 
 def _say(text: str) -> None:
@@ -86,7 +87,7 @@ def hold(
                     raise store.fault(e, action) from e
                 # Unreachable now: RemoteRun.connect decides whether training may start; if it does,
                 # the lease thread takes the lease once the store answers (or stops the run).
-                lease.offline(_short(e), None if wait is None else max(0.0, wait - (time.monotonic() - started)))
+                lease.offline(one_line(e), None if wait is None else max(0.0, wait - (time.monotonic() - started)))
             lease.start()
         try:
             yield Holding(lock, lease)

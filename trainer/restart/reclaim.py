@@ -34,7 +34,8 @@ from trainer.exit_codes import EXIT_BUSY
 from trainer.restart.clock import boot_clock, process_start
 from trainer.restart.lease_object import LeaseLost
 from trainer.restart.lock import RunBusy
-from trainer.restart.storage import Store, _short
+from trainer.restart.storage import Store
+from trainer.urls import one_line
 
 OFFLINE_RETRY_SECONDS = 5.0
 """While cut off: how often the lease thread asks the store again (at most; ttl / 3 when shorter)."""
@@ -124,7 +125,7 @@ class Keeper:
             except Exception as e:  # a network blip: the next try (or the deadline) decides
                 if not self.cut_off:
                     self.lease.message(
-                        f"spotune: renewing the lease of {self.lease.store.shown} failed ({_short(e)}); retrying"
+                        f"spotune: renewing the lease of {self.lease.store.shown} failed ({one_line(e)}); retrying"
                     )
                     self.lease.lapsed()
                 self._outage_check()

@@ -33,9 +33,9 @@ from trainer.restart.generations import APPEND_ONLY, merged_rows
 from trainer.restart.lease_object import Follower
 from trainer.restart.ledger import HEARTBEAT_FILE, read_rows
 from trainer.restart.safety import Floor
-from trainer.restart.storage import Corrupt, Fence, Store, StoreDenied, StoreUnreachable, _short
+from trainer.restart.storage import Corrupt, Fence, Store, StoreDenied, StoreUnreachable
 from trainer.restart.uploader import RAN_OUT_FILE, RUN_FILES, Uploader
-from trainer.urls import redact
+from trainer.urls import one_line, redact
 
 Directory = tuple[str, int, int]
 """Which directory a path is on one machine (`_directory`)."""
@@ -377,7 +377,7 @@ class RemoteRun:
         try:
             store.put(self.run_dir / RAN_OUT_FILE, RAN_OUT_FILE)
         except Exception as e:  # the next attempt on this disk still reads it; a fresh one may choose it again
-            self.message(f"spotune: rank {agree.rank()}: could not push {RAN_OUT_FILE} to {store.shown}: {_short(e)}")
+            self.message(f"spotune: rank {agree.rank()}: could not push {RAN_OUT_FILE} to {store.shown}: {one_line(e)}")
 
     def close(self) -> None:
         """Push the run files (with the ledger row this attempt just wrote) and stop uploading."""

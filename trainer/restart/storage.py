@@ -42,7 +42,7 @@ from trainer.restart.generations import (
     stamped,
 )
 from trainer.restart.safety import Floor
-from trainer.urls import redact
+from trainer.urls import one_line, redact
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -190,13 +190,13 @@ class Store:
         if denied(e, action, self.root):
             need = _permission(self.url, action)
             return StoreDenied(
-                f"checkpoint.remote={self.shown}: {action} refused ({type(e).__name__}: {_short(e)}). The credentials "
+                f"checkpoint.remote={self.shown}: {action} refused ({type(e).__name__}: {one_line(e)}). The credentials "
                 f"this machine uses (the cloud's standard chain: env vars, profile, instance role) lack {need} on "
                 f"{self.shown}/*, or the bucket does not exist; a run needs list, read, write and delete there"
                 + ("" if action != "list" else "; check the bucket name")
             )
         return StoreUnreachable(
-            f"checkpoint.remote={self.shown} is unreachable ({action}: {type(e).__name__}: {_short(e)}). Check the "
+            f"checkpoint.remote={self.shown} is unreachable ({action}: {type(e).__name__}: {one_line(e)}). Check the "
             f"network, the endpoint (AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3 for S3-compatible stores) and the "
             f"credentials (the cloud's standard chain: env vars, profile, instance role); "
             f"checkpoint.storage_options passes anything else to fsspec"
@@ -488,12 +488,6 @@ def _is_object_store(fs: Any) -> bool:
     """Object stores have no directories to create (and `makedirs` on a bucket would create the bucket)."""
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     return protocol not in ("file", "local")
-
-
-def _short(e: BaseException) -> str:
-    """An exception's message on one line, any URL in it redacted."""
-    text = " ".join(str(e).split())[:300]
-    return re.sub(r"[a-z][a-z0-9+.-]*://[^\s'\"]+", lambda m: redact(m.group(0)), text)
 
 
 def denied(e: BaseException, action: str, root: str | None = None) -> bool:

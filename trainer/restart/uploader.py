@@ -27,7 +27,8 @@ from typing import Any
 from trainer.atomic import temp_sibling
 from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE
 from trainer.restart.safety import SafetyViolation, StoreAhead
-from trainer.restart.storage import Store, _short
+from trainer.restart.storage import Store
+from trainer.urls import one_line
 
 RAN_OUT_FILE = "auto-out-of-memory.json"
 """The `auto` memory setting that ran out of memory (trainer/training/autofit.py): a run file, so a
@@ -133,7 +134,7 @@ class Uploader:
         try:
             self._push_run_files()  # the ledger row this attempt just closed
         except Exception as e:
-            self.message(f"spotune: uploading the run files to {self.store.shown} failed: {_short(e)}")
+            self.message(f"spotune: uploading the run files to {self.store.shown} failed: {one_line(e)}")
             return False
         return True
 
@@ -211,7 +212,7 @@ class Uploader:
                     newer = self._pending
                 self.message(
                     f"spotune: uploading step {job.step} to {self.store.show_dir(job.step)} failed "
-                    f"({type(e).__name__}: {_short(e)}); retrying in {delay:.0f}s, training goes on. The remote copy "
+                    f"({type(e).__name__}: {one_line(e)}); retrying in {delay:.0f}s, training goes on. The remote copy "
                     f"is {behind} step(s) behind (newest remote step: {self.remote_step}); local checkpoints are kept."
                 )
                 if newer is not None:  # a newer checkpoint is waiting: upload that one instead

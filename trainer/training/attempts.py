@@ -18,8 +18,8 @@ from trainer.restart.clock import process_start
 from trainer.restart.lease import Lease
 from trainer.restart.ledger import LEDGER_FILE, Ledger, read_rows, recover_killed
 from trainer.restart.state import Counters, restore_training_state
-from trainer.restart.storage import _short
 from trainer.training import process
+from trainer.urls import one_line
 
 
 def finished_already(proc: process.Process, steps: int, resume_dir: Path | None, lease: Lease | None = None) -> bool:
@@ -66,7 +66,7 @@ def _book_carried(proc: process.Process, lease: Lease | None) -> None:
             store.put(proc.out / LEDGER_FILE, LEDGER_FILE)
         except Exception as e:  # the lease keeps the records for the next holder
             print(
-                f"spotune: pushing {LEDGER_FILE} to {store.shown} failed ({_short(e)}); the next attempt does",
+                f"spotune: pushing {LEDGER_FILE} to {store.shown} failed ({one_line(e)}); the next attempt does",
                 flush=True,
             )
 
