@@ -120,6 +120,9 @@ ANSWER_CHECKS = {
     "datasets": ["data.path", "data.sources"],
     "roles_to_train": ["data.train_on=last_assistant", "data.train_on_inputs=true"],
     "fsdp": ["train.distributed=fsdp"],
+    "precompute_ref_log_probs": ["in the same step", "remove it"],
+    "loss_weights": ["train.sft_weight=b/a"],
+    "generate_during_eval": ["spotune chat RUN_DIR", "remove it"],
 }
 
 

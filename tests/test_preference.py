@@ -531,3 +531,117 @@ def test_a_preference_run_serves_the_end_of_turn_it_trains(tiny_llama: Path) -> 
     tok.chat_template = None
     assert end_of_turn_ids(tok, None, "preference") == [tok.eos_token_id]
     assert end_of_turn_ids(tok, None, "messages") == []  # control: untemplated conversations serve no end
+
+
+def test_an_adapter_of_another_base_or_revision_is_refused_naming_both(tiny_llama: Path, tmp_path: Path) -> None:
+    """A starting adapter must have been trained on `model.*`: one of another base of the same shape (every
+    weight fits) or of another revision is refused with both named, exit 2; peft's record decides for a
+    bare adapter folder, the run's config for a spotune run's final/ or checkpoint."""
+    import yaml
+
+    from trainer.exit_codes import EXIT_BAD_INPUT, code_for
+    from trainer.training.inputs import init_adapter
+
+    model = build(ModelConfig(name_or_path=str(tiny_llama), dtype="float32"), AdapterConfig(r=4, alpha=8))
+    model.save_pretrained(tmp_path / "adapter")  # peft records the base it was built on
+    other = Path(shutil.copytree(tiny_llama, tmp_path / "other-base"))  # the same shape: another model to spotune
+
+    def started(init_from: Path, *overrides: str) -> InitAdapter | None:
+        base = [f"output_dir={tmp_path / 'run'}", "train.objective=dpo", f"adapter.init_from={init_from}"]
+        return init_adapter(C.load(None, [*base, "adapter.r=4", "adapter.alpha=8", *overrides]))
+
+    init = started(tmp_path / "adapter", f"model.name_or_path={tiny_llama}")  # control: its own base
+    assert init is not None and init.path == tmp_path / "adapter" and init.reference
+    with pytest.raises(C.ConfigError) as e:
+        started(tmp_path / "adapter", f"model.name_or_path={other}")
+    assert f"the adapter was trained on '{tiny_llama}'" in str(e.value)
+    assert f"this run's model.name_or_path is '{other}'; set model.name_or_path={tiny_llama}" in str(e.value)
+    assert code_for(e.value) == EXIT_BAD_INPUT
+
+    sft = tmp_path / "sft"  # a spotune run: its config.yaml says the base and the revision it trained on
+    shutil.copytree(tmp_path / "adapter", sft / "final")
+    (sft / "config.yaml").write_text(yaml.safe_dump({"model": {"name_or_path": "org/base", "revision": "abc123"}}))
+    with pytest.raises(C.ConfigError) as e:
+        started(sft, "model.name_or_path=org/base")
+    assert "at revision 'abc123'" in str(e.value) and "this run's model.revision is 'main'" in str(e.value)
+    assert str(sft / "config.yaml") in str(e.value)
+    assert started(sft, "model.name_or_path=org/base", "model.revision=abc123") is not None  # control
+
+
+@pytest.mark.parametrize("mean", [0.0, -1e-9])
+def test_orpo_has_a_finite_loss_and_gradient_at_a_mean_log_prob_of_0_and_just_below(mean: float) -> None:
+    """Both torch.where branches of log(1 - exp(x)) are evaluated and backpropagated: each must be finite on
+    every input, or 0 x inf turns the step's gradient into NaN (and the loop skips the step)."""
+    tokens = torch.tensor([3.0, 5.0, 4.0, 2.0])
+    logps = torch.tensor([mean * 3, -4.0, -2.0, -1.0], requires_grad=True)  # pair 1's chosen answer: certain
+    losses, *_ = Preference("orpo", beta=0.1).pair_terms(logps, tokens, None)
+    losses.sum().backward()
+    assert logps.grad is not None
+    assert torch.isfinite(losses).all() and torch.isfinite(logps.grad).all()
+    assert logps.grad[1] != 0 and logps.grad[2] != 0  # the other answers still get their push
+    # Control: away from the edge, both branches give log(1 - exp(x)) itself.
+    from trainer.model.preference import _log1mexp
+
+    x = torch.tensor([-0.1, -0.5, -1.0, -5.0, -40.0], dtype=torch.float64)
+    exact = torch.tensor([math.log1p(-math.exp(v)) for v in x.tolist()], dtype=torch.float64)
+    torch.testing.assert_close(_log1mexp(x), exact, rtol=1e-12, atol=0)
+
+
+def test_simpo_outside_its_papers_regime_is_said() -> None:
+    from trainer.model.preference import regime_notes
+
+    (note,) = regime_notes(TrainConfig(objective="simpo"))  # TRL's CPO defaults: beta 0.1, gamma 0.5
+    assert "train.beta=0.1 and train.simpo_gamma=0.5 (gamma/beta 5) are outside SimPO's published regime" in note
+    assert "train.beta=2.5 train.simpo_gamma=1.375" in note
+    assert regime_notes(TrainConfig(objective="simpo", beta=2.5, simpo_gamma=1.375)) == []  # the paper's
+    assert regime_notes(TrainConfig(objective="simpo", beta=2.0, simpo_gamma=4.0))  # gamma/beta 2: said
+    assert regime_notes(TrainConfig(objective="dpo")) == []  # DPO's beta 0.1 is its own regime
+
+
+def test_the_keys_trl_users_carry_are_answered() -> None:
+    def answer(key: str, value: str) -> str:
+        with pytest.raises(C.ConfigError) as e:
+            C.load(None, ["train.objective=dpo", f"{key}={value}"])
+        return str(e.value)
+
+    assert "computes the DPO reference in the same step" in answer("precompute_ref_log_probs", "true")
+    assert "with loss_weights [a, b] set train.sft_weight=b/a" in answer("loss_weights", "[1.0,0.5]")
+    assert "sample the model's answers after training with `spotune chat RUN_DIR`" in answer(
+        "generate_during_eval", "true"
+    )
+
+
+def test_each_step_logs_its_pairs() -> None:
+    """Packing puts a varying number of pairs in a row: the metrics row says how many the step trained on."""
+    objective = Preference.of(TrainConfig(objective="dpo"))
+    stats = [0.5, -0.5, 3.0, -10.0, -12.0]
+    assert objective.report(stats, Counts(pairs=5))["pairs"] == 5.0
+    assert objective.report(stats, Counts(pairs=4))["pairs"] == 4.0
+
+
+def test_the_estimate_says_the_mean_pairs_per_step(tiny_llama: Path, tmp_path: Path) -> None:
+    """`spotune estimate` of a preference run: the mean pairs a step of its packed rows trains on, from the
+    prepared manifest (exact) and from a sample; none for SFT."""
+    from trainer.cli import world
+    from trainer.plan.table import format_estimate
+
+    data = builtin_assets.write_pairs(tmp_path / "pairs.jsonl", n=24)
+    base = [
+        f"model.name_or_path={tiny_llama}",
+        f"data.path={data}",
+        "data.seq_len=256",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        f"output_dir={tmp_path / 'run'}",
+        "train.global_batch_size=4",
+        "train.objective=dpo",
+    ]
+    sampled = world.estimate_for_run(C.load(None, base), gpu="H100-SXM", throughput=1000.0)
+    p = prepare(C.load(None, base).data, str(tiny_llama), tmp_path / "cache", progress=False, pairs=True)
+    exact = world.estimate_for_run(C.load(None, base), gpu="H100-SXM", throughput=1000.0)
+    assert (sampled["data"]["source"], exact["data"]["source"]) == ("sample", "manifest")
+    train = p.manifest["train"]
+    mean = 4 * train["pairs"] / train["rows"]
+    assert mean > 4  # several pairs per row: the figure is not the rows per step
+    assert exact["run"]["pairs_per_step"] == pytest.approx(mean, rel=1e-12)
+    assert sampled["run"]["pairs_per_step"] == pytest.approx(mean, rel=1e-12)  # the whole set is the sample
+    assert f", {mean:.1f} pairs per step (mean)" in format_estimate(exact)

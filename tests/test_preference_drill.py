@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 from moto_fixture import s3_env
 from test_kill_anywhere import (  # noqa: F401 (procs: a fixture)
@@ -157,3 +158,70 @@ def test_dpo_on_two_ranks_with_uneven_shares_equals_one_process(tmp_path: Path, 
                 assert row[name] == pytest.approx(rows[row["step"]][name], rel=1e-5, abs=1e-6), name
     # Control: the first step is ln 2 on both, the second moved, so equal figures are not a constant.
     assert rows[2]["loss"] != pytest.approx(rows[1]["loss"], abs=1e-4) and rows[2]["rewards/margins"] > 0
+
+
+def _from_sft(out: Path, model: Path, data: Path, init_from: Path, objective: str, steps: int, **extra: Any):
+    """A preference run of `steps` starting from the SFT adapter at `init_from`: a constant schedule, so
+    `steps` may grow between attempts ("K, then K more" must equal "2K straight": test_remote_resume.py)."""
+    raw = _recipe(out, model, data, data.parent / "cache")
+    raw["adapter"]["init_from"] = str(init_from)
+    raw["data"].pop("eval_fraction")
+    raw["train"].update(objective=objective, max_steps=steps, schedule="constant", warmup_steps=0, eval_every=None)
+    raw["checkpoint"]["every_steps"] = 1
+    cfg = C.from_dict(raw)
+    return cfg.replace(**extra) if extra else cfg
+
+
+@pytest.fixture(scope="module")
+def sft_adapter(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Path:
+    """A finished SFT run (its final/ is what a preference run starts from): 2 steps, LoRA B no longer 0."""
+    root = tmp_path_factory.mktemp("sft")
+    data = builtin_assets.write_dataset(root / "sft.jsonl", n=8)
+    raw = _recipe(root / "run", tiny_llama, data, root / "cache")
+    raw["data"].pop("eval_fraction")
+    raw["train"] = {"max_steps": 2, "micro_batch_size": 2, "grad_accum": 1, "lr": 1e-2}
+    assert run.train(C.from_dict(raw)) == 0
+    return root / "run"
+
+
+@pytest.mark.parametrize("objective", ["dpo", pytest.param("orpo", marks=pytest.mark.slow)])
+def test_a_run_from_an_sft_adapter_resumes_on_a_wiped_machine_without_its_path(
+    tmp_path: Path, tiny_llama: Path, sft_adapter: Path, s3_remote: str, objective: str
+) -> None:
+    """SFT -> DPO (or ORPO) on spot machines: the first start copies `adapter.init_from` into the run and the
+    store; the machine is then wiped and the SFT run's directory is gone too (another machine's disk). The
+    same command resumes from the store, the starting adapter (DPO's reference) from the run's copy, and
+    ends bit-identical to an uninterrupted run; 2 steps then 4 equals 4 straight."""
+    from safetensors.torch import load_file
+
+    from trainer.model.reference import INIT_DIR, INIT_FILES
+    from trainer.training.inputs import init_adapter
+
+    data = builtin_assets.write_pairs(tmp_path / "pairs.jsonl", n=16)
+    sft = Path(shutil.copytree(sft_adapter, tmp_path / "sft"))  # this test's own: it is deleted below
+    straight, vm = tmp_path / "straight", tmp_path / "vm"
+    assert run.train(_from_sft(straight, tiny_llama, data, sft, objective, 4)) == 0
+    expected = load_file(straight / "final" / "adapter_model.safetensors")
+
+    remote = {"checkpoint.remote": s3_remote}
+    assert run.train(_from_sft(vm, tiny_llama, data, sft, objective, 2, **remote)) == 0
+    kept = vm / INIT_DIR
+    assert (kept / "adapter_model.safetensors").read_bytes() == (
+        sft / "final" / "adapter_model.safetensors"
+    ).read_bytes()
+    store = Store(s3_remote)
+    assert all(store.read_run_file(rel) == (vm / rel).read_bytes() for rel in INIT_FILES)
+    halfway = load_file(vm / "final" / "adapter_model.safetensors")
+    assert not all(torch.equal(halfway[k], expected[k]) for k in expected)  # control: 2 steps are not 4
+
+    shutil.rmtree(vm)  # a fresh machine...
+    shutil.rmtree(sft)  # ...that cannot reach the SFT run
+    cfg = _from_sft(vm, tiny_llama, data, sft, objective, 4, **remote)
+    with pytest.raises(C.ConfigError, match="adapter.init_from: no adapter"):
+        init_adapter(cfg)  # before: the path alone, which is gone (the resume was refused)
+    assert run.train(cfg) == 0
+    resumed = load_file(vm / "final" / "adapter_model.safetensors")
+    assert resumed.keys() == expected.keys() and all(torch.equal(resumed[k], expected[k]) for k in expected)
+    assert init_adapter(cfg).path == kept  # type: ignore[union-attr]
+    steps = [r["step"] for r in _rows(vm) if "loss" in r]
+    assert sorted(steps) == [1, 2, 3, 4]  # resumed at step 2 (from scratch, steps 1 and 2 would be logged twice)

@@ -162,6 +162,15 @@ ANSWERS: dict[str, str] = {
     "ref_model": "the DPO reference is the run's starting point, in the same model: the base with adapters "
     "disabled, or adapter.init_from (an earlier run or adapter folder) frozen; set adapter.init_from to start from "
     "the SFT adapter",
+    "precompute_ref_log_probs": "spotune computes the DPO reference in the same step, never beforehand: with LoRA "
+    "it is one forward without a backward (about a third of the step), it needs no pass over the data before "
+    "training nor a file to carry to a fresh machine, and it can never be stale; remove it",
+    "loss_weights": "spotune trains one preference loss plus train.sft_weight x the chosen answers' next-token loss: "
+    "for loss_type [sigmoid, sft] with loss_weights [a, b] set train.sft_weight=b/a (AdamW's steps do not depend on "
+    "the overall scale a); other mixes of losses are not trained, remove it",
+    "generate_during_eval": "spotune's evaluation logs eval_loss and the rewards and reward accuracy of the "
+    "held-out pairs without generating; sample the model's answers after training with `spotune chat RUN_DIR`; "
+    "remove it",
 }
 """Known names whose meaning differs from every spotune key: the key(s) to set and how to convert."""
 

@@ -59,7 +59,7 @@ class AdapterConfig:
     fused: bool = False
     """Compute the LoRA A matmuls of q/k/v, and of gate/up, as one wider matmul each (with dropout 0); checkpoints stay plain peft files."""
     init_from: str | None = None
-    """Start the adapter from an earlier one instead of fresh: a run directory (its `final/`) or an adapter folder (adapter_config.json + adapter_model.safetensors), usually the SFT run before a DPO run; its shape must match adapter.r, alpha and target_modules. With train.objective=dpo that adapter, frozen, is the reference. Every machine that resumes the run must reach it (a resume checks its content)."""
+    """Start the adapter from an earlier one instead of fresh: a run directory (its `final/`), one of its checkpoints or an adapter folder (adapter_config.json + adapter_model.safetensors), usually the SFT run before a DPO run; its shape must match adapter.r, alpha and target_modules, and it must have been trained on model.name_or_path at model.revision. With train.objective=dpo that adapter, frozen, is the reference. The first start copies it into the run directory (`init_adapter/`) and checkpoint.remote; every restart reads that copy, so a fresh machine need not reach the path."""
 
 
 DataFormat = Literal["auto", "alpaca", "prompt_completion", "messages", "sharegpt", "text", "chat", "preference"]
@@ -178,7 +178,7 @@ class TrainConfig:
     sft_weight: float = 0.0
     """`dpo` and `simpo`: add this times the chosen answers' next-token loss, averaged over their tokens in the optimizer step (TRL's `rpo_alpha` / `sft` loss, CPO's `cpo_alpha`); `orpo` always has it with weight 1."""
     simpo_gamma: float = 0.5
-    """`simpo`: the target reward margin gamma."""
+    """`simpo`: the target reward margin gamma (TRL's CPO default). SimPO's paper sets beta 2 to 2.5 and gamma/beta about 0.5 (Llama 3 Instruct: beta 2.5, gamma 1.375); a run outside beta 2 to 10 or gamma/beta 0.1 to 0.8 says so at its start."""
     max_steps: int | None = None
     """Optimizer steps to run; when unset, `epochs` decides."""
     epochs: float = 1.0

@@ -123,7 +123,34 @@ class Preference:
             return {}
         means = {name: value / pairs for name, value in zip(STATS, stats, strict=True)}
         means["rewards/margins"] = means["rewards/chosen"] - means["rewards/rejected"]
+        # The step's pairs: packing puts a varying number in each row, so a step of fixed rows trains on a
+        # varying number of pairs (the estimate prints their mean).
+        means["pairs"] = float(pairs)
         return means
+
+
+SIMPO_BETA = (2.0, 10.0)
+"""SimPO's beta in its paper's settings: 2 to 2.5 for Mistral and Llama 3, 10 for Gemma 2."""
+SIMPO_GAMMA_OVER_BETA = (0.1, 0.8)
+"""SimPO's target margin gamma / beta (in mean log-prob) in its paper's settings: mostly about 0.5."""
+
+
+def regime_notes(train: TrainConfig) -> list[str]:
+    """Warnings for settings outside the regime an objective was published and tuned in (said at the run's
+    start): SimPO's beta and gamma default to TRL's CPO values (beta 0.1, gamma 0.5), which put a target
+    margin of 5 nats per token, 10x the paper's, on a loss 20x flatter."""
+    if train.objective != "simpo":
+        return []
+    ratio = train.simpo_gamma / train.beta
+    low, high = SIMPO_BETA
+    if low <= train.beta <= high and SIMPO_GAMMA_OVER_BETA[0] <= ratio <= SIMPO_GAMMA_OVER_BETA[1]:
+        return []
+    return [
+        f"train.beta={train.beta:g} and train.simpo_gamma={train.simpo_gamma:g} (gamma/beta {ratio:.2g}) are outside "
+        f"SimPO's published regime (beta {low:g} to 2.5, {high:g} for Gemma 2; gamma/beta {SIMPO_GAMMA_OVER_BETA[0]:g} "
+        f"to {SIMPO_GAMMA_OVER_BETA[1]:g}, about 0.5 for most models); the paper's Llama 3 Instruct setting is "
+        "train.beta=2.5 train.simpo_gamma=1.375"
+    ]
 
 
 def sequence_sums(token_logp: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -139,6 +166,20 @@ def _token_logprobs(model: torch.nn.Module, micro: dict[str, Any]) -> torch.Tens
     return token_logprobs(hidden, head.weight, micro["label_targets"], getattr(head, "bias", None))
 
 
+_LOG1MEXP_EDGE = 1.2e-7
+"""How close to 0 a mean log-prob enters ORPO's log(1 - exp(x)): float32's epsilon, below which exp(x) is 1."""
+
+
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
-    """log(1 - exp(x)) for x < 0, stable at both ends (Maechler's rule, as TRL's ORPO)."""
-    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+    """log(1 - exp(x)) for x <= 0 (Maechler's rule), with a finite value and gradient at both ends.
+
+    torch.where evaluates both branches and backpropagates through both (the unused one times 0, and
+    0 x inf is NaN), so each branch gets inputs where it is finite: near 0 `log1p(-exp(x))` is log(0),
+    far below it `log(-expm1(x))` loses nothing but is kept on its own side all the same. A mean
+    log-prob above -`_LOG1MEXP_EDGE` (every answer token all but certain: x = 0 gives log 0) is taken
+    as that edge, where the value is finite (-16) and the slope 1/x (8e6) leaves a finite gradient
+    whatever multiplies it; the odds term's gradient is 0 there, the NLL term still trains."""
+    x = x.clamp(max=-_LOG1MEXP_EDGE)
+    near = x > -math.log(2)
+    safe_near, safe_far = torch.where(near, x, -1.0), torch.where(near, -1.0, x)
+    return torch.where(near, torch.log(-torch.expm1(safe_near)), torch.log1p(-torch.exp(safe_far)))

@@ -11,6 +11,12 @@ trainable parameters, the one every checkpoint and `final/` save (restart/state.
 the active adapter). The reference adapter has dropout 0 and is loaded from `init_from` on every start,
 never from a checkpoint: its content is part of the run's structural fingerprint (run.py), so a resume
 against another starting adapter is refused.
+
+The starting adapter is the run's own: on its first start it is copied into the run directory
+(`INIT_DIR`, with `SOURCE_FILE` saying where from and on which base) and into `checkpoint.remote`, and every
+restart reads that copy (trainer/training/inputs.py), so a fresh machine resumes a run whose `init_from`
+path it cannot reach, or that has since changed. An adapter trained on another base model or revision
+than `model.*` is refused, both named: the same shape does not make it the same function.
 """
 
 from __future__ import annotations
@@ -18,19 +24,28 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
+from trainer.atomic import fsync_tree, publish_dir, temp_sibling
 from trainer.config import AdapterConfig, ConfigError
 from trainer.model.wrappers import unwrap_peft
 
 REFERENCE = "reference"
 """The frozen starting adapter's name beside peft's trained `default`."""
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+INIT_DIR = "init_adapter"
+"""The run's copy of `adapter.init_from`, in its directory and under `checkpoint.remote`."""
+SOURCE_FILE = "source.json"
+"""Beside the copy: the `init_from` it was copied from and the base model (and revision) it was trained on."""
+INIT_FILES = tuple(f"{INIT_DIR}/{name}" for name in (CONFIG_FILE, WEIGHTS_FILE, SOURCE_FILE))
+"""The copy's files, as the run directory and the store name them (the source last: it marks a whole copy)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +83,88 @@ def locate(init_from: str) -> Path:
             "give a finished run's directory or an adapter folder"
         ]
     )
+
+
+def kept_from(kept: Path) -> str | None:
+    """The `init_from` a whole copy at `kept` was made from; None when there is none (or a torn one)."""
+    try:
+        source = json.loads((kept / SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    whole = (kept / CONFIG_FILE).is_file() and (kept / WEIGHTS_FILE).is_file()
+    return source.get("init_from") if whole and isinstance(source, dict) else None
+
+
+def keep_copy(init_from: str, kept: Path) -> Path:
+    """Copy the adapter `init_from` names into `kept` (atomically: a kill leaves the old copy or the new
+    one), with where it came from and the base it was trained on (`trained_on`); returns `kept`."""
+    located = locate(init_from)
+    tmp = temp_sibling(kept, "copy")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        shutil.copyfile(located / name, tmp / name)
+    source = {"init_from": init_from, "copied_from": str(located), **trained_on(located)}
+    (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=1) + "\n")
+    fsync_tree(tmp)
+    publish_dir(tmp, kept)
+    return kept
+
+
+def trained_on(adapter: Path) -> dict[str, Any]:
+    """The base model and revision `adapter` was trained on, and what says so: the spotune run's config
+    (a checkpoint's trainer_state.json, or config.yaml of the run whose final/ or checkpoint it is), else
+    peft's adapter_config.json (`base_model_name_or_path`, `revision`: a revision it does not record is
+    not checked)."""
+    state, run_yaml = adapter / "trainer_state.json", adapter.parent / "config.yaml"
+    model: Any = None
+    try:
+        if state.is_file():  # a checkpoint: the config it was written under
+            model, said_by = json.loads(state.read_text())["config"]["model"], state
+        elif run_yaml.is_file():  # a run's final/
+            model, said_by = (yaml.safe_load(run_yaml.read_text()) or {}).get("model"), run_yaml
+    except (ValueError, KeyError, TypeError, AttributeError, yaml.YAMLError):
+        model = None  # unreadable: peft's record below
+    if isinstance(model, dict) and model.get("name_or_path"):
+        return {"base_model": model["name_or_path"], "revision": model.get("revision"), "said_by": str(said_by)}
+    saved = json.loads((adapter / CONFIG_FILE).read_text())
+    return {
+        "base_model": saved.get("base_model_name_or_path"),
+        "revision": saved.get("revision"),
+        "revision_known": saved.get("revision") is not None,
+        "said_by": str(adapter / CONFIG_FILE),
+    }
+
+
+def check_base(source: dict[str, Any], name_or_path: str, resolved: str, revision: str | None) -> None:
+    """Refuse a starting adapter trained on another base than `model.name_or_path` (`resolved`: where it
+    loads from) at `model.revision`, naming both: LoRA weights of one base are noise on another of the
+    same shape."""
+    theirs = source.get("base_model")
+    where = source.get("said_by", SOURCE_FILE)
+    problems = []
+    if theirs and not _same_model(str(theirs), name_or_path, resolved):
+        problems.append(
+            f"adapter.init_from: the adapter was trained on {theirs!r} ({where}), this run's model.name_or_path is "
+            f"{name_or_path!r}; set model.name_or_path={theirs} or start from an adapter trained on {name_or_path}"
+        )
+    elif source.get("revision_known", True) and (source.get("revision") or "main") != (revision or "main"):
+        problems.append(
+            f"adapter.init_from: the adapter was trained on {theirs!r} at revision {source.get('revision') or 'main'!r} "
+            f"({where}), this run's model.revision is {revision or 'main'!r}; set model.revision="
+            f"{source.get('revision') or 'main'} or start from an adapter trained on that revision"
+        )
+    if problems:
+        raise ConfigError(problems)
+
+
+def _same_model(theirs: str, name_or_path: str, resolved: str) -> bool:
+    """The same model named two ways: the same id (or built-in name), the folder it resolves to, or two
+    spellings of one local folder."""
+    if theirs in (name_or_path, resolved):
+        return True
+    mine, other = Path(resolved).expanduser(), Path(theirs).expanduser()
+    return mine.exists() and other.exists() and mine.resolve() == other.resolve()
 
 
 def load_init(model: torch.nn.Module, init: InitAdapter, adapter: AdapterConfig) -> None:

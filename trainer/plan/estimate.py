@@ -11,7 +11,8 @@ JSON document.
   model{name_or_path, arch, params, trainable_params, weight_format, flops_per_token},
   data{source: manifest|sample|given, exact, rows_per_epoch, real_tokens_per_epoch, ..., truncation{seq_len,
        examples, tokens, truncated, dropped, tokens_lost, p99} | null (trainer/data/stats.py)},
-  run{steps, gpus, global_batch_rows, seq_len, epochs, real_tokens, trainable_tokens, train_flops},
+  run{steps, gpus, global_batch_rows, seq_len, epochs, real_tokens, trainable_tokens, train_flops,
+      pairs_per_step (preference objectives; null for SFT)},
   memory_gib{weights, adapter, gradients, optimizer, activations, logits, backward_workspace,
              overhead, total, pilot_measured_peak, sharded_over (FSDP devices, 1 under DDP)}, throughput{source: pilot|given|mfu, ...},
   checkpoint{save_seconds, every_minutes, every_steps, restart_seconds, saves_on_measured_device},
@@ -149,6 +150,8 @@ def _described(job: Job, work: wl.Workload, totals: Totals, constraints: Constra
             "global_batch_rows": totals.global_rows,
             "seq_len": job.seq_len,
             "epochs": totals.steps * totals.global_rows / work.rows if work.rows else None,
+            # Packing puts a varying number of pairs in a row: the mean a step of these rows trains on.
+            "pairs_per_step": totals.global_rows * work.pairs / work.rows if work.pairs and work.rows else None,
             "real_tokens": totals.tokens,
             "trainable_tokens": totals.trainable,
             "train_flops": totals.train_flops,

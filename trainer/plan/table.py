@@ -29,7 +29,8 @@ def format_estimate(result: dict[str, Any]) -> str:
         f"({d['trainable_tokens_per_epoch']:,.0f} trainable): {where}",
         *_truncation(d),
         f"run     {r['steps']:,} steps x {r['global_batch_rows']} rows x {r['seq_len']} tokens = "
-        f"{r['real_tokens']:,.0f} real tokens on {r['gpus']} GPU(s), {r['train_flops']:.3g} FLOPs",
+        f"{r['real_tokens']:,.0f} real tokens on {r['gpus']} GPU(s), {r['train_flops']:.3g} FLOPs"
+        + (f", {r['pairs_per_step']:.1f} pairs per step (mean)" if r.get("pairs_per_step") else ""),
         _memory_line(mem_g),
         *_timeline(result),
         "",

@@ -43,6 +43,8 @@ class Workload:
     truncation: dict[str, Any] | None = None
     """What seq_len loses, counted in the manifest or the sample (trainer/data/stats.py `truncation`,
     with the p99 length under `p99`); None: not known (`--tokens`, or a manifest from before it)."""
+    pairs: float | None = None
+    """Preference pairs per epoch (packed a varying number per row); None for SFT rows."""
 
     @property
     def exact(self) -> bool:
@@ -113,6 +115,7 @@ def from_manifest(manifest: dict[str, Any], path: Path | None = None) -> Workloa
         manifest_path=str(path) if path else None,
         prepare_seconds=float(manifest["seconds"]) if manifest.get("seconds") is not None else None,
         truncation=_truncation(train),
+        pairs=float(train["pairs"]) if train.get("pairs") is not None else None,
     )
 
 
@@ -187,4 +190,5 @@ def from_sample(
         eval_real_tokens=float(ev.get("real_tokens", 0)) * scale,
         sampled_examples=n,
         truncation=_truncation(train),  # shares of the sample: not scaled
+        pairs=train["pairs"] * scale if train.get("pairs") is not None else None,
     )

@@ -48,6 +48,7 @@ RUN_OUTPUTS = (
     "throughput.png",
     "export",
     "merged",
+    "init_adapter",  # the run's copy of adapter.init_from (trainer/model/reference.py INIT_DIR)
 )
 """What a run writes into its directory (docs/run-directory.md), beside its checkpoints."""
 

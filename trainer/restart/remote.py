@@ -26,6 +26,7 @@ from typing import Any
 from trainer.atomic import write_bytes
 from trainer.config.schema import CheckpointConfig
 from trainer.exit_codes import EXIT_ERROR, EXIT_FINISHED, EXIT_PREEMPTED
+from trainer.model.reference import INIT_FILES
 from trainer.restart import agree
 from trainer.restart.checkpoint import MANIFEST, CheckpointError, CheckpointManager
 from trainer.restart.choose import choose, retrying
@@ -123,7 +124,7 @@ class RemoteRun:
             store.check()
             if new_run is not None:
                 self._begin_new_run(store, here.pop() if here else None)  # once: a retry finds nothing here
-                moved = store.set_aside(RUN_FILES, new_run)
+                moved = store.set_aside(RUN_FILES + INIT_FILES, new_run)  # a new run copies its init_from anew
                 if moved:
                     self.message(
                         f"spotune: checkpoint.resume=never: a new run; the old run's files in {store.shown} are set "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -141,12 +142,84 @@ def write_config(run_dir: Path, cfg: C.RunConfig) -> None:
 
 def init_adapter(cfg: C.RunConfig) -> InitAdapter | None:
     """The adapter `adapter.init_from` names (None: a fresh adapter), which a DPO run also keeps, frozen,
-    as its reference (trainer/model/reference.py)."""
-    from trainer.model.reference import InitAdapter, locate  # here: `spotune prepare` needs no torch
+    as its reference (trainer/model/reference.py): the run's own copy once `keep_init_adapter` made it,
+    checked against `model.*`."""
+    from trainer.model.reference import INIT_DIR, SOURCE_FILE, InitAdapter, check_base, kept_from, locate, trained_on
 
-    if cfg.adapter.init_from is None:
+    init_from = cfg.adapter.init_from
+    if init_from is None:
         return None
-    return InitAdapter(locate(cfg.adapter.init_from), reference=C.runs_reference(cfg.train.objective))
+    kept = Path(cfg.output_dir) / INIT_DIR
+    if kept_from(kept) == init_from:
+        path, source = kept, json.loads((kept / SOURCE_FILE).read_text())
+    else:  # before the first start's copy (and for a run without a directory of its own yet)
+        path = locate(init_from)
+        source = trained_on(path)
+    check_base(source, cfg.model.name_or_path, model_path(cfg), cfg.model.revision)
+    return InitAdapter(path, reference=C.runs_reference(cfg.train.objective))
+
+
+def keep_init_adapter(cfg: C.RunConfig, proc: Process) -> None:
+    """Make `adapter.init_from` the run's own: copied into the run directory (from `checkpoint.remote` when
+    the store holds the run's copy, as on a fresh machine; else from the path, on the first start) and, by
+    rank 0, into the store. Every restart then reads the copy (`init_adapter`): the path may be gone, or
+    hold another adapter since (a continued SFT run). Rank 0 first, then one rank per other node, as the
+    data is prepared. Call it after the store resolved the resume step: the store's rule lets an attempt
+    write only then."""
+    from trainer.model.reference import INIT_DIR, INIT_FILES, SOURCE_FILE, check_base, keep_copy, kept_from
+    from trainer.restart.storage import Store
+
+    init_from = cfg.adapter.init_from
+    if init_from is None:
+        return
+    kept = Path(cfg.output_dir) / INIT_DIR
+    ck = cfg.checkpoint
+
+    def keep() -> None:
+        store = proc.remote.store if proc.is_main else (Store(ck.remote, ck.storage_options) if ck.remote else None)
+        if kept_from(kept) != init_from and not (store is not None and _fetch_init(store, kept, init_from)):
+            keep_copy(init_from, kept)
+        source = json.loads((kept / SOURCE_FILE).read_text())
+        check_base(source, cfg.model.name_or_path, model_path(cfg), cfg.model.revision)  # before it is uploaded
+        if proc.is_main and store is not None and proc.remote.reachable and _stored_from(store) != init_from:
+            for rel in INIT_FILES:  # the source last: a copy without it is not whole, and is sent again
+                store.put(Path(cfg.output_dir) / rel, rel)
+
+    in_turns(
+        keep,
+        is_main=proc.is_main,
+        is_local_main=proc.accelerator.is_local_main_process,
+        barrier=proc.accelerator.wait_for_everyone,
+    )
+
+
+def _stored_from(store: Any) -> str | None:
+    """The `init_from` of the store's copy of the starting adapter (None: no whole copy there)."""
+    from trainer.model.reference import INIT_FILES
+
+    body = store.read_run_file(INIT_FILES[-1])
+    try:
+        source = json.loads(body) if body is not None else None
+    except ValueError:
+        return None
+    return source.get("init_from") if isinstance(source, dict) else None
+
+
+def _fetch_init(store: Any, kept: Path, init_from: str) -> bool:
+    """Download the store's copy of the starting adapter into `kept` when it was made from `init_from`."""
+    from trainer.atomic import fsync_tree, publish_dir, temp_sibling
+    from trainer.model.reference import INIT_DIR, INIT_FILES
+
+    if _stored_from(store) != init_from:
+        return False
+    tmp = temp_sibling(kept, "download")
+    for rel in INIT_FILES:
+        if not store.get(rel, tmp / Path(rel).relative_to(INIT_DIR)):
+            return False
+    fsync_tree(tmp)
+    publish_dir(tmp, kept)
+    print(f"spotune: adapter.init_from: the run's copy fetched from {store.shown}/{INIT_DIR}", flush=True)
+    return True
 
 
 def init_structural(cfg: C.RunConfig) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from trainer.exit_codes import StopReason
 from trainer.model import compile_cache, distributed, flops
 from trainer.model.load import build, build_optimizer, count_params
 from trainer.model.objective import Objective, Sft
-from trainer.model.preference import Preference
+from trainer.model.preference import Preference, regime_notes
 from trainer.restart import owner
 from trainer.restart.checkpoint import CheckpointManager
 from trainer.restart.ledger import Ledger, timed
@@ -38,6 +38,7 @@ from trainer.training.console import Console
 from trainer.training.inputs import (
     init_adapter,
     init_structural,
+    keep_init_adapter,
     model_path,
     pin_data,
     prepare_once_per_node,
@@ -90,6 +91,7 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
         rows = load_from_disk(str(prepared.train_path))
         with timed(phases, "resolve"):
             resume_dir, resume_notes = proc.remote.resolve(cfg.checkpoint.resume)  # local or remote, on rank 0
+            keep_init_adapter(cfg, proc)  # adapter.init_from: the run's own copy, here and in the store
         sched = _schedule(cfg, proc, prepared, len(rows), resume_dir)
         if attempts.finished_already(
             proc, sched.steps, resume_dir, holding.lease
@@ -176,7 +178,7 @@ def _schedule(cfg: C.RunConfig, proc: process.Process, prepared: Any, n_rows: in
     # the per-device split changes (trainer/data/sampler.py: the same rows every step).
     split = C.batch_split(cfg.train, proc.world, saved.structural.get("global_batch_rows") if saved else None)
     structural = C.structural_fields(cfg, proc.world, split.global_rows) | init_structural(cfg)
-    notes: list[str] = []
+    notes: list[str] = regime_notes(cfg.train)
     if saved is not None:
         notes += check_compatible(saved, structural, prepared.fingerprint, cfg.checkpoint.allow_config_change)
         if saved.world_size != proc.world:
