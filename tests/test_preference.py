@@ -645,3 +645,38 @@ def test_the_estimate_says_the_mean_pairs_per_step(tiny_llama: Path, tmp_path: P
     assert exact["run"]["pairs_per_step"] == pytest.approx(mean, rel=1e-12)
     assert sampled["run"]["pairs_per_step"] == pytest.approx(mean, rel=1e-12)  # the whole set is the sample
     assert f", {mean:.1f} pairs per step (mean)" in format_estimate(exact)
+
+
+def test_a_run_refuses_prepared_pairs_with_identical_answers(tiny_llama: Path, tmp_path: Path) -> None:
+    """A pair whose answers are the same tokens has no DPO gradient but would count as a pair of its step and
+    as a wrong ranking: prepared rows that hold one (a cache of a version that kept them) are refused, exit 2."""
+    from trainer.exit_codes import EXIT_BAD_INPUT, code_for
+    from trainer.training.batches import identical_pairs
+    from trainer.training.run import refuse_identical_pairs
+
+    packed = datasets.Dataset.from_dict(
+        {
+            "input_ids": [
+                [1, 2, 3, 1, 2, 4, 0, 0, 0, 0],
+                [1, 2, 3, 1, 2, 3, 5, 6, 5, 7],
+                [5, 6, 5, 7, 1, 2, 3, 1, 2, 3],
+            ],
+            "position_ids": [
+                [0, 1, 2, 0, 1, 2, 0, 1, 2, 3],
+                [0, 1, 2, 0, 1, 2, 0, 1, 0, 1],
+                [0, 1, 0, 1, 0, 1, 2, 0, 1, 2],
+            ],
+            "num_pairs": [1, 2, 2],
+        }
+    )
+    assert identical_pairs(packed) == [1, 2]  # row 0's answers differ in their last token: kept
+    with pytest.raises(DataError) as e:
+        refuse_identical_pairs(packed, tmp_path / "train")
+    assert "2 packed row(s) hold a pair whose chosen and rejected answers are the same tokens (first: row 1)" in str(
+        e.value
+    )
+    assert code_for(e.value) == EXIT_BAD_INPUT
+    # Control: real prepared pairs pass.
+    data = builtin_assets.write_pairs(tmp_path / "pairs.jsonl", n=12)
+    p = prepare(DataConfig(path=str(data), seq_len=256), str(tiny_llama), tmp_path / "c", progress=False, pairs=True)
+    assert identical_pairs(datasets.load_from_disk(str(p.train_path))) == []

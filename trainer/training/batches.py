@@ -192,6 +192,28 @@ def sequence_tokens(labels: torch.Tensor, cu: torch.Tensor, row_pairs: list[int]
     return out
 
 
+def identical_pairs(rows: Any) -> list[int]:
+    """Packed rows (of `rows`, a preference dataset) holding a pair whose chosen and rejected sequences are
+    the same tokens. Such a pair teaches nothing (its DPO gradient is 0) yet counts as a pair of the step,
+    shrinking every other pair's share, and as a wrong ranking in reward accuracy: data preparation drops
+    it (`identical_answers`), and a run refuses prepared data that still holds one rather than train on it."""
+    if PAIRS not in rows.column_names:
+        return []
+    found = []
+    names = ["input_ids", "position_ids", PAIRS]
+    cols = rows.with_format("numpy", columns=names)
+    for first in range(0, len(cols), 1024):  # read in chunks: one Arrow read per 1,024 rows
+        chunk = cols[first : first + 1024]
+        for i, (ids, positions, pairs) in enumerate(zip(*(stack_column(chunk[c]) for c in names), strict=True)):
+            starts = np.flatnonzero(positions == 0).tolist() + [len(ids)]
+            if any(
+                np.array_equal(ids[starts[2 * k] : starts[2 * k + 1]], ids[starts[2 * k + 1] : starts[2 * k + 2]])
+                for k in range(int(pairs))
+            ):
+                found.append(first + i)
+    return found
+
+
 def to_device(micro: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """Tensors to `device` (asynchronously from pinned memory); host ints (max_length) stay host ints."""
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in micro.items()}

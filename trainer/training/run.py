@@ -20,6 +20,7 @@ import torch
 
 from trainer import config as C
 from trainer import exit_codes
+from trainer.data.read import DataError
 from trainer.data.sampler import StepSampler, run_steps
 from trainer.exit_codes import StopReason
 from trainer.model import compile_cache, distributed, flops
@@ -33,7 +34,7 @@ from trainer.restart.saving import Saver
 from trainer.restart.state import Counters, TrainState, check_compatible
 from trainer.serve.final import write_final
 from trainer.training import attempts, autofit, determinism, loop, metrics, process, shutdown, trackers
-from trainer.training.batches import StepDataset, prefetching, step_loader
+from trainer.training.batches import StepDataset, identical_pairs, prefetching, step_loader
 from trainer.training.console import Console
 from trainer.training.inputs import (
     init_adapter,
@@ -89,6 +90,7 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
             cfg, model_path(cfg), device, proc.world, proc.sharding.fsdp, proc.out
         )
         rows = load_from_disk(str(prepared.train_path))
+        refuse_identical_pairs(rows, prepared.train_path)  # a preference objective never trains on them
         with timed(phases, "resolve"):
             resume_dir, resume_notes = proc.remote.resolve(cfg.checkpoint.resume)  # local or remote, on rank 0
             keep_init_adapter(cfg, proc)  # adapter.init_from: the run's own copy, here and in the store
@@ -134,6 +136,18 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
 
 
 # ---------------------------------------------------------------------------- the stages
+
+
+def refuse_identical_pairs(rows: Any, where: Path) -> None:
+    """DataError (exit 2) when prepared preference rows hold a pair of identical answers (batches.py
+    `identical_pairs`: prepared by a version that did not drop them)."""
+    found = identical_pairs(rows)
+    if found:
+        raise DataError(
+            f"{where}: {len(found)} packed row(s) hold a pair whose chosen and rejected answers are the same tokens "
+            f"(first: row {found[0]}); such a pair has no gradient but counts in the step and as a wrong ranking. "
+            "Prepare the data again (delete this folder): preparation drops them as identical_answers"
+        )
 
 
 def objective_for(train: C.TrainConfig) -> Objective:
