@@ -319,3 +319,14 @@ def test_a_write_the_rule_refuses_stops_the_run_with_exit_1(tmp_path: Path) -> N
     # The control: the store ahead of this attempt (refused, not a bug) keeps 143.
     remote.uploader.violation, remote.uploader.refused = None, True
     assert remote.exit_code(E.EXIT_FINISHED, tmp_path / "run" / "final") == E.EXIT_PREEMPTED
+
+
+def test_a_run_file_in_a_folder_reaches_a_local_store_and_an_object_store(tmp_path: Path, s3_remote: str) -> None:
+    """The run's copy of its starting adapter travels as run files in a folder (init_adapter/...): a store
+    on a local or mounted filesystem makes the folder (an object store has none to make)."""
+    local = tmp_path / "adapter.json"
+    local.write_text('{"r": 4}')
+    for url in (str(tmp_path / "store"), s3_remote):
+        store = Store(url)
+        assert store.put(local, "init_adapter/adapter_config.json") == local.stat().st_size
+        assert store.read_run_file("init_adapter/adapter_config.json") == b'{"r": 4}'

@@ -397,7 +397,9 @@ class Store:
             return 0
 
         def write() -> None:  # the generation is read after the fence let the write through
-            self.fs.put_file(str(local), run_file_key(self.path(rel), self.fence.generation or 0))
+            key = run_file_key(self.path(rel), self.fence.generation or 0)
+            self._parent_of(key)  # a run file in a folder (init_adapter/): a local store makes it
+            self.fs.put_file(str(local), key)
 
         self.writable()
         if rel in COMMITTED_RUN_FILES:
