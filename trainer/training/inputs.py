@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -176,12 +177,14 @@ def keep_init_adapter(cfg: C.RunConfig, proc: Process) -> None:
     ck = cfg.checkpoint
 
     def keep() -> None:
-        store = proc.remote.store if proc.is_main else (Store(ck.remote, ck.storage_options) if ck.remote else None)
+        # Rank 0's store answered at connect (else it trains cut off from it, from a local checkpoint and copy).
+        main_store = proc.remote.store if proc.remote.reachable else None
+        store = main_store if proc.is_main else (Store(ck.remote, ck.storage_options) if ck.remote else None)
         if kept_from(kept) != init_from and not (store is not None and _fetch_init(store, kept, init_from)):
             keep_copy(init_from, kept)
         source = json.loads((kept / SOURCE_FILE).read_text())
         check_base(source, cfg.model.name_or_path, model_path(cfg), cfg.model.revision)  # before it is uploaded
-        if proc.is_main and store is not None and proc.remote.reachable and _stored_from(store) != init_from:
+        if proc.is_main and store is not None and _stored_from(store) != init_from:
             for rel in INIT_FILES:  # the source last: a copy without it is not whole, and is sent again
                 store.put(Path(cfg.output_dir) / rel, rel)
 
@@ -214,7 +217,8 @@ def _fetch_init(store: Any, kept: Path, init_from: str) -> bool:
         return False
     tmp = temp_sibling(kept, "download")
     for rel in INIT_FILES:
-        if not store.get(rel, tmp / Path(rel).relative_to(INIT_DIR)):
+        if not store.get(rel, tmp / Path(rel).relative_to(INIT_DIR)):  # gone meanwhile: copy from the path
+            shutil.rmtree(tmp, ignore_errors=True)
             return False
     fsync_tree(tmp)
     publish_dir(tmp, kept)
