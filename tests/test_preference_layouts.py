@@ -248,3 +248,66 @@ def test_json_rows_are_read_as_the_file_has_them_for_sft_too(tmp_path: Path) -> 
     texts = [tok.decode(ids) for ids in out["input_ids"]]
     assert '"arguments": {"where": "Paris", "near": null}' in texts[0]
     assert '"arguments": {"near": 3, "when": "now"}' in texts[1]
+
+
+# ----------------------------------------------------------------------------- lengths, as TRL reads them
+
+
+def test_length_keys_mean_what_they_mean_in_trl() -> None:
+    from trainer import config as C
+
+    dpo = C.load(None, ["rl=dpo", "max_length=512", "max_prompt_length=128", "truncation_mode=keep_end"])
+    assert (dpo.data.max_length, dpo.data.seq_len) == (512, 1024)  # each answer's cap; the row holds the pair
+    assert (dpo.data.max_prompt_length, dpo.data.truncation_mode) == (128, "keep_end")
+    assert C.load(None, ["rl=dpo", "max_length=512", "data.seq_len=4096"]).data.seq_len == 4096  # a row set apart
+    assert C.load(None, ["max_completion_length=64", "train.objective=orpo"]).data.max_completion_length == 64
+    sft = C.load(None, ["max_length=512"])  # SFT's max_length is the sequence length
+    assert (sft.data.seq_len, sft.data.max_length) == (512, None)
+    with pytest.raises(C.ConfigError, match="data.max_length: is the sequence length under SFT"):
+        C.load(None, ["max_length=512", "data.seq_len=1024"])
+    with pytest.raises(C.ConfigError, match="data.max_prompt_length: only the preference objectives read it"):
+        C.load(None, ["max_prompt_length=128"])
+
+
+def test_max_length_caps_each_answer_as_trls_collator_does(tiny_llama: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    row = {"prompt": "What colour is the sky today?", "chosen": " ".join(["blue"] * 40), "rejected": "Grey."}
+    whole = _pairs(tok, [row], seq_len=512)
+    cut = whole["chosen_length"][0]
+    seqs = [
+        (whole["input_ids"][0][:cut], whole["labels"][0][:cut]),
+        (whole["input_ids"][0][cut:], whole["labels"][0][cut:]),
+    ]
+    n = len(seqs[1][0]) + 4  # the rejected sequence fits, the chosen one does not
+    assert len(seqs[0][0]) > n
+    for mode, keep in (("keep_start", slice(None, n)), ("keep_end", slice(-n, None))):
+        out = _pairs(tok, [row], seq_len=512, max_length=n, truncation_mode=mode)
+        assert out["status"] == [""] and out["length"] == whole["length"]
+        ids, labels, c = out["input_ids"][0], out["labels"][0], out["chosen_length"][0]
+        assert ids[:c] == seqs[0][0][keep] and ids[c:] == seqs[1][0]  # TRL: prompt+answer[sl], each apart
+        assert labels[1:c] == seqs[0][1][keep][1:] and labels[0] == IGNORE_INDEX
+    # TRL drops a pair whose prompt alone fills max_length under keep_start; overlong: drop drops any cut pair
+    assert _pairs(tok, [row], max_length=4)["status"] == ["no_trainable_after_truncation"]
+    assert _pairs(tok, [row], max_length=n, overlong="drop")["status"] == ["overlong"]
+    # max_prompt_length keeps the prompt's end, max_completion_length the answer's start (TRL 0.x)
+    first = next(i for i, x in enumerate(seqs[0][1]) if x != IGNORE_INDEX)
+    out = _pairs(tok, [row], max_prompt_length=3, max_completion_length=5)
+    assert out["input_ids"][0][: out["chosen_length"][0]] == seqs[0][0][first - 3 : first + 5]
+
+
+def test_the_summary_says_the_share_of_pairs_cut_at_max_length(tiny_llama: Path, tmp_path: Path) -> None:
+    short = {"prompt": "What colour is the sky?", "chosen": "Blue.", "rejected": "Grey."}
+    long = {**short, "chosen": " ".join(["blue"] * 60)}
+    data = _jsonl_text(tmp_path / "p.jsonl", [json.dumps(r) for r in (short, long, short, long)])
+    cfg = DataConfig(path=str(data), seq_len=512, max_length=40)
+    p = prepare(cfg, str(tiny_llama), tmp_path / "c", progress=False, pairs=True)
+    assert p.manifest["train"]["truncated"] == 2  # both pairs fit a row of 512; their long answers met max_length
+    summary = p.summary()
+    assert "each answer's sequence (prompt + answer): max_length=40 truncation_mode=keep_start" in summary
+    assert (
+        "at max_length 40 per answer, in rows of seq_len 512: 2 of 4 pairs lose tokens (50.0%: 2 truncated)" in summary
+    )
+    uncapped = prepare(
+        DataConfig(path=str(data), seq_len=512), str(tiny_llama), tmp_path / "c", progress=False, pairs=True
+    )
+    assert uncapped.manifest["train"]["truncated"] == 0 and uncapped.fingerprint != p.fingerprint  # control

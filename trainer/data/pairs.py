@@ -31,7 +31,7 @@ import dataclasses
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -314,6 +314,47 @@ def _common(a: Any, b: Any) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
+@dataclass(frozen=True)
+class Lengths:
+    """TRL's length settings, applied to each answer's sequence (prompt + answer) apart, in TRL's order: the
+    prompt keeps its last `max_prompt_length` tokens and the answer its first `max_completion_length` (TRL
+    0.x's DPOTrainer), then the sequence is cut to `max_length` by `truncation_mode` (TRL's collator)."""
+
+    max_length: int | None = None
+    max_prompt_length: int | None = None
+    max_completion_length: int | None = None
+    truncation_mode: Literal["keep_start", "keep_end"] = "keep_start"
+
+    def cap(self, ids: list[int], labels: list[int], overlong: str) -> tuple[list[int], list[int]] | Drop:
+        """One sequence as the caps leave it, or why its pair is dropped (`overlong: drop`, or nothing trained left)."""
+        first = next((i for i, x in enumerate(labels) if x != IGNORE_INDEX), len(labels))
+        caps = (
+            ("data.max_prompt_length", self.max_prompt_length, first),
+            ("data.max_completion_length", self.max_completion_length, len(ids) - first),
+            ("data.max_length", self.max_length, len(ids)),
+        )
+        for key, cap, n in caps:
+            if cap is not None and n > cap and overlong == "drop":
+                return Drop(OVERLONG, f"{n} tokens, {key} is {cap}")
+        if self.max_prompt_length is not None and first > self.max_prompt_length:
+            ids, labels = ids[first - self.max_prompt_length :], labels[first - self.max_prompt_length :]
+            first = self.max_prompt_length
+        if self.max_completion_length is not None:
+            ids, labels = ids[: first + self.max_completion_length], labels[: first + self.max_completion_length]
+        if self.max_length is not None and len(ids) > self.max_length:
+            keep = (
+                slice(None, self.max_length) if self.truncation_mode == "keep_start" else slice(-self.max_length, None)
+            )
+            ids, labels = ids[keep], labels[keep]
+        labels = [IGNORE_INDEX, *labels[1:]]  # the first token of a document is never trained (template.py)
+        if not _trained(labels):
+            return Drop(
+                NO_TRAINABLE_AFTER_TRUNCATION,
+                f"cut to data.max_length={self.max_length}, an answer keeps no trained token",
+            )
+        return ids, labels
+
+
 @dataclass
 class TokenizePairs:
     """Rows -> per pair the chosen sequence then the rejected one in one tokenised row, for
@@ -322,6 +363,8 @@ class TokenizePairs:
 
     tok: Tokenize
     """The SFT tokenizer whose `encode` renders and labels each sequence (template, EOS, first label)."""
+    lengths: Lengths = dataclasses.field(default_factory=lambda: Lengths())
+    """TRL's caps of each answer's sequence (data.max_length and its kin)."""
 
     def settle(self, columns: list[str], head: list[dict[str, Any]], tokenizer_path: str = "") -> TokenizePairs:
         fmt = formats.normalise(self.tok.fmt)
@@ -347,7 +390,7 @@ class TokenizePairs:
                 flush=True,
             )
         tok.say_unread(columns)
-        return TokenizePairs(tok)
+        return dataclasses.replace(self, tok=tok)
 
     def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
         tok = self.tok
@@ -399,6 +442,11 @@ class TokenizePairs:
         if _untrained_prefix(c_ids, c_lab) != _untrained_prefix(r_ids, r_lab):
             why = "the template renders the prompt differently before the chosen and the rejected answer"
             return c_ids, c_lab, r_ids, r_lab, Drop(PROMPT_DIFFERS, why)
+        cut = [self.lengths.cap(ids, lab, self.tok.overlong) for ids, lab in ((c_ids, c_lab), (r_ids, r_lab))]
+        for capped in cut:
+            if isinstance(capped, Drop):
+                return c_ids, c_lab, r_ids, r_lab, capped
+        (c_ids, c_lab), (r_ids, r_lab) = cut  # type: ignore[misc]
         seq_len = self.tok.seq_len
         if len(c_ids) + len(r_ids) <= seq_len:
             return c_ids, c_lab, r_ids, r_lab, None
@@ -440,7 +488,8 @@ def _untrained_prefix(ids: list[int], labels: list[int]) -> list[int]:
 
 def tokenize_pairs_for(cfg: Any, tokenizer: Any, source: str) -> TokenizePairs:
     """The pair tokenizer of a DataConfig's settings (prepare and `spotune inspect` build it here)."""
-    return TokenizePairs(tokenize_for(cfg, tokenizer, source))
+    lengths = Lengths(cfg.max_length, cfg.max_prompt_length, cfg.max_completion_length, cfg.truncation_mode)
+    return TokenizePairs(tokenize_for(cfg, tokenizer, source), lengths)
 
 
 def documents(
