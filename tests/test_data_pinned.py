@@ -152,7 +152,7 @@ def test_config_yaml_is_written_whole_or_not_at_all(tmp_path: Path, monkeypatch:
 
 # ----------------------------------------------------------------------------- the pipeline's version
 
-RENDERED: dict[str, str] = {"3": "9a3c28de8a919be9", "4": "c7134cb5890afdd5", "5": "f66559842982415c"}
+RENDERED: dict[str, str] = {"3": "9a3c28de8a919be9", "4": "c7134cb5890afdd5", "5": "5ae1348619598416"}
 """PIPELINE_VERSION -> the digest of what the pipeline makes of GOLDEN and PAIRS (ids, labels, drops, packed rows);
 an old entry is the digest of the fixture of its day."""
 CALL = {"id": "call00001", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "x"}'}}
@@ -246,7 +246,7 @@ PAIRS: list[list[dict[str, Any]]] = [
             "chosen": [{"role": "assistant", "content": [{"type": "text", "text": "Blue."}]}],
             "rejected": [{"role": "assistant", "content": "Green."}],
         },
-        {"prompt": "<|user|>\nSky?\n<|assistant|>\n", "chosen": "Blue.</s>\n", "rejected": "Green.</s>\n"},
+        {"prompt": "<|user|>\nSky?\n<|assistant|>\n", "chosen": "Blue.<|end|>\n", "rejected": "Green.<|end|>\n"},
     ],
 ]
 TOOL_TEMPLATE = (  # a template that renders tools and calls, as Qwen2.5's does

@@ -153,13 +153,13 @@ def detect(columns: list[str], head: list[dict[str, Any]], fields: dict[str, str
 
 
 def control_tokens(tokenizer: Any, template: str | None) -> tuple[str, ...]:
-    """The tokenizer's special tokens that `template` writes (`<|im_end|>`, `[INST]`, `<end_of_turn>`) and its
-    BOS/EOS: a string holding one was rendered by a template already."""
+    """The tokenizer's special tokens that `template` writes as text (`<|im_end|>`, `[INST]`, `<end_of_turn>`,
+    `<|eot_id|>`): a string holding one was rendered by a template already. A BOS or EOS the template writes
+    only through its variable (`</s>`, which answers may hold as HTML) does not count."""
     if template is None:
         return ()
     special = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
-    ends = {getattr(tokenizer, "bos_token", None), getattr(tokenizer, "eos_token", None)}
-    return tuple(sorted(t for t in special if len(t) > 1 and (t in template or t in ends)))
+    return tuple(sorted(t for t in special if len(t) > 1 and t in template))
 
 
 def templated(texts: list[Any], control: tuple[str, ...]) -> str | None:
