@@ -129,6 +129,14 @@ def test_prompt_columns_of_every_common_layout_are_the_prompt(name: str) -> None
     system = name != "mistral-7b-instruct-v0.3"  # Mistral v0.3 serves a system prompt in the last [INST] only
     cases = [
         (ALPACA, [{"role": "user", "content": "What is 1+0?\n\nAnswer in words."}]),
+        (  # LLaMA-Factory's alpaca form with earlier turns
+            {**ALPACA, "history": [["Hi.", "Hello."]]},
+            [
+                {"role": "user", "content": "Hi."},
+                {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "What is 1+0?\n\nAnswer in words."},
+            ],
+        ),
         (ORCA, BRIEF if system else [{"role": "user", "content": "Be brief.\n\nWhat is 1+0?"}]),
         (LF_SHAREGPT, BRIEF if system else [{"role": "user", "content": "Be brief.\n\nWhat is 1+0?"}]),
         (PARTS, ASK),

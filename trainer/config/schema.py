@@ -135,6 +135,8 @@ class DataConfig:
     """Field holding the alpaca instruction."""
     input_field: str = "input"
     """Field holding the optional alpaca input (may be missing or empty), appended to the instruction after a blank line."""
+    history_field: str = "history"
+    """Field holding the earlier turns of an alpaca-form preference pair (LLaMA-Factory's `history`: a list of [query, response]), rendered before its instruction. Optional."""
     output_field: str = "output"
     """Field holding the alpaca response (trained)."""
     system_field: str = "system"

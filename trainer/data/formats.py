@@ -56,6 +56,7 @@ FORMAT_FIELDS: dict[str, tuple[tuple[str, str, bool], ...]] = {
         # the turns before LLaMA-Factory's one-message answers.
         ("instruction_field", "instruction", False),
         ("input_field", "input", False),
+        ("history_field", "history", False),
         ("conversations_field", "conversations", False),
     ),
 }

@@ -99,7 +99,7 @@ def detect(columns: list[str], head: list[dict[str, Any]], fields: dict[str, str
             f"the fields found ({', '.join(columns) or 'none'}); set data.chosen_field / data.rejected_field to "
             "the columns that hold them"
         )
-    out = {**fields, "instruction": "", "input": "", "conversations": ""}
+    out = {**fields, "instruction": "", "input": "", "history": "", "conversations": ""}
     first = next((r.get(chosen) for r in head if r.get(chosen) is not None), None)
     whole = isinstance(first, list) and bool(first) and isinstance(first[0], dict) and _role(first[0]) != "assistant"
     prompt = fields.get("prompt", "prompt")
@@ -124,7 +124,11 @@ def detect(columns: list[str], head: list[dict[str, Any]], fields: dict[str, str
     elif instruction in cols:
         why = f"prompt {instruction!r}" + (f" + {input_col!r}" if input_col in cols else "") + " (alpaca form)"
         why += f", answers {chosen!r} and {rejected!r}"
+        history = fields.get("history", "history")
         out.update(prompt="", instruction=instruction, input=input_col if input_col in cols else "")
+        if history in cols:
+            out["history"] = history
+            why += f", earlier turns {history!r}"
     elif QUESTION in cols or input_col in cols:
         col = QUESTION if QUESTION in cols else input_col
         why = f"prompt {col!r} (no {prompt!r} column), answers {chosen!r} and {rejected!r}"
@@ -190,6 +194,14 @@ def to_pair(
             return Drop(NULL_FIELD, f"field {instruction!r} is missing or null")
         input_text = str(row.get(fields.get("input") or "") or "") if fields.get("input") else ""
         prompt = formats.alpaca_messages(str(row[instruction]), input_text)[0]["content"]
+        history = row.get(fields["history"]) if fields.get("history") else None
+        if history:  # LLaMA-Factory's [[query, response], ...] before the instruction
+            if not all(
+                isinstance(t, (list, tuple)) and len(t) == 2 and all(isinstance(x, str) for x in t) for t in history
+            ):
+                return Drop(formats.BAD_MESSAGES, f"field {fields['history']!r} is not a list of [query, response]")
+            turns = [{"role": r, "content": x} for q, a in history for r, x in (("user", q), ("assistant", a))]
+            prompt = [*turns, {"role": "user", "content": prompt}]
     else:
         if chosen == rejected:
             return Drop(IDENTICAL, "the chosen and the rejected conversation are the same")
@@ -377,7 +389,8 @@ class TokenizePairs:
         print(f"spotune: {self.tok.source}: pairs: {why}", file=sys.stderr, flush=True)
         tok = dataclasses.replace(self.tok, fmt=FORMAT, fields=fields, reason=why)
         chosen = next((r.get(fields["chosen"]) for r in head if r.get(fields["chosen"]) is not None), None)
-        if not isinstance(chosen, str) or (fields["prompt"] and isinstance(head[0].get(fields["prompt"]), list)):
+        listed = (fields["prompt"] and isinstance(head[0].get(fields["prompt"]), list)) or fields["history"]
+        if not isinstance(chosen, str) or listed:
             require_template(tok.template, FORMAT, tokenizer_path or str(tok.source))
         texts = [r.get(c) for r in head for c in (fields["chosen"], fields["rejected"], fields["prompt"]) if c]
         mark = templated(texts, control_tokens(tok.tokenizer, tok.template))
