@@ -24,6 +24,7 @@ SAMPLE: dict[str, tuple[str, Any]] = {
     "data.packing": ("false", False),
     "data.train_on_inputs": ("true", True),
     "data.seq_len": ("1024", 1024),
+    "data.max_length": ("512", 512),
     "data.text_field": ("body", "body"),
     "metrics.log_every": ("7", 7),
     "metrics.trackers": ("[wandb]", ("wandb",)),
@@ -76,6 +77,8 @@ def test_each_alias_reads_exactly_as_its_key(name: str, tmp_path: Path) -> None:
     text, expected = TRANSLATED.get(name, SAMPLE[key])
     if name == "fp16":  # fp16 autocast over a bf16 base is refused; the recipe would say float16
         extra = ["model.dtype=float16"]
+    elif name == "max_length":  # a preference objective keeps it as each answer's cap (SFT: data.seq_len)
+        extra = ["train.objective=dpo"]
     else:
         extra = []
     own = C.load(None, [f"{key}={expected if name in TRANSLATED else text}", *extra])

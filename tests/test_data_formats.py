@@ -84,15 +84,19 @@ def test_auto_says_what_it_picked_and_why(tmp_path: Path, tiny_tokenizer: Path, 
 
 
 def test_columns_no_role_reads_are_named_once_per_source(tiny_tokenizer: Path, capfd: pytest.CaptureFixture) -> None:
-    """Alpaca-style pairs (instruction/input beside chosen/rejected) train their shared prefix as the prompt, and a
-    misnamed column trains nothing: each source says which of its columns its format reads none of."""
+    """A misnamed column trains nothing: each source says which of its columns its format reads none of (alpaca-style
+    pairs read their instruction and input as the prompt)."""
     from trainer.data.pairs import tokenize_pairs_for
 
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer)
-    pair = {"instruction": "Capital?", "input": "France", "chosen": "Paris", "rejected": "Lyon"}
+    pair = {"instruction": "Capital?", "input": "France", "chosen": "Paris", "rejected": "Lyon", "lang": "en"}
     tokenize_pairs_for(DataConfig(), tok, "pairs.jsonl").settle(list(pair), [pair])
     err = capfd.readouterr().err
-    assert "pairs.jsonl: format preference reads no column 'instruction', 'input' (only 'chosen', 'rejected')" in err
+    assert "pairs: prompt 'instruction' + 'input' (alpaca form)" in err
+    assert (
+        "pairs.jsonl: format preference reads no column 'lang' (only 'instruction', 'input', 'chosen', 'rejected')"
+        in err
+    )
     _tokenized(tok, "messages", [{**ROWS["messages"], "lang": "en"}])
     assert "rows.jsonl: format messages reads no column 'lang' (only 'messages')" in capfd.readouterr().err
     for fmt, row in ROWS.items():  # control: every column read, nothing said

@@ -152,7 +152,7 @@ def test_config_yaml_is_written_whole_or_not_at_all(tmp_path: Path, monkeypatch:
 
 # ----------------------------------------------------------------------------- the pipeline's version
 
-RENDERED: dict[str, str] = {"3": "9a3c28de8a919be9", "4": "c7134cb5890afdd5"}
+RENDERED: dict[str, str] = {"3": "9a3c28de8a919be9", "4": "c7134cb5890afdd5", "5": "5ae1348619598416"}
 """PIPELINE_VERSION -> the digest of what the pipeline makes of GOLDEN and PAIRS (ids, labels, drops, packed rows);
 an old entry is the digest of the fixture of its day."""
 CALL = {"id": "call00001", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "x"}'}}
@@ -229,6 +229,24 @@ PAIRS: list[list[dict[str, Any]]] = [
                 {"role": "assistant", "content": "5", "name": "bot"},
             ],
         }
+    ],
+    # hh-rlhf dialogues; an alpaca form; LLaMA-Factory's one-message answers; content parts; pre-templated strings
+    [{"chosen": "\n\nHuman: Hi?\n\nAssistant: I am here.", "rejected": "\n\nHuman: Hi?\n\nAssistant: I left."}],
+    [{"instruction": "Add.", "input": "2+2", "chosen": "4", "rejected": "5", "system": "Be exact."}],
+    [
+        {
+            "conversations": [{"from": "human", "value": "Hi?"}],
+            "chosen": {"from": "gpt", "value": "Hello."},
+            "rejected": {"from": "gpt", "value": "Bye."},
+        }
+    ],
+    [
+        {
+            "prompt": [{"role": "user", "content": [{"type": "text", "text": "Sky?"}]}],
+            "chosen": [{"role": "assistant", "content": [{"type": "text", "text": "Blue."}]}],
+            "rejected": [{"role": "assistant", "content": "Green."}],
+        },
+        {"prompt": "<|user|>\nSky?\n<|assistant|>\n", "chosen": "Blue.<|end|>\n", "rejected": "Green.<|end|>\n"},
     ],
 ]
 TOOL_TEMPLATE = (  # a template that renders tools and calls, as Qwen2.5's does

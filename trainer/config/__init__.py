@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,8 @@ from trainer.config.schema import (
     TrainConfig,
 )
 from trainer.config.source import Marks, SourceError, locate, read_overrides, read_recipe
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "BUILTIN_TINY_DATA",
@@ -121,12 +124,40 @@ def from_dict(
 ) -> RunConfig:
     """Build a RunConfig from nested plain data, collecting every problem before raising (each
     prefixed with where its key was set, when `marks` say; `problems` found earlier come located)."""
-    found: list[str] = []
+    raw, found = _max_length(raw)
     cfg = build(RunConfig, raw, "", found, marks)
     found.extend(cross_checks(cfg))  # fields that failed their type check hold valid defaults here
     if found or problems:
         raise ConfigError([*problems, *(locate(p, marks or {}) for p in found)], source)
     return cfg
+
+
+def _max_length(raw: Mapping[str, Any]) -> tuple[Mapping[str, Any], list[str]]:
+    """`data.max_length` as TRL reads `max_length`: under SFT the sequence length (it becomes `data.seq_len`),
+    under a preference objective the cap of each answer's sequence, where a packed row that `data.seq_len` does
+    not size holds 2 x max_length (one pair, both answers at their longest). Said in the log."""
+    data = raw.get("data")
+    if not isinstance(data, Mapping) or not isinstance(data.get("max_length"), int) or data["max_length"] < 1:
+        return raw, []  # unset, or a value the schema's check names
+    train = raw.get("train")
+    train = train if isinstance(train, Mapping) else {}
+    n, out = data["max_length"], {**raw, "data": dict(data)}
+    if train.get("objective", TrainConfig.objective) == "sft":
+        if data.get("seq_len", n) != n:
+            return raw, [
+                f"data.max_length: is the sequence length under SFT, as data.seq_len={data['seq_len']} is; keep one"
+            ]
+        out["data"].pop("max_length")
+        out["data"]["seq_len"] = n
+        _log.warning("config: data.max_length=%d read as data.seq_len (SFT: the length of a sequence)", n)
+    elif "seq_len" not in data:
+        out["data"]["seq_len"] = 2 * n
+        _log.warning(
+            "config: data.seq_len = 2 x data.max_length = %d: a packed row holds one pair with both answers at "
+            "their longest (data.max_length caps each answer's sequence, as in TRL)",
+            2 * n,
+        )
+    return out, []
 
 
 def _fields() -> dict[str, frozenset[str]]:

@@ -83,7 +83,7 @@ ALIASES: dict[str, Alias] = {
     "sequence_len": Alias("data.seq_len"),
     "max_seq_length": Alias("data.seq_len"),
     "max_seq_len": Alias("data.seq_len"),
-    "max_length": Alias("data.seq_len"),
+    "max_length": Alias("data.max_length"),  # SFT: data.seq_len; preference: per answer, as TRL (config/__init__.py)
     "cutoff_len": Alias("data.seq_len"),
     "sample_packing": Alias("data.packing"),
     "dataset_text_field": Alias("data.text_field"),

@@ -299,11 +299,16 @@ def _objective_checks(cfg: Sections) -> list[str]:
     """What the preference objectives (trainer/model/preference.py) need of the data and their settings."""
     t, d = cfg.train, cfg.data
     formats = [("data.format", d.format)] + [(f"data.sources[{i}].format", s.format) for i, s in enumerate(d.sources)]
+    lengths = {"data.max_prompt_length": d.max_prompt_length, "data.max_completion_length": d.max_completion_length}
     if t.objective == "sft":
         return [
             f"{key}: preference pairs train with a preference objective; set train.objective to dpo, orpo or simpo"
             for key, fmt in formats
             if fmt == "preference"
+        ] + [
+            f"{key}: only the preference objectives read it (an SFT example's length is data.seq_len); remove it"
+            for key, n in lengths.items()
+            if n is not None
         ]
     p = [
         f"{key}: train.objective={t.objective} trains on preference pairs; set {key} to auto or preference"
@@ -324,6 +329,9 @@ def _objective_checks(cfg: Sections) -> list[str]:
         )
     if d.train_on_inputs:
         p.append("data.train_on_inputs: a preference objective scores the answers only; remove it")
+    for key, n in {"data.max_length": d.max_length, **lengths}.items():
+        if n is not None and n < 1:
+            p.append(f"{key}: must be 1 or more, got {n}")
     return p
 
 

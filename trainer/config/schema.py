@@ -110,7 +110,15 @@ class DataConfig:
     packing: bool = True
     """Best-fit-decreasing packing; false pads each example to `seq_len`."""
     overlong: Literal["truncate", "drop"] = "truncate"
-    """What to do with examples longer than `seq_len`."""
+    """What to do with examples longer than `seq_len` (and, for preference pairs, with answers longer than `max_length`, `max_prompt_length` or `max_completion_length`)."""
+    max_length: int | None = None
+    """TRL's `max_length`. Preference objectives: the most tokens of EACH answer's sequence (prompt + answer), as TRL's DPOTrainer reads it; a longer one is cut by `truncation_mode` (or its pair dropped, `overlong: drop`), and `seq_len`, when not set, becomes 2 x max_length (a packed row holds one pair at its longest; `prepare` prints the sizing). SFT: the sequence length, read as `seq_len`."""
+    max_prompt_length: int | None = None
+    """Preference objectives: the most prompt tokens before each answer; a longer prompt keeps its end (TRL 0.x's `max_prompt_length`)."""
+    max_completion_length: int | None = None
+    """Preference objectives: the most tokens of each answer; a longer one keeps its start (TRL 0.x's `max_completion_length`)."""
+    truncation_mode: Literal["keep_start", "keep_end"] = "keep_start"
+    """Preference objectives: how a sequence longer than `max_length` is cut, as in TRL: `keep_start` keeps its first tokens (a pair whose prompt alone fills `max_length` is dropped), `keep_end` its last (the prompt's start goes first)."""
     tokenizer: str | None = None
     """Tokenizer path or id; defaults to `model.name_or_path`."""
     tokenizer_revision: str | None = None
@@ -127,6 +135,8 @@ class DataConfig:
     """Field holding the alpaca instruction."""
     input_field: str = "input"
     """Field holding the optional alpaca input (may be missing or empty), appended to the instruction after a blank line."""
+    history_field: str = "history"
+    """Field holding the earlier turns of an alpaca-form preference pair (LLaMA-Factory's `history`: a list of [query, response]), rendered before its instruction. Optional."""
     output_field: str = "output"
     """Field holding the alpaca response (trained)."""
     system_field: str = "system"

@@ -27,7 +27,8 @@ from trainer.data.tokenizer import file_names
 T = TypeVar("T")
 
 # Bump when the pipeline's output for the same inputs changes (template text, masking, packing).
-PIPELINE_VERSION = "4"
+# 5: preference layouts (hh-rlhf, alpaca, LLaMA-Factory, pre-templated), content parts, JSON rows as written.
+PIPELINE_VERSION = "5"
 MANIFEST = "manifest.json"
 _TMP = TEMP_MARK
 _STALE_SECONDS = 24 * 3600  # temp dirs from another host or an unknown pid older than this are stale

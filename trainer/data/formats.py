@@ -52,6 +52,12 @@ FORMAT_FIELDS: dict[str, tuple[tuple[str, str, bool], ...]] = {
         ("rejected_field", "rejected", True),
         _SYSTEM,
         _TOOLS,
+        # Where pairs come without a prompt column: an alpaca form's prompt (LLaMA-Factory's alpaca files),
+        # the turns before LLaMA-Factory's one-message answers.
+        ("instruction_field", "instruction", False),
+        ("input_field", "input", False),
+        ("history_field", "history", False),
+        ("conversations_field", "conversations", False),
     ),
 }
 FORMAT_FIELDS["chat"] = FORMAT_FIELDS["messages"]  # the earlier name of `messages`, still accepted

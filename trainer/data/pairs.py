@@ -28,15 +28,16 @@ answer(s) from the end so that both fit, each keeping at least half the row.
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from trainer.data import formats
 from trainer.data.chat_templates import require_template
-from trainer.data.read import DataError
+from trainer.data.read import DataError, unpacked
 from trainer.data.template import (
     IGNORE_INDEX,
     NO_TRAINABLE,
@@ -46,7 +47,7 @@ from trainer.data.template import (
     Tokenize,
     tokenize_for,
 )
-from trainer.data.turns import Drop, messages_of, tools_of, with_system
+from trainer.data.turns import Drop, bad_text, messages_of, tools_of, with_system
 
 FORMAT = "preference"
 WHAT = "preference (chosen/rejected pairs, with a prompt column or sharing their prompt)"
@@ -54,8 +55,16 @@ PROMPT_DIFFERS = "prompt_differs"
 """Drop reason: the template renders the prompt differently before the chosen and the rejected answer."""
 NO_SHARED_PROMPT = "no_shared_prompt"
 """Drop reason: implicit-prompt conversations that share no turn, or whose answers are not assistant turns."""
+EMPTY_ANSWER = "empty_answer"
+"""Drop reason: an answer holds no text (nothing to score; under some templates only its end of turn)."""
+IDENTICAL = "identical_answers"
+"""Drop reason: the chosen and the rejected answer are the same (a pair that teaches nothing, counted wrong in
+reward accuracy)."""
 QUESTION = "question"
 """The prompt column `format: auto` falls back to (Intel/orca_dpo_pairs and its kind)."""
+HUMAN, ASSISTANT = "\n\nHuman:", "\n\nAssistant:"
+"""Anthropic/hh-rlhf's speaker markers: whole dialogues as chosen/rejected strings, no prompt column."""
+_SPEAKER = re.compile(r"\n\n(Human|Assistant):")
 
 Messages = list[dict[str, Any]]
 
@@ -73,7 +82,14 @@ class Pair:
 
 def detect(columns: list[str], head: list[dict[str, Any]], fields: dict[str, str]) -> tuple[dict[str, str], str]:
     """The roles' columns and why, for rows with `columns` (`format: auto` or `preference`); DataError
-    naming the keys to set when no chosen/rejected columns are there."""
+    naming the keys to set when no chosen/rejected columns are there, or when string answers come with
+    no prompt column beside text columns that nothing would read (the prompt is likely in one of them).
+
+    Where the prompt comes from, in order: the answers are whole conversations (the turns they share);
+    `prompt`; LLaMA-Factory's sharegpt form (`conversations` beside answers that are one message each);
+    an alpaca form (`instruction` and an optional `input`: LLaMA-Factory's alpaca files); `question`
+    (Intel/orca_dpo_pairs); `input` (argilla's orca pairs); hh-rlhf dialogues (split at their last
+    shared speaker marker); else the characters both answers share, as TRL splits strings."""
     cols = set(columns)
     chosen, rejected = fields.get("chosen", "chosen"), fields.get("rejected", "rejected")
     missing = [f"data.{k}_field ({c!r})" for k, c in (("chosen", chosen), ("rejected", rejected)) if c not in cols]
@@ -83,20 +99,56 @@ def detect(columns: list[str], head: list[dict[str, Any]], fields: dict[str, str
             f"the fields found ({', '.join(columns) or 'none'}); set data.chosen_field / data.rejected_field to "
             "the columns that hold them"
         )
-    out = dict(fields)
+    out = {**fields, "instruction": "", "input": "", "history": "", "conversations": ""}
     first = next((r.get(chosen) for r in head if r.get(chosen) is not None), None)
     whole = isinstance(first, list) and bool(first) and isinstance(first[0], dict) and _role(first[0]) != "assistant"
     prompt = fields.get("prompt", "prompt")
+    turns = next(
+        (c for c in (fields.get("conversations", "conversations"), fields.get("messages", "messages")) if c in cols),
+        None,
+    )
+    instruction, input_col = fields.get("instruction", "instruction"), fields.get("input", "input")
     if whole:
         why = f"{chosen!r} and {rejected!r} hold whole conversations: the prompt is the turns they share"
         out["prompt"] = ""
     elif prompt in cols:
         why = f"prompt {prompt!r}, answers {chosen!r} and {rejected!r}"
-    elif QUESTION in cols:
-        why = f"prompt {QUESTION!r} (no {prompt!r} column), answers {chosen!r} and {rejected!r}"
-        out["prompt"] = QUESTION
+    elif isinstance(first, dict) and turns:
+        why = f"prompt {turns!r} (turns), answers {chosen!r} and {rejected!r} one message each (LLaMA-Factory's form)"
+        out["prompt"] = turns
+    elif isinstance(first, dict):
+        raise DataError(
+            f"{chosen!r} and {rejected!r} hold one message each but no column holds the turns before them (fields "
+            f"found: {', '.join(columns)}); set data.prompt_field to the column that holds the prompt"
+        )
+    elif instruction in cols:
+        why = f"prompt {instruction!r}" + (f" + {input_col!r}" if input_col in cols else "") + " (alpaca form)"
+        why += f", answers {chosen!r} and {rejected!r}"
+        history = fields.get("history", "history")
+        out.update(prompt="", instruction=instruction, input=input_col if input_col in cols else "")
+        if history in cols:
+            out["history"] = history
+            why += f", earlier turns {history!r}"
+    elif QUESTION in cols or input_col in cols:
+        col = QUESTION if QUESTION in cols else input_col
+        why = f"prompt {col!r} (no {prompt!r} column), answers {chosen!r} and {rejected!r}"
+        out["prompt"] = col
+    elif isinstance(first, str) and _hh(first):
+        why = f"{chosen!r} and {rejected!r} are Human:/Assistant: dialogues: the prompt is the turns they share"
+        out["prompt"] = ""
     else:
-        why = f"no {prompt!r} column: the prompt is what {chosen!r} and {rejected!r} share"
+        read = {chosen, rejected, fields.get("system", "system"), fields.get("tools", "tools")}
+        texts = [c for c in columns if c not in read and any(isinstance(r.get(c), str) for r in head)]
+        if texts:
+            raise DataError(
+                f"{chosen!r} and {rejected!r} come with no prompt column, and {', '.join(map(repr, texts))} would go "
+                "unread (the prompt is likely there); set data.prompt_field to the column that holds the prompt "
+                f"(or data.instruction_field, for an instruction with an {input_col!r})"
+            )
+        why = (
+            f"no {prompt!r} column: the prompt is the text {chosen!r} and {rejected!r} share, kept as written "
+            "(TRL's split of strings; no chat template)"
+        )
         out["prompt"] = ""
     for role, what in (("system", "system prompt"), ("tools", "tools")):
         if fields.get(role, role) in cols:
@@ -104,27 +156,67 @@ def detect(columns: list[str], head: list[dict[str, Any]], fields: dict[str, str
     return out, why
 
 
-def to_pair(row: dict[str, Any], fields: dict[str, str], has_template: bool) -> Pair | Drop:
-    """The pair of one row, or why it is dropped (formats.py's and this module's reasons)."""
+def control_tokens(tokenizer: Any, template: str | None) -> tuple[str, ...]:
+    """The tokenizer's special tokens that `template` writes as text (`<|im_end|>`, `[INST]`, `<end_of_turn>`,
+    `<|eot_id|>`): a string holding one was rendered by a template already. A BOS or EOS the template writes
+    only through its variable (`</s>`, which answers may hold as HTML) does not count."""
+    if template is None:
+        return ()
+    special = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+    return tuple(sorted(t for t in special if len(t) > 1 and t in template))
+
+
+def templated(texts: list[Any], control: tuple[str, ...]) -> str | None:
+    """The first control token one of `texts` holds (a pre-templated row), or None."""
+    return next((c for t in texts if isinstance(t, str) for c in control if c in t), None)
+
+
+def to_pair(
+    row: dict[str, Any], fields: dict[str, str], has_template: bool, control: tuple[str, ...] = ()
+) -> Pair | Drop:
+    """The pair of one row, or why it is dropped (formats.py's and this module's reasons). `control`: the
+    tokenizer's control tokens, which mark strings a template rendered already (kept as written)."""
     chosen, rejected = row.get(fields["chosen"]), row.get(fields["rejected"])
     for key, value in (("chosen", chosen), ("rejected", rejected)):
         if value is None:
             return Drop(NULL_FIELD, f"field {fields[key]!r} is missing or null")
-    prompt_col = fields.get("prompt") or ""
+    if isinstance(chosen, str) != isinstance(rejected, str):
+        return Drop(formats.BAD_MESSAGES, "one answer is text and the other is not: both text, or both messages")
+    prompt_col, instruction = fields.get("prompt") or "", fields.get("instruction") or ""
+    system = row.get(fields.get("system") or "system") if fields.get("system") else None
+    raw = not has_template
     if prompt_col:
         prompt = row.get(prompt_col)
         if prompt is None:
             return Drop(NULL_FIELD, f"field {prompt_col!r} is missing or null")
+    elif instruction:
+        if row.get(instruction) is None:
+            return Drop(NULL_FIELD, f"field {instruction!r} is missing or null")
+        input_text = str(row.get(fields.get("input") or "") or "") if fields.get("input") else ""
+        prompt = formats.alpaca_messages(str(row[instruction]), input_text)[0]["content"]
+        history = row.get(fields["history"]) if fields.get("history") else None
+        if history:  # LLaMA-Factory's [[query, response], ...] before the instruction
+            if not all(
+                isinstance(t, (list, tuple)) and len(t) == 2 and all(isinstance(x, str) for x in t) for t in history
+            ):
+                return Drop(formats.BAD_MESSAGES, f"field {fields['history']!r} is not a list of [query, response]")
+            turns = [{"role": r, "content": x} for q, a in history for r, x in (("user", q), ("assistant", a))]
+            prompt = [*turns, {"role": "user", "content": prompt}]
     else:
-        shared = _shared_prefix(chosen, rejected)
+        if chosen == rejected:
+            return Drop(IDENTICAL, "the chosen and the rejected conversation are the same")
+        shared = _shared_prefix(chosen, rejected, has_template and not templated([chosen, rejected], control))
         if isinstance(shared, Drop):
             return shared
         if shared is None:
             return Drop(NO_SHARED_PROMPT, "the chosen and rejected conversations share no prompt")
-        prompt, chosen, rejected = shared
-    system = row.get(fields.get("system") or "system") if fields.get("system") else None
-    if isinstance(prompt, str) and isinstance(chosen, str) and isinstance(rejected, str) and not has_template:
-        return Pair(f"{system}\n\n{prompt}" if system else prompt, chosen, rejected)  # raw: no template anywhere
+        prompt, chosen, rejected, raw = *shared[:3], raw or shared[3]
+    strings = isinstance(prompt, str) and isinstance(chosen, str) and isinstance(rejected, str)
+    if strings and not raw and templated([prompt, chosen, rejected, system], control):
+        raw = True  # rendered by a template already: rendering it again would wrap it twice
+    if strings and raw:
+        assert isinstance(prompt, str) and isinstance(chosen, str) and isinstance(rejected, str)
+        return _checked(Pair(f"{system}\n\n{prompt}" if system else prompt, chosen, rejected))
     msgs, good, bad = _messages(prompt, "user"), _messages(chosen, "assistant"), _messages(rejected, "assistant")
     if isinstance(msgs, Drop) or isinstance(good, Drop) or isinstance(bad, Drop):
         return next(part for part in (msgs, good, bad) if isinstance(part, Drop))
@@ -133,7 +225,24 @@ def to_pair(row: dict[str, Any], fields: dict[str, str], has_template: bool) -> 
         why = "an answer holds no assistant turn"
         return Drop(NO_SHARED_PROMPT, why) if not prompt_col else Drop(formats.BAD_MESSAGES, why)
     tools = tools_of(row.get(fields["tools"])) if fields.get("tools") else None
-    return tools if isinstance(tools, Drop) else Pair(msgs, good, bad, tools)
+    return tools if isinstance(tools, Drop) else _checked(Pair(msgs, good, bad, tools))
+
+
+def _checked(pair: Pair) -> Pair | Drop:
+    """`pair`, or a Drop when an answer is empty or both are the same."""
+    for which, answer in (("chosen", pair.chosen), ("rejected", pair.rejected)):
+        if _empty(answer):
+            return Drop(EMPTY_ANSWER, f"the {which} answer holds no text")
+    if pair.chosen == pair.rejected:
+        return Drop(IDENTICAL, "the chosen and the rejected answer are the same")
+    return pair
+
+
+def _empty(answer: Messages | str) -> bool:
+    if isinstance(answer, str):
+        return not answer.strip()
+    said = [m for m in answer if m["role"] == "assistant"]
+    return all(isinstance(m.get("content"), str) and not m["content"].strip() and not m.get("tool_calls") for m in said)
 
 
 def _role(message: dict[str, Any]) -> Any:
@@ -141,41 +250,121 @@ def _role(message: dict[str, Any]) -> Any:
 
 
 def _messages(value: Any, role: str) -> Messages | Drop:
-    """A string as one message of `role`, a list of turns as messages; else why the pair is dropped."""
+    """A string as one message of `role`, one message (LLaMA-Factory's answers) or a list of turns as messages;
+    else why the pair is dropped."""
     if isinstance(value, str):
         return [{"role": role, "content": value}]
-    ex = messages_of(value, dict(formats.SHAREGPT_ROLES))
+    ex = messages_of([value] if isinstance(value, dict) else value, dict(formats.SHAREGPT_ROLES))
     return ex if isinstance(ex, Drop) else list(ex.messages or [])
 
 
-def _shared_prefix(chosen: Any, rejected: Any) -> tuple[Any, Any, Any] | Drop | None:
-    """(prompt, chosen answer, rejected answer) of an implicit prompt, as TRL's `extract_prompt`
-    splits it: the longest common prefix of the two conversations (or strings, where a space before
-    the answers stays with them); None when nothing is shared or the split leaves no answer, a Drop
-    when a conversation's turns are malformed.
+def _hh(text: str) -> bool:
+    """Whether `text` is an hh-rlhf dialogue (what `hh_turns` reads)."""
+    return hh_turns(text) is not None
+
+
+def hh_turns(text: str) -> list[tuple[str, str, int]] | None:
+    """An hh-rlhf dialogue as (role, content, where its speaker marker ends) per turn, split at its markers
+    ("\\n\\nHuman:", "\\n\\nAssistant:"; the first may lack its blank line); None when it is not one (it
+    opens with no Human: turn, or has no Assistant: turn)."""
+    lead = 0 if text.startswith("\n\n") else 2
+    marks = list(_SPEAKER.finditer("\n\n"[:lead] + text))
+    if not marks or marks[0].start() != 0 or marks[0].group(1) != "Human":
+        return None
+    if not any(m.group(1) == "Assistant" for m in marks):
+        return None
+    out = []
+    for k, m in enumerate(marks):
+        stop = marks[k + 1].start() if k + 1 < len(marks) else len(text) + lead
+        out.append(
+            ("user" if m.group(1) == "Human" else "assistant", text[m.end() - lead : stop - lead], m.end() - lead)
+        )
+    return out
+
+
+def _shared_prefix(chosen: Any, rejected: Any, template: bool) -> tuple[Any, Any, Any, bool] | Drop | None:
+    """(prompt, chosen answer, rejected answer, raw) of an implicit prompt: the turns both conversations
+    share, as TRL's `extract_prompt` splits them; hh-rlhf dialogues split into turns at their speaker
+    markers (with a template: as messages; raw: at the Assistant: marker that opens the answers); other
+    strings at the longest shared prefix of characters (a space before the answers stays with them) and
+    kept raw, as TRL keeps them. None when nothing is shared or the split leaves no answer, a Drop when a
+    conversation's turns are malformed.
 
     Turns are compared as the messages they render (trainer/data/turns.py), not as read: Arrow gives
     every turn of a column the keys any turn of it has, filled with None, and chosen and rejected are
     two columns, so the same user turn read from each may differ in keys that hold nothing."""
     if isinstance(chosen, str) and isinstance(rejected, str):
+        a, b = hh_turns(chosen), hh_turns(rejected)
+        if a is not None and b is not None:
+            n = _common([t[:2] for t in a], [t[:2] for t in b])
+            if n == len(a) or n == len(b) or a[n][0] != "assistant" or b[n][0] != "assistant":
+                return None
+            if not template:  # the dialogue as written, split right after the Assistant: that opens the answers
+                return chosen[: a[n][2]], chosen[a[n][2] :], rejected[b[n][2] :], True
+            turns = [{"role": r, "content": c.strip()} for r, c, _ in a[:n]]
+            good, bad = ([{"role": r, "content": c.strip()} for r, c, _ in x[n:]] for x in (a, b))
+            return turns, good, bad, False
         n = _common(chosen, rejected)
         if n > 0 and chosen[n - 1] == " ":
             n -= 1
-        return (chosen[:n], chosen[n:], rejected[n:]) if n > 0 else None
+        return (chosen[:n], chosen[n:], rejected[n:], True) if n > 0 else None
     if not isinstance(chosen, list) or not isinstance(rejected, list):
         return None
     chosen, rejected = _messages(chosen, "assistant"), _messages(rejected, "assistant")
     if isinstance(chosen, Drop) or isinstance(rejected, Drop):
         return chosen if isinstance(chosen, Drop) else rejected
+    if chosen == rejected:
+        return Drop(IDENTICAL, "the chosen and the rejected conversation are the same")
     n = _common(chosen, rejected)
     if n == 0 or n == len(chosen) or n == len(rejected):
         return None
-    return chosen[:n], chosen[n:], rejected[n:]
+    return chosen[:n], chosen[n:], rejected[n:], False
 
 
 def _common(a: Any, b: Any) -> int:
     """Length of the longest common prefix of two sequences."""
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """TRL's length settings, applied to each answer's sequence (prompt + answer) apart, in TRL's order: the
+    prompt keeps its last `max_prompt_length` tokens and the answer its first `max_completion_length` (TRL
+    0.x's DPOTrainer), then the sequence is cut to `max_length` by `truncation_mode` (TRL's collator)."""
+
+    max_length: int | None = None
+    max_prompt_length: int | None = None
+    max_completion_length: int | None = None
+    truncation_mode: Literal["keep_start", "keep_end"] = "keep_start"
+
+    def cap(self, ids: list[int], labels: list[int], overlong: str) -> tuple[list[int], list[int]] | Drop:
+        """One sequence as the caps leave it, or why its pair is dropped (`overlong: drop`, or nothing trained left)."""
+        first = next((i for i, x in enumerate(labels) if x != IGNORE_INDEX), len(labels))
+        caps = (
+            ("data.max_prompt_length", self.max_prompt_length, first),
+            ("data.max_completion_length", self.max_completion_length, len(ids) - first),
+            ("data.max_length", self.max_length, len(ids)),
+        )
+        for key, cap, n in caps:
+            if cap is not None and n > cap and overlong == "drop":
+                return Drop(OVERLONG, f"{n} tokens, {key} is {cap}")
+        if self.max_prompt_length is not None and first > self.max_prompt_length:
+            ids, labels = ids[first - self.max_prompt_length :], labels[first - self.max_prompt_length :]
+            first = self.max_prompt_length
+        if self.max_completion_length is not None:
+            ids, labels = ids[: first + self.max_completion_length], labels[: first + self.max_completion_length]
+        if self.max_length is not None and len(ids) > self.max_length:
+            keep = (
+                slice(None, self.max_length) if self.truncation_mode == "keep_start" else slice(-self.max_length, None)
+            )
+            ids, labels = ids[keep], labels[keep]
+        labels = [IGNORE_INDEX, *labels[1:]]  # the first token of a document is never trained (template.py)
+        if not _trained(labels):
+            return Drop(
+                NO_TRAINABLE_AFTER_TRUNCATION,
+                f"cut to data.max_length={self.max_length}, an answer keeps no trained token",
+            )
+        return ids, labels
 
 
 @dataclass
@@ -186,6 +375,8 @@ class TokenizePairs:
 
     tok: Tokenize
     """The SFT tokenizer whose `encode` renders and labels each sequence (template, EOS, first label)."""
+    lengths: Lengths = dataclasses.field(default_factory=lambda: Lengths())
+    """TRL's caps of each answer's sequence (data.max_length and its kin)."""
 
     def settle(self, columns: list[str], head: list[dict[str, Any]], tokenizer_path: str = "") -> TokenizePairs:
         fmt = formats.normalise(self.tok.fmt)
@@ -198,20 +389,32 @@ class TokenizePairs:
         print(f"spotune: {self.tok.source}: pairs: {why}", file=sys.stderr, flush=True)
         tok = dataclasses.replace(self.tok, fmt=FORMAT, fields=fields, reason=why)
         chosen = next((r.get(fields["chosen"]) for r in head if r.get(fields["chosen"]) is not None), None)
-        if not isinstance(chosen, str) or (fields["prompt"] and isinstance(head[0].get(fields["prompt"]), list)):
+        listed = (fields["prompt"] and isinstance(head[0].get(fields["prompt"]), list)) or fields["history"]
+        if not isinstance(chosen, str) or listed:
             require_template(tok.template, FORMAT, tokenizer_path or str(tok.source))
+        texts = [r.get(c) for r in head for c in (fields["chosen"], fields["rejected"], fields["prompt"]) if c]
+        mark = templated(texts, control_tokens(tok.tokenizer, tok.template))
+        if mark is not None:
+            print(
+                f"spotune: {tok.source}: pairs: the text holds the chat template's control token {mark!r}, so it was "
+                "rendered by a template already: string pairs that hold one are kept as written (not rendered again), "
+                "an answer that ends with one gets no EOS",
+                file=sys.stderr,
+                flush=True,
+            )
         tok.say_unread(columns)
-        return TokenizePairs(tok)
+        return dataclasses.replace(self, tok=tok)
 
     def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
         tok = self.tok
         columns = list(batch)
-        rows = [dict(zip(columns, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+        rows = [unpacked(dict(zip(columns, values, strict=True))) for values in zip(*batch.values(), strict=True)]
         template = tok.template
         drops: list[Drop | None] = [None] * (2 * len(rows))
         examples: list[formats.Example | None] = []
+        control = control_tokens(tok.tokenizer, template)
         for i, row in enumerate(rows):
-            pair = to_pair(row, tok.fields, template is not None)
+            pair = bad_text(row, tok.fields) or to_pair(row, tok.fields, template is not None, control)
             if isinstance(pair, Drop):
                 drops[2 * i] = drops[2 * i + 1] = pair
                 examples += [None, None]
@@ -252,6 +455,11 @@ class TokenizePairs:
         if _untrained_prefix(c_ids, c_lab) != _untrained_prefix(r_ids, r_lab):
             why = "the template renders the prompt differently before the chosen and the rejected answer"
             return c_ids, c_lab, r_ids, r_lab, Drop(PROMPT_DIFFERS, why)
+        cut = [self.lengths.cap(ids, lab, self.tok.overlong) for ids, lab in ((c_ids, c_lab), (r_ids, r_lab))]
+        for capped in cut:
+            if isinstance(capped, Drop):
+                return c_ids, c_lab, r_ids, r_lab, capped
+        (c_ids, c_lab), (r_ids, r_lab) = cut  # type: ignore[misc]
         seq_len = self.tok.seq_len
         if len(c_ids) + len(r_ids) <= seq_len:
             return c_ids, c_lab, r_ids, r_lab, None
@@ -293,7 +501,8 @@ def _untrained_prefix(ids: list[int], labels: list[int]) -> list[int]:
 
 def tokenize_pairs_for(cfg: Any, tokenizer: Any, source: str) -> TokenizePairs:
     """The pair tokenizer of a DataConfig's settings (prepare and `spotune inspect` build it here)."""
-    return TokenizePairs(tokenize_for(cfg, tokenizer, source))
+    lengths = Lengths(cfg.max_length, cfg.max_prompt_length, cfg.max_completion_length, cfg.truncation_mode)
+    return TokenizePairs(tokenize_for(cfg, tokenizer, source), lengths)
 
 
 def documents(

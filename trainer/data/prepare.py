@@ -122,6 +122,10 @@ def _plan(cfg: DataConfig, tokenizer_path: str, seed: int, pairs: bool) -> _Plan
     settings["template_date"] = cfg.template_date if dated else None  # the day is data only where it is written
     if pairs:  # only then: SFT data keeps the fingerprints it always had
         settings["pairs"] = True
+        caps = {"max_length": cfg.max_length, "max_prompt_length": cfg.max_prompt_length}
+        caps |= {"max_completion_length": cfg.max_completion_length}
+        if any(v is not None for v in caps.values()):  # pairs without caps keep their fingerprints
+            settings["pair_lengths"] = {**caps, "truncation_mode": cfg.truncation_mode}
     # Local sources by their bytes; a hub source by its commit, which is in the settings.
     data: list[Path | None] = [*local_files(train), *(local_files(ev) if ev else [None])]
     return _Plan(cfg, tokenizer_dir, train, ev, settings, cache.fingerprint(data, tokenizer_dir, settings))
@@ -257,6 +261,7 @@ def _tokenize_pack_save(
                 "check its format and field settings, or raise data.seq_len / set data.overlong=truncate."
             )
         lens = np.asarray(piece["length"], dtype=np.int64)
+        cut = _truncated(piece, lens, cfg.seq_len, job.pairs) & (st == "")
         per_source.append(
             {
                 "key": loc.source.key,
@@ -265,7 +270,7 @@ def _tokenize_pack_save(
                 "examples_in": len(raw),
                 "examples_out": n_kept,
                 "dropped": dict(sorted(counts.items())),
-                "truncated": int(((lens > cfg.seq_len) & (st == "")).sum()),
+                "truncated": int(cut.sum()),
             }
         )
         pieces.append(piece)
@@ -300,9 +305,9 @@ def _tokenize_pack_save(
         "examples_out": int(kept.size),
         "dropped": dict(sorted(drops.items())),
         "dropped_rows": split_lost[: dropped.SHOWN],
-        "truncated": int((lengths[kept] > cfg.seq_len).sum()),
+        "truncated": int(_truncated(tokenized, lengths, cfg.seq_len, job.pairs)[kept].sum()),
         **({"pairs": int(kept.size)} if job.pairs else {}),
-        "truncation": truncation(lengths, status, cfg.seq_len),  # what seq_len loses (trainer/data/stats.py)
+        "truncation": _truncation(tokenized, lengths, status, cfg, job.pairs),  # what lengths lose (data/stats.py)
         "real_tokens": real,
         "trainable_tokens": int(packed["num_trainable"].sum()),
         "doc_len_sq": doc_len_sq(offsets, bins),
@@ -317,6 +322,26 @@ def _tokenize_pack_save(
         "lengths": length_stats(lengths[lengths > 0]),
         "sources": per_source,
     }
+
+
+def _held(tokenized: datasets.Dataset) -> np.ndarray:
+    """The tokens each tokenised row keeps (both answers of a pair)."""
+    return np.diff(tokenized.data.column("input_ids").combine_chunks().offsets.to_numpy()).astype(np.int64)
+
+
+def _truncated(tokenized: datasets.Dataset, lengths: np.ndarray, seq_len: int, pairs: bool) -> np.ndarray:
+    """Which rows lost tokens: a pair keeps fewer than it has (each answer is capped apart: data.max_length),
+    an SFT example is longer than seq_len."""
+    return _held(tokenized) < lengths if pairs else lengths > seq_len
+
+
+def _truncation(
+    tokenized: datasets.Dataset, lengths: np.ndarray, status: np.ndarray, cfg: DataConfig, pairs: bool
+) -> dict[str, Any]:
+    """What the length settings lose (stats.truncation): pairs by what each keeps, with data.max_length."""
+    if not pairs:
+        return truncation(lengths, status, cfg.seq_len)
+    return {**truncation(lengths, status, cfg.seq_len, _held(tokenized)), "max_length": cfg.max_length}
 
 
 def _save_rows(packed: dict[str, np.ndarray], seq_len: int, path: Path) -> None:

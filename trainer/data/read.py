@@ -5,6 +5,12 @@ one row lacks is None there, never dropped for all rows), plus `LINE_COLUMN`: wh
 starts in its file (the line of JSONL, JSON and CSV; the row number of Parquet and Arrow), so a
 row that is dropped can be found. Nothing here knows about templates or tokenizers.
 
+A JSON/JSONL/CSV column that Arrow cannot hold as the file has it (nested values: messages, tool-call
+arguments; values whose types differ between rows; text that is not UTF-8, such as a lone surrogate)
+is stored as each row's own JSON (`PACKED`), and `unpacked` gives the row back as the file has it: key
+order and JSON nulls kept, no merged schema, and a bad row is one row's problem (a counted drop), never
+the whole file's.
+
 JSON, JSONL and CSV are parsed here rather than by datasets' builders because a bad line must be
 reported with its file and line number, and every kept row must know its line; reading writes
 nothing to the user's HF cache (the only artifact is spotune's own cache directory).
@@ -31,6 +37,8 @@ INTERNAL = "__spotune_"
 """Columns spotune adds to raw rows start with this; they are never data."""
 LINE_COLUMN = INTERNAL + "line"
 """Where a row starts in its file: its line (JSONL, JSON, CSV) or its row number (Parquet, Arrow), from 1."""
+PACKED = "\x00spotune-json\x00"
+"""Prefix of a raw value stored as its own JSON text (see the module docstring; `unpacked` reads it back)."""
 SUPPORTED = (
     *DATA_SUFFIXES,
     "JSONL/JSON/CSV compressed (.gz, .bz2, .xz, .zst)",
@@ -232,11 +240,49 @@ def _from_records(rows: Numbered, p: Path, key: str, as_text: tuple[str, ...]) -
     table = {c: [row.get(c) for _, row in rows] for c in columns}
     for c in set(as_text) & set(table):
         table[c] = [json.dumps(v, ensure_ascii=False) if isinstance(v, (dict, list)) else v for v in table[c]]
+    for c in set(table) - set(as_text):
+        if _needs_packing(table[c]):
+            table[c] = [None if v is None else PACKED + json.dumps(v, ensure_ascii=True) for v in table[c]]
     table[LINE_COLUMN] = [line for line, _ in rows]
     try:
         return datasets.Dataset.from_dict(table)
     except Exception as e:  # pyarrow type conflicts between rows, e.g. a field that is a string here and a list there
         raise DataError(f"{p}: rows do not share one schema ({type(e).__name__}: {e}).") from None
+
+
+def _needs_packing(values: list[Any]) -> bool:
+    """Whether Arrow would change or refuse the column `values` (module docstring): nested values, types
+    that differ between rows (ints with floats excepted), or text that UTF-8 cannot encode."""
+    types = {type(v) for v in values if v is not None}
+    if types & {dict, list} or (len(types) > 1 and not types <= {int, float}):
+        return True
+    return str in types and not all(_utf8(v) for v in values if isinstance(v, str))
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def unpacked(row: dict[str, Any]) -> dict[str, Any]:
+    """A raw row as its file has it: every `PACKED` value read back; in a nested value Arrow holds (Parquet, a
+    saved dataset), the None fillers Arrow adds (every struct of a column gets the keys any of them has) removed,
+    so a turn, a call's arguments or a schema holds only its own keys."""
+    return {
+        k: json.loads(v[len(PACKED) :]) if isinstance(v, str) and v.startswith(PACKED) else _unfilled(v)
+        for k, v in row.items()
+    }
+
+
+def _unfilled(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _unfilled(v) for k, v in value.items() if v is not None}
+    if isinstance(value, (list, tuple)):
+        return [_unfilled(v) for v in value]
+    return value
 
 
 def _read_saved(p: Path, key: str, split: str) -> datasets.Dataset:

@@ -17,7 +17,7 @@ import numpy as np
 from trainer.config import DataConfig
 from trainer.data.formats import FORMAT_FIELDS
 from trainer.data.pairs import TokenizePairs, tokenize_pairs_for
-from trainer.data.read import DataError, data_columns, require_fields
+from trainer.data.read import DataError, data_columns, require_fields, unpacked
 from trainer.data.sources import Located, Source, choose
 from trainer.data.sources import read as read_source
 from trainer.data.template import HEAD_ROWS, ROW_COLUMN, Tokenize, tokenize_for
@@ -108,7 +108,7 @@ def tokenize_source(
 
 def head(ds: datasets.Dataset, n: int = HEAD_ROWS) -> list[dict[str, Any]]:
     """The first rows, which `format: auto` and the format checks look at."""
-    return list(ds.select(range(min(n, len(ds)))))
+    return [unpacked(r) for r in ds.select(range(min(n, len(ds))))]
 
 
 def _split(ds: datasets.Dataset, fraction: float, seed: int, key: str) -> tuple[datasets.Dataset, datasets.Dataset]:

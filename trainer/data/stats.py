@@ -35,19 +35,28 @@ def suggest_seq_len(p99: int) -> int:
     return max(1, -(-int(p99) // SEQ_LEN_MULTIPLE)) * SEQ_LEN_MULTIPLE
 
 
-def truncation(lengths: np.ndarray, status: np.ndarray, seq_len: int) -> dict[str, Any]:
+def truncation(lengths: np.ndarray, status: np.ndarray, seq_len: int, held: np.ndarray | None = None) -> dict[str, Any]:
     """What `seq_len` costs the data: the examples that lose tokens to it and the tokens lost.
 
     `lengths` are token lengths before truncation, `status` each example's drop reason ("" kept).
     An example longer than `seq_len` loses its tokens past `seq_len` when it is kept (truncated),
     and all of them when it is dropped for its length (`overlong`) or for having no trained
     token left after the cut. Examples dropped for other reasons never met `seq_len`.
+
+    Preference pairs pass `held`, the tokens each pair keeps: each answer is capped apart (data.max_length and
+    its kin, as in TRL) before the pair must fit a row, so a pair is truncated when it keeps fewer tokens than
+    it has, and every length drop counts; the record then says `"unit": "pairs"`.
     """
     lens = np.asarray(lengths, dtype=np.int64)
     st = np.asarray(status, dtype=object)
     met = np.isin(st, LOST_TO_SEQ_LEN)
     kept, over = st == "", lens > seq_len
-    cut = int(np.maximum(lens[kept & over] - seq_len, 0).sum())
+    if held is not None:
+        over = np.asarray(held, dtype=np.int64) < lens
+        cut = int((lens - np.asarray(held, dtype=np.int64))[kept & over].sum())
+        over |= ~kept  # a pair dropped for its length (by any cap) lost all of it
+    else:
+        cut = int(np.maximum(lens[kept & over] - seq_len, 0).sum())
     whole = int(lens[met & ~kept & over].sum())
     return {
         "seq_len": int(seq_len),
@@ -56,6 +65,7 @@ def truncation(lengths: np.ndarray, status: np.ndarray, seq_len: int) -> dict[st
         "truncated": int((kept & over).sum()),
         "dropped": int((met & ~kept & over).sum()),
         "tokens_lost": cut + whole,
+        **({"unit": "pairs"} if held is not None else {}),
     }
 
 
@@ -74,8 +84,12 @@ def truncation_lines(tr: dict[str, Any], p99: int | None, where: str = "") -> li
         )
         if part
     )
+    unit = tr.get("unit", "examples")
+    at = f"at seq_len {tr['seq_len']} (in use)"
+    if tr.get("max_length"):  # preference pairs capped per answer, as TRL's max_length
+        at = f"at max_length {tr['max_length']} per answer, in rows of seq_len {tr['seq_len']}"
     lines = [
-        f"at seq_len {tr['seq_len']} (in use): {hit:,} of {n:,} examples lose tokens ({share:.1%}"
+        f"{at}: {hit:,} of {n:,} {unit} lose tokens ({share:.1%}"
         + (f": {how}" if how else "")
         + f"), {tr['tokens_lost']:,} of {tokens:,} tokens lost ({token_share:.1%}){where}"
     ]
@@ -151,6 +165,10 @@ def format_summary(manifest: dict[str, Any], reused: bool, where: str) -> str:
     lines = [f"spotune prepare: {verb} {fp} at {where}"]
     s = manifest["settings"]
     lines.append(f"  format={s['format']} seq_len={s['seq_len']} packing={s['packing']} overlong={s['overlong']}")
+    caps = s.get("pair_lengths")
+    if caps:  # preference pairs: each answer capped apart, as TRL reads these keys
+        said = " ".join(f"{k}={v}" for k, v in caps.items() if v is not None)
+        lines.append(f"  each answer's sequence (prompt + answer): {said}; a row of {s['seq_len']} holds the pair")
     for m in manifest.get("sources", {}).get("mix", []):
         share = "all rows" if m["chosen"] == m["rows"] else f"{m['chosen']:,} chosen (seeded)"
         lines.append(f"  source {m['key']}: {m['source']}: {m['rows']:,} rows, {share}")

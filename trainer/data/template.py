@@ -26,7 +26,8 @@ from typing import Any, Literal
 from trainer.data import formats, masking
 from trainer.data.chat_templates import END_OF_TURN, NAMED, dated, require_template, resolve_chat_template
 from trainer.data.formats import Drop
-from trainer.data.read import DataError
+from trainer.data.read import DataError, unpacked
+from trainer.data.turns import bad_text
 
 IGNORE_INDEX = -100
 """The label that carries no loss (PyTorch's cross_entropy default ignore_index); defined once here."""
@@ -103,12 +104,14 @@ class Tokenize:
 
     def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
         columns = list(batch)
-        rows = [dict(zip(columns, values, strict=True)) for values in zip(*batch.values(), strict=True)]
+        rows = [unpacked(dict(zip(columns, values, strict=True))) for values in zip(*batch.values(), strict=True)]
         drops: list[Drop | None] = [None] * len(rows)
         template = self.template
         examples: list[formats.Example | None] = []
         for i, row in enumerate(rows):
-            ex = formats.to_example(self.fmt, row, self.fields, self.roles, template is not None)
+            ex = bad_text(row, self.fields) or formats.to_example(
+                self.fmt, row, self.fields, self.roles, template is not None
+            )
             drops[i] = ex if isinstance(ex, Drop) else None
             examples.append(None if isinstance(ex, Drop) else ex)
         out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "length": [], "status": [], "detail": []}
@@ -167,14 +170,24 @@ class Tokenize:
         if raw:  # a raw prompt (masked) and its completion, tokenised apart so the boundary is exact
             prompts = self.tokenizer([ex.prompt or "" for _, ex in raw], add_special_tokens=True)["input_ids"]
             bodies = self.tokenizer([ex.text or "" for _, ex in raw], add_special_tokens=False)["input_ids"]
-            for (i, _), p, b in zip(raw, prompts, bodies, strict=True):
-                pairs[i] = (list(p) + list(b), [IGNORE_INDEX] * len(p) + list(b), True)
+            bos, ends = self.tokenizer.bos_token_id, self._special_texts()
+            for (i, ex), p, b in zip(raw, prompts, bodies, strict=True):
+                p = list(p[1:]) if bos is not None and len(p) > 1 and p[0] == p[1] == bos else list(p)  # BOS written in
+                # A completion that ends with a control token (one a template wrote: `<|im_end|>`) is given no EOS.
+                closed = (ex.text or "").rstrip().endswith(ends) if ends else False
+                pairs[i] = (p + list(b), [IGNORE_INDEX] * len(p) + list(b), None if closed else True)
         chats = [(i, ex) for i, ex in enumerate(examples) if ex is not None and ex.messages is not None]
         if chats:
             assert template is not None  # settle() required one for every conversational format
             for i, pair in self._chat(chats, rows, drops, template):
                 pairs[i] = pair
         return pairs
+
+    def _special_texts(self) -> tuple[str, ...]:
+        """The tokenizer's special tokens as text (those that stop generation where a template writes them)."""
+        return tuple(
+            t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special and len(t.content) > 1
+        )
 
     def renderer(self, template: str, tools: list[dict[str, Any]] | None = None) -> masking.Render:
         """messages, add_generation_prompt -> the text `template` renders (with the conversation's
@@ -215,9 +228,6 @@ class Tokenize:
                     ex = _system_as_served(ex)
                 assert ex.messages is not None
                 text, turns = masking.assistant_turns(self.renderer(template, ex.tools), ex.messages, shape)
-            except TemplateError as e:  # the template refuses this conversation (e.g. roles that do not alternate)
-                drops[i] = Drop(TEMPLATE_ERROR, str(e).splitlines()[0] if str(e) else "")
-                continue
             except masking.TemplateShapeError as e:
                 if shape.call_lead is None and any(m.get("tool_calls") for m in ex.messages or ()):
                     drops[i] = Drop(TEMPLATE_ERROR, str(e))  # a template without tool calls: these rows cannot train
@@ -227,6 +237,13 @@ class Tokenize:
                     f"{self.source}: row {int(row) + 1}: {e}, so its tokens cannot be labelled; "
                     "use a template that writes each assistant message's content as it is (data.chat_template)."
                 ) from None
+            except Exception as e:  # noqa: BLE001 - the template refuses this row: roles that do not alternate
+                # (its TemplateError), a value of a type it cannot concatenate (TypeError)... one row's drop, never a crash
+                first = str(e).splitlines()[0] if str(e) else ""
+                drops[i] = Drop(
+                    TEMPLATE_ERROR, first if isinstance(e, TemplateError) else f"{type(e).__name__}: {first}"
+                )
+                continue
             # turns are the assistant messages' in order; a message may be marked untrained (weight 0)
             trained = [t for t, ok in zip(turns, _assistant_flags(ex), strict=True) if ok]
             if self.train_on == "last_assistant":

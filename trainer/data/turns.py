@@ -9,8 +9,8 @@ such an assistant message and its `observation` a `tool` message.
 
 Tool calls are normalised to `{"type": "function", "function": {"name", "arguments": {...}}}` (+ `id`):
 arguments as an object, since templates write them with `tojson` (OpenAI stores them as a JSON string).
-Arrow gives every struct in a column the union of the keys of all of them, filled with None;
-those fillers are removed from arguments and schemas, so a null value there reads as absent.
+Rows come as their file has them (key order and JSON nulls kept: trainer/data/read.py's `unpacked`, which
+also removes the None fillers Arrow puts into the structs of Parquet and saved datasets).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ NULL_FIELD = "null_field"
 UNKNOWN_ROLE = "unknown_role"
 BAD_MESSAGES = "malformed_messages"
 BAD_TOOLS = "malformed_tools"
+BAD_TEXT = "malformed_text"
+"""Drop reason: a column the format reads holds text that is not Unicode text UTF-8 can encode (a lone surrogate)."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ def messages_of(turns: Any, roles: dict[str, str] | None) -> Example | Drop:
     for n, t in enumerate(turns, start=1):
         if not isinstance(t, dict):
             return Drop(BAD_MESSAGES, f"turn {n} is a {type(t).__name__}, not a mapping")
-        msg = _message(_plain(t), roles, n)
+        msg = _message(t, roles, n)
         if isinstance(msg, Drop):
             return msg
         msgs.append(msg)
@@ -87,7 +89,42 @@ def _message(t: dict[str, Any], roles: dict[str, str] | None, n: int) -> dict[st
         return {**msg, "role": role, "content": "" if content is None else content, "tool_calls": calls}
     if content is None:
         return Drop(NULL_FIELD, f"turn {n} ({role}) has no {'value' if sharegpt else 'content'}")
-    return {**msg, "role": role, "content": content}
+    return {**msg, "role": role, "content": text_of(content)}
+
+
+def text_of(content: Any) -> Any:
+    """OpenAI's content parts (`[{"type": "text", "text": ...}, ...]`) as the one string they spell, their texts
+    joined as the templates that read parts join them; other content (a string, parts that are not all text:
+    an image) as it is. Templates that read only strings (Qwen2.5, Mistral v0.3, Phi-4) then render it."""
+    if isinstance(content, (list, tuple)) and content and all(_text_part(p) for p in content):
+        return "".join(p["text"] for p in content)
+    return content
+
+
+def _text_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+
+
+def bad_text(row: dict[str, Any], fields: dict[str, str]) -> Drop | None:
+    """A Drop when a column of `fields` in `row` holds text that UTF-8 cannot encode (JSON's lone surrogate
+    `\\ud800`): the tokenizer would fail on it, so the row, not the file, is refused."""
+    for column in dict.fromkeys(c for c in fields.values() if c):
+        for text in _strings(row.get(column)):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return Drop(BAD_TEXT, f"field {column!r}: {e.reason} at character {e.start}")
+    return None
+
+
+def _strings(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _strings(v)]
+    return []
 
 
 def with_system(messages: list[dict[str, Any]], system: Any) -> list[dict[str, Any]]:
@@ -118,7 +155,7 @@ def tool_calls_of(value: Any, n: int) -> list[dict[str, Any]] | Drop:
             return args
         if not isinstance(args, dict) and args is not None:
             return Drop(BAD_MESSAGES, f"turn {n}: the arguments of {name!r} are not an object")
-        call: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": _plain(args or {})}}
+        call: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": args or {}}}
         if item.get("id") is not None:
             call["id"] = item["id"]
         calls.append(call)
@@ -134,7 +171,7 @@ def tools_of(value: Any) -> list[dict[str, Any]] | None | Drop:
     items = [value] if isinstance(value, dict) else value
     if not isinstance(items, (list, tuple)) or not all(isinstance(t, dict) for t in items):
         return Drop(BAD_TOOLS, "expected a list of function schemas")
-    tools = [_plain(t) for t in items]
+    tools = list(items)
     return [t if "function" in t else {"type": "function", "function": t} for t in tools] or None
 
 
@@ -146,12 +183,3 @@ def _parsed(value: Any, reason: str, what: str) -> Any:
         return json.loads(value) if value.strip() else None
     except json.JSONDecodeError as e:
         return Drop(reason, f"{what} is not JSON ({e.msg})")
-
-
-def _plain(value: Any) -> Any:
-    """`value` without the None entries Arrow fills into mappings (the union of every row's keys)."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items() if v is not None}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
