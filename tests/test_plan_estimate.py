@@ -169,7 +169,7 @@ def test_pilot_on_a_catalogue_gpu_scales_to_the_others(cfg: config.RunConfig, tm
     c = h100["compute_hours"]
     rel = 2 * math.sqrt(0.1**2 + 0.1**2 / 16 + 0.02**2)
     assert c["high"] == pytest.approx(c["expected"] * (1 + rel)) and c["low"] == pytest.approx(
-        c["expected"] * (1 - rel)
+        c["expected"] / (1 + rel)
     )
     # Carried to another GPU: the step-time p10/p90 (mean/p10 faster, mean/p90 slower).
     a = a100["compute_hours"]
@@ -435,3 +435,38 @@ def test_the_interruption_rate_behind_spot_figures_is_shown_and_settable(
     assert "spot interruptions: one every (mean time between interruptions) L4 5 h" in capsys.readouterr().out
     docs = (Path(__file__).parents[1] / "docs" / "planning.md").read_text()
     assert "--mtbi-hours" in docs and "mtbi_hours" in docs
+
+
+def test_a_wide_measured_spread_never_makes_the_fast_end_zero(cfg: config.RunConfig, tmp_path: Path) -> None:
+    """A pilot on a busy machine (step-time sd 1.5x the mean) once printed `0-3m-11m`: the fast end is the
+    rate 1 + r faster, expected / (1 + r), never 0; the slow end stays expected x (1 + r)."""
+    path = _pilot(tmp_path, "NVIDIA H100 80GB HBM3")
+    doc = json.loads(path.read_text())
+    doc["step_time_s"] = {**doc["step_time_s"], "sd": 1.5, "between_sd": 0.0}
+    path.write_text(json.dumps(doc))
+    r = world.estimate_for_run(cfg, pilot_json=path, gpu="H100-SXM")
+    c = r["options"][0]["compute_hours"]
+    rel = 2 * math.sqrt(1.5**2 + 1.5**2 / 16)
+    assert rel > 1  # -/+ 2 sd would reach below zero
+    assert c["low"] == pytest.approx(c["expected"] / (1 + rel)) and c["high"] == pytest.approx(
+        c["expected"] * (1 + rel)
+    )
+    assert r["options"][0]["wall_hours"]["low"] > 0
+
+
+def test_the_run_line_adds_up_and_names_the_device(cfg: config.RunConfig, tmp_path: Path) -> None:
+    """`steps x rows x seq_len` are token slots (their product printed); the real tokens are fewer and named
+    apart; a pilot on this CPU says CPU, not `1 GPU(s)`."""
+    r = world.estimate_for_run(cfg, pilot_json=_pilot(tmp_path, "cpu"))
+    run = r["run"]
+    slots = run["steps"] * run["global_batch_rows"] * run["seq_len"]
+    assert run["real_tokens"] < slots
+    line = next(x for x in table.format_estimate(r).splitlines() if x.startswith("run "))
+    assert (
+        f"{run['steps']:,} steps x {run['global_batch_rows']} rows x {run['seq_len']} token slots = {slots:,} token "
+        f"slots, of which {run['real_tokens']:,.0f} real (non-padding) tokens, on 1 x CPU (where the pilot ran), "
+        "or 1 GPU (the catalogue's rows)" in line
+    )
+    assert "GPU(s)" not in line
+    gpu_only = next(x for x in table.format_estimate(world.estimate_for_run(cfg)).splitlines() if x.startswith("run "))
+    assert ", on 1 GPU, " in gpu_only  # control: no pilot elsewhere, the catalogue's GPUs only

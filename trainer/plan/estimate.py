@@ -30,8 +30,9 @@ JSON document.
   setting} | null}, assumptions[str] (the spot interruption rates among them).
 Throughput is in real (non-padding) tokens per second, the unit of the training metrics.
 
-The interval: on the device the pilot ran on, low/high are the expected wall time -/+ two
-standard deviations of what the pilot measured: its step-time spread taken whole (a machine's
+The interval: on the device the pilot ran on, high is the expected wall time + two standard
+deviations of what the pilot measured, low the time at a rate that much faster (expected / (1 + r),
+never 0): its step-time spread taken whole (a machine's
 speed drifts slowly, so it does not average out over a run; throughput.measured_sd), the
 spread of its processes' mean step times and of their fixed costs, and the same relative
 step-time spread on the fixed costs. Elsewhere the throughput's range (an assumed MFU's
@@ -305,9 +306,10 @@ def _compute_hours(tokens: float, speed: float, on: Rate, measured: Measured, pi
     expected = fc.hours_for(tokens, speed)
     step = measured.get("step_time_s")
     if on.basis == "measured" and step and step.get("sd") is not None and pilot_gpus:
-        # Where the pilot ran: the spread it measured.
-        half = INTERVAL_SIGMAS * measured_sd(step) * expected
-        return fc.Range(max(0.0, expected - half), expected, expected + half)
+        # Where the pilot ran: the spread it measured. A time is work over a rate, so the fast end is
+        # the rate that much faster (expected / (1 + r)): never 0, however wide a busy machine's spread.
+        rel = INTERVAL_SIGMAS * measured_sd(step)
+        return fc.Range(expected / (1.0 + rel), expected, expected * (1.0 + rel))
     return fc.Range(fc.hours_for(tokens, speed * on.fast), expected, fc.hours_for(tokens, speed * on.slow))
 
 

@@ -29,8 +29,9 @@ def format_estimate(result: dict[str, Any]) -> str:
         f"data    {d['rows_per_epoch']:,.0f} rows/epoch, {d['real_tokens_per_epoch']:,.0f} real tokens/epoch "
         f"({d['trainable_tokens_per_epoch']:,.0f} trainable): {where}",
         *_truncation(d),
-        f"run     {r['steps']:,} steps x {r['global_batch_rows']} rows x {r['seq_len']} tokens = "
-        f"{r['real_tokens']:,.0f} real tokens on {r['gpus']} GPU(s), {r['train_flops']:.3g} FLOPs",
+        f"run     {r['steps']:,} steps x {r['global_batch_rows']} rows x {r['seq_len']} token slots = "
+        f"{r['steps'] * r['global_batch_rows'] * r['seq_len']:,} token slots, of which {r['real_tokens']:,.0f} real "
+        f"(non-padding) tokens, on {_devices(result)}, {r['train_flops']:.3g} FLOPs",
         _memory_line(mem_g),
         *_timeline(result),
         "",
@@ -110,6 +111,19 @@ def format_memory_fit(result: dict[str, Any]) -> str:
     )
     lines += ["", f"data: {result['data']['problem']}", result["needs"]]
     return "\n".join(lines)
+
+
+def _devices(result: dict[str, Any]) -> str:
+    """What the run is forecast on: GPUs (the catalogue's rows), and the device a pilot ran on when that is
+    not one of them (this CPU)."""
+    n = result["run"]["gpus"]
+    gpus = f"{n} GPU{'s' if n > 1 else ''}"
+    elsewhere = [o["gpu"] for o in result["options"] if o.get("memory_gib") is None]
+    if not elsewhere:
+        return gpus
+    device = elsewhere[0]
+    shown = "CPU" if device.lower() == "cpu" else device
+    return f"{n} x {shown} (where the pilot ran), or {gpus} (the catalogue's rows)"
 
 
 def cheapest_lines(result: dict[str, Any]) -> list[str]:
