@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -24,7 +25,7 @@ from trainer import builtin_assets
 from trainer.cli.main import main as spotune
 from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_FINISHED
 from trainer.report import write_report
-from trainer.report.load import Attempt, RunData
+from trainer.report.load import Attempt, RunData, load_run
 from trainer.report.status import format_status, run_status
 from trainer.report.totals import hours_unit, redone_by_attempt, resume_line, totals
 from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, Ledger
@@ -126,15 +127,29 @@ def test_kill_resume_and_run_again_are_booked_as_they_happened(tmp_path: Path, t
     assert (killed.state, killed.how, killed.step, killed.held_by) == ("stopped", "killed", KILL_STEP, None)
     assert killed.checkpoint is not None and killed.checkpoint["step"] == SAVED_STEP
     assert "stopped: killed at step 25 of 25, last heartbeat" in format_status(killed)
+    # The attempt that was killed is stopped, never "running", and its booked end is a lower bound.
+    assert killed.attempts[0]["exit_reason"] == "killed" and killed.attempts[0]["end_is_last_heartbeat"]
+    assert "attempts: 1 (1 killed at step 25 (booked to its last heartbeat: a lower bound))" in format_status(killed)
+    assert "running" not in format_status(killed)
 
     # Attempt 2, the same command: it books attempt 1 from its heartbeat and says what it redoes.
     code, said = _in_process("train", str(recipe))
     assert code == EXIT_FINISHED, said
-    assert (
-        "spotune: attempt 1 killed at step 25; resuming from step 20: steps 21-25 are trained again (5 redone)" in said
+    # The redone steps' cost is said as the run resumes: the step time attempt 1 trained after its checkpoint.
+    redone = re.search(
+        r"spotune: attempt 1 killed at step 25; resuming from step 20: steps 21-25 are trained again "
+        r"\(5 redone: ([0-9.]+) device-seconds of attempt 1's step time\)",
+        said,
     )
+    assert redone is not None, said
     assert "device-hours (devices x wall time, all attempts)" in said and "GPU-hours" not in said
     rows = [json.loads(line) for line in (out / LEDGER_FILE).read_text().splitlines()]
+    assert float(redone.group(1)) == round(rows[0]["lost_seconds"], 1) > 0
+    # One set of books: the closing line's device-hours are the ledger's rows, as `status` and the report say.
+    closing = re.search(r"([0-9.]+) device-hours \(devices x wall time, all attempts\)", said)
+    assert closing is not None and closing.group(1) == f"{sum(r['device_seconds'] for r in rows) / 3600:.4f}"
+    assert f"{run_status(str(out)).device_hours:.4f} device-hours" in format_status(run_status(str(out)))
+    assert closing.group(1) == f"{run_status(str(out)).device_hours:.4f}"
     assert [(r["exit_reason"], r["last_step"], r.get("resumed_from")) for r in rows] == [
         ("killed", KILL_STEP, 0),
         ("finished", KILL_STEP, SAVED_STEP),
@@ -165,8 +180,13 @@ def test_kill_resume_and_run_again_are_booked_as_they_happened(tmp_path: Path, t
     code, text = _in_process("status", str(out))
     assert code == 0 and text.startswith(f"{out}: finished: step 26 of 26\n"), text
     assert f"newest checkpoint: step 26 ({ckpts / 'step-000026'})" in text
-    assert "attempts: 4 (1 killed at step 25, 2 finished at step 25, 3 killed, 4 finished at step 26)" in text
-    assert "steps trained again after restarts: 5" in text
+    lower = "(booked to its last heartbeat: a lower bound)"
+    assert f"attempts: 4 (1 killed at step 25 {lower}, 2 finished at step 25, 3 killed {lower}, 4 finished" in text
+    restarts = totals(load_run(str(out)))
+    assert (
+        f"steps trained again after restarts: 5; the restarts cost {restarts.restart_hours:.4f} device-hours "
+        "(start-up + redone work, as the report counts it)" in text
+    )
     code, doc_text = _in_process("status", str(out), "--json")
     doc = json.loads(doc_text)
     rows = [json.loads(line) for line in (out / LEDGER_FILE).read_text().splitlines()]

@@ -22,7 +22,7 @@ from trainer.training.console import Console
 
 REPO = Path(__file__).resolve().parents[1]
 STEP_LINE = re.compile(
-    r"^spotune: step (\d+)/(\d+) loss (\d+\.\d{4})(?: eval_loss \d+\.\d{4})? \| ([\d,]+) tok/s \| ([\d.e+-]+) step/s, ETA (\d+:\d\d:\d\d)$"
+    r"^spotune: step (\d+)/(\d+) loss (\d+\.\d{4})(?: eval_loss \d+\.\d{4})? \| ([\d,]+) tok/s, ([\d.e+-]+) step/s \| ETA (\d+:\d\d:\d\d)$"
 )
 
 
@@ -42,10 +42,12 @@ def test_resumed_rate_and_eta_count_only_this_attempts_steps() -> None:
     clock.now = 4.0
     console.step(51)  # not a log step: no line
     clock.now = 8.0
-    console.step(52, {"loss": 1.5, "tokens_per_s": 1234.4, "mfu": 0.4123, "cost": 0.4, "projected_cost": 1.25})
-    # 2 steps in 8 s: 0.25 step/s; 48 steps left: 192 s.
+    row = {"loss": 1.5, "tokens_per_s": 1234.4, "step_time_s": 0.4, "mfu": 0.4123, "cost": 0.4, "projected_cost": 1.25}
+    console.step(52, row)
+    # tok/s and step/s over the row's window (its steps took 0.4 s each: 2.5 step/s, not the attempt's
+    # 0.25, which counts the saves between); the ETA at the attempt's pace: 2 steps in 8 s, 48 left: 192 s.
     assert out.getvalue().splitlines() == [
-        "spotune: step 52/100 loss 1.5000 | 1,234 tok/s | MFU 41.2% | 0.25 step/s, ETA 0:03:12 | "
+        "spotune: step 52/100 loss 1.5000 | 1,234 tok/s, 2.5 step/s | MFU 41.2% | ETA 0:03:12 | "
         "$0.40 so far, $1.25 projected"
     ]
     # Control: counting the 50 resumed steps (no time spent here) is the skew this avoids.
@@ -172,10 +174,13 @@ def test_piped_run_prints_lines_events_and_a_sane_first_line_after_resume(tmp_pa
     rate, eta = float(line.group(5)), line.group(6)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     step_time = next(r["step_time_s"] for r in rows if r.get("attempt") == 2 and r.get("step") == resume_step + 1)
-    # One step over (at least) that step's own time; the skew this replaced read (resume_step + 1) times that.
-    assert rate <= 1.05 / step_time and rate >= 1 / wall
+    # step/s over the row's window: that step's own time, as its tok/s.
+    assert rate == float(f"{1 / step_time:.3g}")
+    # The ETA at this attempt's pace (its own step so far, not the resumed ones'): at least the steps
+    # left at that step's time, at most the steps left at the whole attempt's wall time.
     h, m, s = map(int, eta.split(":"))
-    assert abs(h * 3600 + m * 60 + s - (10 - resume_step - 1) / rate) <= 1
+    left = 10 - resume_step - 1
+    assert left * step_time - 1 <= h * 3600 + m * 60 + s <= left * wall + 1
 
 
 def test_model_loading_keeps_download_bars_and_hides_transformers_bars() -> None:

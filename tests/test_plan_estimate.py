@@ -39,6 +39,9 @@ OPTION_KEYS = {
     "fixed_spread_hours",
     "saves",
     "fsdp_gpus",
+    "mtbi_hours",
+    "setting",
+    "fit_changes",
 }
 TOP_KEYS = {
     "schema",
@@ -52,6 +55,7 @@ TOP_KEYS = {
     "constraints",
     "options",
     "recommendation",
+    "cheapest",
     "assumptions",
 }
 
@@ -165,7 +169,7 @@ def test_pilot_on_a_catalogue_gpu_scales_to_the_others(cfg: config.RunConfig, tm
     c = h100["compute_hours"]
     rel = 2 * math.sqrt(0.1**2 + 0.1**2 / 16 + 0.02**2)
     assert c["high"] == pytest.approx(c["expected"] * (1 + rel)) and c["low"] == pytest.approx(
-        c["expected"] * (1 - rel)
+        c["expected"] / (1 + rel)
     )
     # Carried to another GPU: the step-time p10/p90 (mean/p10 faster, mean/p90 slower).
     a = a100["compute_hours"]
@@ -274,7 +278,8 @@ def test_estimate_of_a_model_without_data_prices_nothing(
     monkeypatch.chdir(tmp_path)  # output_dir runs/default: a fresh directory, no pilot.json
     assert spotune(["estimate", "meta-llama/Llama-3.1-8B"]) == 0
     out = capsys.readouterr().out
-    assert "$" not in out and "recommended" not in out and "real tokens/epoch" not in out
+    # Catalogue prices per GPU-hour only: no cost, hours or recommendation from the demo set.
+    assert "~$" not in out and " h," not in out and "recommended" not in out and "real tokens/epoch" not in out
     assert "data: none given (data.path is unset; its default, the built-in demo set" in out
     assert "give data.path=FILE" in out and "--tokens N" in out
     assert "memory  GiB per GPU" in out and "H100-SXM" in out
@@ -289,7 +294,7 @@ def test_estimate_of_a_model_without_data_prices_nothing(
     assert spotune(["estimate", str(recipe), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["data"]["source"] == "none"
     assert spotune(["estimate", str(recipe), "--tokens", "1e6", "--gpu", "H100-SXM"]) == 0
-    assert "$" in capsys.readouterr().out
+    assert "~$" in capsys.readouterr().out  # a cost, now the size is known
 
 
 def test_every_figure_names_its_source_and_unit(
@@ -317,3 +322,151 @@ def test_every_figure_names_its_source_and_unit(
     assert "exact, counted when the data was prepared" in text and "sampled rows" not in text
     assert "throughput: measured by a pilot (`spotune pilot`) on NVIDIA H100 80GB HBM3" in text
     assert "the pilot measured a peak of" not in text  # the fixture's pilot.json has no peak memory
+
+
+def _offline_8b(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)  # output_dir runs/default: a fresh directory, no pilot.json
+
+
+def test_a_bare_model_id_is_priced_as_a_run_would_train_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`spotune estimate MODEL` prices the GPU recipes' `auto` memory settings, not checkpointing off: an
+    8B LoRA at seq 2048 fits every 24 GB GPU, each GPU names the setting it would train with, and the
+    cheapest GPU that fits comes first."""
+    _offline_8b(monkeypatch, tmp_path)
+    assert spotune(["estimate", "meta-llama/Llama-3.1-8B-Instruct", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    by = {o["gpu"]: o for o in doc["options"]}
+    assert doc["memory_gib"]["total"] < 20 and "gradient_checkpointing=true (auto)" in doc["memory_gib"]["settings"]
+    for gpu in ("L4", "A10G", "RTX-4090", "RTX-3090"):
+        assert by[gpu]["fits"] and by[gpu]["setting"]["fits"], gpu
+        assert "gradient_checkpointing=true" in by[gpu]["setting"]["setting"] and by[gpu]["setting"]["gib"] <= 22.1
+    # Where it fits without checkpointing, the run would not pay for it.
+    assert "gradient_checkpointing=false" in by["H100-SXM"]["setting"]["setting"]
+    assert doc["cheapest"]["on-demand"]["gpu"] == doc["cheapest"]["spot"]["gpu"] == "RTX-3090"
+    assert spotune(["estimate", "meta-llama/Llama-3.1-8B-Instruct"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(
+        "cheapest GPU that fits (by price per GPU-hour: the time needs the data): on-demand RTX-3090"
+    )
+    # Control: the user's own setting wins over the defaults; checkpointing off does not fit a 24 GB GPU,
+    # and the answer names the smallest change that does, with its memory.
+    off_overrides = ["model.gradient_checkpointing=false", "model.activation_offload=off"]
+    assert spotune(["estimate", "meta-llama/Llama-3.1-8B-Instruct", *off_overrides, "--json"]) == 0
+    off = {o["gpu"]: o for o in json.loads(capsys.readouterr().out)["options"]}
+    assert not off["L4"]["fits"] and off["L4"]["fit_changes"][0]["change"] == "model.gradient_checkpointing=true"
+    assert off["L4"]["fit_changes"][0]["fits"] and off["L4"]["fit_changes"][0]["gib"] < 22.0
+
+
+def test_what_makes_a_run_fit_is_the_smallest_change_first_with_its_memory(
+    cfg: config.RunConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checkpointing, then offloading, then QLoRA, then the longest seq_len that fits, then FSDP over N:
+    each priced by the same memory model as the run (exact), the seq_len the longest that fits (control: one
+    step longer does not)."""
+    from trainer.plan import changes
+    from trainer.plan import memory as mem
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    big = cfg.replace(
+        **{
+            "model.name_or_path": "meta-llama/Llama-3.1-8B",
+            "data.tokenizer": cfg.model.name_or_path,
+            "model.dtype": "bfloat16",
+            "data.seq_len": 16384,
+            "train.micro_batch_size": 1,
+        }
+    )
+    doc = world.estimate_for_run(big, data_given=False)
+    l4 = next(o for o in doc["options"] if o["gpu"] == "L4")
+    assert not l4["fits"] and l4["setting"] is None  # nothing is `auto`: the recipe's settings as they are
+    assert [c["change"].split("=")[0] for c in l4["fit_changes"]] == [
+        "model.gradient_checkpointing",
+        "model.gradient_checkpointing",
+        "adapter.method",
+        "data.seq_len",
+        "train.distributed",
+    ]
+    job, _ = world._job(big, big.model.name_or_path)
+    lean, overrides = changes.frugal(job)
+    assert overrides == ["model.gradient_checkpointing=true", "model.activation_offload=on"]
+    assert l4["fit_changes"][1]["gib"] == lean.memory().total / mem.GIB
+    seq = int(next(c for c in l4["fit_changes"] if c["change"].startswith("data.seq_len="))["change"].split()[0][13:])
+    assert seq % changes.SEQ_STEP == 0 and seq < 16384
+    room = 22.0 * mem.GIB
+    import dataclasses
+
+    assert dataclasses.replace(lean, seq_len=seq).memory().total <= room
+    assert dataclasses.replace(lean, seq_len=seq + changes.SEQ_STEP).memory().total > room  # control
+    fsdp = l4["fit_changes"][-1]
+    assert fsdp["fits"] and fsdp["gpus"] == lean.fsdp_devices(22.0) and f"--gpus {fsdp['gpus']} " in fsdp["change"]
+    assert fsdp["gib"] == lean.memory(fsdp["gpus"], fsdp=True).total / mem.GIB
+    first = changes.smallest(l4["fit_changes"])
+    assert first is not None and all(not c["fits"] for c in l4["fit_changes"][: l4["fit_changes"].index(first)])
+    text = table.format_estimate(doc)
+    assert "does not fit as set" not in text  # the memory-fit table puts the answer on the GPU's own row
+    assert "L4                22  NO   " in text and f"fits with {first['change']} ({first['gib']:.1f} GiB)" in text
+
+
+def test_the_interruption_rate_behind_spot_figures_is_shown_and_settable(
+    cfg: config.RunConfig, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """mtbi_hours: on every spot row, in the assumptions and the text, in the docs; `--mtbi-hours H` sets
+    every GPU's, `GPU=H` one GPU's, and the expected interruptions follow it."""
+    default = world.estimate_for_run(cfg, throughput=1000.0)
+    spot = {o["gpu"]: o for o in default["options"] if o["pricing"] == "spot"}
+    assert spot["L4"]["mtbi_hours"] == 24 and spot["A10G"]["mtbi_hours"] == 24
+    assert any("L4 24 h" in a and "--mtbi-hours" in a for a in default["assumptions"])
+    one = world.estimate_for_run(cfg, throughput=1000.0, mtbi_hours=["L4=3"])
+    spot1 = {o["gpu"]: o for o in one["options"] if o["pricing"] == "spot"}
+    assert (spot1["L4"]["mtbi_hours"], spot1["A10G"]["mtbi_hours"]) == (3.0, 24)
+    assert spot1["L4"]["interruptions"] == pytest.approx(spot["L4"]["interruptions"] * 8)
+    every = world.estimate_for_run(cfg, throughput=1000.0, mtbi_hours=["6"])
+    assert {o["mtbi_hours"] for o in every["options"] if o["pricing"] == "spot"} == {6.0}
+    assert all(o["mtbi_hours"] is None for o in every["options"] if o["pricing"] == "on-demand")
+    for bad, said in (("L4=0", "give hours above 0"), ("Voodoo5=3", "not in the catalogue"), ("x", "above 0")):
+        with pytest.raises(PlanError, match=f"--mtbi-hours '{bad}'.*{said}"):
+            world.estimate_for_run(cfg, throughput=1000.0, mtbi_hours=[bad])
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(config.to_yaml(cfg))
+    assert spotune(["estimate", str(recipe), "--gpu", "L4", "--mtbi-hours", "5"]) == 0
+    assert "spot interruptions: one every (mean time between interruptions) L4 5 h" in capsys.readouterr().out
+    docs = (Path(__file__).parents[1] / "docs" / "planning.md").read_text()
+    assert "--mtbi-hours" in docs and "mtbi_hours" in docs
+
+
+def test_a_wide_measured_spread_never_makes_the_fast_end_zero(cfg: config.RunConfig, tmp_path: Path) -> None:
+    """A pilot on a busy machine (step-time sd 1.5x the mean) once printed `0-3m-11m`: the fast end is the
+    rate 1 + r faster, expected / (1 + r), never 0; the slow end stays expected x (1 + r)."""
+    path = _pilot(tmp_path, "NVIDIA H100 80GB HBM3")
+    doc = json.loads(path.read_text())
+    doc["step_time_s"] = {**doc["step_time_s"], "sd": 1.5, "between_sd": 0.0}
+    path.write_text(json.dumps(doc))
+    r = world.estimate_for_run(cfg, pilot_json=path, gpu="H100-SXM")
+    c = r["options"][0]["compute_hours"]
+    rel = 2 * math.sqrt(1.5**2 + 1.5**2 / 16)
+    assert rel > 1  # -/+ 2 sd would reach below zero
+    assert c["low"] == pytest.approx(c["expected"] / (1 + rel)) and c["high"] == pytest.approx(
+        c["expected"] * (1 + rel)
+    )
+    assert r["options"][0]["wall_hours"]["low"] > 0
+
+
+def test_the_run_line_adds_up_and_names_the_device(cfg: config.RunConfig, tmp_path: Path) -> None:
+    """`steps x rows x seq_len` are token slots (their product printed); the real tokens are fewer and named
+    apart; a pilot on this CPU says CPU, not `1 GPU(s)`."""
+    r = world.estimate_for_run(cfg, pilot_json=_pilot(tmp_path, "cpu"))
+    run = r["run"]
+    slots = run["steps"] * run["global_batch_rows"] * run["seq_len"]
+    assert run["real_tokens"] < slots
+    line = next(x for x in table.format_estimate(r).splitlines() if x.startswith("run "))
+    assert (
+        f"{run['steps']:,} steps x {run['global_batch_rows']} rows x {run['seq_len']} token slots = {slots:,} token "
+        f"slots, of which {run['real_tokens']:,.0f} real (non-padding) tokens, on 1 x CPU (where the pilot ran), "
+        "or 1 GPU (the catalogue's rows)" in line
+    )
+    assert "GPU(s)" not in line
+    gpu_only = next(x for x in table.format_estimate(world.estimate_for_run(cfg)).splitlines() if x.startswith("run "))
+    assert ", on 1 GPU, " in gpu_only  # control: no pilot elsewhere, the catalogue's GPUs only

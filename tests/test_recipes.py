@@ -111,11 +111,12 @@ def test_estimate_without_data_prints_the_memory_fit() -> None:
     )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0].startswith("model   meta-llama/Llama-3.1-70B-Instruct (llama, 70,553.7M params, nf4)")
+    assert lines[0].startswith("cheapest GPU that fits (by price per GPU-hour: the time needs the data): ")
+    model = next(line for line in lines if line.startswith("model "))
+    assert model.startswith("model   meta-llama/Llama-3.1-70B-Instruct (llama, 70,553.7M params, nf4)")
     assert any(line.startswith("memory  GiB per GPU") and ": weights " in line for line in lines)
-    fits = {
-        line.split()[0]: line.split()[-1] for line in lines if line[:1].isupper() and line.split()[-1] in ("yes", "NO")
-    }
+    rows = [line.split() for line in lines if line[:1].isupper()]
+    fits = {row[0]: row[2] for row in rows if len(row) > 2 and row[2] in ("yes", "NO")}
     assert fits["H100-SXM"] == "yes" and fits["L4"] == "NO"  # 26 GiB per GPU over 2 GPUs
     assert "does not fit: per-device memory under FSDP fits with more of them (--gpus N) on:" in out.stdout
     assert "L4 x4" in out.stdout

@@ -77,6 +77,32 @@ def load_catalog(overrides_path: str | Path | None = None) -> list[GPU]:
     return gpus
 
 
+def with_mtbi(gpus: list[GPU], values: list[str]) -> list[GPU]:
+    """`gpus` with the interruption rates of `--mtbi-hours` values: `H` sets every GPU's mean time
+    between spot interruptions to H hours, `NAME=H` one GPU's (by name or device name); later values win."""
+    out = list(gpus)
+    for value in values:
+        name, sep, hours_text = value.rpartition("=")
+        try:
+            hours = float(hours_text)
+        except ValueError:
+            hours = float("nan")
+        if not hours > 0:
+            raise CatalogError(
+                f"--mtbi-hours {value!r}: give hours above 0, for every GPU (`--mtbi-hours 6`) or one "
+                "(`--mtbi-hours L4=6`)"
+            )
+        if not sep:
+            out = [replace(g, mtbi_hours=hours) for g in out]
+            continue
+        try:
+            target = find_gpu(name, out)
+        except CatalogError as e:
+            raise CatalogError(f"--mtbi-hours {value!r}: {e}") from None
+        out = [replace(g, mtbi_hours=hours) if g is target else g for g in out]
+    return out
+
+
 def find_gpu(name: str, catalog: list[GPU] | None = None) -> GPU:
     """A catalogue entry by its name (case-insensitive), or by a device name it matches."""
     gpus = catalog if catalog is not None else load_catalog()

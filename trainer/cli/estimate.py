@@ -14,6 +14,16 @@ from trainer import config as C
 from trainer.cli import recipe
 
 HELP = "memory fit, GPU-hours and cost, on-demand against spot"
+MODEL_ONLY = (
+    "model.gradient_checkpointing=auto",
+    "model.activation_offload=auto",
+    "train.global_batch_size=16",
+    "train.micro_batch_size=auto",
+)
+"""The memory settings `spotune estimate MODEL` (no recipe) prices: those of the shipped GPU recipes
+(recipes/gpu/), so each GPU is priced as a run would train on it (`auto` picks the fastest setting that
+fits there), not with the built-in defaults (checkpointing off), which are the tiny CPU demo's.
+Overrides on the command line win."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,6 +64,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds to get a replacement spot VM running (default: an assumed 180; "
         "the run's ledger replaces it once it has interruptions)",
     )
+    p.add_argument(
+        "--mtbi-hours",
+        action="append",
+        metavar="[GPU=]H",
+        help="mean time between spot interruptions, hours, behind every spot figure: H for every GPU, "
+        "GPU=H for one (repeat it); default: the catalogue's mtbi_hours (typical, provider dependent)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
 
         # `spotune estimate meta-llama/Llama-3.1-8B` (or a model's folder): built-in defaults otherwise
         if looks_like_model_id(path) or Path(path).is_dir():
-            path, overrides = None, [f"model.name_or_path={path}", *overrides]
+            path, overrides = None, [f"model.name_or_path={path}", *MODEL_ONLY, *overrides]
         elif not Path(path).exists() and not path.endswith((".yaml", ".yml")):
             raise C.ConfigError(
                 [f"{path} is neither a recipe file, a model's folder nor a hub model id (org/name); check the path"],
@@ -104,6 +121,7 @@ def estimate_command(cfg: C.RunConfig, args: Any, data_given: bool = True) -> in
         vm_start_seconds=getattr(args, "vm_start_seconds", None),
         tokens=getattr(args, "tokens", None),
         data_given=data_given,
+        mtbi_hours=getattr(args, "mtbi_hours", None),
     )
     print(json.dumps(result, indent=2) if args.json else format_estimate(result))
     return 0

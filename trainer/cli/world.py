@@ -48,38 +48,58 @@ def estimate_for_run(
     vm_start_seconds: float | None = None,
     tokens: float | None = None,
     data_given: bool = True,
+    mtbi_hours: list[str] | None = None,
 ) -> dict[str, Any]:
     """The estimate of the run `cfg` describes (schema `spotune.estimate/1`), for its own
     output_dir: what that directory and this machine already hold decides the fixed costs.
     `tokens`: the data's real tokens per epoch, in place of reading the data; without either (the
     data cannot be read, or `data_given` is false: the user named none), the memory fit alone
-    (trainer/plan/fit.py), naming what the hours and the cost need."""
+    (trainer/plan/fit.py), naming what the hours and the cost need. `mtbi_hours`: `--mtbi-hours` values
+    (`H` for every GPU, `GPU=H` for one) over the catalogue's interruption rates."""
     constraints = Constraints(gpus=gpus, gpu=gpu, deadline_hours=deadline_hours, budget=budget)
     if gpus < 1:
         raise PlanError(f"--gpus must be at least 1, got {gpus}")
     try:
-        catalog = cat.load_catalog(catalog_path)
+        catalog = cat.with_mtbi(cat.load_catalog(catalog_path), mtbi_hours or [])
     except cat.CatalogError as e:
         raise PlanError(str(e)) from None
     model = builtin_assets.resolve_model(cfg.model.name_or_path)
     job, bytes_per_param = _job(cfg, model)
     shape = job.shape
+    how = _auto_choice(cfg, job, gpus)
     measured = _read_pilot(Path(pilot_json)) if pilot_json else None
     if manifest is None and measured is not None:
         manifest = _pilot_manifest(cfg, measured)  # the data the pilot prepared, when it is this run's
     if tokens is not None and tokens < 1:
         raise PlanError(f"--tokens must be at least 1, got {tokens:g}")
     if not data_given and not tokens:
-        return memory_fit(job, catalog, constraints, NO_DATA)
+        return memory_fit(job, catalog, constraints, NO_DATA, how)
     try:
         work = wl.from_tokens(tokens, cfg.data.seq_len) if tokens else _workload(cfg, manifest, sample_size)
     except DataError as e:
         if _data_at_hand(cfg):
             raise  # the data is there and has a problem: its message names the fix
-        return memory_fit(job, catalog, constraints, str(e))
+        return memory_fit(job, catalog, constraints, str(e), how)
     rate = choose(cfg.adapter.method, measured, throughput, cfg.metrics.gpu, mfu)
     target = _target(cfg, model, shape.total_params() * bytes_per_param, work, download_mb_s, vm_start_seconds)
-    return estimate(job, work, rate, catalog, constraints, Measured(measured), target)
+    return estimate(job, work, rate, catalog, constraints, Measured(measured), target, how)
+
+
+def _auto_choice(cfg: RunConfig, job: Job, gpus: int) -> Any:
+    """What the recipe's `auto` memory settings choose on a fresh GPU of a given size: the run's own rule
+    (trainer/training/autofit.py), so the estimate names the setting each GPU would train with."""
+    from trainer.plan.memory import GIB
+    from trainer.training import autofit
+
+    shards = gpus if job.fsdp else 1
+
+    def how(memory_gib: float) -> dict[str, Any] | None:
+        choice = autofit.choice_on(cfg, job.shape, memory_gib * GIB, gpus, shards)
+        if choice is None:
+            return None
+        return {"setting": choice.setting.describe(), "gib": choice.estimate.total / GIB, "fits": choice.fits}
+
+    return how
 
 
 def longest_for_run(

@@ -14,20 +14,26 @@ JSON document.
   run{steps, gpus, global_batch_rows, seq_len, epochs, real_tokens, trainable_tokens, train_flops,
       pairs_per_step (preference objectives; null for SFT)},
   memory_gib{weights, adapter, gradients, optimizer, activations, logits, backward_workspace,
-             overhead, total, pilot_measured_peak, sharded_over (FSDP devices, 1 under DDP)}, throughput{source: pilot|given|mfu, ...},
+             overhead, total, pilot_measured_peak, sharded_over (FSDP devices, 1 under DDP), settings (the memory
+             settings the figure is for: `auto` at its most frugal)}, throughput{source: pilot|given|mfu, ...},
   checkpoint{save_seconds, every_minutes, every_steps, restart_seconds, saves_on_measured_device},
   timeline{attempt[{name, seconds, source}], attempt_seconds, restart[...], restart_seconds,
            fixed_sd_seconds, interval}, constraints{...},
   options[{gpu, gpus, pricing, price_per_gpu_hour, fits, tokens_per_s, throughput_basis,
            compute_hours/wall_hours/gpu_hours/cost{low, expected, high}, startup_hours,
            checkpoint_hours, eval_hours, interruptions, restart_hours, recommended_checkpoint_minutes,
-           saves, fixed_spread_hours, fsdp_gpus (where it does not fit: the fewest such GPUs under FSDP)}],
+           saves, fixed_spread_hours, fsdp_gpus (where it does not fit: the fewest such GPUs under FSDP),
+           mtbi_hours (spot: the mean time between interruptions priced), setting{setting, gib, fits} (what the
+           recipe's `auto` memory settings choose on that GPU) | null, fit_changes[{change, gib, fits, gpus?}]
+           (where it does not fit: what would, smallest first; trainer/plan/changes.py) | null}],
   recommendation{index, gpu, pricing, wall_hours, cost, why, next_cheaper (what the option just cheaper
-  lacks, or null)} | null, assumptions[str].
+  lacks, or null)} | null, cheapest{on-demand, spot: {gpu, gpus, price_per_gpu_hour, wall_hours, cost,
+  setting} | null}, assumptions[str] (the spot interruption rates among them).
 Throughput is in real (non-padding) tokens per second, the unit of the training metrics.
 
-The interval: on the device the pilot ran on, low/high are the expected wall time -/+ two
-standard deviations of what the pilot measured: its step-time spread taken whole (a machine's
+The interval: on the device the pilot ran on, high is the expected wall time + two standard
+deviations of what the pilot measured, low the time at a rate that much faster (expected / (1 + r),
+never 0): its step-time spread taken whole (a machine's
 speed drifts slowly, so it does not average out over a run; throughput.measured_sd), the
 spread of its processes' mean step times and of their fixed costs, and the same relative
 step-time spread on the fixed costs. Elsewhere the throughput's range (an assumed MFU's
@@ -44,7 +50,7 @@ from trainer import catalog as cat
 from trainer.config import CheckpointConfig, batch_split, runs_reference
 from trainer.data.sampler import run_steps
 from trainer.model import flops
-from trainer.plan import PlanError, lacks
+from trainer.plan import PlanError, changes, lacks
 from trainer.plan import forecast as fc
 from trainer.plan import memory as mem
 from trainer.plan import timeline as tl
@@ -66,8 +72,10 @@ def estimate(
     constraints: Constraints | None = None,
     measured: Measured | None = None,
     target: tl.Target | None = None,
+    how: changes.How | None = None,
 ) -> dict[str, Any]:
-    """The whole estimate as plain data (schema `spotune.estimate/1`)."""
+    """The whole estimate as plain data (schema `spotune.estimate/1`); `how`: what the recipe's `auto`
+    memory settings choose on a GPU of a given size (trainer/plan/changes.py)."""
     constraints = constraints or Constraints()
     if constraints.gpus < 1:
         raise PlanError(f"--gpus must be at least 1, got {constraints.gpus}")
@@ -88,11 +96,16 @@ def estimate(
     sd_s = math.hypot(measured.fixed_sd, machine_cv(measured.get("step_time_s")) * tl.total(attempt))
     fixed = Fixed(tl.total(attempt), tl.total(restart), sd_s, save_s)
     options, rows = _options(job, work, totals, rate, gpus, catalog, constraints, memory.total, fixed, measured)
+    changes.annotate(rows, job, constraints.gpus, how)
     return {
         "schema": SCHEMA,
         **_described(job, work, totals, constraints),
         "memory_gib": memory.as_gib()
-        | {"pilot_measured_peak": measured.get("peak_memory_gib"), "sharded_over": constraints.gpus if job.fsdp else 1},
+        | {
+            "pilot_measured_peak": measured.get("peak_memory_gib"),
+            "sharded_over": constraints.gpus if job.fsdp else 1,
+            "settings": memory_settings(job),
+        },
         "throughput": rate.as_dict() | {"flops_per_token": totals.flops_per_token},
         "checkpoint": {
             "save_seconds": save_s,
@@ -113,8 +126,19 @@ def estimate(
         "constraints": {"deadline_hours": constraints.deadline_hours, "budget": constraints.budget},
         "options": rows,
         "recommendation": _recommendation(options, rows, constraints, memory.total / mem.GIB, job),
-        "assumptions": _assumptions(rate, work, constraints.gpus, {r["throughput_basis"] for r in rows}),
+        "cheapest": changes.cheapest(rows),
+        "assumptions": _assumptions(rate, work, constraints.gpus, {r["throughput_basis"] for r in rows})
+        + [spot_rates(gpus)],
     }
+
+
+def memory_settings(job: Job) -> str:
+    """The memory settings the `memory_gib` figure is for: `auto` counted at its most frugal (`Job.memory`)."""
+    m, t = job.model, job.train
+    micro = t.micro_batch_size if isinstance(t.micro_batch_size, int) else "1 (auto)"
+    ckpt = str(m.gradient_checkpointing).lower() if isinstance(m.gradient_checkpointing, bool) else "true (auto)"
+    offload = {"auto": "on (auto)"}.get(m.activation_offload, m.activation_offload)
+    return f"micro_batch_size={micro}, gradient_checkpointing={ckpt}, activation_offload={offload}"
 
 
 def model_facts(job: Job) -> dict[str, Any]:
@@ -272,6 +296,7 @@ def _options(
                 tokens_per_s=speed,
                 saves=saves,
                 fsdp_gpus=fsdp_devices,
+                mtbi_hours=mtbi if pricing == "spot" else None,
                 recommended_checkpoint_minutes=recommended * 60 if recommended else None,
             )
             rows.append(row)
@@ -284,9 +309,10 @@ def _compute_hours(tokens: float, speed: float, on: Rate, measured: Measured, pi
     expected = fc.hours_for(tokens, speed)
     step = measured.get("step_time_s")
     if on.basis == "measured" and step and step.get("sd") is not None and pilot_gpus:
-        # Where the pilot ran: the spread it measured.
-        half = INTERVAL_SIGMAS * measured_sd(step) * expected
-        return fc.Range(max(0.0, expected - half), expected, expected + half)
+        # Where the pilot ran: the spread it measured. A time is work over a rate, so the fast end is
+        # the rate that much faster (expected / (1 + r)): never 0, however wide a busy machine's spread.
+        rel = INTERVAL_SIGMAS * measured_sd(step)
+        return fc.Range(expected / (1.0 + rel), expected, expected * (1.0 + rel))
     return fc.Range(fc.hours_for(tokens, speed * on.fast), expected, fc.hours_for(tokens, speed * on.slow))
 
 
@@ -343,6 +369,16 @@ def _clean(d: dict[str, Any]) -> dict[str, Any]:
         else:
             out[k] = v
     return out
+
+
+def spot_rates(gpus: list[cat.GPU]) -> str:
+    """The interruption rate behind every spot figure, per GPU, and how to set yours."""
+    rates = ", ".join(f"{g.name} {g.mtbi_hours:g} h" for g in gpus if g.spot_price is not None and g.mtbi_hours)
+    return (
+        f"spot interruptions: one every (mean time between interruptions) {rates or 'none given'}; "
+        "typical figures that vary by provider, region and month: --mtbi-hours H (every GPU) or GPU=H, "
+        "or mtbi_hours in a --catalog YAML, for yours"
+    )
 
 
 def _why(deadline: float | None, budget: float | None) -> str:

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from trainer import catalog as cat
-from trainer.plan import PlanError
+from trainer.plan import PlanError, changes
 from trainer.plan import memory as mem
-from trainer.plan.estimate import SCHEMA, model_facts
+from trainer.plan.estimate import SCHEMA, memory_settings, model_facts
 from trainer.plan.job import Constraints, Job
 
 NO_DATA = "none given (data.path is unset; its default, the built-in demo set, is not the data this run would train on)"
@@ -24,9 +24,12 @@ NEEDS = (
 )
 
 
-def memory_fit(job: Job, catalog: list[cat.GPU], constraints: Constraints, problem: str) -> dict[str, Any]:
+def memory_fit(
+    job: Job, catalog: list[cat.GPU], constraints: Constraints, problem: str, how: changes.How | None = None
+) -> dict[str, Any]:
     """The estimate document (schema `spotune.estimate/1`) with the memory fit only: `data.source` is
-    `none`, `options` hold one row per GPU without hours or prices, `needs` says what the rest needs."""
+    `none`, `options` hold one row per GPU with its prices but without hours, `needs` says what the rest
+    needs; `cheapest` the GPU that fits at the lowest price per GPU-hour, on demand and spot."""
     try:
         gpus = [cat.find_gpu(constraints.gpu, catalog)] if constraints.gpu is not None else catalog
     except cat.CatalogError as e:
@@ -42,15 +45,38 @@ def memory_fit(job: Job, catalog: list[cat.GPU], constraints: Constraints, probl
                 "memory_gib": g.memory_gib,
                 "fits": fits,
                 "fsdp_gpus": None if fits else job.fsdp_devices(g.memory_gib),
+                "on_demand_price": g.on_demand_price,
+                "spot_price": g.spot_price,
+                "mtbi_hours": g.mtbi_hours,
             }
         )
+    changes.annotate(options, job, constraints.gpus, how)
     return {
         "schema": SCHEMA,
         "model": model_facts(job),
         "data": {"source": "none", "exact": False, "problem": problem},
         "run": {"gpus": constraints.gpus, "seq_len": job.seq_len, "global_batch_rows": job.train.global_batch_size},
-        "memory_gib": memory.as_gib() | {"sharded_over": constraints.gpus if job.fsdp else 1},
+        "memory_gib": memory.as_gib()
+        | {"sharded_over": constraints.gpus if job.fsdp else 1, "settings": memory_settings(job)},
         "options": options,
         "recommendation": None,
+        "cheapest": {
+            pricing: _cheapest_by_price(options, key)
+            for pricing, key in (("on-demand", "on_demand_price"), ("spot", "spot_price"))
+        },
         "needs": NEEDS,
+    }
+
+
+def _cheapest_by_price(rows: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
+    """The fitting GPU of lowest price per GPU-hour (without the data's size, the time is unknown)."""
+    fitting = [r for r in rows if r["fits"] and r.get(key) is not None]
+    best = min(fitting, key=lambda r: r[key], default=None)
+    if best is None:
+        return None
+    return {
+        "gpu": best["gpu"],
+        "gpus": best["gpus"],
+        "price_per_gpu_hour": best[key],
+        "setting": (best.get("setting") or {}).get("setting"),
     }

@@ -100,7 +100,8 @@ class Option:
         middle = c.expected + self.eval_hours + self.checkpoint_hours + self.startup_hours + self.restart_hours
         below = math.hypot(c.expected - c.low, self.fixed_spread_hours)
         above = math.hypot(c.high - c.expected, self.fixed_spread_hours)
-        return Range(max(0.0, middle - below), middle, middle + above)
+        # The fast end as a rate that much faster (middle / (1 + r)): never 0 however wide the spread.
+        return Range(middle / (1.0 + below / middle) if middle > 0 else 0.0, middle, middle + above)
 
     @property
     def gpu_hours(self) -> Range:

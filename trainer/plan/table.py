@@ -24,12 +24,14 @@ def format_estimate(result: dict[str, Any]) -> str:
     where = DATA_SOURCES[d["source"]].format(n=d.get("sampled_examples") or 0)
     devices = "dev-h" if any(o.get("memory_gib") is None for o in result["options"]) else "GPU-h"
     lines = [
+        *cheapest_lines(result),
         *_model_line(m),
         f"data    {d['rows_per_epoch']:,.0f} rows/epoch, {d['real_tokens_per_epoch']:,.0f} real tokens/epoch "
         f"({d['trainable_tokens_per_epoch']:,.0f} trainable): {where}",
         *_truncation(d),
-        f"run     {r['steps']:,} steps x {r['global_batch_rows']} rows x {r['seq_len']} tokens = "
-        f"{r['real_tokens']:,.0f} real tokens on {r['gpus']} GPU(s), {r['train_flops']:.3g} FLOPs"
+        f"run     {r['steps']:,} steps x {r['global_batch_rows']} rows x {r['seq_len']} token slots = "
+        f"{r['steps'] * r['global_batch_rows'] * r['seq_len']:,} token slots, of which {r['real_tokens']:,.0f} real "
+        f"(non-padding) tokens, on {_devices(result)}, {r['train_flops']:.3g} FLOPs"
         + (f", {r['pairs_per_step']:.1f} pairs per step (mean)" if r.get("pairs_per_step") else ""),
         _memory_line(mem_g),
         *_timeline(result),
@@ -53,6 +55,8 @@ def format_estimate(result: dict[str, Any]) -> str:
         )
     rec = result["recommendation"]
     lines += _fsdp_hint(result)
+    lines += settings_lines(result["options"])
+    lines += changes_lines(result["options"], result["memory_gib"]["total"])
     lines.append("")
     if rec:
         lines.append(
@@ -87,16 +91,114 @@ def throughput_source(t: dict[str, Any]) -> str:
 def format_memory_fit(result: dict[str, Any]) -> str:
     """The report of an estimate without data (trainer/plan/fit.py): memory per GPU, then what time and cost need."""
     lines = [
+        *cheapest_lines(result),
         *_model_line(result["model"]),
         _memory_line(result["memory_gib"]),
         "",
-        f"{'GPU':<14}{'GiB':>6}  fit",
+        f"{'GPU':<14}{'GiB':>6}  {'fit':<5}{'$/GPU-h':>8}{'spot':>7}{'MTBI':>6}  how (GiB per GPU)",
     ]
     for o in result["options"]:
-        lines.append(f"{o['gpu'][:13]:<14}{o['memory_gib']:>6.0f}  {'yes' if o['fits'] else 'NO'}")
+        spot = f"${o['spot_price']:.2f}" if o.get("spot_price") is not None else "-"
+        mtbi = f"{o['mtbi_hours']:g}h" if o.get("mtbi_hours") else "-"
+        lines.append(
+            f"{o['gpu'][:13]:<14}{o['memory_gib']:>6.0f}  {'yes' if o['fits'] else 'NO':<5}"
+            f"{'$' + format(o['on_demand_price'], '.2f'):>8}{spot:>7}{mtbi:>6}  {_how(o)}"
+        )
     lines += _fsdp_hint(result)
+    lines.append(
+        "how: what the recipe's `auto` memory settings choose on that GPU (the fastest that fits), or, where it "
+        "does not fit, the smallest change that makes it fit; MTBI: mean time between spot interruptions "
+        "(catalogue; --mtbi-hours to set yours)"
+    )
     lines += ["", f"data: {result['data']['problem']}", result["needs"]]
     return "\n".join(lines)
+
+
+def _devices(result: dict[str, Any]) -> str:
+    """What the run is forecast on: GPUs (the catalogue's rows), and the device a pilot ran on when that is
+    not one of them (this CPU)."""
+    n = result["run"]["gpus"]
+    gpus = f"{n} GPU{'s' if n > 1 else ''}"
+    elsewhere = [o["gpu"] for o in result["options"] if o.get("memory_gib") is None]
+    if not elsewhere:
+        return gpus
+    device = elsewhere[0]
+    shown = "CPU" if device.lower() == "cpu" else device
+    return f"{n} x {shown} (where the pilot ran), or {gpus} (the catalogue's rows)"
+
+
+def cheapest_lines(result: dict[str, Any]) -> list[str]:
+    """The answer first: the cheapest GPU that fits, on demand and spot, and the setting it trains with."""
+    found = result.get("cheapest") or {}
+    priced = result["data"]["source"] != "none"
+    parts = []
+    for pricing in ("on-demand", "spot"):
+        c = found.get(pricing)
+        if c is None:
+            continue
+        count = f" x{c['gpus']}" if c["gpus"] > 1 else ""
+        money = (
+            f"~{_money(c['cost'])}, ~{_hours(c['wall_hours'])}"
+            if priced and c.get("cost") is not None
+            else f"${c['price_per_gpu_hour']:.2f}/GPU-h"
+        )
+        parts.append(f"{pricing} {c['gpu']}{count} {money}")
+    if not parts:
+        return ["cheapest GPU that fits: none in the catalogue as set (see what makes one fit below)"]
+    how = next((c["setting"] for c in (found.get("spot"), found.get("on-demand")) if c and c.get("setting")), None)
+    basis = "" if priced else " (by price per GPU-hour: the time needs the data)"
+    lines = [f"cheapest GPU that fits{basis}: {'; '.join(parts)}"]
+    if how:
+        lines.append(f"  trains there with {how}")
+    return lines
+
+
+def settings_lines(options: list[dict[str, Any]]) -> list[str]:
+    """What the `auto` memory settings choose on each GPU, one line per distinct choice."""
+    by: dict[str, list[str]] = {}
+    for o in options:
+        s = o.get("setting")
+        if s and s["fits"] and o["gpu"] not in by.get(s["setting"], []):
+            by.setdefault(f"{s['setting']} ({s['gib']:.1f} GiB)", []).append(o["gpu"])
+    if not by:
+        return []
+    return ["", "auto memory settings chosen per GPU (the fastest that fits):"] + [
+        f"  {', '.join(dict.fromkeys(gpus))}: {setting}" for setting, gpus in by.items()
+    ]
+
+
+def changes_lines(options: list[dict[str, Any]], needs_gib: float) -> list[str]:
+    """Where the run does not fit as set: per GPU, the smallest change that makes it fit, and the others."""
+    lines, seen = [], set()
+    for o in options:
+        if o["fits"] or not o.get("fit_changes") or o["gpu"] in seen:
+            continue
+        seen.add(o["gpu"])
+        lines.append(f"  {o['gpu']} ({o['memory_gib']:g} GiB): {_changes(o['fit_changes'])}")
+    if not lines:
+        return []
+    return ["", f"does not fit as set ({needs_gib:.1f} GiB per GPU); what makes it fit, smallest change first:", *lines]
+
+
+def _how(o: dict[str, Any]) -> str:
+    s = o.get("setting")
+    if o["fits"]:
+        return f"{s['setting']} ({s['gib']:.1f})" if s and s["fits"] else "as set"
+    return _changes(o.get("fit_changes") or [])
+
+
+def _changes(found: list[dict[str, Any]]) -> str:
+    fits = [c for c in found if c["fits"]]
+    if not fits:
+        return "nothing listed fits: " + ", ".join(_change(c) for c in found) if found else "does not fit"
+    first, rest = fits[0], fits[1:]
+    return f"fits with {_change(first)}" + (f"; or {', or '.join(_change(c) for c in rest)}" if rest else "")
+
+
+def _change(c: dict[str, Any]) -> str:
+    if c["gib"] is None:
+        return f"{c['change']} (not within 64 GPUs)"
+    return f"{c['change']} ({c['gib']:.1f} GiB)"
 
 
 def _model_line(m: dict[str, Any]) -> list[str]:
@@ -107,7 +209,7 @@ def _model_line(m: dict[str, Any]) -> list[str]:
     ]
 
 
-_NOT_TERMS = ("total", "allocated", "reserved", "offloaded", "pilot_measured_peak", "sharded_over")
+_NOT_TERMS = ("total", "allocated", "reserved", "offloaded", "pilot_measured_peak", "sharded_over", "settings")
 """`memory_gib` keys that are not terms of the sum (subtotals, host memory, the pilot's figure, a count)."""
 
 
@@ -115,6 +217,8 @@ def _memory_line(mem_g: dict[str, Any]) -> str:
     """Every term of the per-GPU sum with its unit, the total, and what is not on the GPU."""
     terms = " + ".join(f"{k} {v:.3g}" for k, v in mem_g.items() if k not in _NOT_TERMS and v)
     line = f"memory  GiB per GPU, estimated from the model's shape and the recipe: {terms} = {mem_g['total']:.3g} GiB"
+    if mem_g.get("settings"):
+        line += f" with {mem_g['settings']}"
     if mem_g.get("offloaded"):
         line += f" (+ {mem_g['offloaded']:.3g} GiB of host memory for offloaded activations)"
     if mem_g.get("pilot_measured_peak"):

@@ -35,8 +35,11 @@ DEFAULT_VM_START_S = 180.0
 """Requesting, booting and pulling the image of a replacement GPU VM (`--vm-start-seconds`)."""
 COMPILE_FIRST = "torch.compile from scratch (model.compile)"
 COMPILE_RESUMED = "torch.compile with the saved artifacts"
-DEFAULT_STARTUP_S = 300.0
-"""Start-up and teardown of one process without a pilot to measure them."""
+DEFAULT_STARTUP_S = 30.0
+"""Start-up and teardown of one process without a pilot to measure them, besides loading the weights:
+interpreter, torch and transformers imports, CUDA context, the optimizer and loader set-up, exit."""
+DEFAULT_LOAD_MB_S = 1000.0
+"""Loading the base model's weights from a local disk onto the device (safetensors, memory-mapped)."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,15 @@ def attempt_items(pilot: dict[str, Any] | None, target: Target) -> list[Item]:
     """The fixed costs of one fresh `spotune train` process on the pilot's device."""
     items = [_fetch(target, "base model download")]
     if pilot is None:
-        items.append(Item("start-up and teardown", DEFAULT_STARTUP_S, "assumed (no pilot; `spotune pilot` measures)"))
+        load = target.model_bytes / (DEFAULT_LOAD_MB_S * 1e6)
+        items.append(
+            Item(
+                "start-up and teardown",
+                DEFAULT_STARTUP_S + load,
+                f"assumed: {DEFAULT_STARTUP_S:g} s of imports, set-up and exit + {target.model_bytes / 1e9:.3g} GB of "
+                f"weights loaded at {DEFAULT_LOAD_MB_S:g} MB/s (no pilot; `spotune pilot` measures)",
+            )
+        )
         items.append(_data(None, target))
         return [i for i in items if i.seconds or i.source.startswith("assumed")]
     f = pilot["fixed"]

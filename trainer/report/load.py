@@ -61,6 +61,9 @@ class Attempt:
     resumed_from: int | None = None
     """The step its training started from (the checkpoint's, 0 without one); None: it never started
     training, or its row predates the field."""
+    end_is_last_heartbeat: bool = False
+    """Booked by a later attempt from its heartbeat (it was killed): `end` is its last sign of life, so its
+    hours are a lower bound."""
 
     @property
     def running(self) -> bool:
@@ -89,6 +92,7 @@ class Attempt:
             last_step=int(row["last_step"]) if row.get("last_step") is not None else None,
             device=str(row["device"]) if row.get("device") else None,
             resumed_from=int(row["resumed_from"]) if row.get("resumed_from") is not None else None,
+            end_is_last_heartbeat=bool(row.get("end_is_last_heartbeat")),
         )
 
 

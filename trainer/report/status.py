@@ -53,6 +53,11 @@ class Status:
     hours_unit: str
     cost: float | None
     redone_steps: int
+    restart_hours: float = 0.0
+    """What the restarts cost in device- or GPU-hours: every later attempt's start-up plus the step time
+    it redid (the report's figure, `Totals.restart_hours`)."""
+    restart_cost: float | None = None
+    """`restart_hours` priced at each attempt's rate (None without metrics.price_per_hour)."""
     attempts: list[dict[str, Any]] = field(default_factory=list)
     held_by: str | None = None
     """`lock held by ...` or `lease held by ...`, described (None: nothing holds the run)."""
@@ -99,7 +104,9 @@ def run_status(run: str, storage_options: dict[str, Any] | None = None) -> Statu
         hours_unit=t.hours_unit if t is not None else "device-hours",
         cost=t.cost if t is not None else None,
         redone_steps=t.redone_steps if t is not None else 0,
-        attempts=_attempts(data),
+        restart_hours=t.restart_hours if t is not None else 0.0,
+        restart_cost=t.restart_cost if t is not None else None,
+        attempts=_attempts(data, held is not None),
         held_by=held,
         lease_unknown=None if lock else unknown,
     )
@@ -144,8 +151,12 @@ def format_status(s: Status) -> str:
         f"  {s.device_hours:.4f} {s.hours_unit} so far (devices x wall time, every attempt){cost}",
         f"  attempts: {len(s.attempts)}" + (f" ({_attempt_list(s.attempts)})" if s.attempts else ""),
     ]
-    if s.redone_steps:
-        lines.append(f"  steps trained again after restarts: {s.redone_steps}")
+    if s.redone_steps or s.restart_hours:
+        money = f", ${s.restart_cost:,.4f}" if s.restart_cost is not None else ""
+        lines.append(
+            f"  steps trained again after restarts: {s.redone_steps}; the restarts cost {s.restart_hours:.4f} "
+            f"{s.hours_unit}{money} (start-up + redone work, as the report counts it)"
+        )
     if s.held_by:
         lines.append(f"  {s.held_by}")
     if s.lease_unknown:
@@ -197,14 +208,17 @@ def _last_machine(data: RunData | None) -> str | None:
     return str(rows[-1]["machine"]) if rows and rows[-1].get("machine") else None
 
 
-def _attempts(data: RunData | None) -> list[dict[str, Any]]:
+def _attempts(data: RunData | None, held: bool) -> list[dict[str, Any]]:
+    """Every attempt; an open one that holds nothing is gone: `killed`, never `running`, and its booked end
+    is its last heartbeat (as for one a later attempt booked), so its hours are a lower bound."""
     if data is None:
         return []
     redone = redone_by_attempt(data)
     return [
         {
             "attempt": a.attempt,
-            "exit_reason": a.exit_reason,
+            "exit_reason": KILLED if a.running and not held else a.exit_reason,
+            "end_is_last_heartbeat": a.end_is_last_heartbeat or (a.running and not held),
             "last_step": a.last_step,
             "resumed_from": a.resumed_from,
             "redone_steps": redone.get(a.attempt, 0),
@@ -225,8 +239,10 @@ def _state(t: Totals | None, held: bool) -> str:
 
 
 def _attempt_list(attempts: list[dict[str, Any]]) -> str:
-    """`1 killed at step 25, 2 finished at step 80`."""
+    """`1 killed at step 25 (booked to its last heartbeat: a lower bound), 2 finished at step 80`."""
     return ", ".join(
-        f"{a['attempt']} {a['exit_reason']}" + (f" at step {a['last_step']}" if a["last_step"] is not None else "")
+        f"{a['attempt']} {a['exit_reason']}"
+        + (f" at step {a['last_step']}" if a["last_step"] is not None else "")
+        + (" (booked to its last heartbeat: a lower bound)" if a.get("end_is_last_heartbeat") else "")
         for a in attempts
     )

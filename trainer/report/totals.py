@@ -104,8 +104,22 @@ def resume_line(attempts: list[Attempt], resumed_from: int) -> str | None:
     redo = redone_steps(furthest, resumed_from, None)
     if not redo and last.exit_reason in ("preempted", "budget") and last.last_step == resumed_from:
         return None  # it saved where it stopped: "resuming from ... at step N" says it all
-    tail = f": steps {resumed_from + 1}-{resumed_from + redo} are trained again ({redo} redone)" if redo else ""
+    tail = (
+        f": steps {resumed_from + 1}-{resumed_from + redo} are trained again ({redo} redone{_lost(last)})"
+        if redo
+        else ""
+    )
     return f"attempt {last.attempt} {last.exit_reason} {at}; {start}{tail}"
+
+
+def _lost(a: Attempt) -> str:
+    """The step time an attempt trained after its last checkpoint (`lost_seconds`), which the next one
+    redoes, with its cost when priced: what the redone steps cost."""
+    if a.lost_seconds <= 0:
+        return ""
+    price = a.price_per_device_second
+    money = f", ${a.lost_seconds * price:,.4f}" if price is not None else ""
+    return f": {a.lost_seconds:,.1f} device-seconds of attempt {a.attempt}'s step time{money}"
 
 
 def hours_unit(devices: list[str | None]) -> str:

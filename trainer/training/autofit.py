@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.plan.memory import GIB, MemoryEstimate
+from trainer.plan.memory import CUDA_OVERHEAD_BYTES, GIB, MemoryEstimate
 from trainer.restart import uploader
 
 HEADROOM_SHARE = 0.05
@@ -133,6 +133,15 @@ def estimate(cfg: Any, shape: Any, s: Setting, shards: int = 1) -> MemoryEstimat
     t = dataclasses.replace(cfg.train, micro_batch_size=s.micro_batch_size)
     job = Job(m.name_or_path, shape, "", m, cfg.adapter, t, cfg.checkpoint, cfg.data.seq_len)
     return job.memory(shards)
+
+
+def choice_on(cfg: Any, shape: Any, device_bytes: float, world: int = 1, shards: int = 1) -> Choice | None:
+    """What `auto` would choose on a fresh device of `device_bytes` (all of it free but the CUDA context),
+    for the planner (`spotune estimate` names it per GPU); None when no memory setting is `auto`."""
+    if not _is_auto(cfg):
+        return None
+    free = device_bytes - CUDA_OVERHEAD_BYTES
+    return choose(_settings(cfg, world), lambda s: estimate(cfg, shape, s, shards), free, device_bytes)
 
 
 RAN_OUT_FILE = uploader.RAN_OUT_FILE

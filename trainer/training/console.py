@@ -2,13 +2,15 @@
 
 A scheduler's log file gets lines a person and `grep` can read (trainer/progress.py says why):
 
-    spotune: step 20/200 loss 2.3456 | 1,234 tok/s | MFU 41.2% | 0.52 step/s, ETA 0:05:46 | $0.42 so far, $3.10 projected
+    spotune: step 20/200 loss 2.3456 | 1,234 tok/s, 0.55 step/s | MFU 41.2% | ETA 0:05:46 | $0.42 so far, $3.10 projected
     spotune: eval at step 20: eval_loss 2.4012 (3.1 s)
     spotune: step 30/200 loss 2.3012 eval_loss 2.4012 | 1,236 tok/s | ...
 
 and the events the bar shows (checkpoint saved, resumed from step N, preempted) as `spotune: ...`
-lines in both modes. Rate and ETA count only the steps this attempt ran, from its first step:
-a resumed attempt's first line is as right as any other (its earlier steps took no time here).
+lines in both modes. tok/s and step/s are the metrics row's, over one window: the steps since the previous row and their
+step time (saves and evaluations apart, as the meter defines it). The ETA is the attempt's own pace,
+saves and evaluations included, counting only the steps this attempt ran, from its first step: a
+resumed attempt's first line is as right as any other (its earlier steps took no time here).
 Only the main rank speaks.
 """
 
@@ -91,14 +93,17 @@ class Console:
         parts = [f"spotune: step {step}/{self.total} loss {_fmt(row.get('loss'))}{evaluated}"]
         if row.get("rewards/accuracies") is not None:  # a preference objective's own figures
             parts.append(f"reward acc {row['rewards/accuracies']:.2f} margin {row['rewards/margins']:.4g}")
-        if row.get("tokens_per_s") is not None:
-            parts.append(f"{row['tokens_per_s']:,.0f} tok/s")
+        # tok/s and step/s over one window, the row's (the steps since the previous row, their step time).
+        speed = [f"{row['tokens_per_s']:,.0f} tok/s"] if row.get("tokens_per_s") is not None else []
+        if row.get("step_time_s"):
+            speed.append(f"{1.0 / row['step_time_s']:.3g} step/s")
+        if speed:
+            parts.append(", ".join(speed))
         if row.get("mfu") is not None:
             parts.append(f"MFU {100 * row['mfu']:.1f}%")
         rate = self.rate(step)
-        if rate:
-            eta = datetime.timedelta(seconds=round((self.total - step) / rate))
-            parts.append(f"{rate:.3g} step/s, ETA {eta}")
+        if rate:  # the attempt's own pace, saves and evaluations included: when the run will end
+            parts.append(f"ETA {datetime.timedelta(seconds=round((self.total - step) / rate))}")
         if row.get("cost") is not None:
             projected = row.get("projected_cost")
             parts.append(f"${row['cost']:.2f} so far" + (f", ${projected:.2f} projected" if projected else ""))

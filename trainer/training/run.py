@@ -396,7 +396,6 @@ def _finish(
         with ledger.timed("final"):  # a collective under FSDP
             write_final(proc.out / "final", model, tokenizer_path(cfg), proc.is_main, cfg.data)
     proc.accelerator.wait_for_everyone()
-    summary = books.meter.summary()
     with ledger.timed("flush"):
         proc.remote.finish(preempted=reason == "preempted", notice_seconds=cfg.checkpoint.notice_seconds)
     if proc.is_main:  # after the flush: a preempted machine spends its notice on the upload first
@@ -410,6 +409,9 @@ def _finish(
     # Closed while the signal handlers are still installed: a late SIGTERM (torchrun
     # forwards one after a sibling exits) must not kill us before this row is written.
     ledger.close(reason)
+    # After the row is written: the closing line's device-hours and cost are the ledger's, as `status` and
+    # the report read them (taken before final/, the flush and the report, they fell short of the row).
+    summary = books.meter.summary()
     proc.remote.close()
     books.console.close()
     if proc.is_main:
