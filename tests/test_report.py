@@ -420,7 +420,11 @@ def test_header_says_what_was_trained(real_run: dict[str, Any], tiny_llama: Path
     manifest = json.loads(manifest_path.read_text())
     train = manifest["train"]
     how = f"(alpaca, chat template: {manifest['train']['chat_template']})"  # what `auto` chose, and the template
-    assert facts["data"].startswith(f"{manifest['sources']['train']} {how}") and "seq_len 128" in facts["data"]
+    # the data path relative to the run (a shared report keeps the machine's absolute paths out)
+    shown = os.path.relpath(manifest["sources"]["train"], out)
+    assert os.path.isabs(manifest["sources"]["train"]) and shown.startswith("..")
+    assert facts["data"].startswith(f"{shown} {how}") and "seq_len 128" in facts["data"]
+    assert manifest["sources"]["train"] not in html
     assert (
         f"in {train['rows']:,} rows; {train['real_tokens']:,} tokens, {train['trainable_tokens']:,} trained"
         in (facts["data_train"])
@@ -542,3 +546,12 @@ def test_every_throughput_panel_has_step_ticks_and_the_stall_line_breaks_between
     xs, _ = plots._per_attempt(run, run.train_rows, "step", "data_stall_share")
     gaps = [i for i, v in enumerate(xs) if v != v]
     assert len(gaps) == 1 and xs[gaps[0] - 1] == 25 and xs[gaps[0] + 1] == 30  # one line per attempt
+
+
+def test_a_data_path_is_shown_relative_to_a_local_run_and_by_name_beside_a_remote_one() -> None:
+    from trainer.report.trained import shown_path
+
+    assert shown_path("/home/alice/data/chats.jsonl", "/home/alice/runs/mine") == "../../data/chats.jsonl"
+    assert shown_path("/home/alice/data/chats.jsonl", "file:///home/alice/runs/mine") == "../../data/chats.jsonl"
+    assert shown_path("/home/alice/data/chats.jsonl", "s3://bucket/runs/mine") == ".../chats.jsonl"
+    assert shown_path("org/name@abc123", "/home/alice/runs/mine") == "org/name@abc123"  # control: a hub id as is
