@@ -27,13 +27,14 @@ lint: setup-test
 # ruff first (seconds); then mypy beside the tests, on the core time the test workers leave idle
 # while their drills wait on child processes, its report printed after theirs. One pytest worker per
 # core (pytest-xdist), a test module on one worker so that its fixtures are built once;
-# tests/conftest.py shares the cores' threads out among the workers.
+# tests/conftest.py shares the cores' threads out among the workers. --instafail (pytest-instafail) prints
+# each failure, its name and short traceback, the moment it fails, not only in the summary at the end.
 TEST_WORKERS ?= auto
 test: setup-test
 	$(VENV)/bin/ruff check $(RUFF_PATHS)
 	$(VENV)/bin/ruff format --check $(RUFF_PATHS)
 	@mkdir -p runs; $(VENV)/bin/mypy > runs/mypy.log 2>&1 & mypy=$$!; \
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=15 tests; tests=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --instafail --tb=short --durations=15 tests; tests=$$?; \
 	wait $$mypy; typed=$$?; cat runs/mypy.log; \
 	[ $$tests -eq 0 ] && [ $$typed -eq 0 ]
 
@@ -71,6 +72,7 @@ bench: setup-test
 	$(PY) benchmarks/resume.py
 	$(PY) benchmarks/scaleout.py
 	$(PY) benchmarks/forecast.py
+	$(PY) benchmarks/chat.py
 
 clean:
 	rm -rf runs .pytest_cache

@@ -109,8 +109,33 @@ def main() -> int:
 
 
 def chat_command(run_dir: Path, prompt: str) -> str:
-    """The `spotune chat` command that asks `prompt` as the demo did: greedy, as many new tokens."""
-    return f"spotune chat {shlex.quote(str(run_dir))} --prompt {shell_quote(prompt)} --temperature 0 --max-new-tokens {MAX_NEW_TOKENS}"
+    """The `spotune chat` command that asks `prompt` as the demo did: greedy, as many new tokens; pasted
+    into the shell the demo was started from, it runs (see `spotune_program`)."""
+    return (
+        f"{spotune_program()} chat {shlex.quote(_shown(run_dir))} --prompt {shell_quote(prompt)} "
+        f"--temperature 0 --max-new-tokens {MAX_NEW_TOKENS}"
+    )
+
+
+def spotune_program() -> str:
+    """`spotune` where the shell finds this environment's own; else the path of the script beside this
+    Python (`make demo` never activates .venv: `.venv/bin/spotune`), else this Python with `-m trainer`."""
+    script = Path(sys.executable).parent / "spotune"
+    found = shutil.which("spotune")
+    if found and script.is_file() and Path(found).resolve() == script.resolve():
+        return "spotune"
+    if script.is_file() and os.access(script, os.X_OK):
+        return shlex.quote(_shown(script))
+    return f"{shlex.quote(_shown(Path(sys.executable)))} -m trainer"
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the working directory when it lies under it (`runs/demo`), else absolute; a
+    relative one keeps a `./` or a folder, so the shell never looks it up on PATH."""
+    try:
+        return str(Path(os.path.abspath(path)).relative_to(Path.cwd()))
+    except ValueError:
+        return str(os.path.abspath(path))
 
 
 def shell_quote(text: str) -> str:

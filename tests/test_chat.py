@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
 from trainer.cli.main import main as spotune
@@ -97,7 +98,7 @@ def test_an_alpaca_run_is_prompted_with_the_tokens_it_trained_on(run_dir: Path) 
     from trainer.data.chat_templates import NAMED
 
     session = Chat(find_source(run_dir), "cpu")
-    assert session.source.format == "alpaca"
+    assert session.source.format == "auto"  # the recipe reads any format; the built-in data is alpaca
     (manifest,) = (run_dir / "data").glob("*/manifest.json")
     row = datasets.load_from_disk(str(manifest.parent / "train"))[0]
     end = [i for i, p in enumerate(row["position_ids"]) if p == 0][1:2] or [row["num_real"]]
@@ -116,8 +117,39 @@ def test_an_alpaca_run_is_prompted_with_the_tokens_it_trained_on(run_dir: Path) 
 
 def test_one_shot_prompt_prints_the_reply_and_exits_0(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert spotune(["chat", str(run_dir), "--prompt", "hi", "--max-new-tokens", "12", "--seed", "1"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert out.strip() and out.endswith("\n") and "you>" not in out
+    # it says it is loading (on stderr: stdout is the answer alone), and when it has loaded
+    assert "spotune chat: loading " in captured.err and "spotune chat: loaded in " in captured.err
+    assert "loading" not in out
+
+
+def test_a_small_model_decodes_on_one_cpu_thread(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Threads cost a small model's tiny per-token ops more than they give (benchmarks/chat.py measures it):
+    the tiny model decodes on one thread, and torch's setting is restored after the reply."""
+    from trainer.serve import chat as chat_module
+
+    session = Chat(find_source(run_dir), "cpu")
+    assert session.threads == 1
+    seen: list[int] = []
+    real = session.model.generate
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(session.model, "generate", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        session.reply(Conversation(), "hi", GREEDY, lambda _: None)
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    # control: a large model, or a GPU, keeps torch's own setting
+    assert chat_module.decode_threads(chat_module.SMALL_DECODE_PARAMS, torch.device("cpu")) is None
+    assert chat_module.decode_threads(10, torch.device("cuda")) is None
 
 
 def test_conversation_through_a_pseudo_terminal(run_dir: Path) -> None:

@@ -384,3 +384,15 @@ def test_bf16_auto_is_what_the_device_runs() -> None:
     assert process.resolved_precision(cfg, accelerator).train.mixed_precision == expected
     fixed = C.load(None, ["bf16=true"])
     assert process.resolved_precision(fixed, accelerator) is fixed  # control: only `auto` is decided here
+
+
+def test_did_you_mean_knows_the_aliases() -> None:
+    """`train.learning_rat` is a misspelt `learning_rate` (read as train.lr), not the real key
+    `train.min_lr_ratio`, which sets something else."""
+    with pytest.raises(C.ConfigError) as e:
+        C.load(None, ["model.name_or_path=x", "data.path=x.jsonl", "train.learning_rat=0.1"])
+    assert "train.learning_rat: unknown key; did you mean train.learning_rate (read as train.lr)?" in str(e.value)
+    assert "min_lr_ratio" not in str(e.value)
+    with pytest.raises(C.ConfigError) as near:  # control: a misspelt spotune key still gets its own name
+        C.load(None, ["model.name_or_path=x", "data.path=x.jsonl", "train.min_lr_rati=0.1"])
+    assert "did you mean train.min_lr_ratio?" in str(near.value)

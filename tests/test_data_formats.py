@@ -197,3 +197,19 @@ def test_an_unknown_template_name_lists_the_known_ones(tmp_path: Path, tiny_toke
     jinja = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # control: Jinja text is rendered as given
     p = prepare(dataclasses.replace(cfg, chat_template=jinja), str(tiny_tokenizer), tmp_path / "cache", progress=False)
     assert p.manifest["train"]["chat_template"] == "data.chat_template (Jinja)"
+
+
+def test_auto_says_its_choice_once_per_source(
+    tmp_path: Path, tiny_tokenizer: Path, capfd: pytest.CaptureFixture
+) -> None:
+    """`inspect --show` settles each source before prepare settles it again: the line is printed once."""
+    path = _jsonl(tmp_path / "once.jsonl", [ROWS["sharegpt"]])
+    tok = AutoTokenizer.from_pretrained(str(tiny_tokenizer))
+    t = tokenize_for(DataConfig(path=str(path), seq_len=256), tok, str(path))
+    head = [ROWS["sharegpt"]]
+    t.settle(list(ROWS["sharegpt"]), head)
+    t.settle(list(ROWS["sharegpt"]), head)
+    assert capfd.readouterr().err.count("data.format=auto -> sharegpt") == 1
+    other = tmp_path / "other.jsonl"  # control: another source says its own
+    tokenize_for(DataConfig(path=str(other), seq_len=256), tok, str(other)).settle(list(ROWS["sharegpt"]), head)
+    assert capfd.readouterr().err.count("data.format=auto -> sharegpt") == 1

@@ -576,3 +576,23 @@ def test_a_gated_or_private_dataset_names_hf_token_and_never_shows_it(
         server.shutdown()
     assert "data.path" in msg and want in msg and "HF_TOKEN" in msg
     assert "hf_not_a_real_token_123" not in msg
+
+
+def test_a_malformed_json_line_is_named_at_the_column_the_parser_gives(tmp_path: Path, tiny_tokenizer: Path) -> None:
+    """A line cut short (a file copied half-way) fails at its end: the column is the line's length + 1, as
+    `json.loads` of the line alone says, not column 1 of the newline after it."""
+    cut = json.dumps({"instruction": "a" * 60, "output": "b" * 30})[:-1]
+    path = tmp_path / "cut.jsonl"
+    path.write_text(json.dumps({"instruction": "a", "output": "b"}) + "\n" + cut + "\n")
+    with pytest.raises(json.JSONDecodeError) as parser:
+        json.loads(cut)
+    assert parser.value.colno == len(cut) + 1 > 1
+    assert f"{path}:2: malformed JSON line (Expecting ',' delimiter at column {len(cut) + 1})" in _error(
+        tmp_path, tiny_tokenizer, path=str(path)
+    )
+    # One JSON document written over several lines (not JSON Lines) is named where the parser stops.
+    pretty = tmp_path / "pretty.json"
+    pretty.write_text('{\n  "instruction": "a",\n  "output": "b",\n}\n')
+    assert f"{pretty}:4: malformed JSON (Expecting property name enclosed in double quotes at column 1)" in _error(
+        tmp_path, tiny_tokenizer, path=str(pretty)
+    )

@@ -4,6 +4,7 @@ length histogram's bins fit the data."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import numpy as np
@@ -85,10 +86,11 @@ def test_the_old_histogram_left_most_bins_empty() -> None:
 
 
 def test_the_demo_asks_as_trained_and_its_chat_command_gives_the_same_answer(
-    tmp_path: Path, tiny_llama: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, tiny_llama: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The demo prints each question as the model is asked it (the alpaca input after a blank line, not
-    after a space), and its last line is the `spotune chat` command that gives the same greedy reply."""
+    after a space), and its last line is the `spotune chat` command that gives the same greedy reply, and runs
+    when pasted into a shell where .venv was never activated."""
     import subprocess
 
     from trainer.cli.main import main
@@ -103,12 +105,20 @@ def test_the_demo_asks_as_trained_and_its_chat_command_gives_the_same_answer(
     assert scored.answers[0], "a reply to compare (not an end of turn at once)"
     held = builtin_assets.held_out_examples()[0]
     assert prompt == f"{held['instruction']}\n\n{held['input']}" and held["input"], "the asked text, input included"
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # as after `make demo`: .venv never activated
     command = demo.chat_command(run, prompt)
-    assert command.startswith(f"spotune chat {run} --prompt $'") and "\n" not in command
+    assert f" chat {run} --prompt $'" in command and "\n" not in command
     # The words bash makes of it, then the command itself, in this process.
     words = subprocess.run(["bash", "-c", f"printf '%s\\0' {command}"], capture_output=True, check=True).stdout
     args = words.decode().split("\0")[:-1]
-    assert args[0] == "spotune" and args[args.index("--prompt") + 1] == prompt
+    assert args[args.index("--prompt") + 1] == prompt
+    # Pasted into a shell that never activated the environment (`make demo` does not), the program runs.
+    bare = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    found = subprocess.run(["bash", "-c", f"command -v {args[0]}"], env=bare, capture_output=True, text=True)
+    assert found.returncode == 0 and args[0] != "spotune", (args[0], found)
+    help_text = subprocess.run([args[0], "chat", "--help"], env={**os.environ, **bare}, capture_output=True, text=True)
+    assert help_text.returncode == 0 and "--prompt" in help_text.stdout, help_text.stderr[-2000:]
+    args = ["spotune", *args[1:]]
     capsys.readouterr()
     assert main(args[1:]) == 0
     assert capsys.readouterr().out.strip() == scored.answers[0]

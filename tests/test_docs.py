@@ -229,3 +229,15 @@ def test_controls(tmp_path: Path) -> None:
     assert citations("fixed in issue 21; see #24 and Issues 12") == ["issue 21", "#24", "Issues 12"]
     assert citations('color="#666", color: #667;, [x](#heading), see (#3)') == ["#3"]
     assert not citations("a 4-bit base; 12 issues of the magazine; `#include`")
+
+
+def test_make_test_names_failures_as_they_happen_and_the_readme_says_how_long_it_takes() -> None:
+    """`-q` names nothing until the end of a long run: the test target prints each failure as it fails
+    (pytest-instafail, which works under pytest-xdist), and the README gives the duration."""
+    make = (REPO / "Makefile").read_text()
+    line = next(ln for ln in make.splitlines() if "-m pytest" in ln and "--dist loadfile" in ln)
+    assert "--instafail" in line
+    import importlib.util
+
+    assert importlib.util.find_spec("pytest_instafail") is not None, "pip install pytest-instafail (the test extra)"
+    assert re.search(r"`make test` takes about \S+ minutes on 2", README.read_text())

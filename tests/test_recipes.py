@@ -206,3 +206,32 @@ def test_recipe_header_and_docs_agree_on_the_gpu_and_the_estimate_fits_it(path: 
     cfg = C.load(path)
     job, _ = world._job(cfg, builtin_assets.resolve_model(cfg.model.name_or_path))
     assert frugal_gib(job, 1) <= 0.95 * claim * 1e9 / 2**30, (path.name, frugal_gib(job, 1))
+
+
+def test_the_tiny_recipe_reads_your_own_file_in_any_format_and_a_small_one_is_told_its_override(
+    tmp_path: Path, tiny_tokenizer: Path
+) -> None:
+    """`spotune train recipes/tiny-cpu.yaml data.path=my.jsonl` reads a messages file as it reads alpaca
+    (data.format auto); a file too small for one step is answered with the override that runs it."""
+    from trainer.data import prepare
+    from trainer.data.sampler import steps_per_epoch
+
+    rows = [
+        {"messages": [{"role": "user", "content": f"Say {i}."}, {"role": "assistant", "content": f"{i}."}]}
+        for i in range(12)
+    ]
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = C.load(REPO / "recipes" / "tiny-cpu.yaml", [f"data.path={mine}"])
+    assert cfg.data.format == "auto"
+    prepared = prepare(cfg.data, str(tiny_tokenizer), tmp_path / "cache", progress=False)
+    assert prepared.manifest["train"]["format"] == "messages" and prepared.manifest["train"]["examples_out"] == 12
+    n_rows = prepared.manifest["train"]["rows"]
+    needed = C.batch_split(cfg.train, 1).global_rows
+    assert n_rows < needed  # 12 short answers: fewer packed rows than the recipe's step takes
+    with pytest.raises(C.ConfigError) as e:
+        steps_per_epoch(n_rows, needed)
+    override = "train.micro_batch_size=1 train.grad_accum=1"
+    assert f"{override} (one row a step, {n_rows} steps an epoch)" in str(e.value)
+    fixed = C.load(REPO / "recipes" / "tiny-cpu.yaml", [f"data.path={mine}", *override.split()])
+    assert steps_per_epoch(n_rows, C.batch_split(fixed.train, 1).global_rows) == n_rows  # what it said

@@ -420,7 +420,11 @@ def test_header_says_what_was_trained(real_run: dict[str, Any], tiny_llama: Path
     manifest = json.loads(manifest_path.read_text())
     train = manifest["train"]
     how = f"(alpaca, chat template: {manifest['train']['chat_template']})"  # what `auto` chose, and the template
-    assert facts["data"].startswith(f"{manifest['sources']['train']} {how}") and "seq_len 128" in facts["data"]
+    # the data path relative to the run (a shared report keeps the machine's absolute paths out)
+    shown = os.path.relpath(manifest["sources"]["train"], out)
+    assert os.path.isabs(manifest["sources"]["train"]) and shown.startswith("..")
+    assert facts["data"].startswith(f"{shown} {how}") and "seq_len 128" in facts["data"]
+    assert manifest["sources"]["train"] not in html
     assert (
         f"in {train['rows']:,} rows; {train['real_tokens']:,} tokens, {train['trainable_tokens']:,} trained"
         in (facts["data_train"])
@@ -488,3 +492,66 @@ def test_a_live_run_shows_its_eta_and_projected_cost(real_run: dict[str, Any], t
     assert float(values["eta"]) == pytest.approx(expected, rel=1e-12)
     finished = _parse(write_report(real_run["out"], tmp_path / "done")[0]).values
     assert "eta" not in finished and "projected_cost" not in finished  # control: a finished run has none
+
+
+def _two_attempts() -> Any:
+    """A run logged every 5 steps, saving every 20: attempt 1 saves at 20 (its row 25 shows the pause),
+    is preempted at 27 and saves there; attempt 2 resumes at 27 and finishes at 40, saving there."""
+    from trainer.report.load import Attempt, RunData
+
+    cfg = C.load(Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.yaml", ["checkpoint.every_steps=20"])
+    t0 = 1_800_000_000.0
+
+    def row(step: int, attempt: int, paused: float, t: float) -> dict[str, Any]:
+        return {"step": step, "loss": 1.0, "attempt": attempt, "paused_s": paused, "time": t0 + t, "lr": 1e-3,
+                "tokens_per_s": 100.0, "sustained_tokens_per_s": 100.0, "data_stall_share": 0.1, "mfu": None,
+                "peak_memory_gib": 0.5, "grad_norm": 1.0}  # fmt: skip
+
+    rows = [row(s, 1, 2.0 if s >= 25 else 0.0, s) for s in (5, 10, 15, 20, 25)]
+    rows += [row(s, 2, 0.0, 100 + s) for s in (30, 35, 40)]
+
+    def attempt(n: int, start: float, end: float, reason: str, last: int, resumed: int) -> Attempt:
+        return Attempt(n, t0 + start, t0 + end, 1, reason, end - start, 1.0, end - start - 3, 2.0, 0.0, None, last,
+                       "cpu", resumed)  # fmt: skip
+
+    attempts = [attempt(1, 0, 28, "preempted", 27, 0), attempt(2, 126, 141, "finished", 40, 27)]
+    return RunData("run", cfg, rows, [], attempts)
+
+
+def test_checkpoint_markers_sit_at_the_step_saved_and_the_last_save_is_shown() -> None:
+    from trainer.report.plots import _saves
+
+    steps = [step for _, step in _saves(_two_attempts())]
+    assert steps == [20, 27, 40]  # not 25, the row after the save; the saves at exit are shown
+
+
+def test_every_throughput_panel_has_step_ticks_and_the_stall_line_breaks_between_attempts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from trainer.report import plots
+
+    figures: list[Any] = []
+    monkeypatch.setattr(plots, "_png", lambda fig: figures.append(fig) or b"")
+    run = _two_attempts()
+    plots.throughput(run)
+    (fig,) = figures
+    FigureCanvasAgg(fig).draw()
+    tok, mfu, stall, mem = fig.axes
+    for ax in (tok, stall, mem):
+        labels = [t.get_text() for t in ax.get_xticklabels() if t.get_visible() and t.get_text()]
+        assert labels, ax.get_title()
+    assert "no MFU" in " ".join(t.get_text() for t in mfu.texts)  # the CPU run's empty panel
+    xs, _ = plots._per_attempt(run, run.train_rows, "step", "data_stall_share")
+    gaps = [i for i, v in enumerate(xs) if v != v]
+    assert len(gaps) == 1 and xs[gaps[0] - 1] == 25 and xs[gaps[0] + 1] == 30  # one line per attempt
+
+
+def test_a_data_path_is_shown_relative_to_a_local_run_and_by_name_beside_a_remote_one() -> None:
+    from trainer.report.trained import shown_path
+
+    assert shown_path("/home/alice/data/chats.jsonl", "/home/alice/runs/mine") == "../../data/chats.jsonl"
+    assert shown_path("/home/alice/data/chats.jsonl", "file:///home/alice/runs/mine") == "../../data/chats.jsonl"
+    assert shown_path("/home/alice/data/chats.jsonl", "s3://bucket/runs/mine") == ".../chats.jsonl"
+    assert shown_path("org/name@abc123", "/home/alice/runs/mine") == "org/name@abc123"  # control: a hub id as is

@@ -18,6 +18,7 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import Any, Literal, Protocol, Union
 
+from trainer.config.aliases import ALIASES
 from trainer.config.schema import (
     CHAT_ROLES,
     AdapterConfig,
@@ -107,9 +108,16 @@ def _dataclass_items(hint: Any) -> type | None:
 
 
 def _suggest(key: str, prefix: str, fields: Mapping[str, Any]) -> str:
-    close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.5)
+    """The nearest key of this section or known name of another tool (aliases.py: `learning_rat` is
+    nearer `learning_rate`, read as train.lr, than the real key `min_lr_ratio`, which means another thing)."""
+    names = {f: "" for f in fields}
+    if "[" not in prefix:  # known names are read in a section or at the top, not in a list's entries
+        # only a close spelling of one: a loose match to a name of another section would mislead
+        aliases = [a for a in ALIASES if a not in fields and difflib.SequenceMatcher(None, key, a).ratio() >= 0.8]
+        names.update({a: f" (read as {ALIASES[a].key})" for a in aliases})
+    close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.5)
     if close:
-        return f"; did you mean {prefix}{close[0]}?"
+        return f"; did you mean {prefix}{close[0]}{names[close[0]]}?"
     return f"; valid keys here: {', '.join(prefix + f for f in fields)}"
 
 

@@ -34,8 +34,15 @@ from trainer.data.pack import batch_pad_efficiency, build_rows, doc_len_sq, one_
 from trainer.data.read import DataError
 from trainer.data.rows import Parts
 from trainer.data.sources import Located, eval_sources, local_files, locate, sources_of
-from trainer.data.stats import BASELINE_BATCH, format_summary, length_stats, truncation
-from trainer.data.template import Tokenize
+from trainer.data.stats import (
+    BASELINE_BATCH,
+    SEQ_LEN_RULE,
+    format_summary,
+    length_stats,
+    suggest_seq_len,
+    truncation,
+)
+from trainer.data.template import ANSWERS_CUT, NO_TRAINABLE_AFTER_TRUNCATION, OVERLONG, Tokenize
 from trainer.progress import datasets_bars
 
 _TOKENIZED = Features(
@@ -48,6 +55,7 @@ _TOKENIZED = Features(
     }
 )
 _TOKENIZED_PAIRS = Features({**_TOKENIZED, "chosen_length": Value("int32")})
+_TOKENIZED_SFT = Features({**_TOKENIZED, ANSWERS_CUT: List(Value("int32"))})  # what seq_len cuts of the answers
 
 
 @dataclass(frozen=True)
@@ -228,7 +236,7 @@ def _tokenize(loc: Located, raw: datasets.Dataset, job: _Job, j: int) -> tuple[d
         batched=True,
         remove_columns=raw.column_names,
         num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
-        features=_TOKENIZED_PAIRS if job.pairs else _TOKENIZED,
+        features=_TOKENIZED_PAIRS if job.pairs else _TOKENIZED_SFT,
         cache_file_name=str(job.scratch / f"{job.name}-{j}.arrow"),
         new_fingerprint=f"{job.fp}-{job.name}-{j}",  # skips hashing the tokenizer-holding function
         desc=f"tokenize {job.name} ({src.key})",
@@ -258,7 +266,7 @@ def _tokenize_pack_save(
             reasons = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
             raise DataError(
                 f"{loc.label} ({loc.source.key}): no {name} example is left after templating ({reasons}); "
-                "check its format and field settings, or raise data.seq_len / set data.overlong=truncate."
+                + _no_example_fix(np.asarray(piece["length"], dtype=np.int64), st, cfg.seq_len, cfg.overlong)
             )
         lens = np.asarray(piece["length"], dtype=np.int64)
         cut = _truncated(piece, lens, cfg.seq_len, job.pairs) & (st == "")
@@ -340,8 +348,30 @@ def _truncation(
 ) -> dict[str, Any]:
     """What the length settings lose (stats.truncation): pairs by what each keeps, with data.max_length."""
     if not pairs:
-        return truncation(lengths, status, cfg.seq_len)
+        return truncation(lengths, status, cfg.seq_len, answers=_answers_cut(tokenized))
     return {**truncation(lengths, status, cfg.seq_len, _held(tokenized)), "max_length": cfg.max_length}
+
+
+def _no_example_fix(lengths: np.ndarray, status: np.ndarray, seq_len: int, overlong: str) -> str:
+    """The fix when a source keeps no example: a seq_len that holds its examples (named) when seq_len
+    dropped them, `overlong=truncate` only where it is not set; else its format and fields."""
+    lost = np.isin(status, (OVERLONG, NO_TRAINABLE_AFTER_TRUNCATION))
+    if not lost.any():
+        return "check its format and field settings."
+    p99 = int(np.ceil(np.percentile(lengths[lost], 99)))
+    fix = f"set data.seq_len={suggest_seq_len(p99)} ({SEQ_LEN_RULE} of these examples, {p99:,} tokens"
+    fix += f"; data.seq_len is {seq_len})"
+    if overlong == "drop" and (status == OVERLONG).any():
+        fix += ", or data.overlong=truncate to keep each example's first tokens"
+    return fix + "."
+
+
+def _answers_cut(tokenized: datasets.Dataset) -> np.ndarray | None:
+    """Each example's `ANSWERS_CUT` (trainer/data/template.py) as an (n, 4) array, or None without it."""
+    if ANSWERS_CUT not in tokenized.column_names:
+        return None
+    cut = tokenized.data.column(ANSWERS_CUT).combine_chunks()
+    return np.asarray(cut.flatten().to_numpy(zero_copy_only=False), dtype=np.int64).reshape(-1, 4)
 
 
 def _save_rows(packed: dict[str, np.ndarray], seq_len: int, path: Path) -> None:

@@ -147,11 +147,9 @@ def _read_jsonl(p: Path) -> Numbered:
             if not line.strip():
                 continue  # blank lines (often a trailing newline) are not examples
             try:
-                row = json.loads(line)
+                row = json.loads(line.rstrip("\r\n"))  # an error at the line's end is in it, not on line 2
             except json.JSONDecodeError as e:
-                raise DataError(
-                    f"{p}:{lineno}: malformed JSON line ({e.msg} at column {e.colno}); fix or remove that line."
-                ) from None
+                raise DataError(f"{p}:{lineno}: malformed JSON line ({_at(e)}); fix or remove that line.") from None
             if not isinstance(row, dict):
                 raise DataError(f"{p}:{lineno}: expected a JSON object per line, got {type(row).__name__}.")
             rows.append((lineno, row))
@@ -164,8 +162,10 @@ def _read_json(p: Path) -> Numbered:
     if not text.lstrip().startswith("["):
         try:
             whole = json.loads(text)
-        except json.JSONDecodeError:
+        except json.JSONDecodeError as e:
             whole = None  # not one JSON document: read it as JSON Lines, with line numbers on errors
+            if not _first_line_parses(text):  # nor JSON Lines: one document over many lines, as the parser says
+                raise DataError(f"{p}:{e.lineno}: malformed JSON ({_at(e)}); fix that line.") from None
         if isinstance(whole, dict) and len(text.strip().splitlines()) > 1:
             raise DataError(
                 f"{p}: expected a JSON array of objects or JSON Lines, got one JSON object "
@@ -175,11 +175,27 @@ def _read_json(p: Path) -> Numbered:
     try:
         items = list(_array_items(text))
     except json.JSONDecodeError as e:
-        raise DataError(f"{p}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno}).") from None
+        raise DataError(f"{p}:{e.lineno}: malformed JSON ({_at(e)}).") from None
     for i, (line, row) in enumerate(items):
         if not isinstance(row, dict):
             raise DataError(f"{p}:{line}: item {i} of the JSON array is a {type(row).__name__}, expected an object.")
     return items
+
+
+def _at(e: json.JSONDecodeError) -> str:
+    """The parser's message and column as one phrase (`Invalid control character at` ends in "at" already)."""
+    return f"{e.msg.removesuffix(' at')} at column {e.colno}"
+
+
+def _first_line_parses(text: str) -> bool:
+    """Whether the first non-blank line of `text` is a JSON value of its own (JSON Lines), not the
+    opening of a document written over several lines."""
+    first = next((line for line in text.splitlines() if line.strip()), "")
+    try:
+        json.loads(first)
+    except json.JSONDecodeError:
+        return len(text.strip().splitlines()) <= 1  # one line: its error is the line's own
+    return True
 
 
 def _array_items(text: str) -> Iterator[tuple[int, Any]]:

@@ -32,7 +32,8 @@ def steps_per_epoch(num_rows: int, rows_per_step: int) -> int:
                 f"the prepared dataset has {num_rows} packed rows but one optimizer step needs "
                 f"{rows_per_step} (train.global_batch_size, or train.micro_batch_size x train.grad_accum x devices); "
                 "lower train.global_batch_size (or train.micro_batch_size or train.grad_accum), lower data.seq_len, "
-                "or add data"
+                f"or add data; for a small file on one device: train.micro_batch_size=1 train.grad_accum=1 (one row "
+                f"a step, {num_rows} steps an epoch)"
             ]
         )
     return num_rows // rows_per_step

@@ -4,8 +4,9 @@ built from a manifest.
 Two rules are defined here once, for `prepare`, `inspect`, `estimate` and `train` alike:
 - the suggested `seq_len` (`suggest_seq_len`, described by `SEQ_LEN_RULE`, the text printed with it);
 - what `seq_len` loses (`truncation`): examples longer than it are cut (`overlong: truncate`) or
-  dropped (`overlong: drop`, or no trained token left after the cut), and a warning is printed
-  when more than `WARN_SHARE` of the examples lose tokens.
+  dropped (`overlong: drop`, or no trained token left after the cut), counted in what the model
+  learns (trained tokens cut, answers that lose their end of turn), and a warning naming the
+  `seq_len` that fixes it is printed when more than `WARN_SHARE` of those are lost.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ SEQ_LEN_MULTIPLE = 64
 SEQ_LEN_RULE = f"the smallest multiple of {SEQ_LEN_MULTIPLE} holding p99"
 """What `suggest_seq_len` computes, in the words printed beside its result."""
 WARN_SHARE = 0.01
-"""Warn when more than this share of the examples lose tokens at the seq_len in use (p99 holds 99%)."""
+"""Warn when more than this share of the trained tokens (or of the answers' ends of turn; of the examples
+where those were not counted) is lost at the seq_len in use (p99 holds 99%)."""
 LOST_TO_SEQ_LEN = ("", OVERLONG, NO_TRAINABLE_AFTER_TRUNCATION)
 """Statuses of the examples `truncation` counts: kept, or dropped only because of seq_len."""
 
@@ -35,8 +37,16 @@ def suggest_seq_len(p99: int) -> int:
     return max(1, -(-int(p99) // SEQ_LEN_MULTIPLE)) * SEQ_LEN_MULTIPLE
 
 
-def truncation(lengths: np.ndarray, status: np.ndarray, seq_len: int, held: np.ndarray | None = None) -> dict[str, Any]:
-    """What `seq_len` costs the data: the examples that lose tokens to it and the tokens lost.
+def truncation(
+    lengths: np.ndarray,
+    status: np.ndarray,
+    seq_len: int,
+    held: np.ndarray | None = None,
+    answers: np.ndarray | None = None,
+) -> dict[str, Any]:
+    """What `seq_len` costs the data: the examples that lose tokens to it and the tokens lost, and,
+    with `answers`, what the model would learn from them: the trained tokens cut and the answers
+    that lose their end of turn (so never learn to stop).
 
     `lengths` are token lengths before truncation, `status` each example's drop reason ("" kept).
     An example longer than `seq_len` loses its tokens past `seq_len` when it is kept (truncated),
@@ -46,6 +56,8 @@ def truncation(lengths: np.ndarray, status: np.ndarray, seq_len: int, held: np.n
     Preference pairs pass `held`, the tokens each pair keeps: each answer is capped apart (data.max_length and
     its kin, as in TRL) before the pair must fit a row, so a pair is truncated when it keeps fewer tokens than
     it has, and every length drop counts; the record then says `"unit": "pairs"`.
+    `answers`: each example's `ANSWERS_CUT` row (trainer/data/template.py), [trained tokens, of them
+    cut, answers, of them cut before their end of turn].
     """
     lens = np.asarray(lengths, dtype=np.int64)
     st = np.asarray(status, dtype=object)
@@ -58,7 +70,7 @@ def truncation(lengths: np.ndarray, status: np.ndarray, seq_len: int, held: np.n
     else:
         cut = int(np.maximum(lens[kept & over] - seq_len, 0).sum())
     whole = int(lens[met & ~kept & over].sum())
-    return {
+    out = {
         "seq_len": int(seq_len),
         "examples": int(met.sum()),
         "tokens": int(lens[met].sum()),
@@ -66,12 +78,20 @@ def truncation(lengths: np.ndarray, status: np.ndarray, seq_len: int, held: np.n
         "dropped": int((met & ~kept & over).sum()),
         "tokens_lost": cut + whole,
         **({"unit": "pairs"} if held is not None else {}),
+        "max": int(lens[met].max()) if met.any() else 0,
     }
+    if answers is not None:
+        met_answers = np.asarray(answers, dtype=np.int64).reshape(-1, 4)[met]
+        trained, trained_lost, n_answers, ends_lost = (int(v) for v in met_answers.sum(axis=0))
+        out.update(trained=trained, trained_lost=trained_lost, answers=n_answers, ends_lost=ends_lost)
+    return out
 
 
 def truncation_lines(tr: dict[str, Any], p99: int | None, where: str = "") -> list[str]:
-    """The share of examples and of tokens `seq_len` loses, and a warning above `WARN_SHARE` naming
-    the seq_len that holds p99 (`SEQ_LEN_RULE`). `where`: the figures' source, when not exact."""
+    """The share of examples, of tokens and (where counted) of trained tokens `seq_len` loses, and the
+    answers that lose their end of turn; a warning when more than `WARN_SHARE` of the examples or of the
+    trained tokens are lost, or an answer loses its end, naming the seq_len that holds p99
+    (`SEQ_LEN_RULE`), or every example when p99 fits already. `where`: the figures' source, when not exact."""
     n, tokens = tr["examples"], tr["tokens"]
     hit = tr["truncated"] + tr["dropped"]
     share = hit / n if n else 0.0
@@ -88,22 +108,46 @@ def truncation_lines(tr: dict[str, Any], p99: int | None, where: str = "") -> li
     at = f"at seq_len {tr['seq_len']} (in use)"
     if tr.get("max_length"):  # preference pairs capped per answer, as TRL's max_length
         at = f"at max_length {tr['max_length']} per answer, in rows of seq_len {tr['seq_len']}"
-    lines = [
-        f"{at}: {hit:,} of {n:,} {unit} lose tokens ({share:.1%}"
-        + (f": {how}" if how else "")
-        + f"), {tr['tokens_lost']:,} of {tokens:,} tokens lost ({token_share:.1%}){where}"
-    ]
-    if share > WARN_SHARE:
+    head = f"{at}: {hit:,} of {n:,} {unit} lose tokens ({share:.1%}" + (f": {how}" if how else "")
+    trained = tr.get("trained")
+    if trained is None:  # a manifest from before the trained tokens were counted, or preference pairs
+        lines = [f"{head}), {tr['tokens_lost']:,} of {tokens:,} tokens lost ({token_share:.1%}){where}"]
+        warn = share > WARN_SHARE
+        learnt_share, ends = 0.0, 0
+    else:
+        learnt_share = tr["trained_lost"] / trained if trained else 0.0
+        ends = tr["ends_lost"]
+        lines = [
+            f"{head}): {tr['trained_lost']:,} of {trained:,} trained tokens cut ({learnt_share:.1%}), "
+            f"{ends:,} of {tr['answers']:,} answers lose their end of turn; {tr['tokens_lost']:,} of {tokens:,} "
+            f"tokens in all ({token_share:.1%}){where}"
+        ]
+        # what the model learns decides: a cut prompt costs context, a cut answer its ending
+        warn = learnt_share > WARN_SHARE or ends > WARN_SHARE * tr["answers"]
+    if warn:
+        lines.append(_warning(tr, share, learnt_share, ends, p99))
+    return lines
+
+
+def _warning(tr: dict[str, Any], share: float, learnt_share: float, ends: int, p99: int | None) -> str:
+    """The warning line: what is lost, and the seq_len that fixes it (always named)."""
+    seq_len = tr["seq_len"]
+    if tr.get("trained") is not None:
+        what = f"{learnt_share:.1%} of the trained tokens are cut at seq_len {seq_len}" + (
+            f" and {ends:,} answers lose their end of turn, so the model does not learn where to stop" if ends else ""
+        )
+    else:
+        what = f"{share:.1%} of the examples lose tokens at seq_len {seq_len} (more than {WARN_SHARE:.0%})"
+    if p99 is not None and p99 > seq_len:
+        fix = f"data.seq_len={suggest_seq_len(p99)} holds p99 ({p99:,} tokens; {SEQ_LEN_RULE})"
+    else:  # p99 fits: only the tail is cut, and only a seq_len holding the longest keeps all of it
+        longest = int(tr.get("max") or 0)
         fix = (
-            f"; data.seq_len={suggest_seq_len(p99)} holds p99 ({p99:,} tokens; {SEQ_LEN_RULE})"
-            if p99 is not None and p99 > tr["seq_len"]
+            f"data.seq_len={suggest_seq_len(longest)} holds every example (the longest: {longest:,} tokens)"
+            if longest > seq_len
             else ""
         )
-        lines.append(
-            f"WARNING: {share:.1%} of the examples lose tokens at seq_len {tr['seq_len']} "
-            f"(more than {WARN_SHARE:.0%}){fix}"
-        )
-    return lines
+    return f"WARNING: {what}" + (f"; {fix}" if fix else "")
 
 
 def _nice(width: float) -> int:

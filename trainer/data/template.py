@@ -33,6 +33,9 @@ IGNORE_INDEX = -100
 """The label that carries no loss (PyTorch's cross_entropy default ignore_index); defined once here."""
 
 ROW_COLUMN = "__spotune_row"
+ANSWERS_CUT = "answers_cut"
+"""The column of what seq_len costs an example's answers: [trained tokens, of them cut, answers (trained
+spans), of them cut before their end of turn], before the length policy (`answers_cut`)."""
 
 # Drop reasons, as they appear in the manifest and the summary (turns.py adds null_field,
 # unknown_role, malformed_messages and malformed_tools).
@@ -74,7 +77,10 @@ class Tokenize:
                     f"{self.source}: cannot tell the data format ({why}); set data.format to one of "
                     f"{', '.join(formats.WHAT)}, or the data.*_field keys to the columns that hold it."
                 )
-            print(f"spotune: {self.source}: data.format=auto -> {fmt} ({why})", file=sys.stderr, flush=True)
+            said = f"spotune: {self.source}: data.format=auto -> {fmt} ({why})"
+            if said not in _SAID_AUTO:  # once per process: `inspect --show` settles each source before prepare
+                _SAID_AUTO.add(said)
+                print(said, file=sys.stderr, flush=True)
             out = dataclasses.replace(self, fmt=fmt, reason=why, fields=formats.settled_fields(fmt, why, self.fields))
         fmt = formats.normalise(out.fmt)
         hint = formats.mismatch(fmt, columns, head, out.fields)
@@ -118,6 +124,7 @@ class Tokenize:
         for (ids, labels), drop in zip(self.encode(examples, rows, drops, template), drops, strict=True):
             if drop is not None:
                 self._emit(out, [], [], 0, drop)
+                out.setdefault(ANSWERS_CUT, []).append([0, 0, 0, 0])  # dropped before it met seq_len
             else:
                 self._finish(out, ids, labels)
         return out
@@ -271,15 +278,19 @@ class Tokenize:
     def _finish(self, out: dict[str, list[Any]], ids: list[int], labels: list[int]) -> None:
         length = len(ids)
         drop = None
+        cut = out.setdefault(ANSWERS_CUT, [])
+        cut.append(answers_cut(labels, self.seq_len))
         if length > self.seq_len:
             if self.overlong == "drop":
+                cut[-1] = answers_cut(labels, 0)  # dropped: every trained token and end of turn lost
                 self._emit(out, [], [], length, Drop(OVERLONG, f"{length} tokens, data.seq_len is {self.seq_len}"))
                 return
-            ids, labels = ids[: self.seq_len], labels[: self.seq_len]
+            out_labels, ids, labels = labels, ids[: self.seq_len], labels[: self.seq_len]
             if all(x == IGNORE_INDEX for x in labels):
                 drop = Drop(
                     NO_TRAINABLE_AFTER_TRUNCATION, f"nothing trained in its first {self.seq_len} of {length} tokens"
                 )
+                cut[-1] = answers_cut(out_labels, 0)
         elif all(x == IGNORE_INDEX for x in labels):
             drop = Drop(NO_TRAINABLE, "no token to train (no assistant turn, or every one untrained)")
         if drop is not None:
@@ -318,6 +329,8 @@ def _system_as_served(ex: formats.Example) -> formats.Example:
 
 
 _SAID_SYSTEM = False
+_SAID_AUTO: set[str] = set()
+"""The `data.format=auto -> ...` lines this process has printed."""
 
 
 def _assistant_flags(ex: formats.Example) -> list[bool]:
@@ -369,3 +382,24 @@ def end_of_turn_ids(tokenizer: Any, chat_template: str | None, fmt: str) -> list
     if (fmt in ("text", "auto", "prompt_completion") or raw_pairs) and tokenizer.eos_token_id is not None:
         ids.append(int(tokenizer.eos_token_id))
     return list(dict.fromkeys(ids))
+
+
+def answers_cut(labels: Sequence[int], seq_len: int) -> list[int]:
+    """[trained tokens, trained tokens at or past `seq_len`, answers, answers whose last trained token (the
+    end of turn that teaches the model to stop) is at or past `seq_len`] of one example's full labels; an
+    answer is a run of trained tokens. `seq_len` 0: the example is dropped, everything lost."""
+    trained = lost = answers = ends = 0
+    previous = False
+    for i, label in enumerate(labels):
+        now = label != IGNORE_INDEX
+        if now:
+            trained += 1
+            lost += i >= seq_len
+            if not previous:
+                answers += 1
+        if previous and not now and i - 1 >= seq_len:
+            ends += 1
+        previous = now
+    if previous and len(labels) - 1 >= seq_len:
+        ends += 1
+    return [trained, lost, answers, ends]

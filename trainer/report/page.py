@@ -216,7 +216,9 @@ def render(run: RunData, images: dict[str, bytes]) -> str:
         cards=cards(t, price_known=t.cost is not None),
         figures=figures,
         forecast=forecast_rows(run, t),
-        trained=trained.facts(run.config, run.trained, [(a.device, a.world_size, a.exit_reason) for a in run.attempts]),
+        trained=trained.facts(
+            run.config, run.trained, [(a.device, a.world_size, a.exit_reason) for a in run.attempts], run.source
+        ),
         example=run.example,
         attempts=[_attempt_row(a) for a in run.attempts],
         notes=run.notes,

@@ -68,15 +68,19 @@ def _per_attempt(run: RunData, rows: list[dict[str, Any]], x: str, y: str) -> tu
     never joins a killed attempt's last step to the resumed attempt's first."""
     xs: list[float] = []
     ys: list[float] = []
-    previous = None
+    previous: Any = None
+    last_step = -math.inf
     for r in rows:
         if not (finite(r.get(x)) and finite(r.get(y))):
             continue
-        owner = attempt_of(run.attempts, r)
-        if xs and owner is not previous:
+        # the row's own attempt number where it has one (a killed attempt may have no ledger row to match)
+        number = r.get("attempt")
+        owner = number if isinstance(number, int) else attempt_of(run.attempts, r)
+        step = float(r["step"]) if finite(r.get("step")) else last_step
+        if xs and (owner != previous or step < last_step):  # a new attempt, or steps trained again
             xs.append(math.nan)
             ys.append(math.nan)
-        previous = owner
+        previous, last_step = owner, step
         xs.append(float(r[x]))
         ys.append(float(r[y]))
     return xs, ys
@@ -84,8 +88,8 @@ def _per_attempt(run: RunData, rows: list[dict[str, Any]], x: str, y: str) -> tu
 
 def _empty(ax: Any, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="#666", wrap=True)
-    ax.set_xticks([])
-    ax.set_yticks([])
+    # this panel's ticks only: set_xticks([]) on an axis shared with other panels would clear theirs too
+    ax.tick_params(bottom=False, labelbottom=False, left=False, labelleft=False)
 
 
 def _duration(seconds: float) -> str:
@@ -197,17 +201,40 @@ def _cost(ax_c: Any, run: RunData) -> None:
     ax_c.set_ylabel(label)
 
 
+SAVED_AT_EXIT = ("preempted", "finished", "budget")
+"""Exit reasons whose attempt saved at its last step (a checkpoint on the notice, final/ at the end)."""
+
+
 def _saves(run: RunData) -> list[tuple[datetime, float]]:
-    """Rows after which the attempt had paused (checkpoint or evaluation): `paused_s` grew."""
+    """Where each attempt paused (checkpoint or evaluation; `paused_s` grew) at the step it paused after.
+
+    A row says only that a pause happened since the attempt's previous row: the step is the multiple of
+    `checkpoint.every_steps` since the previous row's step, inclusive (a save by steps), else the row's own (a save by minutes, or an
+    evaluation: the latest it can be); its time is read off the line between the two rows. An attempt
+    that saved as it ended (SAVED_AT_EXIT) has its last save at its last step and end, after every row."""
+    every = run.config.checkpoint.every_steps if run.config is not None else None
     out = []
-    prev: dict[int, float] = {}
+    prev: dict[int, tuple[float, float, float]] = {}  # attempt -> (paused_s, step, time) of its previous row
+    last: dict[int, float] = {}
     for r in run.train_rows:
         a = attempt_of(run.attempts, r)
-        if a is None or not finite(r.get("paused_s")):
+        if a is None or not finite(r.get("paused_s")) or not finite(r.get("time")):
             continue
-        if r["paused_s"] > prev.get(a.attempt, 0.0):
-            out.append((_dt(r["time"]), r["step"]))
-        prev[a.attempt] = r["paused_s"]
+        paused, step, t = float(r["paused_s"]), float(r["step"]), float(r["time"])
+        before = prev.get(a.attempt, (0.0, float(a.resumed_from or 0), a.start))
+        if paused > before[0]:
+            at = step
+            if every:
+                multiple = step // every * every
+                at = multiple if multiple >= before[1] else step  # a row is logged before its step's save
+            span = step - before[1]
+            when = before[2] + (t - before[2]) * ((at - before[1]) / span if span > 0 else 1.0)
+            out.append((_dt(when), at))
+            last[a.attempt] = at
+        prev[a.attempt] = (paused, step, t)
+    for a in run.attempts:
+        if a.exit_reason in SAVED_AT_EXIT and a.last_step is not None and last.get(a.attempt) != a.last_step:
+            out.append((_dt(a.end), float(a.last_step)))
     return out
 
 
@@ -302,6 +329,7 @@ def throughput(run: RunData) -> bytes:
     ax_tok.set_title("real tokens/s", fontsize=10)
     ax_tok.legend(fontsize=8)
     x, y = _series(rows, "step", "mfu")
+    has_mfu = bool(x)
     if x:
         ax_mfu.plot(x, [v * 100 for v in y], ".", color="#9bbce8", markersize=4)
         sx, sy = _per_attempt(run, rows, "step", "sustained_mfu")
@@ -319,7 +347,9 @@ def throughput(run: RunData) -> bytes:
     for ax in (ax_stall, ax_mem):
         ax.set_xlabel("step")
     for ax in (ax_tok, ax_mfu, ax_stall, ax_mem):
-        ax.grid(alpha=0.3)
+        if ax is not ax_mfu or has_mfu:  # a shared x axis shows its step labels on the lower row only
+            ax.tick_params(labelbottom=True)
+            ax.grid(alpha=0.3)
     return _png(fig)
 
 

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,10 +123,16 @@ def _int(x: Any) -> str:
     return f"{int(x):,}" if isinstance(x, (int, float)) else "n/a"
 
 
-def facts(config: RunConfig | None, trained: Trained, attempts: list[tuple[str | None, int, str]]) -> list[Fact]:
+def facts(
+    config: RunConfig | None,
+    trained: Trained,
+    attempts: list[tuple[str | None, int, str]],
+    run_dir: str | None = None,
+) -> list[Fact]:
     """The header, one row per question a reader asks of a run: which model, which adapter, on
     what data, with what batch and schedule, on what machines, in how many attempts.
-    `attempts`: (device, device count, exit reason) of each, in order."""
+    `attempts`: (device, device count, exit reason) of each, in order; `run_dir`: the run's directory,
+    which local data paths are shown relative to (`shown_path`)."""
     devices = [(name, count) for name, count, _ in attempts]
     rows: list[Fact] = []
     if config is not None:
@@ -133,7 +140,7 @@ def facts(config: RunConfig | None, trained: Trained, attempts: list[tuple[str |
         revision = f" @ {m.revision}" if m.revision else ""
         rows.append(Fact("model", "Model", f"{m.name_or_path}{revision} ({m.dtype})"))
         rows.append(Fact("adapter", "Adapter", _adapter_text(config, trained.adapter_config)))
-    rows.extend(_data_facts(config, trained.manifest))
+    rows.extend(_data_facts(config, trained.manifest, run_dir))
     if config is not None:
         rows.append(Fact("batch", "Global batch", _batch_text(config, trained.state, devices)))
         t = config.train
@@ -166,10 +173,22 @@ def _adapter_text(config: RunConfig, adapter_config: dict[str, Any] | None) -> s
     return f"{kind}, rank {a.r}, alpha {a.alpha:g}, dropout {lora_dropout(config):g}; targets: {', '.join(sorted(targets))}"
 
 
-def _data_facts(config: RunConfig | None, manifest: dict[str, Any] | None) -> list[Fact]:
+def shown_path(label: str, run_dir: str | None) -> str:
+    """A data source as the report shows it: an absolute local path relative to a local run directory
+    (a shared report keeps /home/<user>/... out of it), its file name alone beside a remote one (the
+    path is another machine's); a hub id, a URL or a relative path as it is."""
+    if run_dir is None or not os.path.isabs(label):
+        return label
+    base = run_dir.removeprefix("file://")
+    if "://" in base:  # a bucket: the path was the training machine's
+        return f".../{os.path.basename(label)}"
+    return os.path.relpath(label, os.path.abspath(base))
+
+
+def _data_facts(config: RunConfig | None, manifest: dict[str, Any] | None, run_dir: str | None = None) -> list[Fact]:
     seq = f"seq_len {config.data.seq_len}, packing {'on' if config.data.packing else 'off'}" if config else ""
     if manifest is None:
-        where = config.data.path if config is not None else "unknown"
+        where = shown_path(config.data.path, run_dir) if config is not None else "unknown"
         return [Fact("data", "Data", f"{where} ({config.data.format}); {seq}" if config else where)]
     sources = manifest.get("sources") or {}
     split = manifest.get("train")
@@ -179,12 +198,15 @@ def _data_facts(config: RunConfig | None, manifest: dict[str, Any] | None) -> li
     if train.get("chat_template"):
         how = f"{how}, chat template: {train['chat_template']}"
     named = sources.get("train")
-    where = " + ".join(map(str, named)) if isinstance(named, list) else str(named)  # a mix of sources
+    labels = named if isinstance(named, list) else [named]  # a mix of sources, or one
+    where = " + ".join(shown_path(str(label), run_dir) for label in labels)
     rows = [
         Fact(
             "data",
             "Data",
-            f"{where} ({how})" + (f" + eval {sources['eval']}" if sources.get("eval") else "") + f"; {seq}",
+            f"{where} ({how})"
+            + (f" + eval {shown_path(str(sources['eval']), run_dir)}" if sources.get("eval") else "")
+            + f"; {seq}",
         )
     ]
     for split in ("train", "eval"):
