@@ -339,6 +339,14 @@ class RemoteRun:
                 f"step {safe} ({where or 'none'}); the local one is step {self.uploader.local_step}"
             )
 
+    def exit_reason(self, reason: str) -> str:
+        """The exit reason this attempt's ledger row books: `error` when the safety rule refused one of the
+        uploader's writes (the attempt exits 1, `exit_code`; the stop it asked for looks like a preemption
+        to the loop), else the loop's `reason`. Rank 0 knows; other ranks write no row."""
+        if self.uploader is not None and self.uploader.violation is not None:
+            return "error"
+        return reason
+
     def exit_code(self, code: int, final: Path) -> int:
         """Collective. `code`, or 1 when the safety rule refused one of the uploader's writes (a bug in
         spotune: a requeue would meet it again; the local checkpoint is saved), or 143 for a finished run

@@ -393,7 +393,7 @@ def _finish(
         books.trackers.finish(reason, exit_codes.FOR_STOP[reason])
     # Closed while the signal handlers are still installed: a late SIGTERM (torchrun
     # forwards one after a sibling exits) must not kill us before this row is written.
-    ledger.close(reason)
+    ledger.close(proc.remote.exit_reason(reason))  # a refused store write stopped it: an error, exit 1
     proc.remote.close()
     books.console.close()
     if proc.is_main:
