@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,9 @@ from trainer.restart import agree
 from trainer.restart.checkpoint import MANIFEST, CheckpointError, CheckpointManager
 from trainer.restart.choose import choose, retrying
 from trainer.restart.generations import APPEND_ONLY, merged_rows
+from trainer.restart.handover import Handover
 from trainer.restart.lease_object import Follower
-from trainer.restart.ledger import HEARTBEAT_FILE, read_rows
+from trainer.restart.ledger import HEARTBEAT_FILE, attempt_key, read_rows, recover_killed
 from trainer.restart.safety import Floor
 from trainer.restart.storage import Corrupt, Fence, Store, StoreDenied, StoreUnreachable
 from trainer.restart.uploader import RAN_OUT_FILE, RUN_FILES, Uploader
@@ -80,6 +82,7 @@ class RemoteRun:
         """What this attempt may take out of sight in the store (trainer/restart/safety.py); on_ahead set by process.py."""
         self.on_violation: Callable[[str], object] = lambda why: None
         """What the uploader calls when the rule refused one of its writes (a bug): process.py asks for the stop."""
+        self._booking = threading.Lock()
         self.holder: str | None = None
         """The lease holder id of this attempt, on every rank: another rank writes only under it (`push_run_files`)."""
 
@@ -302,6 +305,7 @@ class RemoteRun:
             self.message,
             heartbeat_seconds=heartbeat_seconds,
             on_violation=self.on_violation,
+            before_run_files=self.book_late,
         ).start(remote[-1] if remote else None)
         # The checkpoint resumed from goes up first when the store lacks it (an earlier attempt saved it
         # while cut off, or stopped before its upload finished): a run with no step left to train still
@@ -312,6 +316,17 @@ class RemoteRun:
         if self.uploader.remote_step is None or step > self.uploader.remote_step:
             self.message(f"spotune: {self.store.shown} lacks step {step} (saved while cut off from it): uploading it")
             self.uploader.submit(step, self.resumed)
+
+    def book_late(self) -> list[dict[str, Any]]:
+        """Rank 0, before each push of the run files: book the attempts this attempt's lease took over after its
+        ledger opened (the lease taken late, trainer/restart/handover.py `late`), so each paid attempt has its
+        row even when this attempt finishes the run and nobody takes the lease after it. Returns the rows."""
+        handover = getattr(self.fence, "handover", None)
+        with self._booking:  # the upload thread and the final flush both push the run files
+            late = handover.late() if isinstance(handover, Handover) else []
+            if not late:
+                return []
+            return recover_killed(self.run_dir, late, before=getattr(self.fence, "acquired_at", None), leftover=False)
 
     def submit(self, step: int, checkpoint: Path) -> None:
         if self.uploader is not None:
@@ -406,9 +421,14 @@ def fetch_run_files(store: Store, run_dir: Path) -> list[str]:
     node's rank 0 has written on, or a disk that comes back after others trained); returns their names.
 
     A heartbeat whose attempt already has its ledger row is dropped: the uploader sends the
-    ledger before the heartbeat, so a kill between the two would otherwise count it twice.
+    ledger before the heartbeat, so a kill between the two would otherwise count it twice. A disk that
+    holds its own heartbeat does not take the store's, so the store's (another machine's attempt, killed
+    after this disk's: the disks diverged) is booked here and now, unless its attempt has a row; attempts
+    are told apart by id (ledger.attempt_key), never by number.
     """
     fetched = []
+    beat = run_dir / HEARTBEAT_FILE
+    theirs = _heartbeat(store.read_run_file(HEARTBEAT_FILE)) if beat.exists() else None
     for name in RUN_FILES:
         local = run_dir / name
         if not local.exists():
@@ -417,19 +437,29 @@ def fetch_run_files(store: Store, run_dir: Path) -> list[str]:
             got = name in APPEND_ONLY and _continue(store, name, local)
         if got:
             fetched.append(name)
-    beat = run_dir / HEARTBEAT_FILE
+    rows = {attempt_key(r) for r in read_rows(run_dir)}
     if beat.exists():
         try:
-            progress = json.loads(beat.read_text())
-            key = (progress["attempt"], progress["pid"])
-        except (ValueError, KeyError, TypeError):
+            key: tuple[Any, ...] | None = attempt_key(json.loads(beat.read_text()))
+        except (ValueError, TypeError, AttributeError):
             key = None  # an unreadable local one is left to Ledger.open, which warns
-        counted = key is not None and any((r.get("attempt"), r.get("pid")) == key for r in read_rows(run_dir))
-        if counted or (key is None and HEARTBEAT_FILE in fetched):
+        if (key is not None and key in rows) or (key is None and HEARTBEAT_FILE in fetched):
             beat.unlink()
             if HEARTBEAT_FILE in fetched:
                 fetched.remove(HEARTBEAT_FILE)
+        # Another attempt's heartbeat, and no live holder can own it: this attempt holds the lease (or none is used).
+        if theirs is not None and attempt_key(theirs) != key and getattr(store.fence, "held", True):
+            recover_killed(run_dir, heartbeats=[theirs], leftover=False)
     return fetched
+
+
+def _heartbeat(raw: bytes | None) -> dict[str, Any] | None:
+    """A heartbeat read from the store, or None (none there, or unreadable: nothing to book from it)."""
+    try:
+        progress = json.loads(raw) if raw else None
+    except ValueError:
+        return None
+    return progress if isinstance(progress, dict) else None
 
 
 def _continue(store: Store, name: str, local: Path) -> bool:

@@ -57,6 +57,7 @@ class Uploader:
         heartbeat_seconds: float = 60.0,
         max_backoff: float = 60.0,
         on_violation: Callable[[str], object] = lambda why: None,
+        before_run_files: Callable[[], object] = lambda: None,
     ) -> None:
         self.store = store
         self.run_dir = run_dir
@@ -64,6 +65,8 @@ class Uploader:
         self.message = message
         self.on_violation = on_violation
         """Called (from the upload thread) with what a write the safety rule refused means: the run stops."""
+        self.before_run_files = before_run_files
+        """Called before each push of the run files: the ledger books what the lease learnt since (remote.py)."""
         self.heartbeat_seconds = heartbeat_seconds
         self.max_backoff = max_backoff
         self._cond = threading.Condition()
@@ -227,6 +230,7 @@ class Uploader:
         shutil.rmtree(job.staged, ignore_errors=True)
 
     def _push_run_files(self) -> None:
+        self.before_run_files()
         for name in RUN_FILES:
             self.store.put(self.run_dir / name, name)
 
