@@ -1,7 +1,8 @@
-"""Every paid attempt keeps its ledger row, whoever books it, identified by its id (never its number):
-a disk that comes back after another machine trained books that machine's heartbeat from the store; an
-attempt taken over by a lease taken late (cut off at start) is booked before the next ledger upload;
-two attempts of one number on diverged disks are two rows. In process, against a local-directory store."""
+"""Every paid attempt keeps its ledger row, whoever books it, identified by its id (never its number): a
+disk that comes back after another machine trained books that machine's heartbeat from the store; an
+attempt taken over by a lease taken late (cut off at start) is booked before the next ledger upload; two
+attempts of one number on diverged disks are two rows. And every committed step keeps its metrics row,
+carried by its checkpoint. In process, against a local-directory store."""
 
 from __future__ import annotations
 
@@ -115,3 +116,43 @@ def test_an_attempt_taken_over_after_the_ledger_opened_is_booked_before_the_next
     rows = {r["attempt_id"]: r["attempt"] for r in L.read_rows(run)}
     assert rows == {late.id: 1, killed.id: 2}  # numbered past the live attempt's: no two attempts share one
     late.release()
+
+
+def test_a_kill_after_the_store_committed_a_checkpoint_loses_no_metrics_row(tmp_path: Path, tiny_llama: Path) -> None:
+    """The store commits step 2, then the machine dies before its metrics.jsonl follows (here: the store's
+    copies lose the row of step 2 afterwards). A fresh machine resumes from step 2: its history must have that
+    row, carried by the checkpoint (before: the resumed run never logs 2 again, a hole at 2)."""
+    from trainer import builtin_assets
+    from trainer import config as C
+    from trainer.training import run
+
+    data = builtin_assets.write_dataset(tmp_path / "data" / "train.jsonl", n=16)
+    remote = (tmp_path / "store").as_uri()
+
+    def cfg(out: Path, steps: int) -> C.RunConfig:
+        return C.from_dict(
+            {
+                "output_dir": str(out),
+                "seed": 3,
+                "model": {"name_or_path": str(tiny_llama), "dtype": "float32"},
+                "adapter": {"r": 4, "alpha": 8},
+                "data": {"path": str(data), "seq_len": 128, "cache_dir": str(tmp_path / "cache")},
+                "train": {"max_steps": steps, "micro_batch_size": 2, "lr": 1e-2, "schedule": "constant"},
+                "checkpoint": {"every_steps": 1, "every_minutes": None, "keep_last": 2, "remote": remote},
+                "metrics": {"progress": False},
+            }
+        )
+
+    assert run.train(cfg(tmp_path / "a", 2)) == 0
+    store = Store(remote)
+    for copy in store.fs.ls(store.root, detail=False):
+        if copy.rsplit("/", 1)[1].startswith("metrics.jsonl"):  # every generation's copy
+            kept = [x for x in store.fs.cat_file(copy).splitlines() if json.loads(x).get("step") != 2]
+            store.fs.pipe_file(copy, b"".join(x + b"\n" for x in kept))
+    steps = [json.loads(x).get("step") for x in (store.read_run_file("metrics.jsonl") or b"").splitlines()]
+    assert 2 not in steps and 1 in steps  # what the store holds after the kill
+    fresh = tmp_path / "b"
+    assert run.train(cfg(fresh, 3)) == 0
+    rows = [json.loads(x) for x in (fresh / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+    assert 2 in [json.loads(x).get("step") for x in (Store(remote).read_run_file("metrics.jsonl") or b"").splitlines()]

@@ -7,6 +7,8 @@ device counts add up. Per attempt:
 - `productive_seconds`: optimizer-step time whose result was kept by a checkpoint.
 - `checkpoint_seconds`: time spent saving.
 - `lost_seconds`: optimizer-step time after the last checkpoint; the next attempt redoes it.
+- `resume_request`: `checkpoint.resume` when the attempt was started with a request (`never`, a path), so
+  a rerun of the same command does not apply it again (trainer/restart/new_run.py).
 - `last_step`: the last step logged or saved; `resumed_from`: the step its training started from
   (the checkpoint's, 0 without one; absent when it never got that far).
 - `phases`: wall seconds of the attempt's fixed costs, for the forecast to itemise
@@ -123,8 +125,12 @@ class Ledger:
         attempt: int,
         phases: dict[str, float] | None = None,
         attempt_id: str | None = None,
+        resume_request: str | None = None,
     ) -> None:
         self.run_dir = run_dir
+        self.resume_request = resume_request
+        """`checkpoint.resume` when this attempt was started with a request (`never`, a path): the next start
+        of the same command resumes instead of applying it again (trainer/restart/new_run.py `rerun_of`)."""
         self.attempt_id = attempt_id
         """The lease holder id of this attempt (with checkpoint.remote): how a later attempt tells it is booked."""
         self.world_size = world_size
@@ -166,11 +172,13 @@ class Ledger:
         phases: dict[str, float] | None = None,
         attempt_id: str | None = None,
         lost_attempts: Sequence[dict[str, Any]] = (),
+        resume_request: str | None = None,
     ) -> Ledger:
         """Start this attempt's ledger; `enabled=False` on non-main ranks (no files touched).
 
         `phases`: fixed costs timed before the ledger could open (see the module docstring).
-        `lost_attempts`: the lease's records of the attempts this one took the run from."""
+        `lost_attempts`: the lease's records of the attempts this one took the run from.
+        `resume_request`: checkpoint.resume when it is not `auto` (recorded in the heartbeat and row)."""
         run_dir = Path(run_dir)
         rows: list[dict[str, Any]] = []
         begun = process_start if process_start is not None else clock.process_start()
@@ -196,6 +204,7 @@ class Ledger:
             attempt=int(base["attempts"]) + 1,
             phases=phases,
             attempt_id=attempt_id,
+            resume_request=resume_request,
         )
         ledger.heartbeat()  # a kill before the first log step still leaves a row behind
         return ledger
@@ -289,6 +298,7 @@ class Ledger:
             "device": self.device,
             "compile_cache": self.compile_cache,
             "ending": self.ending,
+            "resume_request": self.resume_request,
         }
 
     def _row(self, now: float, keep_all: bool) -> dict[str, Any]:
@@ -329,6 +339,8 @@ def row_from_progress(p: dict[str, Any], end: float, keep_all: bool) -> dict[str
         row["device"] = p["device"]
     if p.get("compile_cache"):
         row["compile_cache"] = p["compile_cache"]
+    if p.get("resume_request"):
+        row["resume_request"] = p["resume_request"]
     return row
 
 

@@ -28,13 +28,15 @@ from trainer.atomic import write_bytes
 from trainer.config.schema import CheckpointConfig
 from trainer.exit_codes import EXIT_ERROR, EXIT_FINISHED, EXIT_PREEMPTED
 from trainer.restart import agree
+from trainer.restart import new_run as new_run_module
 from trainer.restart.checkpoint import MANIFEST, CheckpointError, CheckpointManager
 from trainer.restart.choose import choose, retrying
 from trainer.restart.generations import APPEND_ONLY, merged_rows
 from trainer.restart.handover import Handover
 from trainer.restart.lease_object import Follower
-from trainer.restart.ledger import HEARTBEAT_FILE, attempt_key, read_rows, recover_killed
+from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, attempt_key, read_rows, recover_killed
 from trainer.restart.safety import Floor
+from trainer.restart.saving import METRICS_FILE, carry_metrics
 from trainer.restart.storage import Corrupt, Fence, Store, StoreDenied, StoreUnreachable
 from trainer.restart.uploader import RAN_OUT_FILE, RUN_FILES, Uploader
 from trainer.urls import one_line, redact
@@ -83,36 +85,78 @@ class RemoteRun:
         self.on_violation: Callable[[str], object] = lambda why: None
         """What the uploader calls when the rule refused one of its writes (a bug): process.py asks for the stop."""
         self._booking = threading.Lock()
+        self.request = "auto"
+        """checkpoint.resume as given (`connect`)."""
+        self.rerun: dict[str, Any] | None = None
+        """The last attempt, started with `request` already: this start resumes instead (`setting`)."""
         self.holder: str | None = None
         """The lease holder id of this attempt, on every rank: another rank writes only under it (`push_run_files`)."""
 
     # ------------------------------------------------------------------ start
 
-    def connect(self, new_run: str | None = None, set_aside_here: Callable[[], None] | None = None) -> None:
+    def connect(
+        self,
+        new_run: str | None = None,
+        set_aside_here: Callable[[str], None] | None = None,
+        request: str = "auto",
+    ) -> None:
         """Collective. Rank 0 checks the store (list, and a probe write and delete) and, on a machine
         without the run files, downloads them (this disk's ledger and metrics rows merged with the store's).
 
         Every rank raises StoreDenied (exit 2) when the store refuses these credentials or has no such
         bucket, and StoreUnreachable (exit 143) when it does not answer for `budget` seconds and no local
         checkpoint lets training start; with one, rank 0 warns and goes on cut off (the floor reads the
-        store before the first write). `new_run` (checkpoint.resume=never): the folder the store's run
-        files of the old run are moved to, once the store answered, in one step with its checkpoints retired
-        and with `set_aside_here` (rank 0: this disk's part, trainer/restart/new_run.py); a store that does
-        not answer then stops the attempt (exit 143) before anything moved."""
-        if self.url is None:
-            if set_aside_here is not None:
-                set_aside_here()
-            return
+        store before the first write). `request` (checkpoint.resume) applies once: when the run's last
+        attempt was started with it, this is a rerun of the same command, which resumes instead
+        (trainer/restart/new_run.py `rerun_of`; `setting`). `new_run` (checkpoint.resume=never, applied): the
+        folder the store's run files of the old run are moved to, once the store answered, in one step with
+        its checkpoints retired and with `set_aside_here(new_run)` (this disk's part, trainer/restart/new_run.py;
+        run on every node whose disk is not rank 0's too); a store that does not answer then stops the
+        attempt (exit 143) before anything moved."""
+        self.request = request
         if self.is_main:
             try:
-                self._connect_main(new_run, set_aside_here)
+                if self.url is None:
+                    self._connect_local(new_run, set_aside_here)
+                else:
+                    self._connect_main(new_run, set_aside_here)
             except Exception as e:
-                agree.broadcast((agree.failure(e), None))  # the other ranks wait in the broadcast below
+                agree.broadcast((agree.failure(e), None, None))  # the other ranks wait in the broadcast below
                 raise
-        problem, self.holder = agree.broadcast((None, getattr(self.fence, "id", None)))
+        applied = new_run if new_run is not None and self.rerun is None else None
+        mine = (self.rerun is not None, applied, _directory(self.run_dir))
+        problem, self.holder, agreed = agree.broadcast((None, getattr(self.fence, "id", None), mine))
         agree.raise_failure([problem], prefix="rank 0 could not connect to the store: ")
+        rerun, folder, directory = agreed
+        if not self.is_main:
+            self.rerun = {"rank 0": "a rerun"} if rerun else None
+            if set_aside_here is not None and folder is not None and _directory(self.run_dir) != directory:
+                try:  # this node's own disk (not rank 0's): its old checkpoints and files go aside too
+                    set_aside_here(folder)
+                except OSError as e:  # its old checkpoints stay; a resume still checks each copy's digest
+                    self.message(f"spotune: rank {agree.rank()}: could not set this node's old run aside: {e}")
 
-    def _connect_main(self, new_run: str | None, set_aside_here: Callable[[], None] | None) -> None:
+    def setting(self, resume_setting: str) -> str:
+        """The `checkpoint.resume` this attempt acts on: `auto` for a request applied already (a rerun of the
+        command that applied it, `connect`), else `resume_setting`."""
+        return "auto" if self.rerun is not None else resume_setting
+
+    def _decide(self, ledgers: list[bytes | None], heartbeats: list[bytes | None]) -> None:
+        """Rank 0: whether this start is a rerun of the one that applied `self.request` (said once)."""
+        if self.request == "auto":
+            return
+        said = self.rerun is not None
+        self.rerun = new_run_module.rerun_of(self.request, ledgers, heartbeats)
+        self.floor.new_timeline = self.floor.new_timeline and self.rerun is None
+        if self.rerun is not None and not said:
+            self.message(f"spotune: {new_run_module.rerun_note(self.request, self.rerun)}")
+
+    def _connect_local(self, new_run: str | None, set_aside_here: Callable[[str], None] | None) -> None:
+        self._decide(*new_run_module.local_files(self.run_dir))
+        if new_run is not None and set_aside_here is not None and self.rerun is None:
+            set_aside_here(new_run)
+
+    def _connect_main(self, new_run: str | None, set_aside_here: Callable[[str], None] | None) -> None:
         store = self.store = Store(self.url or "", self.options)
         store.floor = self.floor
         self.floor.new_timeline = new_run is not None
@@ -124,8 +168,13 @@ class RemoteRun:
 
         def reach() -> None:
             store.check()
-            if new_run is not None:
-                self._begin_new_run(store, here.pop() if here else None)  # once: a retry finds nothing here
+            if self.request != "auto":  # the run's last attempt, on this disk or in the store: a rerun?
+                ledgers, beats = new_run_module.local_files(self.run_dir)
+                self._decide(
+                    [*ledgers, store.read_run_file(LEDGER_FILE)], [*beats, store.read_run_file(HEARTBEAT_FILE)]
+                )
+            if new_run is not None and self.rerun is None:
+                self._begin_new_run(store, new_run, here.pop() if here else None)  # once: a retry finds nothing here
                 moved = store.set_aside(RUN_FILES, new_run)
                 if moved:
                     self.message(
@@ -140,7 +189,9 @@ class RemoteRun:
         except StoreDenied:
             raise  # a setting to fix: waiting changes nothing (exit 2)
         except StoreUnreachable as e:
-            if new_run is not None:  # a new run sets the store's checkpoints aside first: it needs the store
+            if new_run is not None:  # this disk alone may show a rerun, whose timeline goes on cut off like auto's
+                self._decide(*new_run_module.local_files(self.run_dir))
+            if new_run is not None and self.rerun is None:  # a new run sets the store's checkpoints aside first
                 raise StoreUnreachable(
                     f"{e}. checkpoint.resume=never sets the old run aside in the store too; nothing was moved "
                     "(exit 143: rerun once the store answers)"
@@ -151,7 +202,7 @@ class RemoteRun:
             return
         self.reachable = True
 
-    def _begin_new_run(self, store: Store, set_aside_here: Callable[[], None] | None) -> None:
+    def _begin_new_run(self, store: Store, folder: str, set_aside_here: Callable[[str], None] | None) -> None:
         """resume=never, the store answering: its checkpoints retired (renamed, kept), then this disk's."""
         self.floor.choose(None, store.committed(), new_timeline=True)
         moved = store.retire(-1)
@@ -161,7 +212,7 @@ class RemoteRun:
                 f"{', '.join(f'{store.shown}/checkpoints/{name}' for name in moved)}"
             )
         if set_aside_here is not None:
-            set_aside_here()
+            set_aside_here(folder)
 
     def resolve(self, resume_setting: str) -> tuple[Path | None, list[str]]:
         """The checkpoint every rank resumes from: chosen on rank 0 (local or remote, the newest
@@ -185,6 +236,9 @@ class RemoteRun:
                     root, resume_setting, self.store, self.reachable, budget=self.budget, message=self.message
                 )
                 if chosen is not None:
+                    carried = carry_metrics(chosen, self.run_dir / METRICS_FILE)  # rows the store's copy lacks
+                    if carried:
+                        notes.append(f"put back {carried} metrics row(s) that {chosen.name} carries")
                     step = CheckpointManager.step_of(chosen)
                     # A path outside the run's checkpoints (checkpoint.resume=<path>) is named by its directory:
                     # the ranks that can read that very one (rank 0's node) restore it; the others, their step.

@@ -89,7 +89,8 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
         )
         rows = load_from_disk(str(prepared.train_path))
         with timed(phases, "resolve"):
-            resume_dir, resume_notes = proc.remote.resolve(cfg.checkpoint.resume)  # local or remote, on rank 0
+            # local or remote, on rank 0; a request applied already (a rerun of the same command) resumes as auto
+            resume_dir, resume_notes = proc.remote.resolve(proc.remote.setting(cfg.checkpoint.resume))
         sched = _schedule(cfg, proc, prepared, len(rows), resume_dir)
         if attempts.finished_already(
             proc, sched.steps, resume_dir, holding.lease
@@ -227,6 +228,7 @@ def _open_books(
         process_start=holding.clock_start(),  # after a --wait: from when this attempt got the run
         attempt_id=lease.id if lease is not None else None,
         lost_attempts=lease.hand_over() if lease is not None else (),  # killed attempts the lease names
+        resume_request=cfg.checkpoint.resume if cfg.checkpoint.resume != "auto" else None,  # applies once
     )
     closing.push(_ledger_row_on_error(ledger))
     console = Console(sched.steps, bar=cfg.metrics.progress, is_main=proc.is_main)
@@ -299,6 +301,7 @@ def _saver(
         message=books.console.message,
         on_saved=books.telemetry.saved,
         compiled=compiled,
+        metrics=proc.out / "metrics.jsonl" if proc.is_main else None,  # each checkpoint carries its rows
     )
 
 
