@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from trainer.restart import ledger as L
 from trainer.restart.lease import Lease
 from trainer.restart.remote import RemoteRun, fetch_run_files
@@ -118,41 +120,37 @@ def test_an_attempt_taken_over_after_the_ledger_opened_is_booked_before_the_next
     late.release()
 
 
-def test_a_kill_after_the_store_committed_a_checkpoint_loses_no_metrics_row(tmp_path: Path, tiny_llama: Path) -> None:
-    """The store commits step 2, then the machine dies before its metrics.jsonl follows (here: the store's
-    copies lose the row of step 2 afterwards). A fresh machine resumes from step 2: its history must have that
-    row, carried by the checkpoint (before: the resumed run never logs 2 again, a hole at 2)."""
-    from trainer import builtin_assets
-    from trainer import config as C
-    from trainer.training import run
+def test_a_kill_right_after_the_store_committed_a_step_loses_no_metrics_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The uploader commits step 2 (its manifest is in the store) and the machine dies before the run files
+    follow. The rows up to step 2 must be in the store already: the resumed run does not log step 2 again
+    (before, the store's history had a hole at 2). The kill: the first call after the commit never returns."""
+    from trainer.restart.checkpoint import CheckpointManager
+    from trainer.restart.uploader import Uploader
 
-    data = builtin_assets.write_dataset(tmp_path / "data" / "train.jsonl", n=16)
-    remote = (tmp_path / "store").as_uri()
+    url, _ = _store(tmp_path)
+    run = tmp_path / "run"
+    saved = CheckpointManager(run / "checkpoints", keep_last=2).save(
+        2, lambda d: (d / "adapter_model.safetensors").write_bytes(b"x" * 64)
+    )
+    store = Store(url)
+    store.floor.choose(None, [])
+    uploader = Uploader(store, run, 2, message=print)  # not started: its upload runs here, in this thread
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2)))
 
-    def cfg(out: Path, steps: int) -> C.RunConfig:
-        return C.from_dict(
-            {
-                "output_dir": str(out),
-                "seed": 3,
-                "model": {"name_or_path": str(tiny_llama), "dtype": "float32"},
-                "adapter": {"r": 4, "alpha": 8},
-                "data": {"path": str(data), "seq_len": 128, "cache_dir": str(tmp_path / "cache")},
-                "train": {"max_steps": steps, "micro_batch_size": 2, "lr": 1e-2, "schedule": "constant"},
-                "checkpoint": {"every_steps": 1, "every_minutes": None, "keep_last": 2, "remote": remote},
-                "metrics": {"progress": False},
-            }
-        )
+    class Killed(BaseException):
+        pass
 
-    assert run.train(cfg(tmp_path / "a", 2)) == 0
-    store = Store(remote)
-    for copy in store.fs.ls(store.root, detail=False):
-        if copy.rsplit("/", 1)[1].startswith("metrics.jsonl"):  # every generation's copy
-            kept = [x for x in store.fs.cat_file(copy).splitlines() if json.loads(x).get("step") != 2]
-            store.fs.pipe_file(copy, b"".join(x + b"\n" for x in kept))
-    steps = [json.loads(x).get("step") for x in (store.read_run_file("metrics.jsonl") or b"").splitlines()]
-    assert 2 not in steps and 1 in steps  # what the store holds after the kill
-    fresh = tmp_path / "b"
-    assert run.train(cfg(fresh, 3)) == 0
-    rows = [json.loads(x) for x in (fresh / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
-    assert 2 in [json.loads(x).get("step") for x in (Store(remote).read_run_file("metrics.jsonl") or b"").splitlines()]
+    def killed(keep_last: int) -> list[int]:
+        raise Killed
+
+    monkeypatch.setattr(store, "prune", killed)  # what comes right after the commit
+    uploader.submit(2, saved.path)
+    job, uploader._pending = uploader._pending, None
+    assert job is not None
+    with pytest.raises(Killed):
+        uploader._upload_with_retries(job)
+    assert Store(url).committed() == [2]
+    rows = (Store(url).read_run_file("metrics.jsonl") or b"").splitlines()
+    assert [json.loads(r)["step"] for r in rows] == [1, 2]

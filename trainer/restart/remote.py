@@ -36,7 +36,6 @@ from trainer.restart.handover import Handover
 from trainer.restart.lease_object import Follower
 from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, attempt_key, read_rows, recover_killed
 from trainer.restart.safety import Floor
-from trainer.restart.saving import METRICS_FILE, carry_metrics
 from trainer.restart.storage import Corrupt, Fence, Store, StoreDenied, StoreUnreachable
 from trainer.restart.uploader import RAN_OUT_FILE, RUN_FILES, Uploader
 from trainer.urls import one_line, redact
@@ -236,9 +235,6 @@ class RemoteRun:
                     root, resume_setting, self.store, self.reachable, budget=self.budget, message=self.message
                 )
                 if chosen is not None:
-                    carried = carry_metrics(chosen, self.run_dir / METRICS_FILE)  # rows the store's copy lacks
-                    if carried:
-                        notes.append(f"put back {carried} metrics row(s) that {chosen.name} carries")
                     step = CheckpointManager.step_of(chosen)
                     # A path outside the run's checkpoints (checkpoint.resume=<path>) is named by its directory:
                     # the ranks that can read that very one (rank 0's node) restore it; the others, their step.

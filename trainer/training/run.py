@@ -301,7 +301,6 @@ def _saver(
         message=books.console.message,
         on_saved=books.telemetry.saved,
         compiled=compiled,
-        metrics=proc.out / "metrics.jsonl" if proc.is_main else None,  # each checkpoint carries its rows
     )
 
 
