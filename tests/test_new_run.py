@@ -153,9 +153,10 @@ def test_a_request_applies_once_and_a_rerun_of_the_same_command_resumes(
     assert Store(remote).committed() == [1, 2]
 
 
-def test_rerun_of_reads_the_last_attempt_row_or_heartbeat() -> None:
+def test_rerun_of_reads_the_last_attempt_row_or_heartbeat(monkeypatch: pytest.MonkeyPatch) -> None:
     """The unit under the test above: the last attempt decides, a killed one's heartbeat included."""
     from trainer.restart.ledger import row_from_progress
+    from trainer.restart import new_run
     from trainer.restart.new_run import rerun_of
 
     def beat(n: int, at: float, request: str | None) -> dict[str, Any]:
@@ -173,3 +174,5 @@ def test_rerun_of_reads_the_last_attempt_row_or_heartbeat() -> None:
     killed = json.dumps(beat(3, 3000.0, "never")).encode()  # killed before its row: its heartbeat says it
     assert rerun_of("never", [never + b"\n" + auto], [killed]) is not None
     assert rerun_of("never", [], [None]) is None  # nothing ran yet: apply it
+    monkeypatch.setenv(new_run.APPLY_ENV, "1")  # `spotune pilot`: a new pilot run each time
+    assert rerun_of("never", [never], [None]) is None

@@ -84,13 +84,20 @@ def set_aside(run_dir: Path, folder: str, unbooked: Sequence[dict[str, Any]] = (
     return present, [p.name for p in retired]
 
 
+APPLY_ENV = "SPOTUNE_APPLY_REQUEST"
+"""Set to 1 by `spotune pilot`, which starts a new pilot run each time it is run (the same command): its
+`checkpoint.resume=never` applies even when the pilot's last attempt carried it."""
+
+
 def rerun_of(
     request: str, ledgers: Iterable[bytes | None], heartbeats: Iterable[bytes | None]
 ) -> dict[str, Any] | None:
     """The run's last attempt (of the rows of every `ledgers` copy and the attempts `heartbeats` describe,
     in the order they ran) when it was started with `request` (`checkpoint.resume=never` or a path): this
     start is a rerun of the same command, and the request, applied already, is not applied again. None:
-    apply it (no attempt yet, or the last one was started without it)."""
+    apply it (no attempt yet, or the last one was started without it, or APPLY_ENV says so)."""
+    if os.environ.get(APPLY_ENV) == "1":
+        return None
     rows: list[dict[str, Any]] = []
     for text in ledgers:
         for line in (text or b"").splitlines():
@@ -126,6 +133,6 @@ def rerun_note(request: str, last: dict[str, Any]) -> str:
     return (
         f"checkpoint.resume={request} was applied by an earlier start of this command (the last attempt, "
         f"{last.get('attempt')}, started {last.get('start')} with it); this rerun resumes the timeline it began "
-        "instead of applying it again. To apply it once more, start once with checkpoint.resume=auto first, "
-        "or use a new output_dir"
+        "instead of applying it again. To start over once more, use a new output_dir (or, while the run is "
+        "unfinished, start once with checkpoint.resume=auto in between)"
     )
