@@ -155,8 +155,8 @@ def test_a_request_applies_once_and_a_rerun_of_the_same_command_resumes(
 
 def test_rerun_of_reads_the_last_attempt_row_or_heartbeat(monkeypatch: pytest.MonkeyPatch) -> None:
     """The unit under the test above: the last attempt decides, a killed one's heartbeat included."""
-    from trainer.restart.ledger import row_from_progress
     from trainer.restart import new_run
+    from trainer.restart.ledger import row_from_progress
     from trainer.restart.new_run import rerun_of
 
     def beat(n: int, at: float, request: str | None) -> dict[str, Any]:

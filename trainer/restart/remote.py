@@ -188,7 +188,7 @@ class RemoteRun:
         except StoreDenied:
             raise  # a setting to fix: waiting changes nothing (exit 2)
         except StoreUnreachable as e:
-            if new_run is not None:  # this disk alone may show a rerun, whose timeline goes on cut off like auto's
+            if self.request != "auto":  # this disk alone may show a rerun, whose timeline goes on cut off like auto's
                 self._decide(*new_run_module.local_files(self.run_dir))
             if new_run is not None and self.rerun is None:  # a new run sets the store's checkpoints aside first
                 raise StoreUnreachable(
