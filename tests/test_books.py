@@ -225,3 +225,23 @@ def test_status_of_a_run_in_a_store_and_of_no_run(
         err = capsys.readouterr().err
         assert f"spotune: {nothing} holds no run: no config.yaml, metrics.jsonl, ledger.jsonl, checkpoint" in err
         assert "Traceback" not in err
+
+
+def test_status_of_a_url_whose_store_is_down_says_unknown_and_why(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The store does not answer: `spotune status URL` shows what it can (nothing but why) and points to the
+    run directory's own view, instead of a traceback."""
+    from moto_fixture import SECRET, free_port
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "spotune-test-key")
+    url = "s3://spotune-down/run"
+    assert spotune(["status", url]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"{url}: unknown: {url} could not be read (") and "output_dir" in text, text
+    assert spotune(["status", url, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["state"] == "unknown" and doc["lease_unknown"].startswith(f"{url} could not be read"), doc

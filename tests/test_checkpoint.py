@@ -240,3 +240,41 @@ def test_check_compatible() -> None:
     assert "checkpoint.allow_config_change=true" in msg
     assert len(check_compatible(saved, changed, "abd", allow=True)) == 2
     assert check_compatible({"structural": structural, "data_fingerprint": "abc"}, structural, "abc", False) == []
+
+
+@pytest.mark.parametrize("cleaner", ["clean_stale", "resolve_resume"])
+def test_a_save_killed_between_its_renames_keeps_the_old_copy(tmp_path: Path, cleaner: str) -> None:
+    # publish_dir over an existing step-5: the old copy is renamed aside, then the kill comes before the
+    # new one is renamed into place. Both are temp names now; the cleaner must not delete both.
+    import trainer.atomic as atomic
+
+    m = make(tmp_path, [5])
+    final = m.step_dir(5)
+    aside = atomic.temp_sibling(final, atomic.REPLACED)
+    os.rename(final, aside)  # publish_dir's first rename
+    new = atomic.temp_sibling(final)
+    new.mkdir()  # the new copy, written and fsynced, not yet renamed
+    if cleaner == "clean_stale":
+        removed = m.clean_stale()
+        assert removed == [new]
+    else:
+        assert resolve_resume(m.root, "auto")[0] == final
+    assert m.verify(final) == [] and not aside.exists() and not new.exists()
+    assert json.loads((final / "trainer_state.json").read_text()) == {"step": 5}
+
+
+def test_remove_temp_siblings_restores_a_replaced_copy(tmp_path: Path) -> None:
+    from trainer.atomic import REPLACED, remove_temp_siblings, temp_sibling
+
+    final = tmp_path / "final"
+    aside = temp_sibling(final, REPLACED)
+    aside.mkdir()
+    (aside / "adapter_config.json").write_text("{}")
+    unfinished = temp_sibling(final)
+    unfinished.mkdir()
+    assert remove_temp_siblings(final) == [unfinished]
+    assert (final / "adapter_config.json").read_text() == "{}"
+    # Control: with `final` in place, a replaced copy is a leftover like any other and goes.
+    again = temp_sibling(final, REPLACED)
+    again.mkdir()
+    assert remove_temp_siblings(final) == [again] and final.is_dir()

@@ -95,6 +95,24 @@ def test_every_template_treats_busy_as_do_not_restart_now() -> None:
     assert "spotune train --wait" in yaml.safe_load(SKYPILOT.read_text())["run"]
     assert E.EXIT_BUSY in _k8s_rules(yaml.safe_load(K8S.read_text()))["FailJob"]
     assert ENTRYPOINT.read_text().count('train --wait "${SPOTUNE_WAIT:-300}"') == 3
+    assert 'train --wait "$SPOTUNE_WAIT"' in SLURM_NODES.read_text()
+    assert "export SPOTUNE_WAIT=${SPOTUNE_WAIT:-300}" in SLURM_NODES.read_text()
+
+
+def test_a_requeued_slurm_job_waits_for_a_killed_attempts_lease(tmp_path: Path) -> None:
+    """After a SIGKILL the lease stays live until it expires: a requeued job that does not wait meets it and
+    exits 75, which is not requeued, so the run stops for good. The script passes --wait (SPOTUNE_WAIT, 300 s
+    by default), so the job waits the dead lease out. Run outside SLURM with a stand-in trainer."""
+    fake = tmp_path / "spotune"
+    fake.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {tmp_path / "argv"}\nexit 0\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "RECIPE": "r.yaml", "SPOTUNE": str(fake)}
+    env.pop("SPOTUNE_WAIT", None)
+    done = subprocess.run(["bash", str(SLURM), "seed=3"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "finished" in done.stdout, done.stdout + done.stderr
+    assert (tmp_path / "argv").read_text().splitlines() == ["train", "--wait", "300", "r.yaml", "seed=3"]
+    done = subprocess.run(["bash", str(SLURM)], env={**env, "SPOTUNE_WAIT": "30"}, capture_output=True, text=True)
+    assert (tmp_path / "argv").read_text().splitlines()[:3] == ["train", "--wait", "30"]
 
 
 # ---------------------------------------------------------------------------- SkyPilot

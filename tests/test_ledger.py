@@ -279,3 +279,16 @@ def test_the_last_attempt_is_the_one_that_ran_last_not_the_last_line(tmp_path: P
     tied = [row(4, "z", 1300, "killed", 50), row(4, "y", 1300, "preempted", 50)]
     (tmp_path / L.LEDGER_FILE).write_text("".join(json.dumps(r) + "\n" for r in tied))
     assert [r["attempt_id"] for r in L.read_rows(tmp_path)] == ["y", "z"]
+
+
+def test_a_torn_last_line_never_swallows_the_next_row(tmp_path: Path, clock: Clock) -> None:
+    # A kill mid-append leaves a line without its newline; the next attempt's row is appended after it.
+    (tmp_path / L.LEDGER_FILE).write_text(json.dumps({"attempt": 1, "device_seconds": 7.0}) + '\n{"attempt": 2, "dev')
+    clock.now = 5.0
+    led = L.Ledger.open(tmp_path, world_size=1, process_start=5.0)
+    clock.now = 9.0
+    led.close("finished")
+    rows = L.read_rows(tmp_path)
+    assert [r["attempt"] for r in rows] == [1, 2] and rows[-1]["exit_reason"] == "finished"
+    # Control: the torn line stays as it was (one line, still skipped), not mended into something else.
+    assert (tmp_path / L.LEDGER_FILE).read_text().splitlines()[1] == '{"attempt": 2, "dev'

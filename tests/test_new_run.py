@@ -123,3 +123,56 @@ def test_resume_never_with_the_store_out_of_reach_sets_nothing_aside(
         process.start(cfg, {}, closing)
     assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "config.yaml", "ledger.jsonl"]
     assert [p.name for p in CheckpointManager(out / "checkpoints").committed()] == ["step-000002"]
+
+
+def test_a_request_applies_once_and_a_rerun_of_the_same_command_resumes(
+    tmp_path: Path, tiny_llama: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`checkpoint.resume=never` in a job spec: the supervisor reruns the same command after a preemption (here:
+    after the new run's first attempt). The rerun resumes the new run, says why, and sets nothing aside again
+    (before, every rerun started from scratch and retired the new run's checkpoints too)."""
+    from trainer.restart.ledger import read_rows
+
+    data = builtin_assets.write_dataset(tmp_path / "data" / "train.jsonl", n=16)
+    out = tmp_path / "run"
+    remote = (tmp_path / "store").as_uri()
+    assert run.train(_cfg(out, tiny_llama, data, remote, lr=1e-2)) == 0
+    never = _cfg(out, tiny_llama, data, remote, lr=5e-3, **{"checkpoint.resume": "never"})
+    assert run.train(never) == 0
+    capsys.readouterr()
+    new_final = (out / "final" / "adapter_model.safetensors").read_bytes()
+    assert run.train(never) == 0  # the same command again
+    text = "".join(capsys.readouterr())
+    assert "checkpoint.resume=never was applied by an earlier start of this command" in text, text
+    assert "set aside" not in text, text
+    assert len([p for p in out.iterdir() if p.name.startswith("previous-run-")]) == 1
+    retired = sorted(p.name.split(".retired-")[0] for p in (out / "checkpoints").iterdir() if ".retired-" in p.name)
+    assert retired == ["step-000001", "step-000002"]  # the old run's, once
+    assert (out / "final" / "adapter_model.safetensors").read_bytes() == new_final
+    assert [r.get("resume_request") for r in read_rows(out)] == ["never"]  # the rerun found it finished: no row
+    assert Store(remote).committed() == [1, 2]
+
+
+def test_rerun_of_reads_the_last_attempt_row_or_heartbeat(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unit under the test above: the last attempt decides, a killed one's heartbeat included."""
+    from trainer.restart import new_run
+    from trainer.restart.ledger import row_from_progress
+    from trainer.restart.new_run import rerun_of
+
+    def beat(n: int, at: float, request: str | None) -> dict[str, Any]:
+        zero = dict.fromkeys(("productive_wall", "productive_at_checkpoint_wall", "checkpoint_wall"), 0.0)
+        p = {**zero, "attempt": n, "pid": n, "start_time": at, "heartbeat_time": at + 10, "first_step_time": None}
+        return {**p, "world_size": 1, "last_step": None, "resume_request": request}
+
+    def row(n: int, at: float, request: str | None) -> bytes:
+        return json.dumps({**row_from_progress(beat(n, at, request), at + 10, False), "exit_reason": "x"}).encode()
+
+    never, auto = row(1, 1000.0, "never"), row(2, 2000.0, None)
+    assert rerun_of("never", [never], [None]) is not None
+    assert rerun_of("never", [never + b"\n" + auto], [None]) is None  # an auto start since: a new request
+    assert rerun_of("/ck/step-000004", [never], [None]) is None  # another request
+    killed = json.dumps(beat(3, 3000.0, "never")).encode()  # killed before its row: its heartbeat says it
+    assert rerun_of("never", [never + b"\n" + auto], [killed]) is not None
+    assert rerun_of("never", [], [None]) is None  # nothing ran yet: apply it
+    monkeypatch.setenv(new_run.APPLY_ENV, "1")  # `spotune pilot`: a new pilot run each time
+    assert rerun_of("never", [never], [None]) is None

@@ -149,3 +149,38 @@ def test_a_fault_on_one_rank(tmp_path: Path, s3_remote: str) -> None:
     with pytest.raises(RunBusy):
         stale.put(tmp_path / "other.json", "other.json")
     assert [(tmp_path / f"outcome{r}").read_text() for r in (0, 1)] == [str(EXIT_PREEMPTED)] * 2
+
+
+def _new_run_rank(rank: int, tmp: str, remote: str) -> None:
+    """checkpoint.resume=never on two nodes, each with its own disk holding the old run."""
+    from trainer.restart import new_run
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/pg-never", rank=rank, world_size=2)
+    node = Path(tmp) / f"never-node{rank}"
+    run = RemoteRun(remote, {}, node, keep_last=2, is_main=rank == 0, is_local_main=True, message=lambda m: None)
+    stamp = new_run.stamp() + (f"-rank{rank}" if rank else "")  # rank 0's name must win on every node
+    run.connect(stamp, lambda folder: new_run.set_aside(node, folder), request="never")
+    (Path(tmp) / f"never{rank}").write_text(str(run.resolve(run.setting("never"))[0]))
+    torch.distributed.destroy_process_group()
+
+
+def test_resume_never_sets_every_nodes_own_disk_aside(tmp_path: Path) -> None:
+    """Before, only rank 0's disk was set aside: node 1 kept the old run's checkpoints committed and its files
+    (a later `auto` there could meet them). Each node's disk now goes aside into rank 0's folder name."""
+    remote = (tmp_path / "store").as_uri()
+    (tmp_path / "store").mkdir()
+    for rank in (0, 1):
+        node = tmp_path / f"never-node{rank}"
+        _commit(CheckpointManager(node / "checkpoints"), 4)
+        (node / "metrics.jsonl").write_text('{"step": 4}\n')
+    mp.spawn(_new_run_rank, args=(str(tmp_path), remote), nprocs=2, join=True)
+    assert [(tmp_path / f"never{r}").read_text() for r in (0, 1)] == ["None", "None"]
+    folders = []
+    for rank in (0, 1):
+        node = tmp_path / f"never-node{rank}"
+        assert CheckpointManager(node / "checkpoints").committed() == [], rank
+        assert [p.name.split(".retired-")[0] for p in (node / "checkpoints").iterdir()] == ["step-000004"]
+        aside = [p for p in node.iterdir() if p.name.startswith("previous-run-")]
+        assert len(aside) == 1 and (aside[0] / "metrics.jsonl").read_text() == '{"step": 4}\n', rank
+        folders.append(aside[0].name)
+    assert folders[0] == folders[1] and "rank1" not in folders[1]

@@ -314,11 +314,13 @@ def test_a_write_the_rule_refuses_stops_the_run_with_exit_1(tmp_path: Path) -> N
     assert not remote.flushed and remote.uploader.violation == stops[0]
     assert remote.exit_code(E.EXIT_PREEMPTED, tmp_path / "run" / "final") == E.EXIT_ERROR
     assert remote.exit_code(E.EXIT_FINISHED, tmp_path / "run" / "final") == E.EXIT_ERROR
+    assert remote.exit_reason("preempted") == "error"  # booked as the error it exits with, not a preemption
     assert Store(url).committed() == [20]
     remote.close()
     # The control: the store ahead of this attempt (refused, not a bug) keeps 143.
     remote.uploader.violation, remote.uploader.refused = None, True
     assert remote.exit_code(E.EXIT_FINISHED, tmp_path / "run" / "final") == E.EXIT_PREEMPTED
+    assert remote.exit_reason("preempted") == "preempted"
 
 
 def test_a_run_file_in_a_folder_reaches_a_local_store_and_an_object_store(tmp_path: Path, s3_remote: str) -> None:

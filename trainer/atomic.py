@@ -16,6 +16,9 @@ from pathlib import Path
 
 TEMP_MARK = ".tmp-"
 """Infix of every temporary name made here; `<name>.tmp-*` siblings are never read."""
+REPLACED = "replaced"
+"""Tag of the old copy `publish_dir` moves aside (`<name>.tmp-replaced-*`): the one temp name that may be
+the only copy left (a kill between its two renames), so cleaners restore it first (`restore_replaced`)."""
 
 # Some filesystems (a few network and FUSE mounts) cannot fsync a directory; that is not an
 # I/O error, so only these are tolerated. Everything else (EIO, ENOSPC) propagates.
@@ -54,6 +57,7 @@ def temp_sibling(final: Path, tag: str = "") -> Path:
 
 def remove_temp_siblings(final: Path) -> list[Path]:
     """Remove leftover `<name>.tmp-*` siblings of `final` (unfinished writes); returns them."""
+    restore_replaced(final)
     stale = sorted(final.parent.glob(f"{final.name}{TEMP_MARK}*")) if final.parent.is_dir() else []
     for p in stale:
         if p.is_dir():
@@ -71,7 +75,7 @@ def publish_dir(tmp: Path, final: Path) -> None:
     nothing trusts: never a mix of both.
     """
     if final.exists():
-        aside = temp_sibling(final, "replaced")
+        aside = temp_sibling(final, REPLACED)  # a kill before the next rename: restore_replaced puts it back
         os.rename(final, aside)
         os.rename(tmp, final)
         fsync_path(final.parent)
@@ -79,6 +83,20 @@ def publish_dir(tmp: Path, final: Path) -> None:
     else:
         os.rename(tmp, final)
     fsync_path(final.parent)
+
+
+def restore_replaced(final: Path) -> Path | None:
+    """When `final` is missing and `publish_dir` had moved its old copy aside (killed between its two
+    renames), rename that copy back: the old directory stands, as promised, and no cleaner of temp
+    names deletes the only copy. Returns the copy restored. Readers still verify what it holds."""
+    if final.exists() or not final.parent.is_dir():
+        return None
+    aside = sorted(final.parent.glob(f"{final.name}{TEMP_MARK}{REPLACED}-*"), key=lambda p: p.stat().st_mtime)
+    if not aside:
+        return None
+    os.rename(aside[-1], final)
+    fsync_path(final.parent)
+    return aside[-1]
 
 
 def write_bytes(path: Path, data: bytes) -> None:
@@ -102,8 +120,10 @@ def write_text(path: Path, text: str) -> None:
 
 
 def append_line(path: Path, line: str) -> None:
-    """Append one line and fsync it. A kill can tear only this last line; readers skip a torn one."""
-    with open(path, "a") as f:
-        f.write(line.rstrip("\n") + "\n")
+    """Append one line and fsync it. A kill can tear only this last line; readers skip a torn one.
+    A torn last line (no newline: a kill mid-append) is ended first, so it never swallows this one."""
+    with open(path, "a+b") as f:
+        torn = f.seek(0, os.SEEK_END) > 0 and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n"
+        f.write((b"\n" if torn else b"") + line.rstrip("\n").encode() + b"\n")
         f.flush()
         os.fsync(f.fileno())

@@ -24,6 +24,7 @@ from trainer.config import RunConfig, to_yaml
 from trainer.data.cache import MANIFEST, data_cache_root
 from trainer.plan import PlanError, pilot
 from trainer.plan.pilot import DEFAULT_STEPS
+from trainer.restart import new_run
 from trainer.restart.clock import seconds_since_process_start
 from trainer.restart.preemption import STOP_AFTER_ENV
 from trainer.training import run
@@ -105,7 +106,11 @@ def run_pilot(
         outside = _pilot_processes(pcfg, out, minutes, restart)
     else:
         earlier = 0.0 if fresh_process else seconds_since_process_start()
-        code = run.train(pcfg)
+        os.environ[new_run.APPLY_ENV] = "1"  # a new pilot run each time, whatever the last one was started with
+        try:
+            code = run.train(pcfg)
+        finally:
+            os.environ.pop(new_run.APPLY_ENV, None)
         # With --minutes the pilot ends through the budget guard, which also saves: both are fine.
         if code not in (exit_codes.EXIT_FINISHED, exit_codes.EXIT_BUDGET):
             raise PlanError(f"the pilot run in {out} stopped with exit code {code}; see the messages above")
@@ -133,7 +138,7 @@ def _pilot_processes(pcfg: RunConfig, out: Path, minutes: float | None, restart:
     half = steps // 2
     if minutes is None and min(half, steps - half) < pcfg.metrics.warmup_steps + 2:
         restart = False  # too short to leave two sustained steps on both sides of a restart
-    first = dict(env)
+    first = {**env, new_run.APPLY_ENV: "1"}  # its resume=never applies, whatever the last pilot was started with
     if restart and minutes is None:
         first[STOP_AFTER_ENV] = str(half)
     command = [sys.executable, "-m", "trainer", "train", str(recipe)]

@@ -22,7 +22,14 @@ from trainer.config import ConfigError, RunConfig, from_dict
 from trainer.report.example import Example, training_example
 from trainer.report.trained import Trained, load_trained
 from trainer.restart.generations import read_run_file
-from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, chronological, row_from_progress, row_time
+from trainer.restart.ledger import (
+    HEARTBEAT_FILE,
+    LEDGER_FILE,
+    attempt_key,
+    chronological,
+    row_from_progress,
+    row_time,
+)
 from trainer.urls import redact
 
 log = logging.getLogger(__name__)
@@ -157,7 +164,8 @@ def load_run(run_dir: str) -> RunData:
             live = Attempt.from_row(
                 row_from_progress(progress, heartbeat_time, keep_all=True), progress.get("ending") or RUNNING
             )
-            if live.attempt not in {a.attempt for a in attempts}:  # else closed between our two reads
+            # Else closed between our two reads; told apart by id: diverged disks number attempts alike.
+            if attempt_key(progress) not in {attempt_key(r) for r in rows}:
                 attempts.append(live)
         except (ValueError, KeyError, TypeError) as e:
             notes.append(f"{where}/{HEARTBEAT_FILE} is unreadable ({e}); the open attempt is not shown")

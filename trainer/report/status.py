@@ -6,7 +6,9 @@ is the lock's and the lease's own reading (trainer/restart/lock.py `holder`, lea
 
 A directory or URL that holds nothing of a run (no config.yaml, metrics, ledger, heartbeat,
 checkpoint, lock or lease) is not a run: `NotARun`, exit 2. A run directory whose checkpoint.remote
-does not answer (or refuses these credentials) still shows its own state, the lease "unknown" and why.
+does not answer (or refuses these credentials) still shows its own state, the lease "unknown" and why;
+a URL whose store does not answer shows the state `unknown` and why (never a traceback), and points to the
+run directory on the training machine, whose own view needs no store.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from trainer.restart.lock import describe, holder
 from trainer.restart.storage import Store
 from trainer.urls import one_line, redact
 
-TRAINING, STARTING, STOPPED = "training", "starting", "stopped"
+TRAINING, STARTING, STOPPED, UNKNOWN = "training", "starting", "stopped", "unknown"
 KILLED = "killed"
 
 
@@ -39,7 +41,8 @@ class Status:
     run: str
     state: str
     """`finished`, `training` (an attempt holds the run and has trained a step), `starting` (it holds the
-    run, no step yet), or `stopped` (no attempt holds it; `how` says why the last one ended)."""
+    run, no step yet), `stopped` (no attempt holds it; `how` says why the last one ended), or `unknown` (a
+    URL whose store could not be read: `lease_unknown` says why)."""
     how: str | None
     """The last attempt's exit reason (finished, preempted, killed, budget, error, ...), None while training."""
     step: int | None
@@ -66,7 +69,22 @@ class Status:
 
 
 def run_status(run: str, storage_options: dict[str, Any] | None = None) -> Status:
-    """The status of `run` (an output_dir, or a checkpoint.remote URL); NotARun when it holds no run."""
+    """The status of `run` (an output_dir, or a checkpoint.remote URL); NotARun when it holds no run. A URL
+    whose store could not be read (not answering, refusing these credentials) is `unknown`, with why."""
+    try:
+        return _status(run, storage_options)
+    except NotARun:
+        raise
+    except Exception as e:
+        if "://" not in run or run.startswith("file://"):  # a local directory: its own error says it
+            raise
+        why = f"{redact(run)} could not be read ({type(e).__name__}: {one_line(e)})"
+        return Status(
+            redact(run), UNKNOWN, None, None, None, None, None, None, 0.0, "device-hours", None, 0, lease_unknown=why
+        )
+
+
+def _status(run: str, storage_options: dict[str, Any] | None) -> Status:
     url = run.rstrip("/") if "://" in run else None
     data = _data(run)
     config = data.config if data is not None else read_config(run)
@@ -132,6 +150,11 @@ def format_status(s: Status) -> str:
     of = f" of {s.total_steps}" if s.total_steps else ""
     step = f"step {s.step}{of}" if s.step is not None else f"no step yet{of}"
     beat = f", last heartbeat {ago(s.heartbeat_age_s)} ago" if s.heartbeat_age_s is not None else ""
+    if s.state == UNKNOWN:
+        return (
+            f"{s.run}: unknown: {s.lease_unknown}. Run `spotune status` again once the store answers, or give the "
+            "run's output_dir on the training machine for its own view"
+        )
     if s.state == TRAINING:
         head = f"training on {s.machine or '?'}: {step}{beat}"
     elif s.state == STARTING:

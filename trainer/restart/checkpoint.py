@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.atomic import files_below, fsync_path, publish_dir, temp_sibling
+from trainer.atomic import REPLACED, TEMP_MARK, files_below, fsync_path, publish_dir, restore_replaced, temp_sibling
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +124,13 @@ class CheckpointManager:
         return moved
 
     def clean_stale(self) -> list[Path]:
-        """Remove temp directories of saves that never committed; returns what was removed."""
+        """Remove temp directories of saves that never committed; returns what was removed. A committed
+        copy that a save replacing it had moved aside (killed between its renames) is put back first."""
         if not self.root.is_dir():
             return []
+        for p in list(self.root.iterdir()):
+            if p.is_dir() and _TEMP.match(p.name) and f"{TEMP_MARK}{REPLACED}-" in p.name:
+                restore_replaced(p.parent / p.name.split(TEMP_MARK)[0])
         stale = sorted(p for p in self.root.iterdir() if p.is_dir() and _TEMP.match(p.name))
         for p in stale:
             shutil.rmtree(p, ignore_errors=True)

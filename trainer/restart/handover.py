@@ -7,7 +7,8 @@ started, on how many devices, on what device at what price, its last sign of lif
 open (`hand_over`: trainer/restart/ledger.py's `lost_attempts`, matched by `attempt_id`, so a record
 whose attempt already has a row is not booked twice). The records leave the lease only once the
 ledger that booked them is in the store (`pushed`): a kill before that leaves them to the next holder.
-A holder that found the run finished books what it carries the same way and releases the lease as
+A holder that takes the lease only after its ledger opened (cut off at start) books the records it took
+over before its next ledger upload (`late`). A holder that found the run finished books what it carries the same way and releases the lease as
 `no_attempt`: it trained nothing, so the next holder carries its chain but no record of it.
 At most `CHAIN_LIMIT` records travel (kills in a row before any ledger upload).
 """
@@ -44,6 +45,7 @@ class Handover:
         self.previous: list[dict[str, Any]] = []
         """Records (attempt_record) of earlier attempts, newest first; written into the lease as `unbooked`."""
         self._handed: set[Any] = set()  # attempt ids of `previous` the ledger has booked
+        self._opened = False  # the ledger opened (`hand_over`): a record taken over later is booked by `late`
 
     def took_over(self, current: dict[str, Any], own_id: str) -> None:
         """The lease object `current` is being replaced by this attempt's: carry its holder and its chain.
@@ -56,7 +58,18 @@ class Handover:
     def hand_over(self) -> list[dict[str, Any]]:
         """The records of earlier attempts for the ledger to book now; they leave the lease once it is uploaded."""
         self._handed = {r.get("attempt_id") for r in self.previous}
+        self._opened = True
         return list(self.previous)
+
+    def late(self) -> list[dict[str, Any]]:
+        """Records of attempts taken over after the ledger opened (the lease was taken late: the store did not
+        answer at start), for the ledger to book before its next upload; else none would book them when this
+        attempt finishes the run. Each record is handed once; it leaves the lease once that ledger is pushed."""
+        if not self._opened:
+            return []
+        new = [r for r in self.previous if r.get("attempt_id") not in self._handed]
+        self._handed |= {r.get("attempt_id") for r in new}
+        return new
 
     def pushed(self, rel: str, ledger_file: str) -> None:
         """Run file `rel` reached the store: when it is the ledger, the records handed over are booked there."""

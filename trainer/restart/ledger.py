@@ -7,6 +7,8 @@ device counts add up. Per attempt:
 - `productive_seconds`: optimizer-step time whose result was kept by a checkpoint.
 - `checkpoint_seconds`: time spent saving.
 - `lost_seconds`: optimizer-step time after the last checkpoint; the next attempt redoes it.
+- `resume_request`: `checkpoint.resume` when the attempt was started with a request (`never`, a path), so
+  a rerun of the same command does not apply it again (trainer/restart/new_run.py).
 - `last_step`: the last step logged or saved; `resumed_from`: the step its training started from
   (the checkpoint's, 0 without one; absent when it never got that far).
 - `phases`: wall seconds of the attempt's fixed costs, for the forecast to itemise
@@ -123,8 +125,12 @@ class Ledger:
         attempt: int,
         phases: dict[str, float] | None = None,
         attempt_id: str | None = None,
+        resume_request: str | None = None,
     ) -> None:
         self.run_dir = run_dir
+        self.resume_request = resume_request
+        """`checkpoint.resume` when this attempt was started with a request (`never`, a path): the next start
+        of the same command resumes instead of applying it again (trainer/restart/new_run.py `rerun_of`)."""
         self.attempt_id = attempt_id
         """The lease holder id of this attempt (with checkpoint.remote): how a later attempt tells it is booked."""
         self.world_size = world_size
@@ -166,11 +172,13 @@ class Ledger:
         phases: dict[str, float] | None = None,
         attempt_id: str | None = None,
         lost_attempts: Sequence[dict[str, Any]] = (),
+        resume_request: str | None = None,
     ) -> Ledger:
         """Start this attempt's ledger; `enabled=False` on non-main ranks (no files touched).
 
         `phases`: fixed costs timed before the ledger could open (see the module docstring).
-        `lost_attempts`: the lease's records of the attempts this one took the run from."""
+        `lost_attempts`: the lease's records of the attempts this one took the run from.
+        `resume_request`: checkpoint.resume when it is not `auto` (recorded in the heartbeat and row)."""
         run_dir = Path(run_dir)
         rows: list[dict[str, Any]] = []
         begun = process_start if process_start is not None else clock.process_start()
@@ -196,6 +204,7 @@ class Ledger:
             attempt=int(base["attempts"]) + 1,
             phases=phases,
             attempt_id=attempt_id,
+            resume_request=resume_request,
         )
         ledger.heartbeat()  # a kill before the first log step still leaves a row behind
         return ledger
@@ -289,6 +298,7 @@ class Ledger:
             "device": self.device,
             "compile_cache": self.compile_cache,
             "ending": self.ending,
+            "resume_request": self.resume_request,
         }
 
     def _row(self, now: float, keep_all: bool) -> dict[str, Any]:
@@ -329,6 +339,8 @@ def row_from_progress(p: dict[str, Any], end: float, keep_all: bool) -> dict[str
         row["device"] = p["device"]
     if p.get("compile_cache"):
         row["compile_cache"] = p["compile_cache"]
+    if p.get("resume_request"):
+        row["resume_request"] = p["resume_request"]
     return row
 
 
@@ -342,23 +354,48 @@ def timed(phases: dict[str, float], phase: str) -> Iterator[None]:
         phases[phase] = phases.get(phase, 0.0) + time.monotonic() - started
 
 
+def attempt_key(entry: dict[str, Any]) -> tuple[Any, ...]:
+    """Who an attempt is, in a ledger row, a heartbeat or a lease record: its `attempt_id` (the lease holder
+    id, unique across machines), else (number, pid) for an attempt without a lease. Numbers alone collide:
+    two disks that diverged each number their next attempt `len(rows) + 1`."""
+    ident = entry.get("attempt_id")
+    return ("id", ident) if ident else ("number", entry.get("attempt"), entry.get("pid"))
+
+
 def recover_killed(
-    run_dir: Path | str, lost_attempts: Sequence[dict[str, Any]] = (), before: float | None = None
+    run_dir: Path | str,
+    lost_attempts: Sequence[dict[str, Any]] = (),
+    before: float | None = None,
+    *,
+    heartbeats: Sequence[dict[str, Any]] = (),
+    leftover: bool = True,
 ) -> list[dict[str, Any]]:
-    """Book the attempts that never closed: a leftover heartbeat, and every lease record in
-    `lost_attempts` without a row (see the module docstring); returns the rows appended.
-    `before`: this attempt's start, which no booked row may run past."""
+    """Book the attempts that never closed: a leftover heartbeat, every heartbeat in `heartbeats` (another
+    machine's, found in the store) and every lease record in `lost_attempts` without a row (see the module
+    docstring); returns the rows appended. Each attempt is booked once, by `attempt_key`: one that already has
+    a row here, or appears twice among these, gets none more. `before`: this attempt's start, which no booked
+    row may run past. `leftover=False`: this directory's heartbeat is the live attempt's own, left alone."""
     run_dir = Path(run_dir)
     earlier = read_rows(run_dir)
-    booked = {r.get("attempt_id") for r in earlier} - {None}
-    records = {r["attempt_id"]: r for r in lost_attempts if r.get("attempt_id") and r["attempt_id"] not in booked}
-    progress = _leftover_heartbeat(run_dir)
+    booked = {attempt_key(r) for r in earlier}
+    records = {r["attempt_id"]: r for r in lost_attempts if r.get("attempt_id") and attempt_key(r) not in booked}
+    found = [_leftover_heartbeat(run_dir)] if leftover else []
     spans: list[tuple[dict[str, Any], dict[str, Any] | None]] = []  # (progress, lease record)
-    if progress is not None and progress.get("attempt_id") not in booked:
+    for progress in [*found, *(_readable(p) for p in heartbeats)]:
+        if progress is None:
+            continue
+        key = attempt_key(progress)
+        if key in booked:
+            continue
+        booked.add(key)
         spans.append((progress, records.pop(progress.get("attempt_id"), None)))
     spans += [(_progress_of(r), r) for r in records.values() if r.get("process_start") and r.get("last_seen")]
     spans.sort(key=lambda s: float(s[0]["start_time"]))
     rows: list[dict[str, Any]] = []
+    # Past every number in use, the live attempt's too (its heartbeat, when it books late: `leftover=False`).
+    live = [] if leftover else [_leftover_heartbeat(run_dir) or {}]
+    numbers = [r.get("attempt") for r in [*earlier, *live, *(p for p, _ in spans)]]
+    number = max([len(earlier), *(n for n in numbers if isinstance(n, int))])
     for i, (p, record) in enumerate(spans):
         end = max(float(p["heartbeat_time"]), float((record or {}).get("last_seen") or 0))
         later = [float(q["start_time"]) for q, _ in spans[i + 1 :]] + ([before] if before is not None else [])
@@ -366,14 +403,25 @@ def recover_killed(
         tail = max(0.0, min([tail, *(t - end for t in later)]))
         row = row_from_progress(p, end + tail, keep_all=False)
         if p.get("attempt") is None:  # known from the lease only: numbered in the order it is booked
-            row["attempt"] = len(earlier) + len(rows) + 1
+            row["attempt"] = number = number + 1
         row.update(exit_reason="killed", end_is_last_heartbeat=True)
         if record is not None:
             row.update(estimated_tail_seconds=round(tail, 3), host=record.get("host"))
         append_line(run_dir / LEDGER_FILE, json.dumps(row, sort_keys=True))
         rows.append(row)
-    (run_dir / HEARTBEAT_FILE).unlink(missing_ok=True)
+    if leftover:
+        (run_dir / HEARTBEAT_FILE).unlink(missing_ok=True)
     return rows
+
+
+def _readable(progress: dict[str, Any]) -> dict[str, Any] | None:
+    """A heartbeat found elsewhere (the store's), when it holds every field a row needs."""
+    try:
+        row_from_progress(progress, progress["heartbeat_time"], keep_all=False)
+    except (ValueError, KeyError, TypeError) as e:
+        log.warning("a heartbeat %s is unreadable (%s); the killed attempt it described is not counted", progress, e)
+        return None
+    return dict(progress)
 
 
 def _leftover_heartbeat(run_dir: Path) -> dict[str, Any] | None:

@@ -9,6 +9,12 @@ runs (trackers.json), starts its ledger and metrics from nothing, and `spotune c
 checkpoint (trainer/restart/checkpoint.py `retire`, trainer/restart/storage.py `retire`). Only the run's
 own outputs move: the lock, the prepared data, the pilot and a saved estimate stay.
 
+A request applies once. `resume=never` and `resume=<path>` in a job spec are rerun after every preemption
+by the same command; the attempt that applied one records it (`resume_request` in its ledger row and
+heartbeat, trainer/restart/ledger.py), and a start whose last attempt was started with the same request
+(`rerun_of`: a row, or the heartbeat of one killed before its row) resumes the timeline that request began,
+as `auto` does, and says so. A start whose last attempt carried no request, or another, applies it.
+
 It is one step, taken once the store answered (trainer/restart/remote.py `connect`): the store's
 checkpoints retired, this disk's checkpoints retired and its files set aside, the store's run files set
 aside. A store that does not answer stops the attempt (exit 143) before anything moved, so no failure
@@ -17,15 +23,16 @@ leaves the old checkpoints beside a new ledger for a later `auto` to resume.
 
 from __future__ import annotations
 
+import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from trainer.atomic import fsync_path
 from trainer.restart.checkpoint import CheckpointManager
-from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, recover_killed
+from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, chronological, recover_killed, row_from_progress
 from trainer.restart.storage import CHECKPOINTS
 from trainer.restart.uploader import RAN_OUT_FILE
 
@@ -76,3 +83,57 @@ def set_aside(run_dir: Path, folder: str, unbooked: Sequence[dict[str, Any]] = (
     fsync_path(dest)
     fsync_path(run_dir)
     return present, [p.name for p in retired]
+
+
+APPLY_ENV = "SPOTUNE_APPLY_REQUEST"
+"""Set to 1 by `spotune pilot`, which starts a new pilot run each time it is run (the same command): its
+`checkpoint.resume=never` applies even when the pilot's last attempt carried it."""
+
+
+def rerun_of(
+    request: str, ledgers: Iterable[bytes | None], heartbeats: Iterable[bytes | None]
+) -> dict[str, Any] | None:
+    """The run's last attempt (of the rows of every `ledgers` copy and the attempts `heartbeats` describe,
+    in the order they ran) when it was started with `request` (`checkpoint.resume=never` or a path): this
+    start is a rerun of the same command, and the request, applied already, is not applied again. None:
+    apply it (no attempt yet, or the last one was started without it, or APPLY_ENV says so)."""
+    if os.environ.get(APPLY_ENV) == "1":
+        return None
+    rows: list[dict[str, Any]] = []
+    for text in ledgers:
+        for line in (text or b"").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:  # a torn line
+                continue
+            if isinstance(row, dict) and isinstance(row.get("end"), str):
+                rows.append(row)
+    for beat in heartbeats:
+        try:
+            progress = json.loads(beat or b"null")
+            if isinstance(progress, dict):
+                rows.append(row_from_progress(progress, float(progress["heartbeat_time"]), keep_all=True))
+        except (ValueError, KeyError, TypeError):  # unreadable: Ledger.open warns about it
+            continue
+    ordered = chronological(rows)
+    last = ordered[-1] if ordered else None
+    return last if last is not None and last.get("resume_request") == request else None
+
+
+def local_files(run_dir: Path) -> tuple[list[bytes | None], list[bytes | None]]:
+    """This disk's ledger and heartbeat, for `rerun_of`."""
+    return [_read(run_dir / LEDGER_FILE)], [_read(run_dir / HEARTBEAT_FILE)]
+
+
+def _read(path: Path) -> bytes | None:
+    return path.read_bytes() if path.is_file() else None
+
+
+def rerun_note(request: str, last: dict[str, Any]) -> str:
+    """What the log says when a request is not applied again."""
+    return (
+        f"checkpoint.resume={request} was applied by an earlier start of this command (the last attempt, "
+        f"{last.get('attempt')}, started {last.get('start')} with it); this rerun resumes the timeline it began "
+        "instead of applying it again. To start over once more, use a new output_dir (or, while the run is "
+        "unfinished, start once with checkpoint.resume=auto in between)"
+    )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,11 +29,13 @@ from trainer.config.schema import CheckpointConfig
 from trainer.exit_codes import EXIT_ERROR, EXIT_FINISHED, EXIT_PREEMPTED
 from trainer.model.reference import INIT_FILES
 from trainer.restart import agree
+from trainer.restart import new_run as new_run_module
 from trainer.restart.checkpoint import MANIFEST, CheckpointError, CheckpointManager
 from trainer.restart.choose import choose, retrying
 from trainer.restart.generations import APPEND_ONLY, merged_rows
+from trainer.restart.handover import Handover
 from trainer.restart.lease_object import Follower
-from trainer.restart.ledger import HEARTBEAT_FILE, read_rows
+from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, attempt_key, read_rows, recover_killed
 from trainer.restart.safety import Floor
 from trainer.restart.storage import Corrupt, Fence, Store, StoreDenied, StoreUnreachable
 from trainer.restart.uploader import RAN_OUT_FILE, RUN_FILES, Uploader
@@ -81,36 +84,79 @@ class RemoteRun:
         """What this attempt may take out of sight in the store (trainer/restart/safety.py); on_ahead set by process.py."""
         self.on_violation: Callable[[str], object] = lambda why: None
         """What the uploader calls when the rule refused one of its writes (a bug): process.py asks for the stop."""
+        self._booking = threading.Lock()
+        self.request = "auto"
+        """checkpoint.resume as given (`connect`)."""
+        self.rerun: dict[str, Any] | None = None
+        """The last attempt, started with `request` already: this start resumes instead (`setting`)."""
         self.holder: str | None = None
         """The lease holder id of this attempt, on every rank: another rank writes only under it (`push_run_files`)."""
 
     # ------------------------------------------------------------------ start
 
-    def connect(self, new_run: str | None = None, set_aside_here: Callable[[], None] | None = None) -> None:
+    def connect(
+        self,
+        new_run: str | None = None,
+        set_aside_here: Callable[[str], None] | None = None,
+        request: str = "auto",
+    ) -> None:
         """Collective. Rank 0 checks the store (list, and a probe write and delete) and, on a machine
         without the run files, downloads them (this disk's ledger and metrics rows merged with the store's).
 
         Every rank raises StoreDenied (exit 2) when the store refuses these credentials or has no such
         bucket, and StoreUnreachable (exit 143) when it does not answer for `budget` seconds and no local
         checkpoint lets training start; with one, rank 0 warns and goes on cut off (the floor reads the
-        store before the first write). `new_run` (checkpoint.resume=never): the folder the store's run
-        files of the old run are moved to, once the store answered, in one step with its checkpoints retired
-        and with `set_aside_here` (rank 0: this disk's part, trainer/restart/new_run.py); a store that does
-        not answer then stops the attempt (exit 143) before anything moved."""
-        if self.url is None:
-            if set_aside_here is not None:
-                set_aside_here()
-            return
+        store before the first write). `request` (checkpoint.resume) applies once: when the run's last
+        attempt was started with it, this is a rerun of the same command, which resumes instead
+        (trainer/restart/new_run.py `rerun_of`; `setting`). `new_run` (checkpoint.resume=never, applied): the
+        folder the store's run files of the old run are moved to, once the store answered, in one step with
+        its checkpoints retired and with `set_aside_here(new_run)` (this disk's part, trainer/restart/new_run.py;
+        run on every node whose disk is not rank 0's too); a store that does not answer then stops the
+        attempt (exit 143) before anything moved."""
+        self.request = request
         if self.is_main:
             try:
-                self._connect_main(new_run, set_aside_here)
+                if self.url is None:
+                    self._connect_local(new_run, set_aside_here)
+                else:
+                    self._connect_main(new_run, set_aside_here)
             except Exception as e:
-                agree.broadcast((agree.failure(e), None))  # the other ranks wait in the broadcast below
+                agree.broadcast((agree.failure(e), None, None))  # the other ranks wait in the broadcast below
                 raise
-        problem, self.holder = agree.broadcast((None, getattr(self.fence, "id", None)))
+        applied = new_run if new_run is not None and self.rerun is None else None
+        mine = (self.rerun is not None, applied, _directory(self.run_dir))
+        problem, self.holder, agreed = agree.broadcast((None, getattr(self.fence, "id", None), mine))
         agree.raise_failure([problem], prefix="rank 0 could not connect to the store: ")
+        rerun, folder, directory = agreed
+        if not self.is_main:
+            self.rerun = {"rank 0": "a rerun"} if rerun else None
+            if set_aside_here is not None and folder is not None and _directory(self.run_dir) != directory:
+                try:  # this node's own disk (not rank 0's): its old checkpoints and files go aside too
+                    set_aside_here(folder)
+                except OSError as e:  # its old checkpoints stay; a resume still checks each copy's digest
+                    self.message(f"spotune: rank {agree.rank()}: could not set this node's old run aside: {e}")
 
-    def _connect_main(self, new_run: str | None, set_aside_here: Callable[[], None] | None) -> None:
+    def setting(self, resume_setting: str) -> str:
+        """The `checkpoint.resume` this attempt acts on: `auto` for a request applied already (a rerun of the
+        command that applied it, `connect`), else `resume_setting`."""
+        return "auto" if self.rerun is not None else resume_setting
+
+    def _decide(self, ledgers: list[bytes | None], heartbeats: list[bytes | None]) -> None:
+        """Rank 0: whether this start is a rerun of the one that applied `self.request` (said once)."""
+        if self.request == "auto":
+            return
+        said = self.rerun is not None
+        self.rerun = new_run_module.rerun_of(self.request, ledgers, heartbeats)
+        self.floor.new_timeline = self.floor.new_timeline and self.rerun is None
+        if self.rerun is not None and not said:
+            self.message(f"spotune: {new_run_module.rerun_note(self.request, self.rerun)}")
+
+    def _connect_local(self, new_run: str | None, set_aside_here: Callable[[str], None] | None) -> None:
+        self._decide(*new_run_module.local_files(self.run_dir))
+        if new_run is not None and set_aside_here is not None and self.rerun is None:
+            set_aside_here(new_run)
+
+    def _connect_main(self, new_run: str | None, set_aside_here: Callable[[str], None] | None) -> None:
         store = self.store = Store(self.url or "", self.options)
         store.floor = self.floor
         self.floor.new_timeline = new_run is not None
@@ -122,8 +168,13 @@ class RemoteRun:
 
         def reach() -> None:
             store.check()
-            if new_run is not None:
-                self._begin_new_run(store, here.pop() if here else None)  # once: a retry finds nothing here
+            if self.request != "auto":  # the run's last attempt, on this disk or in the store: a rerun?
+                ledgers, beats = new_run_module.local_files(self.run_dir)
+                self._decide(
+                    [*ledgers, store.read_run_file(LEDGER_FILE)], [*beats, store.read_run_file(HEARTBEAT_FILE)]
+                )
+            if new_run is not None and self.rerun is None:
+                self._begin_new_run(store, new_run, here.pop() if here else None)  # once: a retry finds nothing here
                 moved = store.set_aside(RUN_FILES + INIT_FILES, new_run)  # a new run copies its init_from anew
                 if moved:
                     self.message(
@@ -138,7 +189,9 @@ class RemoteRun:
         except StoreDenied:
             raise  # a setting to fix: waiting changes nothing (exit 2)
         except StoreUnreachable as e:
-            if new_run is not None:  # a new run sets the store's checkpoints aside first: it needs the store
+            if self.request != "auto":  # this disk alone may show a rerun, whose timeline goes on cut off like auto's
+                self._decide(*new_run_module.local_files(self.run_dir))
+            if new_run is not None and self.rerun is None:  # a new run sets the store's checkpoints aside first
                 raise StoreUnreachable(
                     f"{e}. checkpoint.resume=never sets the old run aside in the store too; nothing was moved "
                     "(exit 143: rerun once the store answers)"
@@ -149,7 +202,7 @@ class RemoteRun:
             return
         self.reachable = True
 
-    def _begin_new_run(self, store: Store, set_aside_here: Callable[[], None] | None) -> None:
+    def _begin_new_run(self, store: Store, folder: str, set_aside_here: Callable[[str], None] | None) -> None:
         """resume=never, the store answering: its checkpoints retired (renamed, kept), then this disk's."""
         self.floor.choose(None, store.committed(), new_timeline=True)
         moved = store.retire(-1)
@@ -159,7 +212,7 @@ class RemoteRun:
                 f"{', '.join(f'{store.shown}/checkpoints/{name}' for name in moved)}"
             )
         if set_aside_here is not None:
-            set_aside_here()
+            set_aside_here(folder)
 
     def resolve(self, resume_setting: str) -> tuple[Path | None, list[str]]:
         """The checkpoint every rank resumes from: chosen on rank 0 (local or remote, the newest
@@ -303,6 +356,7 @@ class RemoteRun:
             self.message,
             heartbeat_seconds=heartbeat_seconds,
             on_violation=self.on_violation,
+            before_run_files=self.book_late,
         ).start(remote[-1] if remote else None)
         # The checkpoint resumed from goes up first when the store lacks it (an earlier attempt saved it
         # while cut off, or stopped before its upload finished): a run with no step left to train still
@@ -313,6 +367,17 @@ class RemoteRun:
         if self.uploader.remote_step is None or step > self.uploader.remote_step:
             self.message(f"spotune: {self.store.shown} lacks step {step} (saved while cut off from it): uploading it")
             self.uploader.submit(step, self.resumed)
+
+    def book_late(self) -> list[dict[str, Any]]:
+        """Rank 0, before each push of the run files: book the attempts this attempt's lease took over after its
+        ledger opened (the lease taken late, trainer/restart/handover.py `late`), so each paid attempt has its
+        row even when this attempt finishes the run and nobody takes the lease after it. Returns the rows."""
+        handover = getattr(self.fence, "handover", None)
+        with self._booking:  # the upload thread and the final flush both push the run files
+            late = handover.late() if isinstance(handover, Handover) else []
+            if not late:
+                return []
+            return recover_killed(self.run_dir, late, before=getattr(self.fence, "acquired_at", None), leftover=False)
 
     def submit(self, step: int, checkpoint: Path) -> None:
         if self.uploader is not None:
@@ -339,6 +404,14 @@ class RemoteRun:
                 f"spotune: the upload did not finish within {timeout:g}s; the newest checkpoint safe remotely is "
                 f"step {safe} ({where or 'none'}); the local one is step {self.uploader.local_step}"
             )
+
+    def exit_reason(self, reason: str) -> str:
+        """The exit reason this attempt's ledger row books: `error` when the safety rule refused one of the
+        uploader's writes (the attempt exits 1, `exit_code`; the stop it asked for looks like a preemption
+        to the loop), else the loop's `reason`. Rank 0 knows; other ranks write no row."""
+        if self.uploader is not None and self.uploader.violation is not None:
+            return "error"
+        return reason
 
     def exit_code(self, code: int, final: Path) -> int:
         """Collective. `code`, or 1 when the safety rule refused one of the uploader's writes (a bug in
@@ -399,9 +472,14 @@ def fetch_run_files(store: Store, run_dir: Path) -> list[str]:
     node's rank 0 has written on, or a disk that comes back after others trained); returns their names.
 
     A heartbeat whose attempt already has its ledger row is dropped: the uploader sends the
-    ledger before the heartbeat, so a kill between the two would otherwise count it twice.
+    ledger before the heartbeat, so a kill between the two would otherwise count it twice. A disk that
+    holds its own heartbeat does not take the store's, so the store's (another machine's attempt, killed
+    after this disk's: the disks diverged) is booked here and now, unless its attempt has a row; attempts
+    are told apart by id (ledger.attempt_key), never by number.
     """
     fetched = []
+    beat = run_dir / HEARTBEAT_FILE
+    theirs = _heartbeat(store.read_run_file(HEARTBEAT_FILE)) if beat.exists() else None
     for name in RUN_FILES:
         local = run_dir / name
         if not local.exists():
@@ -410,19 +488,29 @@ def fetch_run_files(store: Store, run_dir: Path) -> list[str]:
             got = name in APPEND_ONLY and _continue(store, name, local)
         if got:
             fetched.append(name)
-    beat = run_dir / HEARTBEAT_FILE
+    rows = {attempt_key(r) for r in read_rows(run_dir)}
     if beat.exists():
         try:
-            progress = json.loads(beat.read_text())
-            key = (progress["attempt"], progress["pid"])
-        except (ValueError, KeyError, TypeError):
+            key: tuple[Any, ...] | None = attempt_key(json.loads(beat.read_text()))
+        except (ValueError, TypeError, AttributeError):
             key = None  # an unreadable local one is left to Ledger.open, which warns
-        counted = key is not None and any((r.get("attempt"), r.get("pid")) == key for r in read_rows(run_dir))
-        if counted or (key is None and HEARTBEAT_FILE in fetched):
+        if (key is not None and key in rows) or (key is None and HEARTBEAT_FILE in fetched):
             beat.unlink()
             if HEARTBEAT_FILE in fetched:
                 fetched.remove(HEARTBEAT_FILE)
+        # Another attempt's heartbeat, and no live holder can own it: this attempt holds the lease (or none is used).
+        if theirs is not None and attempt_key(theirs) != key and getattr(store.fence, "held", True):
+            recover_killed(run_dir, heartbeats=[theirs], leftover=False)
     return fetched
+
+
+def _heartbeat(raw: bytes | None) -> dict[str, Any] | None:
+    """A heartbeat read from the store, or None (none there, or unreadable: nothing to book from it)."""
+    try:
+        progress = json.loads(raw) if raw else None
+    except ValueError:
+        return None
+    return progress if isinstance(progress, dict) else None
 
 
 def _continue(store: Store, name: str, local: Path) -> bool:

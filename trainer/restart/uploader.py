@@ -7,6 +7,9 @@ slot; a pending save it replaces is never uploaded and is counted in `uploads_sk
 the queue is bounded by design. An unreachable store is retried with backoff while training
 goes on; nothing local is ever deleted because the remote failed.
 
+The metrics rows go up before each checkpoint is committed (its manifest uploaded), so the store
+never holds checkpoint N without the rows up to step N: the rows are flushed before the save, and a
+machine killed right after the commit loses none (the resumed run does not log those steps again).
 After each checkpoint the run files follow (ledger, its heartbeat, metrics, config), so a
 machine that starts on an empty `output_dir` continues the run's totals, and the heartbeat
 is pushed on its own every `heartbeat_seconds` so the time of a machine that vanishes
@@ -34,7 +37,10 @@ RAN_OUT_FILE = "auto-out-of-memory.json"
 """The `auto` memory setting that ran out of memory (trainer/training/autofit.py): a run file, so a
 replacement machine does not choose it again."""
 
-RUN_FILES = ("config.yaml", "metrics.jsonl", RAN_OUT_FILE, LEDGER_FILE, HEARTBEAT_FILE)
+METRICS_FILE = "metrics.jsonl"
+"""The run's metrics rows (training/telemetry.py's JsonlSink, flushed per row)."""
+
+RUN_FILES = ("config.yaml", METRICS_FILE, RAN_OUT_FILE, LEDGER_FILE, HEARTBEAT_FILE)
 """Uploaded after every checkpoint (absent ones skipped); the ledger before its heartbeat (see remote.fetch_run_files)."""
 
 
@@ -57,6 +63,7 @@ class Uploader:
         heartbeat_seconds: float = 60.0,
         max_backoff: float = 60.0,
         on_violation: Callable[[str], object] = lambda why: None,
+        before_run_files: Callable[[], object] = lambda: None,
     ) -> None:
         self.store = store
         self.run_dir = run_dir
@@ -64,6 +71,8 @@ class Uploader:
         self.message = message
         self.on_violation = on_violation
         """Called (from the upload thread) with what a write the safety rule refused means: the run stops."""
+        self.before_run_files = before_run_files
+        """Called before each push of the run files: the ledger books what the lease learnt since (remote.py)."""
         self.heartbeat_seconds = heartbeat_seconds
         self.max_backoff = max_backoff
         self._cond = threading.Condition()
@@ -181,6 +190,7 @@ class Uploader:
             started = time.monotonic()
             try:
                 self.store.clean()  # leftovers of an upload killed midway (we are the only writer)
+                self.store.put(self.run_dir / METRICS_FILE, METRICS_FILE)  # rows up to job.step, before its commit
                 sent = self.store.upload(job.staged, job.step)
                 with self._cond:
                     self.remote_step = job.step
@@ -227,6 +237,7 @@ class Uploader:
         shutil.rmtree(job.staged, ignore_errors=True)
 
     def _push_run_files(self) -> None:
+        self.before_run_files()
         for name in RUN_FILES:
             self.store.put(self.run_dir / name, name)
 

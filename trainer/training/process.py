@@ -70,12 +70,13 @@ def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitSt
     # them, and only once the store answered (trainer/restart/new_run.py): one step, never half of it.
     fresh = new_run.stamp() if ck.resume == "never" else None
 
-    def set_aside_here() -> None:
-        moved, retired = new_run.set_aside(out, str(fresh), fence.new_run() if fence is not None else [])
+    def set_aside_here(folder: str) -> None:  # rank 0's folder name on every node: one name per new run
+        unbooked = fence.new_run() if fence is not None and accelerator.is_main_process else []
+        moved, retired = new_run.set_aside(out, folder, unbooked)
         if moved:
             print(
                 f"spotune: checkpoint.resume=never: a new run; the old run's files are set aside in "
-                f"{out / str(fresh)} ({', '.join(moved)}): kept, never read by this run",
+                f"{out / folder} ({', '.join(moved)}): kept, never read by this run",
                 flush=True,
             )
         if retired:
@@ -84,7 +85,10 @@ def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitSt
     with timed(
         phases, "store"
     ):  # first: a fresh machine fetches the run's config, ledger and metrics before writing any
-        remote.connect(fresh, set_aside_here if fresh is not None and accelerator.is_main_process else None)
+        # Every node sets its own disk aside (rank 0's decides, trainer/restart/remote.py `connect`); a request
+        # applied already (a rerun of the same command after a preemption) is not applied again.
+        here = set_aside_here if fresh is not None and accelerator.is_local_main_process else None
+        remote.connect(fresh, here, request=ck.resume)
     stop = preemption.Preemption().install()
     closing.callback(stop.uninstall)
     if fence is not None:  # a store gone past checkpoint.store_outage_seconds: save locally, exit 143

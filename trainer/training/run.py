@@ -92,7 +92,8 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
         rows = load_from_disk(str(prepared.train_path))
         refuse_identical_pairs(rows, prepared.train_path)  # a preference objective never trains on them
         with timed(phases, "resolve"):
-            resume_dir, resume_notes = proc.remote.resolve(cfg.checkpoint.resume)  # local or remote, on rank 0
+            # local or remote, on rank 0; a request applied already (a rerun of the same command) resumes as auto
+            resume_dir, resume_notes = proc.remote.resolve(proc.remote.setting(cfg.checkpoint.resume))
             keep_init_adapter(cfg, proc)  # adapter.init_from: the run's own copy, here and in the store
         sched = _schedule(cfg, proc, prepared, len(rows), resume_dir)
         if attempts.finished_already(
@@ -243,6 +244,7 @@ def _open_books(
         process_start=holding.clock_start(),  # after a --wait: from when this attempt got the run
         attempt_id=lease.id if lease is not None else None,
         lost_attempts=lease.hand_over() if lease is not None else (),  # killed attempts the lease names
+        resume_request=cfg.checkpoint.resume if cfg.checkpoint.resume != "auto" else None,  # applies once
     )
     closing.push(_ledger_row_on_error(ledger))
     console = Console(sched.steps, bar=cfg.metrics.progress, is_main=proc.is_main)
@@ -408,7 +410,7 @@ def _finish(
         books.trackers.finish(reason, exit_codes.FOR_STOP[reason])
     # Closed while the signal handlers are still installed: a late SIGTERM (torchrun
     # forwards one after a sibling exits) must not kill us before this row is written.
-    ledger.close(reason)
+    ledger.close(proc.remote.exit_reason(reason))  # a refused store write stopped it: an error, exit 1
     # After the row is written: the closing line's device-hours and cost are the ledger's, as `status` and
     # the report read them (taken before final/, the flush and the report, they fell short of the row).
     summary = books.meter.summary()
