@@ -28,7 +28,8 @@ T = TypeVar("T")
 
 # Bump when the pipeline's output for the same inputs changes (template text, masking, packing).
 # 5: preference layouts (hh-rlhf, alpaca, LLaMA-Factory, pre-templated), content parts, JSON rows as written.
-PIPELINE_VERSION = "5"
+# 6: each example records what seq_len costs its answers (answers_cut: trained tokens and ends of turn cut).
+PIPELINE_VERSION = "6"
 MANIFEST = "manifest.json"
 _TMP = TEMP_MARK
 _STALE_SECONDS = 24 * 3600  # temp dirs from another host or an unknown pid older than this are stale
