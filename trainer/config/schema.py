@@ -56,6 +56,8 @@ class AdapterConfig:
     """Dropout on the LoRA input (SFT). The preference objectives (dpo, orpo, simpo) train with every dropout off, this one and the model's own, as TRL's trainers do (`disable_dropout`): from `init_from`, step 1's policy is then exactly the reference."""
     target_modules: tuple[str, ...] = ("all-linear",)
     """Module names to adapt; `all-linear` adapts every linear layer but the output head."""
+    train_router: bool = False
+    """Mixture-of-experts models: also put LoRA on the routers (which experts each token goes to). Off, the routers stay as pretrained, which fine-tuning practice advises; the routed experts, shared experts and attention are adapted either way."""
     fused: bool = False
     """Compute the LoRA A matmuls of q/k/v, and of gate/up, as one wider matmul each (with dropout 0); checkpoints stay plain peft files."""
     init_from: str | None = None

@@ -97,7 +97,8 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
             return exit_codes.EXIT_FINISHED, False
         set_seed(cfg.seed)  # same LoRA init on every rank (DDP also broadcasts rank 0's weights)
         with timed(phases, "model"):
-            model = _build_model(cfg, proc)
+            model_notes: list[str] = []  # what the log says about the model (a mixture of experts: its experts)
+            model = _build_model(cfg, proc, model_notes)
         counts = count_params(model)
         optimizer_device = torch.device("cpu") if proc.sharding.cpu_offload else device  # where it steps
         model, optimizer = distributed.prepare(
@@ -109,7 +110,7 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
         books.ledger.phases["imports"] += entered - books.ledger.start  # interpreter, CLI and config before train()
         books.ledger.data_reused = bool(prepared.reused)
         books.ledger.device = device_name
-        for note in [*notes, *proc.sharding.notes, *auto_notes, *resume_notes, *sched.notes]:
+        for note in [*notes, *proc.sharding.notes, *auto_notes, *resume_notes, *sched.notes, *model_notes]:
             books.console.message(f"spotune: {note}")
         saver = _saver(cfg, proc, sched, model, optimizer, books, resume_dir)  # loads compiled artifacts
         counters = Counters()
@@ -140,7 +141,7 @@ def objective_for(train: C.TrainConfig) -> Objective:
     return Sft() if train.objective == "sft" else Preference.of(train)
 
 
-def _build_model(cfg: C.RunConfig, proc: process.Process) -> torch.nn.Module:
+def _build_model(cfg: C.RunConfig, proc: process.Process, notes: list[str]) -> torch.nn.Module:
     model_cfg = cfg.model
     if proc.sharding.activation_checkpointing:  # asked for by an accelerate FSDP config
         model_cfg = dataclasses.replace(model_cfg, gradient_checkpointing=True)
@@ -154,6 +155,7 @@ def _build_model(cfg: C.RunConfig, proc: process.Process) -> torch.nn.Module:
         progress=proc.accelerator.is_local_main_process,  # a download shows, once per machine
         init=init_adapter(cfg),  # adapter.init_from (a DPO run's reference too)
         no_dropout=C.dropout_off(cfg.train),
+        notes=notes,
     )
 
 
