@@ -5,6 +5,7 @@ the same logits, and the merged export gives them too."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -171,3 +172,98 @@ def test_kernel_choice_is_grouped_mm_where_it_runs() -> None:
     choice, why = experts.kernel("cpu", torch.float32)
     has = hasattr(torch.nn.functional, "grouped_mm")
     assert (choice == experts.GROUPED) == has, why
+
+
+# ---------------------------------------------------------------------------- router load balancing
+
+
+def _micro(length: int = 24) -> dict[str, Any]:
+    from trainer.training.batches import micro_batch
+
+    ids = _ids(1, length)
+    return micro_batch(ids, ids.clone(), torch.arange(length)[None])
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_router_aux_loss_is_the_familys_own_weighted_by_units(moe_model: Callable[[str], Path], arch: str) -> None:
+    """The term added is coef x transformers' own aux loss of the same forward x the micro-batch's trainable
+    tokens (divided by the step's tokens like the loss), and its gradient reaches the adapter."""
+    from trainer.model.balance import STAT, Balanced, balanced
+    from trainer.model.objective import Counts, Sft
+
+    model = _build(moe_model(arch), dropout=0.0).train()
+    _randomise_adapter(model)
+    micro = _micro()
+    units = micro["label_index"].numel()
+    counts = Counts(trainable=units).tensor()
+    objective, note = balanced(Sft(), model, 0.5)
+    assert isinstance(objective, Balanced) and note and "auxiliary loss x 0.5" in note
+    assert objective.stats == (STAT,)
+    total, stats = objective.loss(model, micro, counts)
+    plain, _ = Sft().loss(model, micro, counts)
+    want = model(input_ids=micro["input_ids"], output_router_logits=True).aux_loss
+    torch.testing.assert_close(total - plain, 0.5 * want * units, rtol=1e-5, atol=1e-6)
+    assert float(want.detach()) > 0
+    assert objective.report(stats.tolist(), Counts(trainable=units))[STAT] == pytest.approx(
+        float(want.detach()), rel=1e-5
+    )
+    model.zero_grad()
+    (total - plain).backward()  # the aux term alone: its gradient reaches the adapter through the hidden states
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "lora_" in n)
+    with torch.no_grad():  # evaluation (and the DPO reference): no term
+        loss, stats = objective.loss(model, micro, counts)
+    assert float(stats[-1]) == 0.0
+
+
+def test_router_aux_loss_where_it_applies(moe_model: Callable[[str], Path], tiny_llama: Path) -> None:
+    from trainer.model.balance import Balanced, balanced
+    from trainer.model.objective import Sft
+
+    sft = Sft()
+    assert balanced(sft, _build(tiny_llama), 0.001) == (sft, None)  # no routers: unchanged, nothing said
+    off, note = balanced(Sft(), _build(moe_model("qwen3_moe")), 0.0)
+    assert not isinstance(off, Balanced) and note and "=0" in note
+    aux_free, note = balanced(Sft(), _build(moe_model("deepseek_v3")), 0.001)
+    assert not isinstance(aux_free, Balanced) and note and "without an auxiliary loss" in note
+
+
+def test_router_aux_loss_aliases() -> None:
+    from trainer import config as C
+
+    for name in ("router_aux_loss_coef", "moe_aux_loss_coef"):  # TRL's, LLaMA-Factory's
+        assert C.load(None, [f"{name}=0.02"]).train.router_aux_loss_coef == 0.02
+    assert C.load(None).train.router_aux_loss_coef == 0.001
+    with pytest.raises(ConfigError, match="train.router_aux_loss_coef: must be >= 0"):
+        C.load(None, ["train.router_aux_loss_coef=-1"])
+
+
+# ---------------------------------------------------------------------------- a run: metrics and resume
+
+
+def test_moe_run_resumes_bit_identical_and_reports_router_aux_loss(
+    moe_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """4 steps straight equal 2 steps, stop, 2 more (CPU fp32, dropout on the linear layers, the aux loss on),
+    adapter and optimizer bit for bit; the metrics carry the router aux loss. Control: the checkpoints at steps 2
+    and 4 differ (so equal finals mean something)."""
+    from test_resume import _cfg, _equal, _losses
+
+    from trainer.training import run
+
+    data = builtin_assets.write_dataset(tmp_path / "train.jsonl", n=24)
+    model = moe_model("qwen3_moe")
+
+    def make(name: str, steps: int) -> Any:
+        return _cfg(tmp_path / name, model, data, tmp_path / "cache", steps, **{"train.router_aux_loss_coef": 0.01})
+
+    assert run.train(make("straight", 4)) == 0
+    assert run.train(make("split", 2)) == 0
+    assert run.train(make("split", 4)) == 0  # resumes from step 2
+    assert _losses(tmp_path / "split") == _losses(tmp_path / "straight")
+    final = lambda name: load_file(tmp_path / name / "final" / "adapter_model.safetensors")  # noqa: E731
+    assert any("experts" in k for k in final("straight")) and _equal(final("straight"), final("split"))
+    ck = tmp_path / "split" / "checkpoints"
+    assert not _equal(load_file(ck / "step-000002" / "adapter_model.safetensors"), final("split"))
+    rows = [json.loads(x) for x in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    aux = [r["router_aux_loss"] for r in rows if "router_aux_loss" in r]
+    assert len(aux) == 4 and all(a > 0 for a in aux)

@@ -307,8 +307,11 @@ def build_model(
     intermediate: int | None = None,
     max_positions: int = 4096,
     init_std: float = 0.02,
+    experts: int = 8,
+    top_k: int = 2,
 ) -> Path:
-    """A tiny random-initialised model of a real architecture plus its tokenizer, in one directory."""
+    """A tiny random-initialised model of a real architecture plus its tokenizer, in one directory (a mixture of
+    experts: `experts` routed experts per layer, `top_k` of them per token)."""
     import torch
     import transformers
     from transformers import AutoTokenizer
@@ -324,7 +327,10 @@ def build_model(
         vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
     )
     ffn = intermediate or 2 * hidden
-    config = _config(arch, ids, hidden, layers, heads, kv_heads, ffn, max_positions, init_std)
+    if arch in MOE_ARCHES:
+        config = _moe_config(arch, ids, hidden, layers, heads, kv_heads, ffn, max_positions, init_std, experts, top_k)
+    else:
+        config = _config(arch, ids, hidden, layers, heads, kv_heads, ffn, max_positions, init_std)
     from trainer.model.load import quiet_hf_progress
 
     torch.manual_seed(seed)
@@ -358,8 +364,6 @@ def _config(
             initializer_range=init_std,
             **ids,
         )
-    elif arch in MOE_ARCHES:
-        config = _moe_config(arch, ids, hidden, layers, heads, kv_heads, ffn, max_positions, init_std)
     else:
         cls = {
             "llama": transformers.LlamaConfig,

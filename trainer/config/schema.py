@@ -230,6 +230,8 @@ class TrainConfig:
     """Under `fsdp`: keep the shards (and the optimizer step) in CPU memory, copied to the GPU a layer at a time; less GPU memory, slower steps."""
     collective_timeout_seconds: float | None = 300.0
     """Several processes: once the first step is done, a collective that waits this long for another rank (one that hung, or died unseen by NCCL) ends the run, so a supervisor restarts it from the last checkpoint. Start-up and the end of the run keep torch's default (10 min NCCL, 30 min gloo); null keeps it throughout."""
+    router_aux_loss_coef: float = 0.001
+    """Mixture-of-experts models: weight of the routers' load-balancing loss (the family's own, Switch Transformer's) added to the objective's loss, SFT or preference, and reduced over the optimizer step like it; reported as `router_aux_loss`. 0: none. Families that balance without one (DeepSeek-V3, GLM-4-MoE) and dense models ignore it."""
 
 
 @dataclass(frozen=True)

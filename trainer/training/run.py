@@ -23,6 +23,7 @@ from trainer import exit_codes
 from trainer.data.sampler import StepSampler, run_steps
 from trainer.exit_codes import StopReason
 from trainer.model import compile_cache, distributed, flops
+from trainer.model.balance import balanced
 from trainer.model.load import build, build_optimizer, count_params
 from trainer.model.objective import Objective, Sft
 from trainer.model.preference import Preference
@@ -320,6 +321,10 @@ def _train_steps(
     t = cfg.train
     if counters.step >= sched.steps:
         return "finished"
+    # A mixture of experts' router load-balancing term, added to whichever objective trains (model/balance.py).
+    objective, balance_note = balanced(objective_for(t), model, t.router_aux_loss_coef)
+    if balance_note:
+        books.console.message(f"spotune: {balance_note}")
     plan = loop.LoopPlan(
         total_steps=sched.steps,
         lr=loop.LrSchedule(
@@ -334,7 +339,7 @@ def _train_steps(
         eval_every=t.eval_every if prepared.eval_path is not None else None,
         save_every_steps=cfg.checkpoint.every_steps,
         save_every_minutes=cfg.checkpoint.every_minutes,
-        objective=objective_for(t),
+        objective=objective,
     )
     evaluate = None
     if plan.eval_every:
