@@ -203,6 +203,7 @@ def load_base(
         trust_remote_code=model_cfg.trust_remote_code,
     )
     if adapter_cfg.method == "qlora":
+        refuse_quantised_experts(path, model_cfg)
         compute = quant_compute_dtype(model_cfg, device)
         kwargs["dtype"] = compute  # non-quantised modules (embeddings, norms, head) in the compute dtype
         kwargs["quantization_config"] = quantization_config(adapter_cfg, compute, sharded=sharded)
@@ -221,6 +222,34 @@ def load_base(
             ]
         ) from e
     return model
+
+
+def refuse_quantised_experts(path: str, model_cfg: ModelConfig) -> None:
+    """QLoRA on a model with fused routed experts is refused before it loads: bitsandbytes' `load_in_4bit`
+    quantises nn.Linear layers only, so transformers 5's 3-D expert Parameters (most of such a model) would load
+    in 16 bits, several times the memory a 4-bit plan promised. The model's layout is read on the meta device."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(
+            path, revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code
+        )
+    except (OSError, ValueError):  # from_pretrained says what is wrong with the path
+        return
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=model_cfg.trust_remote_code)
+    moe = experts.find(skeleton)
+    if moe.experts:
+        total = sum(p.numel() for p in skeleton.parameters())
+        routed = sum(skeleton.get_parameter(n).numel() for n in moe.expert_parameters())
+        raise ConfigError(
+            [
+                f"adapter.method: qlora on {config.model_type}: bitsandbytes quantises linear layers only, and this "
+                f"model's routed experts are fused 3-D parameters ({routed / total:.0%} of its weights, e.g. "
+                f"{moe.expert_parameters()[0]}), which would load in 16 bits, not 4. Set adapter.method=lora "
+                "(bf16: `spotune estimate` says which GPUs fit it)"
+            ]
+        )
 
 
 _NO_SDPA = {"gpt_oss"}
