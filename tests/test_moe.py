@@ -276,3 +276,27 @@ def test_qlora_on_fused_experts_is_refused_before_loading(moe_model: Callable[[s
     text = str(e.value)
     assert "adapter.method: qlora on qwen3_moe" in text and "16 bits" in text and "adapter.method=lora" in text
     assert "model.layers.0.mlp.experts.gate_up_proj" in text
+
+
+# ---------------------------------------------------------------------------- planning
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
+def test_flops_count_active_parameters_memory_counts_all(moe_model: Callable[[str], Path], arch: str) -> None:
+    """Per token, flops count the attention, the shared experts and the top-k routed ones; memory counts every
+    expert resident; the LoRA count is the adapter spotune builds (every expert carries its own)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.model import flops
+
+    path = moe_model(arch)
+    shape = flops.model_shape(AutoConfig.from_pretrained(path))
+    real = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())
+    assert abs(shape.total_params() - real) / real < 0.01  # norms and biases aside, every expert counted
+    h, e = shape.hidden, shape.expert_intermediate
+    attention = sum(i * o for n, i, o in shape.linears() if n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    shared = 3 * h * shape.shared_intermediate
+    assert shape.block_matmul_params() == attention + shared + shape.top_k * 3 * h * e  # top-k of 8, not 8
+    assert shape.top_k < shape.experts
+    model = _build(path, r=16)
+    assert flops.lora_params(shape, 16) == load.count_params(model).trainable
