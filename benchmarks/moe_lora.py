@@ -8,8 +8,9 @@ and the attention (`all-linear`), fp32. One training step (forward and backward)
 a process of its own so its peak resident memory is its own (Linux's peak-RSS counter, reset after the model is
 built, so the figure is what a step adds):
 - spotune: `trainer.model.load.build` (ExpertLora): each routed token's x @ W_e^T + s * (x @ A_e^T) @ B_e^T,
-  rows grouped by expert through grouped_mm where the torch in use has it (the kernel the run's log names);
-- spotune_loop: the same with the per-expert loop (the fallback where grouped_mm does not run);
+  rows grouped by expert through grouped_mm where the torch in use runs it (on a GPU, the kernel the run's log
+  names);
+- spotune_loop: the same with the per-expert loop (what a run chooses on CPU, and where grouped_mm does not run);
 - peft: the adapter spotune saved, loaded by `PeftModel.from_pretrained` (peft's ParamWrapper, which builds
   W_e + s * B_e @ A_e for every expert on every forward and keeps it for backward).
 Before timing, each path's loss is checked against peft's on the same adapter and batch, so the table cannot
@@ -61,7 +62,7 @@ def _model(path: str, kind: str, adapter_dir: Path) -> Any:
     set_peft_model_state_dict(model, load_file(adapter_dir / "adapter_model.safetensors"))
     for module in model.modules():
         if type(module) is experts.expert_lora_class():
-            module.use_grouped_mm = kind == "spotune" and experts.kernel("cpu", torch.float32)[0] == experts.GROUPED
+            module.use_grouped_mm = kind == "spotune" and experts.probe("cpu", torch.float32)[0] == experts.GROUPED
     return model
 
 

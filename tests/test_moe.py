@@ -169,9 +169,13 @@ def test_merged_export_equals_the_adapter(moe_model: Callable[[str], Path], tmp_
 
 
 def test_kernel_choice_is_grouped_mm_where_it_runs() -> None:
-    choice, why = experts.kernel("cpu", torch.float32)
+    """The probe finds grouped_mm running (and agreeing with the loop) where this torch has it; on CPU the loop is
+    chosen all the same (measured faster there), and the reason says which."""
     has = hasattr(torch.nn.functional, "grouped_mm")
+    choice, why = experts.probe("cpu", torch.float32)
     assert (choice == experts.GROUPED) == has, why
+    choice, why = experts.kernel("cpu", torch.float32)
+    assert choice == experts.LOOP and ("faster" in why if has else "no torch.nn.functional.grouped_mm" in why)
 
 
 # ---------------------------------------------------------------------------- router load balancing

@@ -173,7 +173,16 @@ def untrained_message(moe: Moe, target_modules: Iterable[str]) -> str:
 @functools.cache
 def kernel(device_type: str, dtype: torch.dtype) -> tuple[str, str]:
     """(`grouped_mm` or `loop`, why) for expert LoRA on this device type and dtype: grouped_mm where the torch in
-    use has it and a probe's forward and backward run and agree with the loop."""
+    use has it and a probe's forward and backward run and agree with the loop (`probe`), but on CPU."""
+    if device_type == "cpu" and hasattr(F, "grouped_mm"):
+        return LOOP, "on CPU the per-expert loop measured faster and leaner than grouped_mm (benchmarks/moe_lora.py)"
+    return probe(device_type, dtype)
+
+
+@functools.cache
+def probe(device_type: str, dtype: torch.dtype) -> tuple[str, str]:
+    """(`grouped_mm` or `loop`, why): whether grouped_mm runs on this device type and dtype, forward and backward,
+    and agrees with the per-expert loop."""
     grouped = getattr(F, "grouped_mm", None)
     if grouped is None:
         return LOOP, "this torch has no torch.nn.functional.grouped_mm"
