@@ -54,6 +54,7 @@ SAMPLE: dict[str, tuple[str, Any]] = {
     "train.label_smoothing": ("0.1", 0.1),
     "train.dpo_loss": ("hinge", "hinge"),
     "train.sft_weight": ("0.5", 0.5),
+    "train.router_aux_loss_coef": ("0.02", 0.02),
 }
 TRANSLATED = {"bf16": ("true", "bf16"), "fp16": ("true", "fp16")}  # bool flags -> the spotune choice
 

@@ -24,12 +24,12 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))
 GPU_RECIPES = [p for p in RECIPES if "gpu" in p.parts]
 # Post-trained (chat) models: the name says so, or the publisher ships only the chat model under it.
-CHAT_MODELS = ("-Instruct", "-it", "Qwen/Qwen3-8B", "microsoft/phi-4")
+CHAT_MODELS = ("-Instruct", "-it", "Qwen/Qwen3-8B", "microsoft/phi-4", "Qwen/Qwen3-30B-A3B", "openai/gpt-oss-20b")
 
 
 def test_recipe_count() -> None:
-    assert len(RECIPES) == 15, [str(p) for p in RECIPES]
-    assert len(GPU_RECIPES) == 14
+    assert len(RECIPES) == 17, [str(p) for p in RECIPES]
+    assert len(GPU_RECIPES) == 16
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)

@@ -20,8 +20,37 @@ from typing import Any, Literal
 from trainer.atomic import fsync_tree, temp_sibling
 from trainer.config import BUILTIN_TINY_DATA, BUILTIN_TINY_MODEL
 
-Arch = Literal["llama", "qwen2", "mistral", "gpt2", "qwen3", "phi3", "gemma3"]
-"""Architectures of the recipes' model families (gemma3: the image-text model Gemma 3 4B/12B load as)."""
+Arch = Literal[
+    "llama",
+    "qwen2",
+    "mistral",
+    "gpt2",
+    "qwen3",
+    "phi3",
+    "gemma3",
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "gpt_oss",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe",
+]
+"""Architectures of the recipes' model families (gemma3: the image-text model Gemma 3 4B/12B load as), and the
+mixture-of-experts families transformers 5 ships with fused experts (3-D expert parameters)."""
+
+MOE_ARCHES: tuple[Arch, ...] = (
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "gpt_oss",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe",
+)
+"""The mixture-of-experts architectures a tiny model is built of (tests of expert LoRA, one per family)."""
 ASSET_VERSION = "v5"  # bump when the generated assets change, so stale caches are not reused
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
@@ -278,8 +307,11 @@ def build_model(
     intermediate: int | None = None,
     max_positions: int = 4096,
     init_std: float = 0.02,
+    experts: int = 8,
+    top_k: int = 2,
 ) -> Path:
-    """A tiny random-initialised model of a real architecture plus its tokenizer, in one directory."""
+    """A tiny random-initialised model of a real architecture plus its tokenizer, in one directory (a mixture of
+    experts: `experts` routed experts per layer, `top_k` of them per token)."""
     import torch
     import transformers
     from transformers import AutoTokenizer
@@ -295,7 +327,10 @@ def build_model(
         vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
     )
     ffn = intermediate or 2 * hidden
-    config = _config(arch, ids, hidden, layers, heads, kv_heads, ffn, max_positions, init_std)
+    if arch in MOE_ARCHES:
+        config = _moe_config(arch, ids, hidden, layers, heads, kv_heads, ffn, max_positions, init_std, experts, top_k)
+    else:
+        config = _config(arch, ids, hidden, layers, heads, kv_heads, ffn, max_positions, init_std)
     from trainer.model.load import quiet_hf_progress
 
     torch.manual_seed(seed)
@@ -373,3 +408,81 @@ def _config(
                 **ids,
             )
     return config
+
+
+def _moe_config(
+    arch: Arch,
+    ids: dict[str, Any],
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    ffn: int,
+    max_positions: int,
+    init_std: float,
+    experts: int = 8,
+    top_k: int = 2,
+) -> Any:
+    """A tiny `arch` mixture-of-experts config: `experts` routed experts (top `top_k`) of width `ffn // 2` per
+    layer, with each family's own extras (shared experts, MLA attention, a dense first layer) kept, small."""
+    import transformers
+
+    expert_ffn = ffn // 2
+    common: dict[str, Any] = dict(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=ffn,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        initializer_range=init_std,
+        num_experts_per_tok=top_k,
+        **ids,
+    )
+    # DeepSeek's latent attention (MLA) has as many key/value heads as query heads.
+    mla: dict[str, Any] = dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, num_experts=experts, moe_intermediate_size=expert_ffn)
+    if arch == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(
+            **common, num_experts=experts, moe_intermediate_size=expert_ffn, shared_expert_intermediate_size=ffn
+        )
+    if arch == "mixtral":
+        return transformers.MixtralConfig(**(common | {"intermediate_size": expert_ffn}), num_local_experts=experts)
+    if arch == "olmoe":
+        return transformers.OlmoeConfig(**(common | {"intermediate_size": expert_ffn}), num_experts=experts)
+    if arch == "gpt_oss":
+        return transformers.GptOssConfig(
+            **(common | {"intermediate_size": expert_ffn}),
+            num_local_experts=experts,
+            head_dim=hidden // heads,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["full_attention"] * (layers % 2),
+        )
+    if arch == "deepseek_v2":
+        return transformers.DeepseekV2Config(
+            **(common | {"num_key_value_heads": heads}),
+            **mla,
+            n_routed_experts=experts,
+            n_shared_experts=1,
+            moe_intermediate_size=expert_ffn,
+        )
+    if arch == "deepseek_v3":  # its first layer dense, as the real models' first three
+        return transformers.DeepseekV3Config(
+            **(common | {"num_key_value_heads": heads}),
+            **mla,
+            n_routed_experts=experts,
+            n_shared_experts=1,
+            moe_intermediate_size=expert_ffn,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+        )
+    return transformers.Glm4MoeConfig(
+        **common,
+        n_routed_experts=experts,
+        n_shared_experts=1,
+        moe_intermediate_size=expert_ffn,
+        first_k_dense_replace=1,
+    )

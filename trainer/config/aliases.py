@@ -118,6 +118,8 @@ ALIASES: dict[str, Alias] = {
     ),
     "rpo_alpha": Alias("train.sft_weight"),
     "cpo_alpha": Alias("train.sft_weight"),
+    "router_aux_loss_coef": Alias("train.router_aux_loss_coef"),  # TRL, transformers' MoE configs
+    "moe_aux_loss_coef": Alias("train.router_aux_loss_coef"),  # LLaMA-Factory
 }
 """Same meaning as the spotune key: read as it."""
 

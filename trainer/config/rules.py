@@ -228,6 +228,10 @@ def cross_checks(cfg: Sections) -> list[str]:
         p.append(f"train.min_lr_ratio: must be within [0, 1], got {cfg.train.min_lr_ratio}")
     if not 0.0 <= cfg.adapter.dropout < 1.0:
         p.append(f"adapter.dropout: must be within [0, 1), got {cfg.adapter.dropout}")
+    if cfg.train.router_aux_loss_coef < 0:
+        p.append(
+            f"train.router_aux_loss_coef: must be >= 0 (0: no load-balancing loss), got {cfg.train.router_aux_loss_coef}"
+        )
     if not 0.0 <= cfg.data.eval_fraction < 1.0:
         p.append(f"data.eval_fraction: must be within [0, 1), got {cfg.data.eval_fraction}")
     if cfg.train.deterministic and cfg.model.compile:  # trainer/training/determinism.py says what the mode sets

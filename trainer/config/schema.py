@@ -56,6 +56,8 @@ class AdapterConfig:
     """Dropout on the LoRA input (SFT). The preference objectives (dpo, orpo, simpo) train with every dropout off, this one and the model's own, as TRL's trainers do (`disable_dropout`): from `init_from`, step 1's policy is then exactly the reference."""
     target_modules: tuple[str, ...] = ("all-linear",)
     """Module names to adapt; `all-linear` adapts every linear layer but the output head."""
+    train_router: bool = False
+    """Mixture-of-experts models: also put LoRA on the routers (which experts each token goes to). Off, the routers stay as pretrained, which fine-tuning practice advises; the routed experts, shared experts and attention are adapted either way."""
     fused: bool = False
     """Compute the LoRA A matmuls of q/k/v, and of gate/up, as one wider matmul each (with dropout 0); checkpoints stay plain peft files."""
     init_from: str | None = None
@@ -238,6 +240,8 @@ class TrainConfig:
     """Under `fsdp`: keep the shards (and the optimizer step) in CPU memory, copied to the GPU a layer at a time; less GPU memory, slower steps."""
     collective_timeout_seconds: float | None = 300.0
     """Several processes: once the first step is done, a collective that waits this long for another rank (one that hung, or died unseen by NCCL) ends the run, so a supervisor restarts it from the last checkpoint. Start-up and the end of the run keep torch's default (10 min NCCL, 30 min gloo); null keeps it throughout."""
+    router_aux_loss_coef: float = 0.001
+    """Mixture-of-experts models: weight of the routers' load-balancing loss (the family's own, Switch Transformer's) added to the objective's loss, SFT or preference, and reduced over the optimizer step like it; reported as `router_aux_loss`. 0: none. Families that balance without one (DeepSeek-V3, GLM-4-MoE) and dense models ignore it."""
 
 
 @dataclass(frozen=True)

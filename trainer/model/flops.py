@@ -53,6 +53,14 @@ class ModelShape:
     """Qwen2 puts a bias on q/k/v; gpt2 biases every linear (see `total_params`)."""
     max_positions: int = 0
     """Learned position embeddings (gpt2 only; rotary models have none)."""
+    experts: int = 0
+    """A mixture of experts: routed experts per layer (0: a dense model, whose MLP is `intermediate` wide)."""
+    top_k: int = 0
+    """Routed experts each token goes through."""
+    expert_intermediate: int = 0
+    """One routed expert's MLP width."""
+    shared_intermediate: int = 0
+    """The shared experts' total MLP width, which every token goes through (0: none)."""
 
     def linears(self) -> list[tuple[str, int, int]]:
         """(module name, in_features, out_features) of every matmul weight in one block."""
@@ -60,15 +68,16 @@ class ModelShape:
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         if self.arch == "gpt2":
             return [("c_attn", h, 3 * h), ("attn.c_proj", h, h), ("c_fc", h, i), ("mlp.c_proj", i, h)]
-        return [
-            ("q_proj", h, q),
-            ("k_proj", h, kv),
-            ("v_proj", h, kv),
-            ("o_proj", q, h),
-            ("gate_proj", h, i),
-            ("up_proj", h, i),
-            ("down_proj", i, h),
-        ]
+        attention = [("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv), ("o_proj", q, h)]
+        if not self.experts:
+            return [*attention, ("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h)]
+        # A mixture of experts: what one token runs through, the shared experts and its top-k routed ones
+        # (flops count active parameters; `total_params` adds the experts it skips, which stay resident).
+        s, e = self.shared_intermediate, self.expert_intermediate
+        shared = [("shared.gate_proj", h, s), ("shared.up_proj", h, s), ("shared.down_proj", s, h)] if s else []
+        # transformers 5 fuses a routed expert's gate and up projections into one (and LoRA adapts it as one).
+        routed = [("experts.gate_up_proj", h, 2 * e), ("experts.down_proj", e, h)] * self.top_k
+        return [*attention, *shared, *routed]
 
     def block_matmul_params(self) -> int:
         return sum(i * o for _, i, o in self.linears())
@@ -94,7 +103,9 @@ class ModelShape:
             bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
             norms = 2 * h  # two RMSNorm weights per block
             final = h
-        return embed + head + self.layers * (self.block_matmul_params() + bias + norms) + final
+        # A mixture of experts keeps every expert resident (and a router), not only the top-k a token uses.
+        idle = (self.experts - self.top_k) * 3 * h * self.expert_intermediate + self.experts * h if self.experts else 0
+        return embed + head + self.layers * (self.block_matmul_params() + bias + norms + idle) + final
 
 
 def model_shape(hf_config: Any) -> ModelShape:
@@ -129,6 +140,14 @@ def model_shape(hf_config: Any) -> ModelShape:
         ) from None
     kv = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or h // heads
+    experts = next((getattr(hf_config, k) for k in _EXPERT_COUNTS if getattr(hf_config, k, None)), 0)
+    moe: dict[str, int] = {}
+    if experts:  # a mixture of experts (a dense first layer or two, where a family has them, counted as MoE)
+        expert_width = int(getattr(hf_config, "moe_intermediate_size", None) or inter)
+        shared = int(getattr(hf_config, "shared_expert_intermediate_size", None) or 0)
+        shared = shared or int(getattr(hf_config, "n_shared_experts", None) or 0) * expert_width
+        top_k = int(hf_config.num_experts_per_tok)
+        moe = dict(experts=int(experts), top_k=top_k, expert_intermediate=expert_width, shared_intermediate=shared)
     return ModelShape(
         arch="llama",
         layers=layers,
@@ -141,7 +160,12 @@ def model_shape(hf_config: Any) -> ModelShape:
         tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         # Qwen2 hard-codes bias on q/k/v; llama/mistral expose `attention_bias` (default off).
         qkv_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+        **moe,
     )
+
+
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""Where a mixture of experts' config says how many routed experts a layer has."""
 
 
 def adapted_linears(shape: ModelShape, target_modules: Sequence[str]) -> list[tuple[str, int, int]]:
@@ -163,8 +187,12 @@ def adapted_linears(shape: ModelShape, target_modules: Sequence[str]) -> list[tu
 
 
 def lora_params(shape: ModelShape, r: int, target_modules: Sequence[str] = ("all-linear",)) -> int:
-    """Exact LoRA parameter count: r*(in+out) per adapted linear, in every layer."""
-    return shape.layers * sum(r * (i + o) for _, i, o in adapted_linears(shape, target_modules))
+    """LoRA parameter count: r*(in+out) per adapted linear, in every layer; every routed expert carries its own
+    adapter (a mixture of experts' `linears` lists the top-k a token uses)."""
+    per_layer = 0.0
+    for name, i, o in adapted_linears(shape, target_modules):
+        per_layer += r * (i + o) * (shape.experts / shape.top_k if name.startswith("experts.") else 1)
+    return shape.layers * round(per_layer)
 
 
 def causal_pairs(tokens: float, doc_len_sq_sum: float) -> float:

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import re
 import sys
 import warnings
 from collections.abc import Iterator
@@ -26,7 +27,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedMod
 
 from trainer import progress as progress_lib
 from trainer.config import AdapterConfig, ConfigError, ModelConfig, TrainConfig
-from trainer.model import attention, lora_fused, offload, tiling
+from trainer.model import attention, experts, lora_fused, offload, tiling
 from trainer.model.reference import InitAdapter, load_init
 from trainer.model.wrappers import causal_lm, outside_the_decoder
 
@@ -192,13 +193,17 @@ def load_base(
     device = torch.device(device)
     path = name_or_path or model_cfg.name_or_path
     dtype = torch_dtype(model_cfg.dtype)
+    attn = resolve_attn_implementation(model_cfg.attn_implementation, device)
+    if attn == "sdpa" and model_cfg.attn_implementation == "auto" and _model_type(path, model_cfg) in _NO_SDPA:
+        attn = "eager"  # the same maths; packed documents kept apart by the block mask built from position_ids
     kwargs: dict = dict(
         dtype=dtype,
-        attn_implementation=resolve_attn_implementation(model_cfg.attn_implementation, device),
+        attn_implementation=attn,
         revision=model_cfg.revision,
         trust_remote_code=model_cfg.trust_remote_code,
     )
     if adapter_cfg.method == "qlora":
+        refuse_quantised_experts(path, model_cfg)
         compute = quant_compute_dtype(model_cfg, device)
         kwargs["dtype"] = compute  # non-quantised modules (embeddings, norms, head) in the compute dtype
         kwargs["quantization_config"] = quantization_config(adapter_cfg, compute, sharded=sharded)
@@ -219,6 +224,50 @@ def load_base(
     return model
 
 
+def refuse_quantised_experts(path: str, model_cfg: ModelConfig) -> None:
+    """QLoRA on a model with fused routed experts is refused before it loads: bitsandbytes' `load_in_4bit`
+    quantises nn.Linear layers only, so transformers 5's 3-D expert Parameters (most of such a model) would load
+    in 16 bits, several times the memory a 4-bit plan promised. The model's layout is read on the meta device."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(
+            path, revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code
+        )
+    except (OSError, ValueError):  # from_pretrained says what is wrong with the path
+        return
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=model_cfg.trust_remote_code)
+    moe = experts.find(skeleton)
+    if moe.experts:
+        total = sum(p.numel() for p in skeleton.parameters())
+        routed = sum(skeleton.get_parameter(n).numel() for n in moe.expert_parameters())
+        raise ConfigError(
+            [
+                f"adapter.method: qlora on {config.model_type}: bitsandbytes quantises linear layers only, and this "
+                f"model's routed experts are fused 3-D parameters ({routed / total:.0%} of its weights, e.g. "
+                f"{moe.expert_parameters()[0]}), which would load in 16 bits, not 4. Set adapter.method=lora "
+                "(bf16: `spotune estimate` says which GPUs fit it)"
+            ]
+        )
+
+
+_NO_SDPA = {"gpt_oss"}
+"""Model types transformers runs without sdpa (gpt-oss's attention sinks): `auto` picks eager where it would pick sdpa."""
+
+
+def _model_type(path: str, model_cfg: ModelConfig) -> str | None:
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(
+            path, revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code
+        )
+    except (OSError, ValueError):  # from_pretrained below says what is wrong with the path
+        return None
+    return getattr(config, "model_type", None)
+
+
 def download_bar_kwargs() -> dict[str, Any]:
     """`from_pretrained`'s keyword for the hub download's progress (trainer/progress.py: a bar on a
     terminal, lines in a log file), where this transformers takes one."""
@@ -236,11 +285,13 @@ def build(
     progress: bool = False,
     init: InitAdapter | None = None,
     no_dropout: bool = False,
+    notes: list[str] | None = None,
 ):
     """Base model + LoRA adapter (a `peft.PeftModel`), ready for the training loop; `init`: the adapter
     starts from that one (and keeps it, frozen, as the DPO reference: trainer/model/reference.py).
     `no_dropout`: every dropout off, the adapter's whatever `adapter_cfg.dropout` and the model's
-    (`config.dropout_off`: the preference objectives).
+    (`config.dropout_off`: the preference objectives). `notes`: what the run's log should say about the
+    model (a mixture of experts: which experts are trained, the expert kernel, where dropout applies).
 
     `autocast`: the loop runs under mixed precision (accelerate's autocast), so the LoRA layers
     may take the bf16/fp16 activation as it is (see the module docstring). `sharded`: the model
@@ -259,29 +310,7 @@ def build(
     base.config.use_cache = False  # training never uses the KV cache; avoids warnings with checkpointing
     if model_cfg.gradient_checkpointing is True:  # `auto` is resolved by trainer/training/autofit.py before build
         enable_activation_checkpointing(base)
-    targets = list(adapter_cfg.target_modules)
-    with bitsandbytes_only_if_loaded():  # a base loaded without bitsandbytes has none of its layers
-        from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(
-            r=adapter_cfg.r,
-            lora_alpha=adapter_cfg.alpha,  # type: ignore[arg-type]  # annotated int; peft scales by alpha / r as a float
-            lora_dropout=0.0 if no_dropout else adapter_cfg.dropout,  # 0: peft's identity, which lora_fused needs
-            target_modules="all-linear" if targets == ["all-linear"] else targets,
-            exclude_modules=outside_the_decoder(base),
-            bias="none",
-            task_type="CAUSAL_LM",
-        )
-        try:
-            with peft_wrapping():
-                model = get_peft_model(base, lora, autocast_adapter_dtype=True)
-        except ValueError as e:
-            raise ConfigError(
-                [
-                    f"adapter.target_modules: {targets} does not fit this model ({e}); "
-                    "use 'all-linear' or names of its linear modules such as q_proj, v_proj"
-                ]
-            ) from e
+    model = with_lora(base, adapter_cfg, 0.0 if no_dropout else adapter_cfg.dropout, torch.device(device), notes)
     if init is not None:  # before the runtime views below, which then cover the reference adapter too
         load_init(model, init, adapter_cfg)
     if no_dropout:
@@ -301,6 +330,102 @@ def build(
     if model_cfg.activation_offload == "on":
         offload.attach(model)
     return model  # accelerate.prepare places a non-quantised model on its device
+
+
+def with_lora(
+    base: PreTrainedModel, adapter_cfg: AdapterConfig, dropout: float, device: torch.device, notes: list[str] | None
+) -> Any:
+    """`base` wrapped by peft with the recipe's LoRA (a mixture of experts: its experts too, trainer/model/experts.py)."""
+    targets, moe = list(adapter_cfg.target_modules), experts.find(base)
+    with bitsandbytes_only_if_loaded():  # a base loaded without bitsandbytes has none of its layers
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=adapter_cfg.r,
+            lora_alpha=adapter_cfg.alpha,  # type: ignore[arg-type]  # annotated int; peft scales by alpha / r as a float
+            lora_dropout=dropout,  # 0: peft's identity, which lora_fused needs
+            target_modules="all-linear" if targets == ["all-linear"] else targets,
+            exclude_modules=outside_the_decoder(base),
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        if moe.experts:  # the experts as target_parameters
+            lora = _moe_lora(base, lora, moe, adapter_cfg, notes)
+        try:
+            with peft_wrapping():
+                model = get_peft_model(base, lora, autocast_adapter_dtype=True)
+        except ValueError as e:
+            raise ConfigError(
+                [
+                    f"adapter.target_modules: {targets} does not fit this model ({e}); "
+                    "use 'all-linear' or names of its linear modules such as q_proj, v_proj"
+                ]
+            ) from e
+    if moe.experts:
+        _moe_adapted(model, dropout, device, notes)
+    return model
+
+
+def _moe_lora(
+    base: PreTrainedModel,
+    lora: Any,
+    moe: experts.Moe,
+    adapter_cfg: AdapterConfig,
+    notes: list[str] | None,
+) -> Any:
+    """`lora` for a model with fused routed experts: the expert Parameters as peft `target_parameters`
+    (computed per routed token by `experts.ExpertLora`), the routers frozen unless `adapter.train_router`,
+    and LoRA dropout off in the config (peft's ParamWrapper refuses any: a dropout cannot be factored out of a
+    weight change; `_moe_adapted` puts it back on the linear layers). A recipe that leaves every expert
+    untrained is refused."""
+    chosen = experts.targets(base, moe, adapter_cfg.target_modules, adapter_cfg.train_router)
+    if not chosen.parameters:
+        raise ConfigError([experts.untrained_message(moe, adapter_cfg.target_modules)])
+    exclude = outside = outside_the_decoder(base)
+    if chosen.exclude:  # one regex (peft's exclude_modules takes a regex or a list, not both)
+        routers = "|".join(re.escape(n) for n in chosen.exclude)
+        exclude = f"(?:{outside})|(?:{routers})" if outside else f"(?:{routers})"
+    lora.target_modules = chosen.modules
+    lora.target_parameters = chosen.parameters
+    lora.exclude_modules = exclude
+    lora.lora_dropout = 0.0
+    if chosen.unloadable and notes is not None:
+        notes.append(
+            f"adapter.target_modules: {', '.join(chosen.unloadable)} left without LoRA on this "
+            f"{base.config.model_type} model: peft reads those names as the experts' pre-transformers-5 names when "
+            "it loads an adapter, so an adapter on them would not load back as trained"
+        )
+    lora._register_custom_module(experts.custom_modules(moe))
+    return lora
+
+
+def _moe_adapted(model: torch.nn.Module, dropout: float, device: torch.device, notes: list[str] | None) -> None:
+    """After peft wrapped an MoE model: LoRA dropout back on its linear layers, the expert kernel chosen for
+    `device`, and what the log says about both and about the trained experts."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    plain: list[Any] = [m for m in model.modules() if hasattr(m, "lora_dropout") and not isinstance(m, ParamWrapper)]
+    if dropout:
+        for module in plain:
+            for name in module.lora_dropout:
+                module.lora_dropout[name] = torch.nn.Dropout(p=dropout)
+    wrappers = [m for m in model.modules() if isinstance(m, ParamWrapper) and hasattr(m.get_base_layer(), "has_gate")]
+    trained = sum(p.numel() for m in wrappers for d in (m.lora_A, m.lora_B) for p in d.parameters() if p.requires_grad)
+    total = sum(getattr(m.get_base_layer(), m.parameter_name).numel() for m in wrappers)
+    dtype = next(p.dtype for p in causal_lm(model).parameters() if p.dim() == 3)
+    layers, how = experts.enable(model, device.type, dtype)
+    if notes is None:
+        return
+    notes.append(
+        f"mixture of experts: LoRA on {len(wrappers)} routed-expert projections ({total:,} expert weights, "
+        f"{trained:,} trainable adapter parameters); routers frozen unless adapter.train_router; "
+        f"expert LoRA kernel: {how}"
+    )
+    if dropout:
+        notes.append(
+            f"adapter.dropout={dropout:g} applies to the {len(plain)} linear LoRA layers; the routed experts' LoRA "
+            "trains without dropout (a dropout cannot be factored out of a fused expert's weight change)"
+        )
 
 
 def disable_dropout(model: torch.nn.Module) -> int:

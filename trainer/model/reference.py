@@ -189,6 +189,7 @@ def load_init(model: torch.nn.Module, init: InitAdapter, adapter: AdapterConfig)
         lora_alpha=default.lora_alpha,
         lora_dropout=0.0,  # the reference is a function of the input alone
         target_modules=default.target_modules,
+        target_parameters=default.target_parameters,  # a mixture of experts' expert Parameters (peft: the same set)
         exclude_modules=default.exclude_modules,
         bias="none",
         task_type="CAUSAL_LM",

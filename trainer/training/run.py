@@ -24,6 +24,7 @@ from trainer.data.read import DataError
 from trainer.data.sampler import StepSampler, run_steps
 from trainer.exit_codes import StopReason
 from trainer.model import compile_cache, distributed, flops
+from trainer.model.balance import balanced
 from trainer.model.load import build, build_optimizer, count_params
 from trainer.model.objective import Objective, Sft
 from trainer.model.preference import Preference, regime_notes
@@ -102,7 +103,8 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
             return exit_codes.EXIT_FINISHED, False
         set_seed(cfg.seed)  # same LoRA init on every rank (DDP also broadcasts rank 0's weights)
         with timed(phases, "model"):
-            model = _build_model(cfg, proc)
+            model_notes: list[str] = []  # what the log says about the model (a mixture of experts: its experts)
+            model = _build_model(cfg, proc, model_notes)
         counts = count_params(model)
         optimizer_device = torch.device("cpu") if proc.sharding.cpu_offload else device  # where it steps
         model, optimizer = distributed.prepare(
@@ -114,7 +116,7 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
         books.ledger.phases["imports"] += entered - books.ledger.start  # interpreter, CLI and config before train()
         books.ledger.data_reused = bool(prepared.reused)
         books.ledger.device = device_name
-        for note in [*notes, *proc.sharding.notes, *auto_notes, *resume_notes, *sched.notes]:
+        for note in [*notes, *proc.sharding.notes, *auto_notes, *resume_notes, *sched.notes, *model_notes]:
             books.console.message(f"spotune: {note}")
         saver = _saver(cfg, proc, sched, model, optimizer, books, resume_dir)  # loads compiled artifacts
         counters = Counters()
@@ -157,7 +159,7 @@ def objective_for(train: C.TrainConfig) -> Objective:
     return Sft() if train.objective == "sft" else Preference.of(train)
 
 
-def _build_model(cfg: C.RunConfig, proc: process.Process) -> torch.nn.Module:
+def _build_model(cfg: C.RunConfig, proc: process.Process, notes: list[str]) -> torch.nn.Module:
     model_cfg = cfg.model
     if proc.sharding.activation_checkpointing:  # asked for by an accelerate FSDP config
         model_cfg = dataclasses.replace(model_cfg, gradient_checkpointing=True)
@@ -171,6 +173,7 @@ def _build_model(cfg: C.RunConfig, proc: process.Process) -> torch.nn.Module:
         progress=proc.accelerator.is_local_main_process,  # a download shows, once per machine
         init=init_adapter(cfg),  # adapter.init_from (a DPO run's reference too)
         no_dropout=C.dropout_off(cfg.train),
+        notes=notes,
     )
 
 
@@ -336,6 +339,10 @@ def _train_steps(
     t = cfg.train
     if counters.step >= sched.steps:
         return "finished"
+    # A mixture of experts' router load-balancing term, added to whichever objective trains (model/balance.py).
+    objective, balance_note = balanced(objective_for(t), model, t.router_aux_loss_coef)
+    if balance_note:
+        books.console.message(f"spotune: {balance_note}")
     plan = loop.LoopPlan(
         total_steps=sched.steps,
         lr=loop.LrSchedule(
@@ -350,7 +357,7 @@ def _train_steps(
         eval_every=t.eval_every if prepared.eval_path is not None else None,
         save_every_steps=cfg.checkpoint.every_steps,
         save_every_minutes=cfg.checkpoint.every_minutes,
-        objective=objective_for(t),
+        objective=objective,
     )
     evaluate = None
     if plan.eval_every:
