@@ -18,7 +18,7 @@ from trainer.restart.checkpoint import MANIFEST, CheckpointManager
 from trainer.restart.generations import current_steps
 from trainer.restart.lease import Lease
 from trainer.restart.remote import fetch_run_files
-from trainer.restart.safety import Floor, SafetyViolation
+from trainer.restart.safety import Floor, SafetyViolation, StoreAhead
 from trainer.restart.storage import Fence, Store
 
 
@@ -36,7 +36,7 @@ class InFlight(Fence):
 def _store(remote: str, generation: int) -> Store:
     store = Store(remote)
     store.fence = InFlight(generation)
-    store.floor.choose(None, [])  # a late request's checks were passed before it was cut off
+    store.floor.choose(None, [], generation=generation)  # a late request's checks were passed before it was cut off
     return store
 
 
@@ -73,12 +73,22 @@ def test_the_rule_holds_only_because_no_holder_commits_below_what_it_saw() -> No
     saw.choose(80, [80, 100])
     with pytest.raises(SafetyViolation, match=r"committing step 90 would take committed step\(s\) \[100\]"):
         saw.allow("committing step 90", before, after)
-    late = Floor()  # the control: 100 landed after it chose (a fenced holder's late write): allowed
+    # 100 landed after it chose (a fenced holder's late write, or a listing that was stale or taken before the
+    # lease): it cannot tell which, so it hides nothing and stops (StoreAhead: exit 143, the next attempt
+    # resumes from the store's newest); the control: a step it committed itself may go out of sight.
+    late = Floor()
     late.choose(80, [80])
-    late.allow("committing step 90", before, after)
-    corrupt = Floor()  # and 100 found corrupt when it chose: the one reason to replace it
+    with pytest.raises(StoreAhead, match=r"holds committed step\(s\) \[100\].* did not see when it chose"):
+        late.allow("committing step 90", before, after)
+    own = Floor()
+    own.choose(80, [80])
+    own.committed(100)
+    own.allow("committing step 90", before, after)
+    corrupt = Floor()  # and 100 found corrupt when it chose: kept all the same, until it is retired (renamed)
     corrupt.choose(80, [80, 100], corrupt=[100])
-    corrupt.allow("committing step 90", before, after)
+    with pytest.raises(SafetyViolation, match="a checkpoint found corrupt is retired"):
+        corrupt.allow("committing step 90", before, after)
+    corrupt.allow("retiring", [80, 100], [80], retire=True)
     unchosen = Floor()  # before it chose, nothing committed may go out of sight
     with pytest.raises(SafetyViolation):
         unchosen.allow("committing step 90", before, after)
@@ -178,13 +188,15 @@ def test_clean_deletes_a_late_manifest_only_if_this_attempt_never_saw_it_committ
     for step in (80, 100):
         _store(s3_remote, 1).upload(ckpt[step], step)
     saw = _store(s3_remote, 2)
-    saw.floor.choose(80, saw.committed())  # [80, 100]
-    _store(s3_remote, 3).upload(ckpt[90], 90)  # the breach: a newer generation commits below 100
+    saw.floor.choose(80, saw.committed(), generation=2)  # [80, 100]
+    breach = _store(s3_remote, 3)  # the breach: a newer generation commits below 100 (its floor thinks it
+    breach.floor.choose(100, [80, 100], generation=3)  # resumed from 100, so 100 is not its to keep)
+    breach.upload(ckpt[90], 90)
     assert saw.committed() == [80, 90]  # 100 reads as late now
     with pytest.raises(SafetyViolation, match=r"removing late manifests would take committed step\(s\) \[100\]"):
         saw.clean()
     assert saw.fs.exists(saw.step_path(100, MANIFEST))
     never_saw = _store(s3_remote, 3)
-    never_saw.floor.choose(90, [80, 90])
+    never_saw.floor.choose(90, [80, 90], generation=3)
     assert never_saw.clean() == [100]
     assert Store(s3_remote).committed() == [80, 90] and not Store(s3_remote).fs.exists(saw.step_path(100, MANIFEST))

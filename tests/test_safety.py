@@ -40,7 +40,7 @@ def _commit(root: Path, step: int, fill: int | None = None) -> Path:
 def _store(remote: str, generation: int, resumed: int | None, seen: list[int], **kw: object) -> Store:
     store = Store(remote)
     store.fence = Generation(generation)
-    store.floor.choose(resumed, seen, **kw)  # type: ignore[arg-type]
+    store.floor.choose(resumed, seen, generation=generation, **kw)  # type: ignore[arg-type]
     return store
 
 
@@ -69,9 +69,20 @@ def test_a_fresh_machine_that_trained_from_step_0_cannot_hide_the_newer_checkpoi
     theirs = json.loads(Store(s3_remote).fs.cat_file(first.step_path(20, MANIFEST)))["files"]
     assert theirs == json.loads((local / "step-000020" / MANIFEST).read_text())["files"]
 
-    # The controls, where the rule allows: 20 found corrupt when it chose (replaced), 16 at or below the
-    # step it resumed from (pruned), a holder that resumed from the newest (commits above it).
-    _store(s3_remote, 2, 16, [16, 20], corrupt=[20]).upload(_commit(tmp_path / "other", 20, fill=7), 20)
+    # 20 found corrupt when it chose is still kept: not replaced (its objects would be overwritten), only
+    # retired (renamed, kept), and a retire of a step that was not found corrupt is refused.
+    corrupt = _store(s3_remote, 2, 16, [16, 20], corrupt=[20])
+    with pytest.raises(SafetyViolation, match="replacing step 20 .* a checkpoint found corrupt is retired"):
+        corrupt.upload(_commit(tmp_path / "other", 20, fill=7), 20)
+    with pytest.raises(SafetyViolation, match=r"retiring would take committed step\(s\) \[20\]"):
+        _store(s3_remote, 2, 16, [16, 20]).retire(16, only={20})
+    assert Store(s3_remote).committed() == [16, 20]
+
+    # The controls, where the rule allows: 20 found corrupt retired, then replaced by this attempt's own;
+    # 16 at or below the step it resumed from (pruned), a holder that resumed from the newest (commits above it).
+    (kept,) = corrupt.retire(16, only={20})
+    corrupt.upload(_commit(tmp_path / "other", 20, fill=7), 20)
+    assert corrupt.fs.exists(corrupt.path("checkpoints", kept, "adapter_model.safetensors"))
     assert _store(s3_remote, 2, 20, [16, 20]).prune(keep_last=1) == [16]
     _store(s3_remote, 3, 20, [20]).upload(_commit(local, 22), 22)
     assert Store(s3_remote).committed() == [20, 22]
@@ -87,7 +98,7 @@ def _guarded(source: str, name: str) -> list[str]:
         mutates = any(
             c.func.attr in ("rm", "rm_file", "mv") and ast.unparse(c.func.value).endswith("fs") for c in calls
         )  # type: ignore[attr-defined]
-        asks = any(ast.unparse(c.func).startswith("self.floor.allow") for c in calls)
+        asks = any(ast.unparse(c.func).startswith(("self.floor.allow", "self._allow")) for c in calls)
         if mutates and not asks:
             offenders.append(f"{name}:{node.name}")
     return offenders
@@ -108,7 +119,7 @@ def test_every_path_that_deletes_moves_or_uncommits_remote_state_asks_the_rule()
     good = "def prune(self):\n    self.floor.allow('p', [], [])\n    self.fs.rm_file('x')\n"
     assert _guarded(bad, "f.py") == ["f.py:prune"] and _guarded(good, "f.py") == []
     assert "restart/storage.py:prune" in _guarded(
-        (PACKAGE / "restart" / "storage.py").read_text().replace("self.floor.allow", "self.floor.skip"),
+        (PACKAGE / "restart" / "storage.py").read_text().replace("self._allow(", "self._skip("),
         "restart/storage.py",
     )
 

@@ -3,7 +3,11 @@ promises the store (trainer/restart/safety.py): the step chosen and the committe
 recorded on the store's `Floor` before anything is written there.
 
 - `auto`: the newest checkpoint that verifies, on this disk or in the store (downloaded). Only a
-  remote checkpoint whose bytes disagree with its manifest (`Corrupt`) is skipped. A fault of the
+  remote checkpoint whose bytes disagree with its manifest (`Corrupt`) is skipped, and only once a second
+  download into a fresh directory agrees (one read can be this machine's fault: bad RAM, a bad disk or
+  tmpfs). A checkpoint found corrupt is retired (renamed, kept: trainer/restart/safety.py), never
+  deleted; when every remote checkpoint newer than the local ones is corrupt and no local one verifies,
+  the attempt stops with CheckpointError (exit 2) naming them, as the local rule does. A fault of the
   moment while listing or downloading (`exit_codes.transient`: the network, 5xx, throttling, a broken
   transfer) is retried with backoff for `budget` seconds, then ends the attempt with StoreUnreachable
   (exit 143) before it trains: training from an older step would throw newer paid-for steps away. A
@@ -18,11 +22,13 @@ recorded on the store's `Floor` before anything is written there.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from trainer.atomic import publish_dir, temp_sibling
 from trainer.exit_codes import transient
 from trainer.restart.checkpoint import CheckpointError, CheckpointManager, resolve_resume
 from trainer.restart.storage import Corrupt, Store, StoreError, StoreUnreachable, denied
@@ -99,7 +105,7 @@ def choose(
                 f"checkpoint.resume={resume_setting} starts a new timeline, which sets the newer checkpoints of "
                 f"{store.shown} aside first, and the store did not answer; rerun once it does (exit 143)"
             )
-        store.floor.choose(local_step, None)  # the store is read before the first write
+        store.floor.choose(local_step, None, generation=store.fence.generation)  # read before the first write
         return local, notes
 
     def remote() -> tuple[Path | None, list[str]]:
@@ -114,11 +120,13 @@ def _choose_remote(
     root: Path, resume_setting: str, store: Store, local_step: int | None, error: CheckpointError | None
 ) -> tuple[Path | None, list[str]]:
     """The store's part of `choose`: None means the local choice stands. The store is cleaned once the
-    floor recorded the choice (what it saw committed then is what `clean` may not delete)."""
+    floor recorded the choice (what it saw committed then is what `clean` may not delete), under the lease
+    generation of the listing (one made without the lease is read again before the first write)."""
+    generation = store.fence.generation
     committed = store.committed()
     if resume_setting != "auto":
         after = local_step if local_step is not None else -1
-        store.floor.choose(local_step, committed, new_timeline=True)
+        store.floor.choose(local_step, committed, new_timeline=True, generation=generation)
         notes = _clean(store)
         moved = store.retire(after)
         if moved:
@@ -128,23 +136,67 @@ def _choose_remote(
             )
         return None, notes
     notes = []
-    corrupt: list[int] = []
+    corrupt: dict[int, Corrupt] = {}
     for step in reversed(committed):
         if local_step is not None and step <= local_step:
             break
         try:
-            path = store.download(step, root)
+            path = download_confirmed(store, step, root, notes)
         except Corrupt as e:  # the one reason to skip a checkpoint; a fault of the moment is retried by the caller
-            notes.append(f"remote checkpoint {store.show_dir(step)} is corrupt, skipped: {e}")
-            corrupt.append(step)
+            notes.append(f"remote checkpoint {store.show_dir(step)} is corrupt (read twice), skipped: {e}")
+            corrupt[step] = e
             continue
-        store.floor.choose(step, committed, corrupt=corrupt)
+        store.floor.choose(step, committed, corrupt=corrupt, generation=generation)
         notes.append(f"downloaded {store.show_dir(step)} (newer than any local checkpoint)")
-        return path, notes + _clean(store)
-    if local_step is None and error is not None:
-        raise error
-    store.floor.choose(local_step, committed, corrupt=corrupt)
-    return None, notes + _clean(store)
+        return path, notes + _retire_corrupt(store, step, corrupt) + _clean(store)
+    if local_step is None and (error is not None or corrupt):
+        if not corrupt:
+            raise error or CheckpointError("no checkpoint verifies")
+        found = "\n  ".join(f"step {step}: {e}" for step, e in sorted(corrupt.items()))
+        raise CheckpointError(
+            f"every checkpoint of checkpoint.remote={store.shown} ({sorted(corrupt)}) is corrupt, each read twice "
+            f"into a fresh directory:\n  {found}\n"
+            + (f"and no local checkpoint verifies: {error}\n" if error is not None else "and there is no local one; ")
+            + "nothing was changed in the store. If this machine's memory or disk is at fault, run on another "
+            "machine; to start over from an older checkpoint set checkpoint.resume=<path>, or "
+            "checkpoint.resume=never for step 0 (the corrupt ones are then retired: renamed, kept)"
+        )
+    store.floor.choose(local_step, committed, corrupt=corrupt, generation=generation)
+    return None, notes + _retire_corrupt(store, local_step if local_step is not None else -1, corrupt) + _clean(store)
+
+
+def download_confirmed(store: Store, step: int, root: Path, notes: list[str]) -> Path:
+    """`store.download(step, root)`, its Corrupt verdict confirmed before anyone acts on it: a second
+    download into a fresh directory (`step-XXXXXX.tmp-confirm-*`, which a kill leaves to `clean_stale`) must
+    find it corrupt too. One read that fails its hash can be this machine's fault (bad RAM, a bad disk or
+    tmpfs); a second that verifies is used."""
+    try:
+        return store.download(step, root)
+    except Corrupt as first:
+        fresh = temp_sibling(root / f"step-{step:06d}", "confirm")
+        try:
+            second = store.download(step, fresh)
+            notes.append(
+                f"remote checkpoint {store.show_dir(step)} read corrupt once ({first}), then verified when "
+                "downloaded again into a fresh directory: used (check this machine's memory and disk)"
+            )
+            final = root / second.name
+            publish_dir(second, final)
+            return final
+        finally:
+            shutil.rmtree(fresh, ignore_errors=True)
+
+
+def _retire_corrupt(store: Store, resumed: int, corrupt: dict[int, Corrupt]) -> list[str]:
+    """Retire (rename, keep) the checkpoints found corrupt above the step resumed from: left committed, a
+    newer lease generation's first commit would make them late writes (the generation rule)."""
+    if not corrupt:
+        return []
+    moved = store.retire(resumed, only=set(corrupt))
+    return [
+        f"retired the corrupt remote checkpoint(s) {sorted(corrupt)}: kept as "
+        f"{', '.join(f'{store.shown}/checkpoints/{name}' for name in moved)}, never resumed from"
+    ]
 
 
 def _clean(store: Store) -> list[str]:

@@ -31,7 +31,7 @@ from trainer.model.reference import INIT_FILES
 from trainer.restart import agree
 from trainer.restart import new_run as new_run_module
 from trainer.restart.checkpoint import MANIFEST, CheckpointError, CheckpointManager
-from trainer.restart.choose import choose, retrying
+from trainer.restart.choose import choose, download_confirmed, retrying
 from trainer.restart.generations import APPEND_ONLY, merged_rows
 from trainer.restart.handover import Handover
 from trainer.restart.lease_object import Follower
@@ -204,7 +204,7 @@ class RemoteRun:
 
     def _begin_new_run(self, store: Store, folder: str, set_aside_here: Callable[[str], None] | None) -> None:
         """resume=never, the store answering: its checkpoints retired (renamed, kept), then this disk's."""
-        self.floor.choose(None, store.committed(), new_timeline=True)
+        self.floor.choose(None, store.committed(), new_timeline=True, generation=store.fence.generation)
         moved = store.retire(-1)
         if moved:
             self.message(
@@ -323,9 +323,14 @@ class RemoteRun:
         """A node's local main: download step `step` from the store; (None, or what went wrong; whether
         the store's copy was found corrupt)."""
         store = Store(self.url or "", self.options)
-        try:
+        notes: list[str] = []
+        try:  # a corrupt verdict is confirmed by a second download before rank 0 acts on it (sends it again)
             path = retrying(
-                f"downloading step {step} from", self.budget, lambda: store.download(step, root), self.message, store
+                f"downloading step {step} from",
+                self.budget,
+                lambda: download_confirmed(store, step, root, notes),
+                self.message,
+                store,
             )
         except Exception as e:
             code, text = agree.failure(e)

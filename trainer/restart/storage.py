@@ -24,7 +24,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -242,9 +242,17 @@ class Store:
 
     def writable(self) -> None:
         """Before any write: this attempt holds the run (the fence) and may write at all (the floor: a
-        store found ahead of the step it resumed from takes nothing more; trainer/restart/safety.py)."""
+        store found ahead of the step it resumed from takes nothing more; a floor read under another
+        lease generation reads the store again first; trainer/restart/safety.py)."""
         self.fence.check()
-        self.floor.ready(self.committed, self.shown)
+        self.floor.ready(self.committed, self.shown, self.fence.generation)
+
+    def _allow(self, action: str, before: list[int], after: list[int], **kw: bool) -> None:
+        """The floor's verdict on an action, asked under the lease generation it was read under: the floor
+        is brought up to the fence's generation first (`writable`), right before, so a lease taken (or taken
+        back) since it chose never lets a listing made without it decide."""
+        self.writable()
+        self.floor.allow(action, before, after, generation=self.fence.generation, **kw)
 
     def clean(self) -> list[int]:
         """Delete remote step directories that have no manifest (uploads killed midway), and those
@@ -261,10 +269,9 @@ class Store:
         late = [s for s in manifests if s not in current]
         if not doomed and not late:
             return []
-        self.writable()
         # Judged on the raw manifests, not the current view (where a late one is absent by definition): a
         # "late" step this attempt saw committed when it chose means the generation rule was broken.
-        self.floor.allow("removing late manifests", sorted(manifests), [s for s in manifests if s not in late])
+        self._allow("removing late manifests", sorted(manifests), [s for s in manifests if s not in late], hidden=True)
         for step in doomed:
             self.floor.allow_unfinished(self.show_dir(step), dirs[step], _retired_folders(listing, step))
         for step in late:
@@ -275,22 +282,22 @@ class Store:
             self.fs.rm(self.step_path(step), recursive=True)
         return sorted(doomed + late)
 
-    def retire(self, after_step: int) -> list[str]:
-        """Set aside remote checkpoints above `after_step`, kept: each is uncommitted first (its manifest
+    def retire(self, after_step: int, only: Collection[int] | None = None) -> list[str]:
+        """Set aside remote checkpoints above `after_step` (`only`: those of these steps), kept: each is uncommitted first (its manifest
         renamed RETIRED-MANIFEST.json in place, one request), then moved to `step-XXXXXX.retired-<time>`
         object by object, that marker last, so the new timeline's checkpoint of the same step never
         overwrites its objects. Until its move ends the step's directory holds the marker: `clean` never
         takes it for an unfinished upload, and the next retire finishes the move into the same folder.
-        Only for a new timeline the user asked for. Returns the new names."""
+        Only for a new timeline the user asked for, or for checkpoints found corrupt (`only`; the floor
+        checks they were confirmed). Returns the new names."""
         manifests = self._manifests()
-        moved = [s for s in manifests if s > after_step]
+        moved = [s for s in manifests if s > after_step and (only is None or s in only)]
         listing = self._listing()
         unfinished = [s for s, names in self._step_dirs(listing).items() if RETIRED in names and MANIFEST not in names]
         if not moved and not unfinished:
             return []
-        self.writable()
         before = current_steps(manifests)
-        self.floor.allow("retiring", before, [s for s in before if s <= after_step], retire=True)
+        self._allow("retiring", before, [s for s in before if s not in moved], retire=True)
         for step in moved:
             self.fence.check()
             self.fs.mv(self.step_path(step, MANIFEST), self.step_path(step, RETIRED))
@@ -316,8 +323,7 @@ class Store:
         doomed = committed[: max(0, len(committed) - keep_last)]
         if not doomed:
             return []
-        self.writable()
-        self.floor.allow("pruning", committed, committed[len(doomed) :])
+        self._allow("pruning", committed, committed[len(doomed) :])
         for step in doomed:
             self.fence.check()
             self.fs.rm_file(self.step_path(step, MANIFEST))  # from here on it does not exist
@@ -342,7 +348,7 @@ class Store:
             # The same step again with other bytes (a corrupt one replaced, or a step of a timeline the
             # user abandoned), or objects there found corrupt: uncommit it first, if the rule allows.
             before = self.committed()
-            self.floor.allow(f"replacing step {step}", before, [s for s in before if s != step])
+            self._allow(f"replacing step {step}", before, [s for s in before if s != step])
             self.fs.rm_file(self.step_path(step, MANIFEST))
         sent = 0
         for i, f in enumerate(files):
@@ -364,13 +370,15 @@ class Store:
             sent_manifest = Path(tmp) / MANIFEST
 
             def commit() -> None:  # the manifest as sent records the generation that lets it through
+                # Judged under the fence's lock (a lease cannot change generation meanwhile): committing a newer
+                # generation's manifest hides older generations' above it (the generation rule).
+                manifests = self._manifests()
+                after = {**manifests, step: self.fence.generation or 0}
+                self._allow(f"committing step {step}", current_steps(manifests), current_steps(after))
                 sent_manifest.write_bytes(stamped((local / MANIFEST).read_bytes(), self.fence.generation or 0))
                 self.fence.put_new(self, sent_manifest, self.step_path(step, MANIFEST))
+                self.floor.committed(step)
 
-            # Committing a newer generation's manifest hides older generations' above it (the generation rule).
-            manifests = self._manifests()
-            after = {**manifests, step: self.fence.generation or 0}
-            self.floor.allow(f"committing step {step}", current_steps(manifests), current_steps(after))
             self.fence.commit(commit)
             return sent + sent_manifest.stat().st_size
 
