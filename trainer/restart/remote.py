@@ -25,7 +25,7 @@ from typing import Any
 
 from trainer.atomic import write_bytes
 from trainer.config.schema import CheckpointConfig
-from trainer.exit_codes import EXIT_ERROR, EXIT_FINISHED, EXIT_PREEMPTED
+from trainer.exit_codes import EXIT_ERROR, EXIT_FINISHED, EXIT_PREEMPTED, code_for
 from trainer.restart import agree
 from trainer.restart.checkpoint import MANIFEST, CheckpointError, CheckpointManager
 from trainer.restart.choose import choose, retrying
@@ -80,6 +80,11 @@ class RemoteRun:
         """What this attempt may take out of sight in the store (trainer/restart/safety.py); on_ahead set by process.py."""
         self.on_violation: Callable[[str], object] = lambda why: None
         """What the uploader calls when the rule refused one of its writes (a bug): process.py asks for the stop."""
+        self.refused: BaseException | None = None
+        """What the store answered a background thread (the uploader, the lease's) that rerunning will not change
+        (trainer/faults.py): the run stops, and exits with its code (`exit_code`)."""
+        self.on_refused: Callable[[str, int], object] = lambda why, code: None
+        """Asks for the stop when `refused` is set (process.py: save locally, then exit with `code`)."""
         self.holder: str | None = None
         """The lease holder id of this attempt, on every rank: another rank writes only under it (`push_run_files`)."""
 
@@ -256,7 +261,7 @@ class RemoteRun:
             return True
 
         try:
-            if not retrying(f"uploading step {step} to", self.budget, publish, self.message, store):
+            if not retrying(f"uploading step {step} to", self.budget, publish, self.message, store, action="write"):
                 return None
         except Exception as e:
             return agree.failure(e)
@@ -302,6 +307,7 @@ class RemoteRun:
             self.message,
             heartbeat_seconds=heartbeat_seconds,
             on_violation=self.on_violation,
+            on_refused=self.refuse,
         ).start(remote[-1] if remote else None)
         # The checkpoint resumed from goes up first when the store lacks it (an earlier attempt saved it
         # while cut off, or stopped before its upload finished): a run with no step left to train still
@@ -312,6 +318,13 @@ class RemoteRun:
         if self.uploader.remote_step is None or step > self.uploader.remote_step:
             self.message(f"spotune: {self.store.shown} lacks step {step} (saved while cut off from it): uploading it")
             self.uploader.submit(step, self.resumed)
+
+    def refuse(self, error: BaseException) -> None:
+        """A background thread met `error`, which rerunning will not change: the first is kept, and the run is
+        asked to stop (a local checkpoint saved), to exit with its code (`exit_code`)."""
+        if self.refused is None:
+            self.refused = error
+            self.on_refused(f"spotune: {error}", code_for(error))
 
     def submit(self, step: int, checkpoint: Path) -> None:
         if self.uploader is not None:
@@ -340,7 +353,8 @@ class RemoteRun:
             )
 
     def exit_code(self, code: int, final: Path) -> int:
-        """Collective. `code`, or 1 when the safety rule refused one of the uploader's writes (a bug in
+        """Collective. `code`; the code of what the store refused a background thread for good (`refused`: 2
+        for a setting to fix); or 1 when the safety rule refused one of the uploader's writes (a bug in
         spotune: a requeue would meet it again; the local checkpoint is saved), or 143 for a finished run
         whose last checkpoint the store lacks: done here, not yet safe (a spot VM torn down after exit 0
         takes the result with it); the supervisor then runs the same command, which uploads it first
@@ -349,7 +363,10 @@ class RemoteRun:
         if self.url is None:
             return code
         verdict = code
-        if self.is_main and self.uploader is not None:
+        if self.is_main and self.refused is not None:
+            verdict = code_for(self.refused)
+            self.message(f"spotune: {self.refused}: exit {verdict}")
+        elif self.is_main and self.uploader is not None:
             if self.uploader.violation is not None:
                 verdict = EXIT_ERROR
                 self.message(f"spotune: {self.uploader.violation}: exit {EXIT_ERROR}")
