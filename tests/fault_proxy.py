@@ -11,7 +11,9 @@ Every request reads FILE (JSON; absent = pass everything through):
 - `{"refuse": [RULE, ...]}`: a request whose `METHOD target` matches a rule's `match` (a regular
   expression) never reaches moto: `"as": "flaky"` answers 503 SlowDown and resets the connection
   alternately (a throttled, failing store), `"as": "denied"` answers 403 AccessDenied (a role that
-  lacks the permission). A rule with `"times": N` refuses its next N matches only.
+  lacks the permission), `"as": "answer"` answers its `"status"` with S3 error `"code"` (a store that does not
+  implement a request, a full disk, a skewed clock). A rule with `"times": N` refuses its next N matches only;
+  one with `"header": NAME` only requests that carry that header (a conditional PUT: `if-none-match`).
 Counts of what it did go to FILE + ".log" (one JSON line per request) for the tests to check.
 
 mitmproxy (`mitmdump --mode reverse:...`) would do the same, but every release pins cryptography
@@ -72,10 +74,11 @@ class Proxy:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             writer.close()
             return
-        rule = self.refusal(state, f"{method.decode()} {path.decode()}")
+        names = {h.split(b":", 1)[0].strip().lower().decode() for h in head.split(b"\r\n")[1:] if b":" in h}
+        rule = self.refusal(state, f"{method.decode()} {path.decode()}", names)
         if rule is not None:
             self.note(method=method.decode(), path=path.decode(), action=f"refused {rule['as']}")
-            await self.refuse(writer, rule["as"], head=method == b"HEAD")
+            await self.refuse(writer, rule, head=method == b"HEAD")
             return
         lines = head.split(b"\r\n")
         kept = [lines[0]] + [
@@ -101,10 +104,12 @@ class Proxy:
         await writer.drain()
         writer.close()
 
-    def refusal(self, state: dict, request: str) -> dict | None:
-        """The first rule of `refuse` that matches `request` ("METHOD target"), its count taken down."""
+    def refusal(self, state: dict, request: str, headers: set[str]) -> dict | None:
+        """The first rule of `refuse` that matches `request` ("METHOD target") and `headers`, its count taken down."""
         rules = state.get("refuse") or []
         for rule in rules:
+            if "header" in rule and rule["header"] not in headers:
+                continue
             if re.search(rule["match"], request) and int(rule.get("times", 1)) > 0:
                 if "times" in rule:
                     rule["times"] = int(rule["times"]) - 1
@@ -114,8 +119,15 @@ class Proxy:
                 return rule
         return None
 
-    async def refuse(self, writer: asyncio.StreamWriter, how: str, head: bool) -> None:
-        if how == "denied":
+    async def refuse(self, writer: asyncio.StreamWriter, rule: dict, head: bool) -> None:
+        how = rule["as"]
+        if how == "answer":
+            status, code = int(rule["status"]), str(rule["code"])
+            body = (
+                f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code><Message>{code}</Message></Error>"
+            ).encode()
+            writer.write(b"HTTP/1.1 %d %s\r\nContent-Type: application/xml\r\n" % (status, code.encode()))
+        elif how == "denied":
             body = b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
             writer.write(b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\n")
         else:

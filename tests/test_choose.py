@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from trainer import exit_codes as E
-from trainer.restart.storage import Corrupt, Store, StoreDenied, StoreOffline, StoreUnreachable, denied
+from trainer.restart.storage import Corrupt, Store, StoreDenied, StoreOffline, StoreUnreachable
 
 
 def _store(tmp_path: Path) -> Store:
+    (tmp_path / "bucket").mkdir(exist_ok=True)  # a file:// store's parent must exist, as a bucket must
     store = Store(f"file://{tmp_path / 'bucket'}/run")
     store.check()
     return store
@@ -62,10 +63,10 @@ def test_only_a_fault_of_the_moment_is_retried(tmp_path: Path) -> None:
 
 
 def test_a_refusal_is_the_stores_when_the_store_refused(tmp_path: Path) -> None:
-    """`denied` walks the same chain as `exit_codes.transient` (causes, and the exception an `except`
-    block was handling): a refusal re-raised as another error is still a refusal (exit 2), while a
-    PermissionError about a file on this machine, outside the store, is not the store's (no "lacks
-    s3:GetObject"): it keeps its own code."""
+    """`Store.fault` asks the one classifier (trainer/faults.py), which walks the chain (causes, and the
+    exception an `except` block was handling): a refusal re-raised as another error is still a refusal
+    (exit 2), while a PermissionError about a file on this machine, outside the store, is not the store's
+    (no "lacks s3:GetObject"): it keeps its own code."""
     from trainer.restart.choose import retrying
 
     store = _store(tmp_path)
@@ -76,12 +77,12 @@ def test_a_refusal_is_the_stores_when_the_store_refused(tmp_path: Path) -> None:
             raise OSError(errno.EIO, "the request failed")  # noqa: B904 (as s3fs does: the context only)
     except OSError as e:
         wrapped = e
-    assert denied(wrapped, "read", store.root) and not E.transient(wrapped)
+    assert isinstance(store.fault(wrapped, "read"), StoreDenied) and not E.transient(wrapped)
     with pytest.raises(StoreDenied, match="read refused"):
         retrying("reading", 3.0, lambda: (_ for _ in ()).throw(wrapped), print, store)
     in_store = PermissionError(errno.EACCES, "Permission denied", f"{store.root}/checkpoints/step-000001/x")
     here = PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "run" / "checkpoints"))
-    assert denied(in_store, "read", store.root) and not denied(here, "read", store.root)
+    assert isinstance(store.fault(in_store, "read"), StoreDenied) and store.fault(here, "read") is None
 
 
 def test_an_unreachable_store_and_no_local_checkpoint_that_verifies_is_a_fault_of_the_moment(tmp_path: Path) -> None:

@@ -152,7 +152,12 @@ def test_config_yaml_is_written_whole_or_not_at_all(tmp_path: Path, monkeypatch:
 
 # ----------------------------------------------------------------------------- the pipeline's version
 
-RENDERED: dict[str, str] = {"3": "9a3c28de8a919be9", "4": "c7134cb5890afdd5", "5": "5ae1348619598416", "6": "c6eb994324815b7b"}
+RENDERED: dict[str, str] = {
+    "3": "9a3c28de8a919be9",
+    "4": "c7134cb5890afdd5",
+    "5": "5ae1348619598416",
+    "6": "c6eb994324815b7b",
+}
 """PIPELINE_VERSION -> the digest of what the pipeline makes of GOLDEN and PAIRS (ids, labels, drops, packed rows);
 an old entry is the digest of the fixture of its day."""
 CALL = {"id": "call00001", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "x"}'}}

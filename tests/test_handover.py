@@ -26,6 +26,7 @@ def test_a_finished_run_run_again_is_no_attempt_and_books_what_its_lease_carries
     killed paid attempt; and the attempt killed before its ledger opened, known only to the lease it held,
     is booked by the process that finds the run finished (before it returns 0), in the store too."""
     url = f"file://{tmp_path / 'bucket'}/run"
+    (tmp_path / "bucket").mkdir()  # a file:// store's parent must exist, as a bucket must
     run = tmp_path / "run"
     step = CheckpointManager(run / "checkpoints", keep_last=2).save(
         50, lambda d: (d / "adapter_model.safetensors").write_bytes(b"a" * 64)

@@ -40,8 +40,8 @@ def remote(url):
     return RemoteRun(url, {}, tmp / f"run-{rank}", keep_last=2, is_main=rank == 0, is_local_main=True)
 
 
-def missing_backend():  # rank 0's Store() finds no gcsfs: a setting to fix (pip install), on every rank
-    remote("gs://bucket/run").connect()
+def missing_backend():  # rank 0's Store() finds no ocifs: a setting to fix (pip install), on every rank
+    remote("oci://bucket@namespace/run").connect()
 
 
 def finished_not_stored():  # rank 0's uploader did not get the last checkpoint into the store

@@ -7,6 +7,7 @@ test takes a fraction of a second; tests/test_remote_resume.py trains.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from pathlib import Path
@@ -166,6 +167,10 @@ def test_unreachable_store_names_the_url_and_the_fix(tmp_path: Path, moto_endpoi
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")  # without one, botocore's NoCredentialsError: exit 2
+    import s3fs
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # s3fs's own retries would spend the budget: ours are tested
     said: list[str] = []
     remote = RemoteRun(
         "s3://some-bucket/run",
@@ -175,20 +180,18 @@ def test_unreachable_store_names_the_url_and_the_fix(tmp_path: Path, moto_endpoi
         is_main=True,
         is_local_main=True,
         message=said.append,
-        retry_seconds=1.5,
+        retry_seconds=6.0,  # a first try takes a second or more on a busy machine: room for a retry
     )
     with pytest.raises(StoreUnreachable) as err:  # a fault of the moment: exit 143, after retrying
         remote.connect()
     text = str(err.value)
-    assert "checkpoint.remote=s3://some-bucket/run is unreachable" in text and "(tried for 1.5s)" in text
+    assert "checkpoint.remote=s3://some-bucket/run is unreachable" in text and "(tried for 6s)" in text
     assert said and all("retrying in" in m for m in said), said
     assert "credentials" in text and "AWS_ENDPOINT_URL" in text and SECRET not in text
-    # A missing backend names the extra to install (gcsfs is not a test dependency).
-    try:
-        import gcsfs  # noqa: F401
-    except ImportError:
-        with pytest.raises(StoreError, match=r"pip install 'spotune\[gcs\]'"):
-            Store("gs://bucket/run")
+    # A missing backend names the extra to install (gcsfs is a test dependency: hidden from the import here).
+    monkeypatch.setitem(sys.modules, "gcsfs", None)
+    with pytest.raises(StoreError, match=r"pip install 'spotune\[gcs\]'"):
+        Store("gs://bucket/run")
 
 
 def test_fetch_run_files_does_not_count_a_closed_attempt_twice(tmp_path: Path, s3_remote: str) -> None:
@@ -274,8 +277,9 @@ def test_store_unreachable_mid_run_retries_warns_and_catches_up(
 
 def test_a_local_directory_is_a_store_too(tmp_path: Path) -> None:
     """`file://` (an NFS mount, a second disk) goes through the same seam."""
+    (tmp_path / "bucket").mkdir()  # its parent must exist (a mount): never created
     store = _attempt(Store(f"file://{tmp_path / 'bucket'}/run"))
-    store.check()  # creates the directory
+    store.check()  # creates the run's own directory
     manager = CheckpointManager(tmp_path / "a" / "checkpoints", keep_last=5)
     for step in (1, 2, 3):
         store.upload(_commit(manager, step), step)
@@ -295,6 +299,7 @@ def test_a_write_the_rule_refuses_stops_the_run_with_exit_1(tmp_path: Path) -> N
     from trainer import exit_codes as E
 
     url = f"file://{tmp_path / 'bucket'}/run"
+    (tmp_path / "bucket").mkdir()  # a file:// store's parent must exist, as a bucket must
     first = _attempt(Store(url))
     first.check()
     first.upload(_commit(CheckpointManager(tmp_path / "a" / "checkpoints", keep_last=5), 20), 20)

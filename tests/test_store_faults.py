@@ -17,12 +17,14 @@ import pytest
 from fault_proxy import FaultProxy
 from moto_fixture import s3_env
 
+from trainer import exit_codes as E
+from trainer.faults import transient
 from trainer.restart.checkpoint import MANIFEST, CheckpointManager, file_digest
 from trainer.restart.conditional import conditional
 from trainer.restart.lease import Lease, LeaseLost, read_lease
 from trainer.restart.lock import RunBusy
 from trainer.restart.owner import break_lease
-from trainer.restart.storage import RETIRED, Store, StoreOffline
+from trainer.restart.storage import RETIRED, Store, StoreDenied, StoreOffline
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,6 +76,7 @@ def test_cut_off_past_expiry_keeps_training_and_takes_the_lease_back(
     assert any("took it back as generation 2" in m for m in said)
     lease, _ = read_lease(Store(s3_remote))
     assert lease is not None and lease["holder"] == a.id and lease["generation"] == 2
+    assert a.keeper.refused is None  # an outage is a fault of the moment: never "refused for good"
     a.release()
 
 
@@ -294,3 +297,80 @@ def test_a_role_scoped_to_the_runs_prefix_may_start_and_a_missing_bucket_is_name
     proxy.set()
     with pytest.raises(StoreDenied, match="check the bucket name"):
         Store("s3://spotune-no-such-bucket/run").check()
+
+
+# ---------------------------------------------------------------------------- refused for good (trainer/faults.py)
+
+
+def _probe_answered(status: int, code: str) -> dict:
+    """A rule: the conditional PUTs of the probe (and of the lease) answered `status` `code`, plain PUTs let through."""
+    return {"match": r"^PUT ", "header": "if-none-match", "as": "answer", "status": status, "code": code}
+
+
+def test_a_conditional_probe_refused_otherwise_than_412_means_no_conditional_writes(
+    tmp_path: Path, s3_remote: str, proxy: FaultProxy
+) -> None:
+    """An S3-compatible store answering the conditional probe with 501 NotImplemented or a 400 has no
+    conditional writes: the lease is taken on the re-read path. Today the probe's error propagates as an outage,
+    so the lease is never taken and every attempt trains cut off and exits 143, for ever."""
+    for status, code in ((501, "NotImplemented"), (400, "InvalidArgument")):
+        proxy.set(refuse=[_probe_answered(status, code)])
+        assert conditional(Store(s3_remote)) is False, code
+    a, lost, _ = _lease(s3_remote, tmp_path / "a")
+    a.acquire()  # the probe refused again (501): the lease is created by a plain write, then re-read
+    assert a.held and a.generation == 1 and a.store.conditional is False and not lost
+    a.release()
+    # The control: a store that does not answer the probe (503 SlowDown, resets) is a fault of the moment.
+    proxy.set(refuse=[{**_probe_answered(503, "SlowDown"), "as": "flaky"}])
+    with pytest.raises(Exception) as got:
+        conditional(Store(s3_remote))
+    assert transient(got.value), repr(got.value)
+
+
+def test_the_lease_thread_ends_the_attempt_on_a_permanent_error(
+    tmp_path: Path, s3_remote: str, proxy: FaultProxy
+) -> None:
+    """A renewal answered 403 AccessDenied (the role lost its permission mid-run) is no blip: the lease thread
+    stops writing and asks for the save-and-exit with exit 2, naming the permission. Today it retries for ever as
+    a blip (the run trains on, uploading nothing, then exits 143 after store_outage_seconds, again and again)."""
+    a, lost, said = _lease(s3_remote, tmp_path / "a", ttl=1.5, outage_seconds=600.0)
+    refused: list[BaseException] = []
+    a.keeper.on_refused = refused.append
+    a.acquire()
+    a.start()
+    proxy.set(refuse=[{"match": r"lease\.json", "as": "denied"}])
+    assert _wait_for(lambda: bool(refused), timeout=15), said
+    assert isinstance(refused[0], StoreDenied) and E.code_for(refused[0]) == E.EXIT_BAD_INPUT
+    assert "s3:" in str(refused[0]) and not lost
+    with pytest.raises(StoreOffline):
+        a.check()  # nothing more is written there
+    proxy.set()
+    a.release()
+
+
+def test_an_upload_refused_for_good_stops_the_run_instead_of_retrying_for_ever(
+    tmp_path: Path, s3_remote: str, proxy: FaultProxy
+) -> None:
+    """The store refuses the checkpoint's PUTs (403): the uploader stops, asks the run to stop (saved locally)
+    with exit 2 naming s3:PutObject. Today it retries every error with backoff for ever."""
+    from trainer.restart.uploader import Uploader
+
+    store = Store(s3_remote)
+    store.floor.choose(None, [])
+    proxy.set(refuse=[{"match": r"^PUT /[^/]+/run/checkpoints/", "as": "denied"}])
+    refused: list[BaseException] = []
+    said: list[str] = []
+    run = tmp_path / "run"
+    uploader = Uploader(store, run, 2, said.append, on_refused=refused.append).start(None)
+    try:
+        saved = CheckpointManager(run / "checkpoints", keep_last=5).save(
+            10, lambda d: (d / "adapter_model.safetensors").write_bytes(b"x" * 64)
+        )
+        uploader.submit(10, saved.path)
+        assert _wait_for(lambda: bool(refused), timeout=30), said
+        assert isinstance(refused[0], StoreDenied) and "s3:PutObject" in str(refused[0])
+        assert E.code_for(refused[0]) == E.EXIT_BAD_INPUT and uploader.halted
+        assert sum("retrying in" in m for m in said) == 0, said
+        assert saved.path.is_dir()  # the local checkpoint stays
+    finally:
+        uploader.stop()

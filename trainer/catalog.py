@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from trainer.exit_codes import EXIT_BAD_INPUT
+
 BUILTIN_CATALOG = Path(__file__).with_name("gpus.yaml")
 _REQUIRED = ("memory_gib", "peak_bf16_flops", "on_demand_price")
 
@@ -48,6 +50,8 @@ class GPU:
 
 class CatalogError(ValueError):
     """A bad GPU catalogue file or an unknown GPU name (a user error: exit code 2)."""
+
+    exit_code = EXIT_BAD_INPUT
 
 
 def load_catalog(overrides_path: str | Path | None = None) -> list[GPU]:

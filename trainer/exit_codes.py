@@ -7,10 +7,12 @@ What a supervisor should do with each:
 - `EXIT_FINISHED = 0`: training reached its end; `final/` holds the adapter. Do not rerun.
 - `EXIT_ERROR = 1`: an unexpected error (a traceback), or a store write the safety rule refused (a bug
   in spotune; a local checkpoint was saved); look at it before rerunning.
-- `EXIT_BAD_INPUT = 2`: bad configuration or data, a checkpoint that cannot be resumed, or a store
-  that refuses these credentials (no such bucket, reading or writing denied: checked at start with
-  a real probe write); the message names the key, file, line or permission to fix. Rerunning
-  unchanged fails the same way. Never a fault of the moment.
+- `EXIT_BAD_INPUT = 2`: bad configuration or data, a model or data path that exists neither here nor
+  on the hub, a checkpoint that cannot be resumed, or a store that refused for a reason rerunning will
+  not change (credentials, a permission, no such bucket, a skewed clock, a full store, an unknown error:
+  trainer/faults.py; checked at start with a real probe write, and mid-run by the uploads and the
+  lease); the message names the key, file, line, permission or setting to fix. Rerunning unchanged
+  fails the same way. Never a fault of the moment.
 - `EXIT_BUDGET = 3`: stopped at `train.max_gpu_hours` or `train.max_cost` after saving a
   checkpoint. Raise the budget and rerun the same command to continue.
 - `EXIT_BAD_STEPS = 4`: `train.max_bad_steps` consecutive non-finite steps; fix the run
@@ -25,7 +27,7 @@ What a supervisor should do with each:
 - `EXIT_ABORTED = 130`: a second SIGINT; no checkpoint was saved for the step in flight.
   Rerunning resumes from the last committed checkpoint.
 - `EXIT_PREEMPTED = 143` (128 + SIGTERM): stopped by a signal after saving a checkpoint, or by a
-  fault of the moment anywhere (`transient`): `checkpoint.remote` unreachable past
+  fault of the moment anywhere (`transient`, trainer/faults.py): `checkpoint.remote` unreachable past
   `checkpoint.store_outage_seconds` (a local checkpoint saved), the store's checkpoints unreadable
   at start (retried first; never trained from an older step instead), the store found ahead of a
   stale disk (nothing written), the hub not answering, a several-node fetch or publish failing.
@@ -37,8 +39,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-from collections.abc import Iterator
 from typing import Literal, NoReturn
+
+from trainer.faults import transient  # the one classifier (whether an error is a fault of the moment)
 
 EXIT_FINISHED = 0
 EXIT_ERROR = 1
@@ -114,90 +117,26 @@ FOR_STOP: dict[str, int] = {
 """The exit code of `spotune train` for each way the loop can stop."""
 
 
-def causes(e: BaseException) -> Iterator[BaseException]:
-    """`e` and the exceptions below it: each one's cause, else the exception its `except` block was handling
-    (libraries re-raise either way; s3fs drops the cause on some paths). The one walk of an error's chain
-    (`transient` here, `trainer.restart.storage.denied`)."""
-    seen: BaseException | None = e
-    while seen is not None:
-        yield seen
-        seen = seen.__cause__ or (None if seen.__suppress_context__ else seen.__context__)
-
-
-def transient(e: BaseException) -> bool:
-    """Whether `e` is a fault of the moment (exit 143), by its chain of causes: a lost connection, a
-    timeout, a broken transfer, an HTTP 5xx or 429 (throttling), a store or hub that does not answer, a
-    lease cut off from its store. The one definition: what is retried (trainer/restart/choose.py) is what
-    this says, and nothing else is. A setting the user chose is never one: offline mode (HF_HUB_OFFLINE), a
-    refused credential; nor is a bug or this machine's own disk (full, refused)."""
-    for seen in causes(e):
-        names = {c.__name__ for c in type(seen).__mro__}
-        if names & _SETTINGS:
-            return False
-        status = _status(getattr(seen, "response", None))
-        if names & _FAULTS or (isinstance(status, int) and (status >= 500 or status == 429)):
-            return True
-    return False
-
-
-def _status(response: object) -> object:
-    """The HTTP status of an error's response: an attribute (requests, httpx), or botocore's dict."""
-    if isinstance(response, dict):
-        return response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return getattr(response, "status_code", None)
-
-
-_FAULTS = {
-    "ConnectionError",  # builtin (resets, refusals), requests', HubUnreachable
-    "TimeoutError",
-    "timeout",
-    "IncompleteRead",
-    "TransportError",  # httpx
-    "ClientConnectionError",  # aiohttp
-    "ClientPayloadError",
-    "EndpointConnectionError",  # botocore
-    "ConnectionClosedError",
-    "ReadTimeoutError",
-    "ConnectTimeoutError",
-    "StoreUnreachable",  # trainer/restart/storage.py
-    "StoreOffline",  # cut off from the store (its lease not renewed in time): uploads retry
-}
-_SETTINGS = {"OfflineModeIsEnabled", "PermissionError", "StoreDenied"}
+def class_code(e: BaseException) -> int | None:
+    """The exit code `e`'s class names (its `exit_code` class attribute, inherited: ConfigError, DataError,
+    CheckpointError... 2, RunBusy 75, Corrupt 143), or None: matched by type, along the class hierarchy."""
+    code = getattr(type(e), "exit_code", None)
+    return code if isinstance(code, int) and not isinstance(code, bool) else None
 
 
 def code_for(e: BaseException) -> int:
     """The exit code of a command that `e` ends, the one classifier of errors (trainer/cli/main.py asks it
     on every rank; trainer/restart/agree.py carries its answer from the rank that met the error to the
-    others, so the ranks exit alike): a code the error carries (agreed across ranks), 143 for a fault of
-    the moment (`transient`, by its causes), the code its class is listed with in `BY_CLASS` (by name:
-    this module imports nothing of spotune), else 1 (a bug: the traceback says where)."""
-    carried = getattr(e, "exit_code", None)
+    others, so the ranks exit alike): a code this very error carries (`Agreed`: decided on another rank),
+    143 for a fault of the moment (`transient`: trainer/faults.py, by its causes), the code its class names
+    (`class_code`), else 1 (a bug: the traceback says where)."""
+    carried = vars(e).get("exit_code")
     if isinstance(carried, int) and not isinstance(carried, bool):
         return carried
     if transient(e):
         return EXIT_PREEMPTED
-    for cls in type(e).__mro__:  # the most derived listed class decides (Corrupt before CheckpointError)
-        if cls.__name__ in BY_CLASS:
-            return BY_CLASS[cls.__name__]
-    return EXIT_ERROR
-
-
-BY_CLASS: dict[str, int] = {
-    # Another attempt holds the run (trainer/restart/lock.py; LeaseLost derives from it).
-    "RunBusy": EXIT_BUSY,
-    # A store's bytes that disagree with their manifest (trainer/restart/storage.py): not retried (the one
-    # reason to skip a checkpoint), but the next attempt reads the store again.
-    "Corrupt": EXIT_PREEMPTED,
-    # Settings and inputs to fix; each message names the key, file, line or permission. CheckpointError
-    # covers "none verifies", ResumeMismatch, StoreDenied and a store backend that is not installed.
-    "ConfigError": EXIT_BAD_INPUT,
-    "DataError": EXIT_BAD_INPUT,
-    "CheckpointError": EXIT_BAD_INPUT,
-    "PlanError": EXIT_BAD_INPUT,
-    "CatalogError": EXIT_BAD_INPUT,
-    "ReportError": EXIT_BAD_INPUT,
-}
-"""Error classes (by name, matched along the exception's MRO) and the code each ends a command with."""
+    code = class_code(e)
+    return EXIT_ERROR if code is None else code
 
 
 MTIME_SLACK = 0.05

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from trainer import config as C
 from trainer.config.source import read_overrides, read_recipe
+from trainer.data.hub import looks_local
 
 
 def add_recipe(p: argparse.ArgumentParser) -> None:
@@ -73,6 +74,11 @@ def _model_problem(name: str, revision: str | None, files: Sequence[str], downlo
         return (
             f"{name} is neither a local folder (no such directory) nor a hub model id (org/name, e.g. "
             "Qwen/Qwen2.5-1.5B-Instruct); check the path, or give a hub id"
+        )
+    if looks_local(name):  # decided here, without the hub: a typo must not wait on a hub that does not answer
+        return (
+            f"{name} is not a local folder (no such directory: {path.absolute()}), and looks like a path rather "
+            f"than a hub model id ({name.split('/')[0]}/ is a folder here); check the path"
         )
     offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in OFFLINE_VALUES
     if not download or not offline:

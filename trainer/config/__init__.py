@@ -35,6 +35,7 @@ from trainer.config.schema import (
     TrainConfig,
 )
 from trainer.config.source import Marks, SourceError, locate, read_overrides, read_recipe
+from trainer.exit_codes import EXIT_BAD_INPUT
 
 _log = logging.getLogger(__name__)
 
@@ -85,6 +86,8 @@ class RunConfig:
 
 class ConfigError(ValueError):
     """Every problem found in a config, one per line, each naming the key and the fix."""
+
+    exit_code = EXIT_BAD_INPUT
 
     def __init__(self, problems: Sequence[str], source: str = "config") -> None:
         self.problems = list(problems)

@@ -10,6 +10,7 @@ here reads, prints or stores one.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.data.read import DATA_ENDINGS, DataError
+from trainer.faults import classify
 
 PREFIX = "hf://datasets/"
 _REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -37,8 +39,10 @@ def parse(path: str) -> HubId | None:
     """The hub dataset `path` names, or None for a local path.
 
     `hf://datasets/org/name[@revision]` always names the hub. A bare `org/name` does when no such
-    local path exists and its name does not end like a data file (`data/train.jsonl` is a missing
-    file, not a dataset), the way `datasets.load_dataset` resolves names.
+    local path exists, its name does not end like a data file (`data/train.jsonl` is a missing
+    file, not a dataset), the way `datasets.load_dataset` resolves names, and it does not look like a
+    local path (`looks_local`: `data/mine` with a `data/` folder here is a missing folder, said at once,
+    not a hub id retried while the hub does not answer).
     """
     if path.startswith(PREFIX):
         repo, _, rev = path[len(PREFIX) :].partition("@")
@@ -48,9 +52,30 @@ def parse(path: str) -> HubId | None:
         return HubId(repo, rev or None)
     if path.startswith("hf://"):
         raise DataError(f"{path}: only hub datasets are read; write {PREFIX}org/name[@revision]")
-    if Path(path).exists() or not _REPO.match(path) or path.lower().endswith(DATA_ENDINGS):
+    if Path(path).exists() or not _REPO.match(path) or path.lower().endswith(DATA_ENDINGS) or looks_local(path):
         return None
     return HubId(path, None)
+
+
+def looks_local(name: str) -> bool:
+    """Whether `name`, which does not exist here, was meant as a local path and not a hub id (org/name),
+    decided without the network (a hub that does not answer must not turn a typo into a retry for ever):
+    it starts like a path (`/`, `./`, `../`, `~`), holds more parts than org/name (or the OS's own
+    separator, where that is not `/`), or its first part is a folder here (`models/my-llama` beside a
+    `models/` folder, `data/mine` beside `data/`)."""
+    if name.startswith(("/", "./", "../", "~")) or (os.sep != "/" and os.sep in name):
+        return True
+    parts = name.split("/")
+    return len(parts) > 2 or (len(parts) == 2 and Path(parts[0]).is_dir())
+
+
+def not_found(key: str, name: str, kind: str) -> str:
+    """The message for a name that is neither a local path here nor (the hub answered) a hub id."""
+    return (
+        f"{key}: {name!r} is neither a local {'folder' if kind == 'model' else 'file or folder'} (no such path: "
+        f"{Path(name).expanduser().absolute()}) nor a hub {kind} id the hub knows (it answered: no such {kind}, "
+        "or it is private or gated): check the path or the id, or set HF_TOKEN to a token that can read it."
+    )
 
 
 RETRY_SECONDS = (5.0, 20.0, 60.0)
@@ -60,7 +85,7 @@ RETRY_SECONDS = (5.0, 20.0, 60.0)
 class HubUnreachable(ConnectionError):
     """The hub could not be reached and the cache lacks what was asked: a transient fault, so not
     a DataError (whose exit code tells a supervisor not to rerun): the process exits 143
-    (trainer/exit_codes.py `transient`)."""
+    (trainer/faults.py `transient`)."""
 
 
 def download(hub: HubId, revision: str | None, patterns: list[str] | None, key: str) -> tuple[Path, str]:
@@ -101,10 +126,7 @@ def _download(hub: HubId, revision: str | None, patterns: list[str] | None, key:
             f"{key}: {hub.repo_id} has no revision {revision!r}; set the revision to a branch, tag or commit it has."
         ) from None
     except RepositoryNotFoundError:
-        raise DataError(
-            f"{key}: no hub dataset {hub.repo_id!r} (or it is private): check the id, or set HF_TOKEN to a "
-            "token that can read it."
-        ) from None
+        raise DataError(not_found(key, hub.repo_id, "dataset")) from None
     except LocalEntryNotFoundError:
         if not _offline():
             raise HubUnreachable(
@@ -117,14 +139,14 @@ def _download(hub: HubId, revision: str | None, patterns: list[str] | None, key:
             "a private or gated dataset also needs HF_TOKEN."
         ) from None
     except HfHubHTTPError as e:
-        status = getattr(e.response, "status_code", None) if getattr(e, "response", None) is not None else None
-        if status in (401, 403):
+        verdict = classify(e)  # the one classifier of hub and store errors
+        if verdict.transient:
+            raise HubUnreachable(f"{key}: the hub failed to serve {where} ({verdict}).") from None
+        if verdict.kind in ("credentials", "permission"):
             raise DataError(
-                f"{key}: the hub refused {where} (HTTP {status}); set HF_TOKEN to a token that can read it."
+                f"{key}: the hub refused {where} ({verdict}); set HF_TOKEN to a token that can read it."
             ) from None
-        if status is None or status >= 500 or status == 429:
-            raise HubUnreachable(f"{key}: the hub failed to serve {where} (HTTP {status}).") from None
-        raise
+        raise DataError(f"{key}: the hub refused {where} ({verdict}: {str(e).splitlines()[0]}).") from e
     return Path(folder), Path(folder).name
 
 

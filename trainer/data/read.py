@@ -28,6 +28,8 @@ import datasets
 import numpy as np
 import pyarrow.parquet as pq
 
+from trainer.exit_codes import EXIT_BAD_INPUT
+
 DATA_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet", ".csv", ".arrow")
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 """Compressions a text file (JSONL, JSON, CSV) may carry, as hub datasets often ship them (`.jsonl.gz`)."""
@@ -59,12 +61,17 @@ def data_suffix(p: Path | str) -> str | None:
 class DataError(ValueError):
     """Bad input data or data settings; the message names the file, line or config key to fix."""
 
+    exit_code = EXIT_BAD_INPUT
+
 
 def check_source(path: str | Path, *, key: str = "data.path") -> Path:
     """Fail fast (before hashing) on a missing path or an unsupported file extension."""
     p = Path(path)
     if not p.exists():
-        raise DataError(f"{key}: {p} does not exist; point {key} at a data file or a saved datasets directory.")
+        raise DataError(
+            f"{key}: {p} does not exist (no such file or folder: {p.absolute()}); point {key} at a data file or a "
+            "saved datasets directory."
+        )
     if p.is_file() and data_suffix(p) is None:
         raise DataError(
             f"{key}: unknown data format {p.suffix or '(no extension)'!r} for {p}; supported: {', '.join(SUPPORTED)}."

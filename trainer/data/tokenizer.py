@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from trainer.data.hub import not_found
 from trainer.data.read import DataError
 
 PATTERNS = [
@@ -57,9 +58,7 @@ def local_dir(name_or_path: str, revision: str | None, key: str = "data.tokenize
             "point it at a folder holding tokenizer files."
         ) from None
     except RepositoryNotFoundError:
-        raise DataError(
-            f"{key}: no hub model {name_or_path!r} (or it is private or gated): check the id, or set HF_TOKEN."
-        ) from None
+        raise DataError(not_found(key, name_or_path, "model")) from None
     except LocalEntryNotFoundError as e:
         raise DataError(
             f"{key}: the tokenizer of {at} is not in the local HF cache and the hub could not be reached "

@@ -19,6 +19,7 @@ import fsspec
 import yaml
 
 from trainer.config import ConfigError, RunConfig, from_dict
+from trainer.exit_codes import EXIT_BAD_INPUT
 from trainer.report.example import Example, training_example
 from trainer.report.trained import Trained, load_trained
 from trainer.restart.generations import read_run_file
@@ -45,6 +46,8 @@ RUNNING = "running"
 
 class ReportError(Exception):
     """A run directory the report cannot read; the message names the path and what to do."""
+
+    exit_code = EXIT_BAD_INPUT
 
 
 @dataclass(frozen=True)

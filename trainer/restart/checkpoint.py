@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.atomic import REPLACED, TEMP_MARK, files_below, fsync_path, publish_dir, restore_replaced, temp_sibling
+from trainer.exit_codes import EXIT_BAD_INPUT
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ _TEMP = re.compile(r"^step-\d{6,}\.tmp-")
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written, or none that exists can be trusted."""
+
+    exit_code = EXIT_BAD_INPUT
 
 
 class ResumeMismatch(CheckpointError):

@@ -8,10 +8,11 @@ recorded on the store's `Floor` before anything is written there.
   tmpfs). A checkpoint found corrupt is retired (renamed, kept: trainer/restart/safety.py), never
   deleted; when every remote checkpoint newer than the local ones is corrupt and no local one verifies,
   the attempt stops with CheckpointError (exit 2) naming them, as the local rule does. A fault of the
-  moment while listing or downloading (`exit_codes.transient`: the network, 5xx, throttling, a broken
+  moment while listing or downloading (trainer/faults.py `transient`: the network, 5xx, throttling, a broken
   transfer) is retried with backoff for `budget` seconds, then ends the attempt with StoreUnreachable
-  (exit 143) before it trains: training from an older step would throw newer paid-for steps away. A
-  refused credential is StoreDenied (exit 2); anything else (a full disk, a bug) ends it with its own code.
+  (exit 143) before it trains: training from an older step would throw newer paid-for steps away. Anything
+  else the store answers is StoreDenied (exit 2, naming the setting); this machine's full disk or a bug
+  ends it with its own code.
 - `never` or a checkpoint path: a new timeline, which the user asked for. The store's newer
   checkpoints are retired (renamed, kept); that needs the store readable, so a store that does not
   answer is a fault of the moment here too.
@@ -29,9 +30,9 @@ from pathlib import Path
 from typing import TypeVar
 
 from trainer.atomic import publish_dir, temp_sibling
-from trainer.exit_codes import transient
+from trainer.faults import transient
 from trainer.restart.checkpoint import CheckpointError, CheckpointManager, resolve_resume
-from trainer.restart.storage import Corrupt, Store, StoreError, StoreUnreachable, denied
+from trainer.restart.storage import Corrupt, Store, StoreError, StoreUnreachable
 from trainer.urls import one_line
 
 T = TypeVar("T")
@@ -41,24 +42,29 @@ MAX_DELAY = 30.0
 
 
 def retrying(
-    what: str, budget: float, fn: Callable[[], T], message: Callable[[str], None], store: Store, then: str = ""
+    what: str,
+    budget: float,
+    fn: Callable[[], T],
+    message: Callable[[str], None],
+    store: Store,
+    then: str = "",
+    action: str = "read",
 ) -> T:
     """`fn()`, tried again with backoff (1 s, doubling, at most MAX_DELAY) while it fails with a fault
-    of the moment (`exit_codes.transient`: the network, 5xx, throttling, a store that does not answer, the
-    lease cut off), for `budget` seconds; then StoreUnreachable (exit 143), its message ending with `then`.
-    Anything else propagates at once with its own code: the store refusing these credentials (StoreDenied,
-    exit 2), a checkpoint that does not verify (Corrupt), a breach of the rule, a checkpoint that cannot be
-    resumed as asked, this machine's full or refused disk, a bug."""
+    of the moment (trainer/faults.py `transient`: the network, 5xx, throttling, a store that does not answer,
+    the lease cut off), for `budget` seconds; then StoreUnreachable (exit 143), its message ending with `then`.
+    Anything else propagates at once: what the store refused for good as StoreDenied (exit 2, naming the
+    setting `action` needs), spotune's own errors with their codes (a checkpoint that does not verify, a
+    breach of the rule, a checkpoint that cannot be resumed as asked), this machine's full or refused disk
+    and bugs as they came (1)."""
     deadline = time.monotonic() + budget
     delay = 1.0
     while True:
         try:
             return fn()
         except Exception as e:
-            if not isinstance(e, StoreError) and denied(e, "read", store.root):
-                raise store.fault(e, "read") from e
-            if isinstance(e, Corrupt) or not transient(e):
-                raise
+            if not transient(e):
+                store.raise_fault(e, action)
             fault: Exception = e
         left = deadline - time.monotonic()
         if left <= 0:

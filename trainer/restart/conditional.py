@@ -6,8 +6,11 @@ S3-compatible endpoints accept both headers and ignore them, which would leave t
 unnoticed, so `conditional(store)` asks the store once, at the lease's first use: it writes a
 probe object, then writes it again with each condition set so that it must be refused. A store
 that lets either through is treated as having no conditional writes (the lease then re-reads
-itself around every commit, trainer/restart/lease.py). Non-S3 stores (a local directory, GCS
-through gcsfs, Azure) take the re-read path too.
+itself around every commit, trainer/restart/lease.py). So is one that refuses a conditional PUT with
+any other answer than 412 (501 NotImplemented, a 400 for a header it does not know): that is no outage,
+and the lease works without conditions; only a fault of the moment (trainer/faults.py) propagates. Non-S3
+stores (a local directory, GCS through gcsfs, Azure) take the re-read path too; on a local directory a
+plain write is a rename, so no reader ever sees half a lease.
 
 s3fs resends a PUT after a timeout or a torn response; when the first one landed, the resend
 is refused (412) although the write is ours. Callers settle that by reading the object back
@@ -17,9 +20,15 @@ is refused (412) although the write is ours. Callers settle that by reading the 
 from __future__ import annotations
 
 import hashlib
+import logging
+from pathlib import Path
 from typing import Any
 
+from trainer.atomic import write_bytes
+from trainer.faults import answer, transient
 from trainer.restart.storage import Store
+
+log = logging.getLogger(__name__)
 
 PROBE_FILE = ".spotune-conditional-probe"
 """The object `conditional` writes to test the store (a few bytes; left in place)."""
@@ -30,11 +39,12 @@ class Refused(Exception):
 
 
 def precondition_failed(e: BaseException) -> bool:
-    """s3fs turns 412 into FileExistsError (If-None-Match) or OSError (If-Match); 409 is S3's answer to two
-    conditional writes at once."""
-    text = f"{e} {e.__cause__!r}"
-    return isinstance(e, FileExistsError) or any(
-        s in text for s in ("PreconditionFailed", "pre-condition", "ConditionalRequestConflict", "412")
+    """Whether a conditional write was refused for its condition: s3fs turns 412 into FileExistsError
+    (If-None-Match) or OSError (If-Match, its cause the ClientError); 409 ConditionalRequestConflict is S3's
+    answer to two conditional writes at once. Read from the answer's status and code (trainer/faults.py)."""
+    status, code = answer(e)
+    return (
+        isinstance(e, FileExistsError) or status == 412 or code in ("PreconditionFailed", "ConditionalRequestConflict")
     )
 
 
@@ -58,7 +68,16 @@ def _probe(store: Store) -> bool:
         except Exception as e:
             if precondition_failed(e):
                 continue
-            raise
+            if transient(e):  # no answer yet: the lease thread asks again
+                raise
+            log.warning(
+                "spotune: %s answered a conditional write with %s (%s): taken as a store without conditional "
+                "writes; the lease re-reads itself around every commit instead",
+                store.shown,
+                type(e).__name__,
+                str(e).splitlines()[0] if str(e) else "",
+            )
+            return False  # refused otherwise than by its condition: no conditional writes here
         return False  # accepted: the store ignores this condition
     return etag is not None
 
@@ -101,7 +120,11 @@ def write_object(store: Store, path: str, body: bytes, *, if_match: str | None =
     (or, `new`, does not exist), raising Refused otherwise. Returns the new etag (None elsewhere).
     Without conditional writes the write is plain: callers re-read to find out who won."""
     if not conditional(store):
-        store.fs.pipe_file(path, body)
+        if store.local:
+            store.make_root()  # the lease is the first write: the run's folder, never its parent (the mount)
+            write_bytes(Path(path), body)  # a rename: a reader (a taker polling) never sees a torn lease
+        else:
+            store.fs.pipe_file(path, body)
         return None
     extra: dict[str, str] = {"IfNoneMatch": "*"} if new else {"IfMatch": if_match} if if_match else {}
     try:

@@ -36,6 +36,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from trainer.exit_codes import EXIT_BUSY
 from trainer.restart.ledger import HEARTBEAT_FILE
 
 LOCK_FILE = ".spotune.lock"
@@ -62,6 +63,8 @@ os.register_at_fork(after_in_child=_close_in_forked_child)
 
 class RunBusy(Exception):
     """Another process (or machine) holds the run; the message names it. Exit code EXIT_BUSY."""
+
+    exit_code = EXIT_BUSY
 
 
 def _iso(t: float) -> str:

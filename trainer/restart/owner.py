@@ -4,8 +4,9 @@ holds a run now is trainer/report/status.py's to say).
 
 `hold` is what `run.train` wraps itself in: the local lock first (trainer/restart/lock.py),
 then the lease (trainer/restart/lease.py), both before the attempt touches the directory or
-the store, both released when it returns or raises. Credentials that may not write the store
-end the attempt here with StoreDenied (exit 2), naming the permission. Only the job's main
+the store, both released when it returns or raises. A store that refuses the first lease request for
+good (trainer/faults.py: anything not known to be a fault of the moment) ends the attempt here with
+StoreDenied (exit 2), naming the setting; one that does not answer lets it start cut off. Only the job's main
 process (RANK 0, or no torchrun) takes them: the other ranks write nothing the main rank does
 not coordinate.
 """
@@ -24,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config.schema import CheckpointConfig
+from trainer.faults import transient
 from trainer.restart.conditional import Refused, write_object
 from trainer.restart.lease import LEASE_FILE, Lease, describe_lease, read_lease
 from trainer.restart.lock import RunBusy, RunLock
-from trainer.restart.storage import Store, denied
+from trainer.restart.storage import Store
 from trainer.urls import one_line
 
 
@@ -82,9 +84,8 @@ def hold(
             except RunBusy:
                 raise
             except Exception as e:
-                action = lease.doing  # the request refused: the probe or the lease written, or the lease read
-                if denied(e, action, store.root):  # these credentials may not use the store: a setting to fix (exit 2)
-                    raise store.fault(e, action) from e
+                if not transient(e):  # the store refused for good (exit 2, naming the setting), or a bug
+                    store.raise_fault(e, lease.doing)  # the request refused: the probe or lease written, or read
                 # Unreachable now: RemoteRun.connect decides whether training may start; if it does,
                 # the lease thread takes the lease once the store answers (or stops the run).
                 lease.offline(one_line(e), None if wait is None else max(0.0, wait - (time.monotonic() - started)))

@@ -18,6 +18,10 @@ Availability first, never two writers. The states of a holder (trainer/restart/l
   EXIT_PREEMPTED), not 75: the holder may be a killed predecessor whose lease expires by itself.
 Cut off for longer than `outage_seconds`, it asks once for the save-and-exit path (`on_outage`: a
 local checkpoint, then EXIT_PREEMPTED, which supervisors restart).
+- refused: a request failed with an error not known to be a fault of the moment (trainer/faults.py:
+  credentials, permissions, a missing bucket, a full store...; anything unknown). Waiting changes nothing,
+  so the thread stops and asks for the save-and-exit path once with that error (`on_refused`: a local
+  checkpoint, then the error's exit code, 2 for a setting to fix), never retrying it as a blip for ever.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Any, Protocol
 
 from trainer import exit_codes
 from trainer.exit_codes import EXIT_BUSY
+from trainer.faults import transient
 from trainer.restart.clock import boot_clock, process_start
 from trainer.restart.lease_object import LeaseLost
 from trainer.restart.lock import RunBusy
@@ -49,6 +54,7 @@ class Holder(Protocol):
     message: Callable[[str], None]
     lost: str | None
     released: bool
+    doing: str
     lock: threading.RLock
 
     @property
@@ -80,6 +86,10 @@ class Keeper:
         self.on_outage: Callable[[str], object] = lambda why: None
         """Called once when the store stayed unreachable past `outage_seconds`, or the lease never taken is
         another's (train: save locally, exit 143)."""
+        self.refused: BaseException | None = None
+        """The error that ended renewing for good (not a fault of the moment), as the store's fault names it."""
+        self.on_refused: Callable[[BaseException], object] = lambda error: self.ask_stop(str(error))
+        """Called once with `refused` (train: save locally, exit with its code); by default the outage's stop path."""
         self.wait_until: float | None = None
         """boot_clock() until which the lease never taken may be waited for (`--wait`); None: no wait."""
         self.gave_up: str | None = None
@@ -122,13 +132,27 @@ class Keeper:
                 self.tick()
             except LeaseLost:
                 return  # on_lost already ran
-            except Exception as e:  # a network blip: the next try (or the deadline) decides
-                if not self.cut_off:
+            except Exception as e:
+                if not transient(e):  # refused for good: retrying changes nothing (trainer/faults.py)
+                    self._refuse(e)
+                    return
+                if not self.cut_off:  # a network blip: the next try (or the deadline) decides
                     self.lease.message(
                         f"spotune: renewing the lease of {self.lease.store.shown} failed ({one_line(e)}); retrying"
                     )
                     self.lease.lapsed()
                 self._outage_check()
+
+    def _refuse(self, e: BaseException) -> None:
+        """End the attempt on an error that rerunning will not change: writing nothing more, saving locally,
+        exiting with the error's code (StoreDenied: 2, naming the setting; a bug: 1)."""
+        lease = self.lease
+        self.refused = lease.store.fault(e, lease.doing) or e
+        self.cut(
+            f"spotune: the lease of {lease.store.shown} failed for good ({one_line(self.refused)}); writing nothing "
+            "more there"
+        )
+        self.on_refused(self.refused)
 
     def _interval(self) -> float:
         ttl = self.lease.ttl

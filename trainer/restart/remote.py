@@ -26,7 +26,7 @@ from typing import Any
 
 from trainer.atomic import write_bytes
 from trainer.config.schema import CheckpointConfig
-from trainer.exit_codes import EXIT_ERROR, EXIT_FINISHED, EXIT_PREEMPTED
+from trainer.exit_codes import EXIT_ERROR, EXIT_FINISHED, EXIT_PREEMPTED, code_for
 from trainer.model.reference import INIT_FILES
 from trainer.restart import agree
 from trainer.restart import new_run as new_run_module
@@ -89,6 +89,11 @@ class RemoteRun:
         """checkpoint.resume as given (`connect`)."""
         self.rerun: dict[str, Any] | None = None
         """The last attempt, started with `request` already: this start resumes instead (`setting`)."""
+        self.refused: BaseException | None = None
+        """What the store answered a background thread (the uploader, the lease's) that rerunning will not change
+        (trainer/faults.py): the run stops, and exits with its code (`exit_code`)."""
+        self.on_refused: Callable[[str, int], object] = lambda why, code: None
+        """Asks for the stop when `refused` is set (process.py: save locally, then exit with `code`)."""
         self.holder: str | None = None
         """The lease holder id of this attempt, on every rank: another rank writes only under it (`push_run_files`)."""
 
@@ -310,7 +315,7 @@ class RemoteRun:
             return True
 
         try:
-            if not retrying(f"uploading step {step} to", self.budget, publish, self.message, store):
+            if not retrying(f"uploading step {step} to", self.budget, publish, self.message, store, action="write"):
                 return None
         except Exception as e:
             return agree.failure(e)
@@ -362,6 +367,7 @@ class RemoteRun:
             heartbeat_seconds=heartbeat_seconds,
             on_violation=self.on_violation,
             before_run_files=self.book_late,
+            on_refused=self.refuse,
         ).start(remote[-1] if remote else None)
         # The checkpoint resumed from goes up first when the store lacks it (an earlier attempt saved it
         # while cut off, or stopped before its upload finished): a run with no step left to train still
@@ -383,6 +389,13 @@ class RemoteRun:
             if not late:
                 return []
             return recover_killed(self.run_dir, late, before=getattr(self.fence, "acquired_at", None), leftover=False)
+
+    def refuse(self, error: BaseException) -> None:
+        """A background thread met `error`, which rerunning will not change: the first is kept, and the run is
+        asked to stop (a local checkpoint saved), to exit with its code (`exit_code`)."""
+        if self.refused is None:
+            self.refused = error
+            self.on_refused(f"spotune: {error}", code_for(error))
 
     def submit(self, step: int, checkpoint: Path) -> None:
         if self.uploader is not None:
@@ -412,14 +425,16 @@ class RemoteRun:
 
     def exit_reason(self, reason: str) -> str:
         """The exit reason this attempt's ledger row books: `error` when the safety rule refused one of the
-        uploader's writes (the attempt exits 1, `exit_code`; the stop it asked for looks like a preemption
-        to the loop), else the loop's `reason`. Rank 0 knows; other ranks write no row."""
-        if self.uploader is not None and self.uploader.violation is not None:
+        uploader's writes (the attempt exits 1, `exit_code`) or the store refused a background thread for good
+        (`refused`: exit 2); the stop either asked for looks like a preemption to the loop. Else the loop's
+        `reason`. Rank 0 knows; other ranks write no row."""
+        if self.refused is not None or (self.uploader is not None and self.uploader.violation is not None):
             return "error"
         return reason
 
     def exit_code(self, code: int, final: Path) -> int:
-        """Collective. `code`, or 1 when the safety rule refused one of the uploader's writes (a bug in
+        """Collective. `code`; the code of what the store refused a background thread for good (`refused`: 2
+        for a setting to fix); or 1 when the safety rule refused one of the uploader's writes (a bug in
         spotune: a requeue would meet it again; the local checkpoint is saved), or 143 for a finished run
         whose last checkpoint the store lacks: done here, not yet safe (a spot VM torn down after exit 0
         takes the result with it); the supervisor then runs the same command, which uploads it first
@@ -428,7 +443,10 @@ class RemoteRun:
         if self.url is None:
             return code
         verdict = code
-        if self.is_main and self.uploader is not None:
+        if self.is_main and self.refused is not None:
+            verdict = code_for(self.refused)
+            self.message(f"spotune: {self.refused}: exit {verdict}")
+        elif self.is_main and self.uploader is not None:
             if self.uploader.violation is not None:
                 verdict = EXIT_ERROR
                 self.message(f"spotune: {self.uploader.violation}: exit {EXIT_ERROR}")

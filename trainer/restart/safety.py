@@ -49,6 +49,7 @@ import posixpath
 import threading
 from collections.abc import Callable, Collection, Iterable
 
+from trainer.exit_codes import EXIT_PREEMPTED
 from trainer.restart.checkpoint import MANIFEST
 
 
@@ -59,6 +60,8 @@ class SafetyViolation(AssertionError):
 class StoreAhead(RuntimeError):
     """The store holds a checkpoint newer than the step this attempt resumed from while it could not
     read the store: another machine trained further. Nothing is written; the attempt stops (exit 143)."""
+
+    exit_code = EXIT_PREEMPTED
 
 
 class Floor:

@@ -30,7 +30,8 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from trainer.atomic import files_below, fsync_tree, publish_dir, temp_sibling, write_bytes
-from trainer.exit_codes import causes
+from trainer.exit_codes import EXIT_PREEMPTED, class_code
+from trainer.faults import Permanent, Transient, Verdict, classify
 from trainer.restart.checkpoint import MANIFEST, CheckpointError, file_digest
 from trainer.restart.generations import (
     current_steps,
@@ -65,22 +66,25 @@ class StoreError(CheckpointError):
     """The remote store cannot be reached, or it holds something that cannot be trusted."""
 
 
-class StoreUnreachable(StoreError):
+class StoreUnreachable(StoreError, Transient):
     """The store does not answer (or answers with a fault of the moment: 5xx, throttling, a broken
     transfer) and training cannot go on without it: `spotune train` exits 143 (restartable), not 2."""
 
 
-class StoreDenied(StoreError):
-    """The store refuses these credentials, or the bucket does not exist: a setting the user must fix
-    (exit 2). The message names the permission that is missing."""
+class StoreDenied(StoreError, Permanent):
+    """The store refused a request for a reason rerunning will not change (trainer/faults.py): these
+    credentials, a permission, no such bucket or folder, this machine's clock, a full store, a request it does
+    not implement. A setting the user must fix (exit 2); the message names it."""
 
 
 class Corrupt(StoreError):
     """A remote checkpoint's bytes disagree with its manifest (a hash or size mismatch, a missing object):
-    the one reason to skip a checkpoint."""
+    the one reason to skip a checkpoint. Not retried, but the next attempt reads the store again (143)."""
+
+    exit_code = EXIT_PREEMPTED
 
 
-class StoreOffline(StoreError):
+class StoreOffline(StoreError, Transient):
     """This attempt is cut off from the store (its lease could not be renewed in time): it writes
     nothing there until the lease is confirmed again (trainer/restart/lease.py); uploads retry."""
 
@@ -135,6 +139,8 @@ class Store:
                 f"checkpoint.remote={self.shown}: the backend for this URL is not installed ({e}); {install_hint(url)}"
             ) from e
         self.root = self.root.rstrip("/")
+        self.local = not _is_object_store(self.fs)
+        """A directory of this machine's filesystem (`file://`, a mount), not an object store."""
         self.fence = Fence()  # a Lease while a training attempt holds the run (trainer/restart/lease.py)
         self.conditional: bool | None = None
         """Whether the store enforces If-Match / If-None-Match; probed once (trainer/restart/conditional.py)."""
@@ -161,7 +167,9 @@ class Store:
     def check(self) -> None:
         """Raise StoreDenied (a setting to fix) or StoreUnreachable (a fault of the moment) unless these
         credentials may list the store, and write and delete in it: a real probe write, so a store that
-        lists and reads but refuses writes is named at start, not found out by uploads that never land."""
+        lists and reads but refuses writes is named at start, not found out by uploads that never land.
+        A local directory (`file://`) must exist up to its parent: a missing mount is never made on this
+        machine's own disk (it would look empty, and a fresh machine would train from step 0 into it)."""
         try:
             self.fs.invalidate_cache()
             if _is_object_store(self.fs):
@@ -171,9 +179,11 @@ class Store:
                 # a HeadBucket would, which a prefix-scoped role may not send.
                 self.fs.find(self.root, prefix=WRITE_PROBE, detail=False)
             else:
-                self.fs.makedirs(self.root, exist_ok=True)
+                self.make_root()
+        except StoreDenied:
+            raise
         except Exception as e:
-            raise self.fault(e, "list") from e
+            self.raise_fault(e, "list")
         probe = self.path(WRITE_PROBE)
         for action, request in (
             ("write", lambda: self.fs.pipe_file(probe, b"spotune write probe\n")),
@@ -182,24 +192,90 @@ class Store:
             try:
                 request()
             except Exception as e:
-                raise self.fault(e, action) from e
+                self.raise_fault(e, action)
 
-    def fault(self, e: BaseException, action: str) -> StoreError:
-        """What a failed request means: StoreDenied (exit 2) when the store refused these credentials or
-        the bucket does not exist, naming the permission `action` needs; else StoreUnreachable (exit 143)."""
-        if denied(e, action, self.root):
-            need = _permission(self.url, action)
-            return StoreDenied(
-                f"checkpoint.remote={self.shown}: {action} refused ({type(e).__name__}: {one_line(e)}). The credentials "
-                f"this machine uses (the cloud's standard chain: env vars, profile, instance role) lack {need} on "
-                f"{self.shown}/*, or the bucket does not exist; a run needs list, read, write and delete there"
-                + ("" if action != "list" else "; check the bucket name")
+    def make_root(self) -> None:
+        """A local directory store: make the run's own folder, in a parent folder that must exist (a mount, a
+        shared disk); StoreDenied naming it if not. The first write there (the lease's) asks this too."""
+        parent = posixpath.dirname(self.root)
+        if not self.fs.isdir(parent):
+            raise StoreDenied(
+                f"checkpoint.remote={self.shown}: the folder {parent} does not exist. A file:// store is a folder "
+                "every machine of the run mounts (NFS, a shared disk); spotune never creates its parent, since a "
+                "missing mount would then be a folder on this machine's own disk that dies with it. Mount it, or "
+                "create the folder, or fix the path in checkpoint.remote"
             )
-        return StoreUnreachable(
-            f"checkpoint.remote={self.shown} is unreachable ({action}: {type(e).__name__}: {one_line(e)}). Check the "
-            f"network, the endpoint (AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3 for S3-compatible stores) and the "
-            f"credentials (the cloud's standard chain: env vars, profile, instance role); "
-            f"checkpoint.storage_options passes anything else to fsspec"
+        self.fs.makedirs(self.root, exist_ok=True)
+
+    def raise_fault(self, e: BaseException, action: str) -> None:
+        """Raise what a failed request `action` means (`fault`), from `e`; `e` itself when it is not the store's."""
+        fault = self.fault(e, action)
+        if fault is None:
+            raise e
+        raise fault from e
+
+    def fault(self, e: BaseException, action: str) -> StoreError | None:
+        """What a failed store request `action` means, by the one classifier (trainer/faults.py):
+        StoreUnreachable (exit 143) for a fault of the moment; StoreDenied (exit 2) naming the setting to fix
+        for anything else the store answered, known or not (permanent unless known to be transient); None when
+        the error is not the store's: spotune's own (it has its code), a bug, or a file of this machine
+        outside the store (its disk full or refused). The caller then raises it as it is."""
+        verdict = classify(e)
+        if verdict.transient:
+            return StoreUnreachable(
+                f"checkpoint.remote={self.shown} is unreachable ({action}: {type(e).__name__}: {one_line(e)}; "
+                f"{verdict}). Check the network, the endpoint (AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3 for "
+                f"S3-compatible stores) and the credentials (the cloud's standard chain: env vars, profile, instance "
+                f"role); checkpoint.storage_options passes anything else to fsspec"
+            )
+        if isinstance(e, StoreError) or class_code(e) is not None or verdict.kind == "bug" or _elsewhere(e, self.root):
+            return None
+        return StoreDenied(
+            f"checkpoint.remote={self.shown}: {action} refused ({type(e).__name__}: {one_line(e)}; {verdict}). "
+            + self._fix(verdict, action)
+            + ". Rerunning unchanged fails the same way (exit 2)"
+        )
+
+    def _fix(self, verdict: Verdict, action: str) -> str:
+        """The setting a permanent refusal asks the user to fix, by its kind."""
+        need = _permission(self.url, action)
+        chain = "the cloud's standard chain: env vars, profile, instance role"
+        if verdict.kind == "clock":
+            return (
+                "This machine's clock is off by more than the store allows (clock skew): sync it (chrony, ntpd, "
+                "systemd-timesyncd); no permission or setting of spotune changes it"
+            )
+        if verdict.kind == "credentials":
+            return (
+                f"The store does not accept the credentials this machine uses ({chain}): set valid ones (a key that "
+                "exists, is not expired and matches its secret), or pass them in checkpoint.storage_options"
+            )
+        if verdict.kind == "missing":
+            return (
+                f"The bucket (or container, or folder) of {self.shown} does not exist: check the bucket name in "
+                "checkpoint.remote (and the endpoint, AWS_ENDPOINT_URL, for S3-compatible stores)"
+            )
+        if verdict.kind == "full":
+            return (
+                f"The store is full (its disk or its quota): free space there or raise the quota; checkpoint.keep_last "
+                f"sets how many checkpoints of the run {self.shown} keeps"
+            )
+        if verdict.kind == "unsupported":
+            return (
+                "The store does not implement this request: checkpoint.remote must name an S3-, GCS- or "
+                "Azure-compatible store that does (check the endpoint, AWS_ENDPOINT_URL, and "
+                "checkpoint.storage_options)"
+            )
+        if verdict.kind == "request":
+            return (
+                f"The store refused the request as invalid: check checkpoint.remote ({self.shown}: the bucket name and "
+                "path) and checkpoint.storage_options (region, endpoint)"
+            )
+        return (
+            f"The credentials this machine uses ({chain}) lack {need} on {self.shown}/*, or the bucket does not "
+            "exist; a run needs list, read, write and delete there"
+            + ("; check the bucket name" if action == "list" else "")
+            + "; checkpoint.storage_options passes anything else to fsspec"
         )
 
     # ------------------------------------------------------------------ listing
@@ -445,8 +521,8 @@ class Store:
         """Download remote checkpoint `step`, verify every file, publish it under `local_root`.
 
         Raises Corrupt naming the object's URL when the checkpoint does not verify (the one reason to
-        skip it), StoreDenied when these credentials may not read it; anything else propagates as it came
-        (the caller retries a fault of the moment, `exit_codes.transient`, and nothing else).
+        skip it), StoreDenied when the store refused the read for good (`fault`); a fault of the moment
+        propagates as it came (the caller retries it, trainer/faults.py `transient`, and nothing else).
         """
         local_root.mkdir(parents=True, exist_ok=True)
         final = local_root / f"step-{step:06d}"
@@ -473,8 +549,9 @@ class Store:
             publish_dir(tmp, final)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, Exception) and not isinstance(e, StoreError) and denied(e, "read", self.root):
-                raise self.fault(e, "read") from e
+            fault = self.fault(e, "read") if isinstance(e, Exception) else None
+            if fault is not None and not isinstance(fault, StoreUnreachable):  # the caller retries the transient
+                raise fault from e
             raise
         return final
 
@@ -500,27 +577,15 @@ def _is_object_store(fs: Any) -> bool:
     return protocol not in ("file", "local")
 
 
-def denied(e: BaseException, action: str, root: str | None = None) -> bool:
-    """Whether a failed store request is a setting to fix: the store refused these credentials
-    (PermissionError: AccessDenied, an invalid key, a forbidden bucket), or, listing, the bucket does not
-    exist. Walks the chain `exit_codes.transient` walks. A PermissionError that names a file outside the
-    store's `root` is this machine's own (its disk), not the store's. Whether anything else is a fault of the
-    moment is `exit_codes.transient`'s to say."""
-    for seen in causes(e):
-        if isinstance(seen, PermissionError) and not _elsewhere(seen, root):
-            return True
-        if action == "list" and isinstance(seen, FileNotFoundError):
-            return True
-    return False
-
-
-def _elsewhere(e: OSError, root: str | None) -> bool:
-    """Whether `e` names a file outside the store's `root` (a local destination: the store's own errors name
-    none, or a path under the root for a local-directory store)."""
-    name = e.filename
-    if root is None or not isinstance(name, str):
+def _elsewhere(e: BaseException, root: str) -> bool:
+    """Whether `e` is an OSError naming a file outside the store's `root`: this machine's own (a local
+    destination of a download), not the store's (whose errors name none, or a path under the root for a
+    local-directory store)."""
+    name = e.filename if isinstance(e, OSError) else None
+    if not isinstance(name, str):
         return False
-    return not posixpath.normpath(name).startswith(posixpath.normpath(root).rstrip("/") + "/")
+    name, root = posixpath.normpath(name), posixpath.normpath(root).rstrip("/")
+    return name != root and not name.startswith(root + "/")
 
 
 _PERMISSIONS = {

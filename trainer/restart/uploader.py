@@ -4,8 +4,10 @@ The training loop only pays for `submit`, which hard-links the committed checkpo
 into a staging directory (microseconds; local pruning can then delete the original while
 it uploads) and returns. A save that arrives while an upload runs takes the one pending
 slot; a pending save it replaces is never uploaded and is counted in `uploads_skipped`, so
-the queue is bounded by design. An unreachable store is retried with backoff while training
-goes on; nothing local is ever deleted because the remote failed.
+the queue is bounded by design. An unreachable store (a fault of the moment, trainer/faults.py) is
+retried with backoff while training goes on; anything else (credentials, permissions, a full store, an
+unknown error) stops the uploads and asks the run to stop (`on_refused`: saved locally, exit 2 for a
+setting to fix), never retried for ever. Nothing local is ever deleted because the remote failed.
 
 The metrics rows go up before each checkpoint is committed (its manifest uploaded), so the store
 never holds checkpoint N without the rows up to step N: the rows are flushed before the save, and a
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.atomic import temp_sibling
+from trainer.faults import transient
 from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE
 from trainer.restart.safety import SafetyViolation, StoreAhead
 from trainer.restart.storage import Store
@@ -64,6 +67,7 @@ class Uploader:
         max_backoff: float = 60.0,
         on_violation: Callable[[str], object] = lambda why: None,
         before_run_files: Callable[[], object] = lambda: None,
+        on_refused: Callable[[BaseException], object] = lambda error: None,
     ) -> None:
         self.store = store
         self.run_dir = run_dir
@@ -71,6 +75,8 @@ class Uploader:
         self.message = message
         self.on_violation = on_violation
         """Called (from the upload thread) with what a write the safety rule refused means: the run stops."""
+        self.on_refused = on_refused
+        """Called (from the upload thread) with `stopped_by`: the run stops with its exit code."""
         self.before_run_files = before_run_files
         """Called before each push of the run files: the ledger books what the lease learnt since (remote.py)."""
         self.heartbeat_seconds = heartbeat_seconds
@@ -87,6 +93,8 @@ class Uploader:
         self.violation: str | None = None
         """A write the safety rule refused (a bug in spotune, trainer/restart/safety.py): nothing more is sent,
         and the run stops with exit 1 (`RemoteRun.exit_code`), not 143: a requeue would meet the bug again."""
+        self.stopped_by: BaseException | None = None
+        """An upload failed for good (not a fault of the moment): as the store's fault names it; nothing more is sent."""
         self.stats: dict[str, Any] = {"uploads_skipped": 0}
         self._thread = threading.Thread(target=self._run, name="spotune-upload", daemon=True)
 
@@ -97,8 +105,9 @@ class Uploader:
 
     @property
     def halted(self) -> bool:
-        """Nothing more is uploaded: the store is ahead of this attempt, or the rule refused a write."""
-        return self.refused or self.violation is not None
+        """Nothing more is uploaded: the store is ahead of this attempt, the rule refused a write, or the store
+        refused one for good."""
+        return self.refused or self.violation is not None or self.stopped_by is not None
 
     # ------------------------------------------------------------------ the loop's side
 
@@ -217,6 +226,15 @@ class Uploader:
                 break
             except Exception as e:
                 self.failing = True
+                if not transient(e):  # retrying changes nothing (trainer/faults.py): stop, keep the local ones
+                    self.stopped_by = self.store.fault(e, "write") or e
+                    self.message(
+                        f"spotune: uploading step {job.step} to {self.store.show_dir(job.step)} failed for good: "
+                        f"{self.stopped_by}. Nothing more is uploaded (the local checkpoints stay); saving a "
+                        "checkpoint and stopping"
+                    )
+                    self.on_refused(self.stopped_by)
+                    break
                 with self._cond:
                     behind = (self.local_step or job.step) - (self.remote_step or 0)
                     newer = self._pending

@@ -91,8 +91,14 @@ def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitSt
         remote.connect(fresh, here, request=ck.resume)
     stop = preemption.Preemption().install()
     closing.callback(stop.uninstall)
+    # A store that refused the uploader or the lease for good (credentials, permissions, full...): save locally,
+    # exit with its code (2: a setting to fix), never retried as a blip for ever (trainer/faults.py).
+    remote.on_refused = lambda why, code: stop.request(why, f" (exit {code})")
     if fence is not None:  # a store gone past checkpoint.store_outage_seconds: save locally, exit 143
         fence.on_outage = stop.request
+        fence.keeper.on_refused = remote.refuse
+        if fence.keeper.refused is not None:  # refused before this was wired
+            remote.refuse(fence.keeper.refused)
     # A store found ahead of the step this attempt resumed from (it started cut off, on a stale disk):
     # nothing is written there; save locally, exit 143 (trainer/restart/safety.py).
     remote.floor.on_ahead = lambda why: stop.request(f"spotune: {why}", " (exit 143)")
