@@ -189,7 +189,12 @@ def test_unreachable_store_names_the_url_and_the_fix(tmp_path: Path, moto_endpoi
     assert said and all("retrying in" in m for m in said), said
     assert "credentials" in text and "AWS_ENDPOINT_URL" in text and SECRET not in text
     # A missing backend names the extra to install (gcsfs is a test dependency: hidden from the import here).
+    # fsspec keeps the classes it imported: another test of this worker may have imported gcsfs already.
+    import fsspec.registry
+
     monkeypatch.setitem(sys.modules, "gcsfs", None)
+    for protocol in ("gs", "gcs"):
+        monkeypatch.delitem(fsspec.registry._registry, protocol, raising=False)
     with pytest.raises(StoreError, match=r"pip install 'spotune\[gcs\]'"):
         Store("gs://bucket/run")
 

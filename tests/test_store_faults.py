@@ -24,7 +24,7 @@ from trainer.restart.conditional import conditional
 from trainer.restart.lease import Lease, LeaseLost, read_lease
 from trainer.restart.lock import RunBusy
 from trainer.restart.owner import break_lease
-from trainer.restart.storage import RETIRED, Store, StoreDenied, StoreOffline
+from trainer.restart.storage import RETIRED, Fence, Store, StoreDenied, StoreOffline
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -372,5 +372,36 @@ def test_an_upload_refused_for_good_stops_the_run_instead_of_retrying_for_ever(
         assert E.code_for(refused[0]) == E.EXIT_BAD_INPUT and uploader.halted
         assert sum("retrying in" in m for m in said) == 0, said
         assert saved.path.is_dir()  # the local checkpoint stays
+    finally:
+        uploader.stop()
+
+
+def test_an_upload_after_this_attempt_released_its_lease_is_no_refusal(tmp_path: Path) -> None:
+    """A lease released while an upload waits (the attempt is ending) or lost to another holder: the uploader
+    writes nothing more and asks no stop of its own. The lease's path decides the stop and its code; a
+    refusal here would turn a preempted attempt's 143 into 75, which supervisors do not requeue."""
+    from trainer.restart.lease_object import LeaseLost
+    from trainer.restart.uploader import Uploader
+
+    class Released(Fence):
+        def check(self) -> None:
+            raise LeaseLost("this attempt released the lease")
+
+    (tmp_path / "store").mkdir()
+    store = Store(f"file://{tmp_path / 'store'}")
+    store.floor.choose(None, [])
+    store.fence = Released()
+    refused: list[BaseException] = []
+    said: list[str] = []
+    run = tmp_path / "run"
+    uploader = Uploader(store, run, 2, said.append, on_refused=refused.append).start(None)
+    try:
+        saved = CheckpointManager(run / "checkpoints", keep_last=5).save(
+            10, lambda d: (d / "adapter_model.safetensors").write_bytes(b"x" * 64)
+        )
+        uploader.submit(10, saved.path)
+        assert _wait_for(lambda: uploader.failing, timeout=30), said
+        assert refused == [] and uploader.remote_step is None, (refused, said)
+        assert store.committed() == [] and saved.path.is_dir()
     finally:
         uploader.stop()

@@ -435,7 +435,7 @@ def test_progress_bar_shows_throughput_and_projected_cost(
     )
     assert run.train(cfg) == 0
     err = capsys.readouterr().err  # not a terminal: the bar's figures come as lines (tests/test_console.py)
-    line = r"^spotune: step 4/4 loss \d+\.\d{4} \| [\d,]+ tok/s \| .* \| \$\d+\.\d\d so far, \$\d+\.\d\d projected$"
+    line = r"^spotune: step 4/4 loss \d+\.\d{4} \| [\d,]+ tok/s, [\d.]+ step/s \| .* \| \$\d+\.\d\d so far, \$\d+\.\d\d projected$"
     assert re.search(line, err, re.M), err
     rows = [r for r in metrics_rows(tmp_path / "bar") if "loss" in r]
     assert rows[-1]["projected_cost"] == pytest.approx(rows[-1]["cost"], rel=1e-3)  # last step: nothing left

@@ -31,6 +31,7 @@ from typing import Any
 
 from trainer.atomic import temp_sibling
 from trainer.faults import transient
+from trainer.restart.lease_object import LeaseLost
 from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE
 from trainer.restart.safety import SafetyViolation, StoreAhead
 from trainer.restart.storage import Store
@@ -214,6 +215,9 @@ class Uploader:
                 break
             except StoreAhead:  # this attempt may write nothing there (trainer/restart/safety.py): it stops
                 self.failing = self.refused = True
+                break
+            except LeaseLost:  # released (the attempt is ending) or lost: the lease's own path sets the stop and code
+                self.failing = True
                 break
             except SafetyViolation as e:  # a bug: the write was refused before it happened; write nothing more
                 self.violation = f"a bug in spotune: {e}"
