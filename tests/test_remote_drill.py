@@ -117,7 +117,9 @@ def test_kill_delete_output_dir_rerun_from_the_bucket(
 
     # 3: SIGTERM (a preemption notice): the step is saved and its upload flushed before exit 143.
     p = start(3)
-    logged = lambda: max((r["step"] for r in _metric_rows(out)), default=0)  # noqa: E731
+    # This attempt's newest step: its last row (the store's rows can run past a commit a killed attempt never
+    # finished, since they go up before each commit: trainer/restart/uploader.py).
+    logged = lambda: ([0] + [r["step"] for r in _metric_rows(out)])[-1]  # noqa: E731
     first = None
     # metrics.jsonl travels with the run, so wait for this attempt's own rows: after it says it is
     # resuming (its signal handlers are installed by then), a row more than it had at that moment.
