@@ -190,11 +190,11 @@ def test_unreachable_store_names_the_url_and_the_fix(tmp_path: Path, moto_endpoi
     assert "credentials" in text and "AWS_ENDPOINT_URL" in text and SECRET not in text
     # A missing backend names the extra to install (gcsfs is a test dependency: hidden from the import here).
     # fsspec keeps the classes it imported: another test of this worker may have imported gcsfs already.
-    import fsspec.registry
+    from fsspec.registry import _registry  # `fsspec.registry` itself is a read-only view of it
 
     monkeypatch.setitem(sys.modules, "gcsfs", None)
     for protocol in ("gs", "gcs"):
-        monkeypatch.delitem(fsspec.registry._registry, protocol, raising=False)
+        monkeypatch.delitem(_registry, protocol, raising=False)
     with pytest.raises(StoreError, match=r"pip install 'spotune\[gcs\]'"):
         Store("gs://bucket/run")
 
