@@ -18,24 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fences import Generation
 
 from trainer.exit_codes import EXIT_BAD_INPUT, code_for
 from trainer.restart.checkpoint import MANIFEST, CheckpointError, CheckpointManager
 from trainer.restart.choose import choose
 from trainer.restart.lease import Lease
 from trainer.restart.safety import SafetyViolation, StoreAhead
-from trainer.restart.storage import Fence, Store
-
-
-class Generation(Fence):
-    """A lease holder of `generation` that may write (the fence is not what is tested here)."""
-
-    def __init__(self, generation: int) -> None:
-        self._generation = generation
-
-    @property
-    def generation(self) -> int | None:
-        return self._generation
+from trainer.restart.storage import Store
 
 
 class BadReads:

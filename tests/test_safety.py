@@ -11,23 +11,13 @@ import json
 from pathlib import Path
 
 import pytest
+from fences import Generation
 
 from trainer.restart.checkpoint import MANIFEST, CheckpointManager
 from trainer.restart.safety import Floor, SafetyViolation
-from trainer.restart.storage import Fence, Store
+from trainer.restart.storage import Store
 
 PACKAGE = Path(__file__).resolve().parents[1] / "trainer"
-
-
-class Generation(Fence):
-    """A lease holder of `generation` that may write (the fence is not what is tested here)."""
-
-    def __init__(self, generation: int) -> None:
-        self._generation = generation
-
-    @property
-    def generation(self) -> int | None:
-        return self._generation
 
 
 def _commit(root: Path, step: int, fill: int | None = None) -> Path:

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fault_proxy import FaultProxy
@@ -348,30 +349,35 @@ def test_the_lease_thread_ends_the_attempt_on_a_permanent_error(
     a.release()
 
 
+def _uploading_step_10(store: Store, run: Path, said: list[str], refused: list[BaseException]) -> tuple[Any, Path]:
+    """An uploader on `store` (its refusals into `refused`) sending a saved checkpoint of step 10; both returned."""
+    from trainer.restart.uploader import Uploader
+
+    uploader = Uploader(store, run, 2, said.append, on_refused=refused.append).start(None)
+    saved = CheckpointManager(run / "checkpoints", keep_last=5).save(
+        10, lambda d: (d / "adapter_model.safetensors").write_bytes(b"x" * 64)
+    )
+    uploader.submit(10, saved.path)
+    return uploader, saved.path
+
+
 def test_an_upload_refused_for_good_stops_the_run_instead_of_retrying_for_ever(
     tmp_path: Path, s3_remote: str, proxy: FaultProxy
 ) -> None:
     """The store refuses the checkpoint's PUTs (403): the uploader stops, asks the run to stop (saved locally)
     with exit 2 naming s3:PutObject. Today it retries every error with backoff for ever."""
-    from trainer.restart.uploader import Uploader
-
     store = Store(s3_remote)
     store.floor.choose(None, [])
     proxy.set(refuse=[{"match": r"^PUT /[^/]+/run/checkpoints/", "as": "denied"}])
     refused: list[BaseException] = []
     said: list[str] = []
-    run = tmp_path / "run"
-    uploader = Uploader(store, run, 2, said.append, on_refused=refused.append).start(None)
+    uploader, saved = _uploading_step_10(store, tmp_path / "run", said, refused)
     try:
-        saved = CheckpointManager(run / "checkpoints", keep_last=5).save(
-            10, lambda d: (d / "adapter_model.safetensors").write_bytes(b"x" * 64)
-        )
-        uploader.submit(10, saved.path)
         assert _wait_for(lambda: bool(refused), timeout=30), said
         assert isinstance(refused[0], StoreDenied) and "s3:PutObject" in str(refused[0])
         assert E.code_for(refused[0]) == E.EXIT_BAD_INPUT and uploader.halted
         assert sum("retrying in" in m for m in said) == 0, said
-        assert saved.path.is_dir()  # the local checkpoint stays
+        assert saved.is_dir()  # the local checkpoint stays
     finally:
         uploader.stop()
 
@@ -381,7 +387,6 @@ def test_an_upload_after_this_attempt_released_its_lease_is_no_refusal(tmp_path:
     writes nothing more and asks no stop of its own. The lease's path decides the stop and its code; a
     refusal here would turn a preempted attempt's 143 into 75, which supervisors do not requeue."""
     from trainer.restart.lease_object import LeaseLost
-    from trainer.restart.uploader import Uploader
 
     class Released(Fence):
         def check(self) -> None:
@@ -393,15 +398,10 @@ def test_an_upload_after_this_attempt_released_its_lease_is_no_refusal(tmp_path:
     store.fence = Released()
     refused: list[BaseException] = []
     said: list[str] = []
-    run = tmp_path / "run"
-    uploader = Uploader(store, run, 2, said.append, on_refused=refused.append).start(None)
+    uploader, saved = _uploading_step_10(store, tmp_path / "run", said, refused)
     try:
-        saved = CheckpointManager(run / "checkpoints", keep_last=5).save(
-            10, lambda d: (d / "adapter_model.safetensors").write_bytes(b"x" * 64)
-        )
-        uploader.submit(10, saved.path)
         assert _wait_for(lambda: uploader.failing, timeout=30), said
         assert refused == [] and uploader.remote_step is None, (refused, said)
-        assert store.committed() == [] and saved.path.is_dir()
+        assert store.committed() == [] and saved.is_dir()
     finally:
         uploader.stop()
