@@ -430,7 +430,8 @@ def test_slurm_forwards_the_signal_requeues_on_143_and_resumes(slurm: dict[str, 
     _wait_for(lambda: _job(env, job).get("Restarts") == "1", 60, f"job {job} to be requeued")
     _rerun_requeued(env, job)
     log = (tmp_path / "log").read_text().splitlines()
-    assert log == ["run 1: train r.yaml seed=1", "run 1: SIGTERM", "run 2: train r.yaml seed=1"]
+    run = "train --wait 300 r.yaml seed=1"  # the script waits a killed attempt's lease out
+    assert log == [f"run 1: {run}", "run 1: SIGTERM", f"run 2: {run}"]
     assert _job(env, job)["Restarts"] == "1"
     out = (tmp_path / "job.out").read_text()
     assert "requeueing job" in out and "finished" in out
@@ -558,7 +559,7 @@ def test_slurm_multinode_forwards_the_signal_through_srun_and_requeues_on_rank0s
     host = socket.gethostname().split(".")[0]
     argv = (
         f"--nnodes 1 --node_rank 0 --nproc_per_node 1 --master_addr {host} --master_port 29500 "
-        "-m trainer train r.yaml checkpoint.remote=s3://b/run seed=1"
+        "-m trainer train --wait 300 r.yaml checkpoint.remote=s3://b/run seed=1"
     )
     assert (tmp_path / "log").read_text().splitlines() == [f"run 1: {argv}", "run 1: SIGTERM", f"run 2: {argv}"]
     out = (tmp_path / "job.out").read_text()

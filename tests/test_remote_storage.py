@@ -333,6 +333,52 @@ def test_a_write_the_rule_refuses_stops_the_run_with_exit_1(tmp_path: Path) -> N
     assert remote.exit_reason("preempted") == "preempted"
 
 
+@pytest.mark.parametrize("comes_back", [True, False])
+def test_a_finished_run_whose_last_upload_lands_after_the_flush_gave_up_exits_0(
+    tmp_path: Path, comes_back: bool
+) -> None:
+    """The store is down when training ends: `finish` waits the notice window and gives up. When the
+    uploader's retry lands the last step before the attempt closes (the report and the row take a while), the
+    finished run exits 0, not 143 with "step 8 uploaded" above it (seen in CI); the control, a store still
+    down at close, exits 143 so the supervisor reruns it to upload."""
+    from trainer import exit_codes as E
+
+    url = f"file://{tmp_path / 'bucket'}/run"
+    (tmp_path / "bucket").mkdir()
+    remote = RemoteRun(url, {}, tmp_path / "run", keep_last=2, is_main=True, is_local_main=True, message=print)
+    remote.store = _attempt(Store(url))
+    remote.store.check()
+    remote.reachable = True
+    down = threading.Event()
+    down.set()
+    upload = remote.store.upload
+
+    def flaky(staged: Path, step: int) -> int:
+        if down.is_set():
+            raise ConnectionResetError("connection reset by peer")
+        return upload(staged, step)
+
+    remote.store.upload = flaky  # type: ignore[method-assign]
+    remote.start_uploads()
+    assert remote.uploader is not None
+    remote.uploader.max_backoff = 0.2
+    manager = CheckpointManager(tmp_path / "run" / "checkpoints", keep_last=5)
+    remote.submit(8, _commit(manager, 8))
+    deadline = time.monotonic() + 30
+    while not remote.uploader.failing and time.monotonic() < deadline:
+        time.sleep(0.05)
+    remote.finish(preempted=False, notice_seconds=0.5)  # failing: the notice window only
+    assert not remote.flushed
+    if comes_back:
+        down.clear()
+        deadline = time.monotonic() + 30
+        while not remote.uploader.caught_up() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    remote.close()
+    code = remote.exit_code(E.EXIT_FINISHED, tmp_path / "run" / "final")
+    assert (code, Store(url).committed()) == ((E.EXIT_FINISHED, [8]) if comes_back else (E.EXIT_PREEMPTED, []))
+
+
 def test_a_run_file_in_a_folder_reaches_a_local_store_and_an_object_store(tmp_path: Path, s3_remote: str) -> None:
     """The run's copy of its starting adapter travels as run files in a folder (init_adapter/...): a store
     on a local or mounted filesystem makes the folder (an object store has none to make)."""

@@ -85,7 +85,10 @@ def test_outage_double_puts_and_a_second_machine_through_a_faulty_proxy(
         env = {**s3_env(proxy.url), "AWS_MAX_ATTEMPTS": "2"}
         store = Store(s3_remote)  # the test itself talks to moto directly
         first, second = tmp_path / "vm1", tmp_path / "vm2"
+        # notice_seconds: the outage lasts until the second machine has given up, which on a loaded machine
+        # can outlast the default 30 s a finished run waits for a failing store (then exit 143 is right).
         opts = {"remote": s3_remote, "lease_seconds": 3, "store_outage_seconds": 120, "store_retry_seconds": 2}
+        opts["notice_seconds"] = 120
         a = _start(
             procs,
             _write_recipe(tmp_path, first, tiny_llama, data, **opts),

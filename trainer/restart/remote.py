@@ -480,6 +480,9 @@ class RemoteRun:
         """Push the run files (with the ledger row this attempt just wrote) and stop uploading."""
         if self.uploader is None:
             return
+        # The store may have come back after `finish` gave up waiting (the report and the row took a while):
+        # the last step uploaded since counts as flushed, so a finished run does not exit 143 for nothing.
+        self.flushed = self.flushed or self.uploader.caught_up()
         if self.flushed:  # else the store is failing: the next attempt pushes them
             self.uploader.flush(FINISH_TIMEOUT)
         self.uploader.stop()

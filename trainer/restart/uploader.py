@@ -110,6 +110,13 @@ class Uploader:
         refused one for good."""
         return self.refused or self.violation is not None or self.stopped_by is not None
 
+    def caught_up(self) -> bool:
+        """The store holds the newest checkpoint this attempt committed: nothing queued or in flight, and the
+        last upload was that step's (a job dropped when the lease was lost or released is not uploaded)."""
+        with self._cond:
+            idle = not self._busy and self._pending is None
+            return idle and not self.halted and (self.local_step is None or self.remote_step == self.local_step)
+
     # ------------------------------------------------------------------ the loop's side
 
     def submit(self, step: int, checkpoint: Path) -> None:
@@ -146,7 +153,7 @@ class Uploader:
                 if left <= 0 or not self._thread.is_alive():
                     return False
                 self._cond.wait(min(left, 0.5))
-        if self.halted:
+        if not self.caught_up():
             return False
         if not run_files:
             return True
