@@ -236,11 +236,11 @@ def structural_fields(cfg: RunConfig, world_size: int = 1, global_rows: int | No
 
 
 def runs_reference(objective: str) -> bool:
-    """Whether `train.objective`'s step also runs the reference's forward (dpo; orpo and simpo are
+    """Whether `train.objective`'s step also runs the reference's forward (dpo and kto; orpo and simpo are
     reference-free). The one answer: the step (trainer/model/preference.py), the starting adapter kept
     frozen as that reference (trainer/training/inputs.py), the meter's MFU and the estimate's FLOPs and
     memory read it."""
-    return objective == "dpo"
+    return objective in ("dpo", "kto")
 
 
 def dropout_off(train: TrainConfig) -> bool:

@@ -109,13 +109,17 @@ ALIASES: dict[str, Alias] = {
     "pref_loss": Alias("train.dpo_loss", {"orpo": "sigmoid", "simpo": "sigmoid"}, implies=_TO_OBJECTIVE),
     "loss_type": Alias(
         "train.dpo_loss",
-        {"simpo": "sigmoid", _SIGMOID_SFT: "sigmoid"},
-        implies={"simpo": _TO_OBJECTIVE["simpo"]},
+        {"simpo": "sigmoid", _SIGMOID_SFT: "sigmoid", "kto": "sigmoid"},
+        implies={"simpo": _TO_OBJECTIVE["simpo"], "kto": {"train.objective": "kto"}},  # KTOConfig's default loss
         defaults={"simpo": _CPO_ALPHA, _SIGMOID_SFT: _CPO_ALPHA},
         lists="spotune trains one preference loss (train.dpo_loss), plus train.sft_weight times the chosen answers' "
         "next-token loss: a list is read only as [sigmoid, sft] (train.dpo_loss=sigmoid train.sft_weight=1.0); "
         "set train.dpo_loss and train.sft_weight",
     ),
+    "kto_desirable_weight": Alias("train.desirable_weight"),  # Axolotl
+    "kto_undesirable_weight": Alias("train.undesirable_weight"),  # Axolotl
+    "kto_chosen_weight": Alias("train.desirable_weight"),  # LLaMA-Factory
+    "kto_rejected_weight": Alias("train.undesirable_weight"),  # LLaMA-Factory
     "rpo_alpha": Alias("train.sft_weight"),
     "cpo_alpha": Alias("train.sft_weight"),
     "router_aux_loss_coef": Alias("train.router_aux_loss_coef"),  # TRL, transformers' MoE configs
@@ -170,6 +174,16 @@ ANSWERS: dict[str, str] = {
     "loss_weights": "spotune trains one preference loss plus train.sft_weight x the chosen answers' next-token loss: "
     "for loss_type [sigmoid, sft] with loss_weights [a, b] set train.sft_weight=b/a (AdamW's steps do not depend on "
     "the overall scale a); other mixes of losses are not trained, remove it",
+    "sync_ref_model": "spotune's DPO and KTO reference is the run's starting point, fixed for the whole run (a "
+    "restart recomputes it from the same weights, which keeps resumes exact); TR-DPO's moving reference is not "
+    "trained; remove it (and ref_model_mixup_alpha, ref_model_sync_steps)",
+    "ref_model_mixup_alpha": "spotune's reference is fixed (see sync_ref_model); remove it",
+    "ref_model_sync_steps": "spotune's reference is fixed (see sync_ref_model); remove it",
+    "precompute_ref_batch_size": "spotune computes the reference in the same step, never beforehand "
+    "(see precompute_ref_log_probs); remove it",
+    "train_sampling_strategy": "spotune's row order is its sampler's (data.shuffle, a pure function of the seed and "
+    "epoch); KTO's mismatched completions are fixed when the data is prepared (each prompt with the previous "
+    "row's completion of the same source), so the order cannot break them; remove it",
     "generate_during_eval": "spotune's evaluation logs eval_loss and the rewards and reward accuracy of the "
     "held-out pairs without generating; sample the model's answers after training with `spotune chat RUN_DIR`; "
     "remove it",

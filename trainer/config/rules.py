@@ -313,27 +313,42 @@ def _objective_checks(cfg: Sections) -> list[str]:
     formats = [("data.format", d.format)] + [(f"data.sources[{i}].format", s.format) for i, s in enumerate(d.sources)]
     lengths = {"data.max_prompt_length": d.max_prompt_length, "data.max_completion_length": d.max_completion_length}
     if t.objective == "sft":
-        return [
-            f"{key}: preference pairs train with a preference objective; set train.objective to dpo, orpo or simpo"
+        return (
+            [
+                f"{key}: preference pairs train with a preference objective; set train.objective to dpo, orpo or simpo"
+                for key, fmt in formats
+                if fmt == "preference"
+            ]
+            + [
+                f"{key}: only the preference objectives read it (an SFT example's length is data.seq_len); remove it"
+                for key, n in lengths.items()
+                if n is not None
+            ]
+            + _kto_weight_checks(t)
+        )
+    if t.objective == "kto":  # TRL's unpaired rows: prompt/completion with a label (trainer/data/unpaired.py)
+        p = [
+            f"{key}: train.objective=kto trains on unpaired answers (prompt, completion and a bool label); set {key} "
+            "to auto or prompt_completion"
             for key, fmt in formats
-            if fmt == "preference"
-        ] + [
-            f"{key}: only the preference objectives read it (an SFT example's length is data.seq_len); remove it"
-            for key, n in lengths.items()
-            if n is not None
+            if fmt not in (None, "auto", "prompt_completion")
         ]
-    p = [
-        f"{key}: train.objective={t.objective} trains on preference pairs; set {key} to auto or preference"
-        for key, fmt in formats
-        if fmt not in (None, "auto", "preference")
-    ]
+    else:
+        p = [
+            f"{key}: train.objective={t.objective} trains on preference pairs; set {key} to auto or preference"
+            for key, fmt in formats
+            if fmt not in (None, "auto", "preference")
+        ]
+    p += _kto_weight_checks(t)
     if t.beta <= 0:
         p.append(f"train.beta: must be above 0, got {t.beta}")
     if not 0.0 <= t.label_smoothing < 0.5:
         p.append(f"train.label_smoothing: must be within [0, 0.5), got {t.label_smoothing}")
     elif t.label_smoothing and not (t.objective == "simpo" or (t.objective == "dpo" and t.dpo_loss == "robust")):
         p.append("train.label_smoothing: only train.dpo_loss=robust and train.objective=simpo read it; remove it")
-    if t.sft_weight < 0:
+    if t.sft_weight and t.objective == "kto":
+        p.append("train.sft_weight: kto has no SFT term (TRL's KTOTrainer has none); remove it")
+    elif t.sft_weight < 0:
         p.append(f"train.sft_weight: must be 0 or more, got {t.sft_weight}")
     elif t.sft_weight and t.objective == "orpo":
         p.append(
@@ -344,6 +359,17 @@ def _objective_checks(cfg: Sections) -> list[str]:
     for key, n in {"data.max_length": d.max_length, **lengths}.items():
         if n is not None and n < 1:
             p.append(f"{key}: must be 1 or more, got {n}")
+    return p
+
+
+def _kto_weight_checks(t: Any) -> list[str]:
+    """KTO's desirable/undesirable weights: read by kto only, never negative, not both 0."""
+    weights = {"train.desirable_weight": t.desirable_weight, "train.undesirable_weight": t.undesirable_weight}
+    if t.objective != "kto":
+        return [f"{key}: only train.objective=kto reads it; remove it" for key, w in weights.items() if w != 1.0]
+    p = [f"{key}: must be 0 or more, got {w}" for key, w in weights.items() if w < 0]
+    if not any(weights.values()):
+        p.append("train.desirable_weight, train.undesirable_weight: both are 0, so nothing is trained; raise one")
     return p
 
 

@@ -106,7 +106,7 @@ class DataConfig:
     sources: tuple[SourceConfig, ...] = ()
     """Several sources mixed into one training set instead of `path`: a list of {path, subset, split, revision, format, fields, rows or fraction}."""
     format: DataFormat = "auto"
-    """`auto` (picked from the columns of the first rows, and said), `alpaca` (instruction/input/output, optional system), `prompt_completion` (TRL's prompt/completion, strings or message lists), `messages` (OpenAI role/content; `chat` is its former name), `sharegpt` (conversations of from/value), `text` (every token trained), `preference` (chosen/rejected pairs with or without a prompt column, for train.objective dpo/orpo/simpo; `auto` reads pairs whenever the objective is one of those)."""
+    """`auto` (picked from the columns of the first rows, and said), `alpaca` (instruction/input/output, optional system), `prompt_completion` (TRL's prompt/completion, strings or message lists), `messages` (OpenAI role/content; `chat` is its former name), `sharegpt` (conversations of from/value), `text` (every token trained), `preference` (chosen/rejected pairs with or without a prompt column, for train.objective dpo/orpo/simpo; `auto` reads pairs whenever the objective is one of those); train.objective kto reads TRL's unpaired rows, `prompt`/`completion` with a bool `label` (`auto` or `prompt_completion`)."""
     seq_len: int = 2048
     """Tokens per packed row."""
     packing: bool = True
@@ -179,10 +179,14 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    objective: Literal["sft", "dpo", "orpo", "simpo"] = "sft"
-    """`sft`: next-token loss on the trained tokens. On chosen/rejected pairs (docs/preference.md): `dpo` against the run's starting point as reference (the base with adapters disabled, or adapter.init_from frozen), computed in the same step; `orpo` and `simpo` need no reference."""
+    objective: Literal["sft", "dpo", "orpo", "simpo", "kto"] = "sft"
+    """`sft`: next-token loss on the trained tokens. On chosen/rejected pairs (docs/preference.md): `dpo` against the run's starting point as reference (the base with adapters disabled, or adapter.init_from frozen), computed in the same step; `orpo` and `simpo` need no reference. `kto` (TRL's KTOTrainer) on unpaired answers: prompt/completion rows with a bool `label` (thumbs up or down), against the same reference as `dpo`."""
     beta: float = 0.1
-    """Preference objectives: DPO's beta (how far the policy may move from the reference; IPO's tau), ORPO's lambda, SimPO's beta (its paper uses 2 to 2.5)."""
+    """Preference objectives: DPO's and KTO's beta (how far the policy may move from the reference; IPO's tau), ORPO's lambda, SimPO's beta (its paper uses 2 to 2.5)."""
+    desirable_weight: float = 1.0
+    """`kto`: the weight of each desirable (label true) answer's loss (TRL's `desirable_weight`). With unequal counts, KTO's paper wants desirable_weight x desirable / (undesirable_weight x undesirable) within 1 to 4/3; `prepare` prints the counts and says when that ratio is outside."""
+    undesirable_weight: float = 1.0
+    """`kto`: the weight of each undesirable (label false) answer's loss (TRL's `undesirable_weight`)."""
     dpo_loss: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"
     """`dpo`'s loss on the pair's reward margin, as TRL defines each: `sigmoid` (DPO), `ipo` (on per-token log-ratios), `hinge`, `robust` (with `label_smoothing`, the share of flipped labels)."""
     label_smoothing: float = 0.0

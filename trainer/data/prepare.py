@@ -1,7 +1,9 @@
 """`prepare`: read -> template -> tokenise once -> pack -> Arrow dataset + manifest, cached by content hash.
 
 With `pairs` (a preference objective) each row becomes a chosen and a rejected sequence packed as two
-documents side by side in one row (trainer/data/pairs.py), and each packed row records its pairs."""
+documents side by side in one row (trainer/data/pairs.py), and each packed row records its pairs. KTO's
+unpaired rows (trainer/data/unpaired.py) are packed the same way, an answer and its KL sequence per unit,
+and each packed row also lists its units' labels (`desirable`)."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ except ImportError:  # datasets 3.x spells a variable-length list `Sequence`
     from datasets import Sequence as List
 
 from trainer.config import DataConfig
-from trainer.data import cache, dropped, rows, tokenizer
+from trainer.data import cache, dropped, rows, tokenizer, unpaired
 from trainer.data import pairs as pair_data
 from trainer.data.chat_templates import resolve_chat_template, template_name, uses_date
 from trainer.data.formats import FORMAT_FIELDS
@@ -55,6 +57,7 @@ _TOKENIZED = Features(
     }
 )
 _TOKENIZED_PAIRS = Features({**_TOKENIZED, "chosen_length": Value("int32")})
+_TOKENIZED_UNPAIRED = Features({**_TOKENIZED, unpaired.DESIRABLE: Value("int8")})  # before with_kl adds the KL side
 _TOKENIZED_SFT = Features({**_TOKENIZED, ANSWERS_CUT: List(Value("int32"))})  # what seq_len cuts of the answers
 
 
@@ -236,11 +239,19 @@ def _tokenize(loc: Located, raw: datasets.Dataset, job: _Job, j: int) -> tuple[d
         batched=True,
         remove_columns=raw.column_names,
         num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
-        features=_TOKENIZED_PAIRS if job.pairs else _TOKENIZED_SFT,
+        features=(
+            _TOKENIZED_UNPAIRED
+            if isinstance(mapped, unpaired.TokenizeUnpaired)
+            else _TOKENIZED_PAIRS
+            if job.pairs
+            else _TOKENIZED_SFT
+        ),
         cache_file_name=str(job.scratch / f"{job.name}-{j}.arrow"),
         new_fingerprint=f"{job.fp}-{job.name}-{j}",  # skips hashing the tokenizer-holding function
         desc=f"tokenize {job.name} ({src.key})",
     )
+    if isinstance(mapped, unpaired.TokenizeUnpaired):  # KTO: each row's KL sequence beside it (needs the others)
+        tokenized = unpaired.with_kl(tokenized, mapped.lengths, cfg.seq_len, cfg.overlong)
     return tokenized, tok
 
 
@@ -301,9 +312,16 @@ def _tokenize_pack_save(
     bins = [[int(kept[i]) for i in b] for b in bins_local]
     if job.pairs:
         offsets, bins = pair_data.documents(offsets, np.asarray(tokenized["chosen_length"], dtype=np.int64), bins)
-    packed = build_rows(ids_arr.values.to_numpy(), lab_arr.values.to_numpy(), offsets, bins, cfg.seq_len, job.pad_id)
+    packed: dict[str, Any] = build_rows(
+        ids_arr.values.to_numpy(), lab_arr.values.to_numpy(), offsets, bins, cfg.seq_len, job.pad_id
+    )
+    kto = unpaired.DESIRABLE in tokenized.column_names
     if job.pairs:
         packed["num_pairs"] = np.asarray([len(b) // 2 for b in bins], dtype=np.int32)
+    if kto:  # each packed row's units' labels, in the order of its units
+        labels = np.asarray(tokenized[unpaired.DESIRABLE], dtype=np.int8)
+        units: list[list[int]] = [[int(labels[d // 2]) for d in b[0::2]] for b in bins]
+        packed[unpaired.DESIRABLE] = units
     _save_rows(packed, cfg.seq_len, out_dir / name)
 
     n_rows, real = len(bins), int(packed["num_real"].sum())
@@ -315,6 +333,11 @@ def _tokenize_pack_save(
         "dropped_rows": split_lost[: dropped.SHOWN],
         "truncated": int(_truncated(tokenized, lengths, cfg.seq_len, job.pairs)[kept].sum()),
         **({"pairs": int(kept.size)} if job.pairs else {}),
+        **(
+            dict(zip(("desirable", "undesirable"), unpaired.counts(tokenized[unpaired.DESIRABLE]), strict=True))
+            if kto
+            else {}
+        ),
         "truncation": _truncation(tokenized, lengths, status, cfg, job.pairs),  # what lengths lose (data/stats.py)
         "real_tokens": real,
         "trainable_tokens": int(packed["num_trainable"].sum()),
@@ -374,7 +397,7 @@ def _answers_cut(tokenized: datasets.Dataset) -> np.ndarray | None:
     return np.asarray(cut.flatten().to_numpy(zero_copy_only=False), dtype=np.int64).reshape(-1, 4)
 
 
-def _save_rows(packed: dict[str, np.ndarray], seq_len: int, path: Path) -> None:
+def _save_rows(packed: dict[str, Any], seq_len: int, path: Path) -> None:
     cols = {}
     for k in ("input_ids", "labels", "position_ids"):
         flat = pa.array(packed[k].reshape(-1), type=pa.int32())
@@ -382,6 +405,8 @@ def _save_rows(packed: dict[str, np.ndarray], seq_len: int, path: Path) -> None:
     for k in ("num_real", "num_trainable", "num_pairs"):
         if k in packed:
             cols[k] = pa.array(packed[k], type=pa.int32())
+    if unpaired.DESIRABLE in packed:  # KTO: per row, its units' labels
+        cols[unpaired.DESIRABLE] = pa.array(packed[unpaired.DESIRABLE], type=pa.list_(pa.int8()))
     datasets.Dataset(pa.table(cols)).save_to_disk(str(path))
 
 

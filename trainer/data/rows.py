@@ -15,6 +15,7 @@ import datasets
 import numpy as np
 
 from trainer.config import DataConfig
+from trainer.data import formats, unpaired
 from trainer.data.formats import FORMAT_FIELDS
 from trainer.data.pairs import TokenizePairs, tokenize_pairs_for
 from trainer.data.read import DataError, data_columns, require_fields, unpacked
@@ -90,15 +91,21 @@ def tokenize_source(
     tokenizer: Any,
     tokenizer_path: str,
     pairs: bool,
-) -> tuple[Tokenize | TokenizePairs, Tokenize]:
+) -> tuple[Tokenize | TokenizePairs | unpaired.TokenizeUnpaired, Tokenize]:
     """How one source's rows are tokenised, by `prepare` and `spotune inspect --show` alike: a mix entry of
     a set format has its required columns checked (naming data.sources[i].fields.<role>, the key to fix),
     then its own DataConfig (format, columns) is settled on its columns and `first` rows. Returns the
-    function to map over the rows (TokenizePairs for preference `pairs`) and its Tokenize."""
+    function to map over the rows (TokenizePairs for preference `pairs`, TokenizeUnpaired for KTO's unpaired
+    rows: trainer/data/unpaired.py) and its Tokenize."""
     src = loc.source
     if src.key.startswith("data.sources[") and src.fmt != "auto":
         check_fields(ds, src, loc.label)
     source_cfg = src.data_config(cfg, FORMAT_FIELDS)
+    if pairs and unpaired.is_unpaired(src.fmt, data_columns(ds), formats.fields_of(source_cfg.format, source_cfg)):
+        kto = unpaired.tokenize_unpaired_for(source_cfg, tokenizer, loc.label).settle(
+            data_columns(ds), first, tokenizer_path
+        )
+        return kto, kto.tok
     if pairs:
         mapped = tokenize_pairs_for(source_cfg, tokenizer, loc.label).settle(data_columns(ds), first, tokenizer_path)
         return mapped, mapped.tok

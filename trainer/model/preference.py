@@ -1,6 +1,6 @@
 """Preference objectives on packed pairs: DPO (sigmoid, IPO, hinge, robust), ORPO and SimPO, as TRL
-defines each (trl/trainer/dpo_trainer.py `_compute_loss`; trl/experimental/orpo, cpo), and the per-token
-log-probabilities they are built from.
+defines each (trl/trainer/dpo_trainer.py `_compute_loss`; trl/experimental/orpo, cpo), KTO on unpaired
+answers (trl/trainer/kto_trainer.py, `Kto`), and the per-token log-probabilities they are built from.
 
 A micro-batch holds whole pairs (trainer/training/batches.py): each sequence's labelled tokens lie
 contiguously in `label_index` order, chosen before rejected, `seq_lengths` long (`seq_tokens` on the device). Per sequence, log p =
@@ -127,6 +127,99 @@ class Preference:
         # varying number of pairs (the estimate prints their mean).
         means["pairs"] = float(pairs)
         return means
+
+
+KTO_STATS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "logps/chosen",
+    "logps/rejected",
+    "desirable",
+    "kl",
+)
+"""What KTO sums over its units (TRL's names: `chosen` is desirable, `rejected` undesirable); `kl` is each
+micro-batch's KL estimate times its units (reported as their mean per unit)."""
+
+
+@dataclass(frozen=True)
+class Kto:
+    """KTO as TRL's KTOTrainer defines it (`loss_type: kto`): per unit (an answer with its label), the
+    answer's log-ratio r = log p(y|x) - log p_ref(y|x) against the reference point z0, the KL estimate:
+
+        desirable:   desirable_weight   x (1 - sigmoid(beta x (r - z0)))
+        undesirable: undesirable_weight x (1 - sigmoid(beta x (z0 - r)))
+
+    z0 = max(0, mean over the micro-batch's KL sequences of their log-ratio), detached: the KL sequences
+    (each unit's prompt with another unit's completion, fixed at prepare time: trainer/data/unpaired.py) are
+    scored under the policy and the reference in the same forwards as the answers. TRL estimates z0 per
+    forward batch (its micro-batch, gathered over processes); here it is per micro-batch on each rank. The
+    loss is the sum over the units, which the loop divides by the step's units (TRL: the mean over the
+    batch), so with one micro-batch per step on one device both are the same figure; with several, each
+    micro-batch's units see their own z0, as in TRL with gradient accumulation."""
+
+    beta: float
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+    stats: tuple[str, ...] = KTO_STATS
+
+    @classmethod
+    def of(cls, t: TrainConfig) -> Kto:
+        return cls(t.beta, t.desirable_weight, t.undesirable_weight)
+
+    def normaliser(self, counts: torch.Tensor) -> torch.Tensor:
+        return counts[PAIRS]
+
+    def loss(
+        self, model: torch.nn.Module, micro: dict[str, Any], counts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        lengths = micro["seq_lengths"]  # answer, KL sequence, answer, KL sequence...
+        assert sum(lengths) == micro["label_targets"].numel(), "every labelled token belongs to one sequence"
+        with torch.no_grad(), reference_forward(model):  # every rank, fillers included (see Preference.loss)
+            reference = sequence_sums(_token_logprobs(model, micro), lengths)
+        token_logp = _token_logprobs(model, micro)
+        logps = sequence_sums(token_logp, lengths)
+        if not lengths:  # a rank's filler: a zero through the model
+            zero = token_logp.sum()
+            return zero, torch.zeros(len(self.stats), device=zero.device, dtype=torch.float64)
+        losses, rewards, kl = self.unit_terms(logps, reference, micro["desirable"])
+        good = micro["desirable"]
+        answers = logps[0::2].detach()
+        sums = (
+            rewards[good].sum(),
+            rewards[~good].sum(),
+            answers[good].sum(),
+            answers[~good].sum(),
+            good.sum(),
+            kl * good.numel(),
+        )
+        return losses.sum(), torch.stack([x.detach().double() for x in sums])
+
+    def unit_terms(
+        self, logps: torch.Tensor, reference: torch.Tensor, desirable: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss per unit, reward per unit, the KL estimate z0) from per-sequence summed log-probs (answer,
+        KL sequence interleaved), the reference's, and each unit's label. TRL's `_compute_loss`, term for term."""
+        ratio = logps[0::2] - reference[0::2]
+        kl = (logps[1::2].detach() - reference[1::2]).mean().clamp(min=0)
+        desired = self.desirable_weight * (1 - torch.sigmoid(self.beta * (ratio - kl)))
+        undesired = self.undesirable_weight * (1 - torch.sigmoid(self.beta * (kl - ratio)))
+        return torch.where(desirable, desired, undesired), self.beta * ratio.detach(), kl
+
+    def report(self, stats: list[float], counts: Counts) -> dict[str, float]:
+        units = counts.pairs
+        if not units:
+            return {}
+        named = dict(zip(KTO_STATS, stats, strict=True))
+        good = int(round(named["desirable"]))
+        bad = units - good
+        out = {"kl": named["kl"] / units, "examples": float(units), "desirable": float(good)}
+        for side, n in (("chosen", good), ("rejected", bad)):
+            if n:
+                out[f"rewards/{side}"] = named[f"rewards/{side}"] / n
+                out[f"logps/{side}"] = named[f"logps/{side}"] / n
+        if good and bad:
+            out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+        return out
 
 
 SIMPO_BETA = (2.0, 10.0)

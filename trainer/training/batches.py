@@ -37,6 +37,8 @@ COLUMNS = ("input_ids", "labels", "position_ids")
 """The columns of a packed row that a forward pass needs."""
 PAIRS = "num_pairs"
 """The column of preference rows: how many pairs (two documents each, chosen first) the row starts with."""
+DESIRABLE = "desirable"
+"""The column of KTO rows (trainer/data/unpaired.py): per row, its units' labels (1 desirable, 0 not), in order."""
 
 
 class StepBatch(NamedTuple):
@@ -66,7 +68,9 @@ class StepDataset(torch.utils.data.Dataset):
         total_steps: int,
     ) -> None:
         self.pairs = PAIRS in rows.column_names
-        self.rows = rows.with_format("numpy", columns=[*COLUMNS, "num_real", *([PAIRS] if self.pairs else [])])
+        self.kto = DESIRABLE in rows.column_names
+        extra = [*([PAIRS] if self.pairs else []), *([DESIRABLE] if self.kto else [])]
+        self.rows = rows.with_format("numpy", columns=[*COLUMNS, "num_real", *extra])
         self.sampler = sampler
         self.rank, self.world_size = rank, world_size
         self.micro_batch_size = micro_batch_size
@@ -85,15 +89,29 @@ class StepDataset(torch.utils.data.Dataset):
                 filler = self.rows[self.sampler.rows_for_step(step)[:1]]
                 ids, labels, positions = (torch.from_numpy(stack_column(filler[k])) for k in COLUMNS)
                 no_pairs = [0] if self.pairs else None
-                micro.append(micro_batch(ids, torch.full_like(labels, IGNORE_INDEX), positions, no_pairs))
+                filled = micro_batch(ids, torch.full_like(labels, IGNORE_INDEX), positions, no_pairs)
+                micro.append(with_labels(filled, [] if self.kto else None))
                 continue
             cols = self.rows[indices]
             row_pairs = [int(n) for n in cols[PAIRS]] if self.pairs else None
             ids, labels, positions = (torch.from_numpy(stack_column(cols[k])) for k in COLUMNS)
-            batch = micro_batch(ids, labels, positions, row_pairs)
+            batch = with_labels(micro_batch(ids, labels, positions, row_pairs), units_of(cols) if self.kto else None)
             counts.append(counts_of(batch, cols["num_real"]))
             micro.append(batch)
         return StepBatch(step, micro, Counts.total(counts).tensor())
+
+
+def units_of(cols: Any) -> list[int]:
+    """KTO rows' unit labels, row after row (the order of their sequences)."""
+    return [int(x) for row in cols[DESIRABLE] for x in np.asarray(row).tolist()]
+
+
+def with_labels(micro: dict[str, Any], desirable: list[int] | None) -> dict[str, Any]:
+    """`micro` with KTO's per-unit labels (`desirable`, a bool tensor in unit order) when there are any to carry."""
+    if desirable is not None:
+        assert len(desirable) == micro["num_pairs"], "a KTO row lists one label per unit"
+        micro["desirable"] = torch.tensor(desirable, dtype=torch.bool)
+    return micro
 
 
 def counts_of(batch: dict[str, Any], num_real: Any) -> Counts:
@@ -197,7 +215,7 @@ def identical_pairs(rows: Any) -> list[int]:
     the same tokens. Such a pair teaches nothing (its DPO gradient is 0) yet counts as a pair of the step,
     shrinking every other pair's share, and as a wrong ranking in reward accuracy: data preparation drops
     it (`identical_answers`), and a run refuses prepared data that still holds one rather than train on it."""
-    if PAIRS not in rows.column_names:
+    if PAIRS not in rows.column_names or DESIRABLE in rows.column_names:  # KTO: a unit's KL sequence may repeat it
         return []
     found = []
     names = ["input_ids", "position_ids", PAIRS]
@@ -272,8 +290,8 @@ def eval_micro_batches(rows: Any, rank: int, world: int, micro_batch_size: int) 
     Every rank yields the same number of micro-batches: a rank past its share gets a filler
     row whose labels are all ignored, so no rank waits alone in a collective.
     """
-    pairs = PAIRS in rows.column_names
-    rows = rows.with_format("numpy", columns=[*COLUMNS, *([PAIRS] if pairs else [])])
+    pairs, kto = PAIRS in rows.column_names, DESIRABLE in rows.column_names
+    rows = rows.with_format("numpy", columns=[*COLUMNS, *([PAIRS] if pairs else []), *([DESIRABLE] if kto else [])])
     per_rank = -(-len(rows) // world)
     for start in range(0, per_rank, micro_batch_size):
         idx = [rank + world * i for i in range(start, min(start + micro_batch_size, per_rank))]
@@ -284,7 +302,10 @@ def eval_micro_batches(rows: Any, rank: int, world: int, micro_batch_size: int) 
         row_pairs = (
             [0 if out else int(n) for out, n in zip(beyond.tolist(), cols[PAIRS], strict=True)] if pairs else None
         )
-        yield micro_batch(ids, labels, positions, row_pairs)
+        units = None
+        if kto:
+            units = [int(x) for out, row in zip(beyond.tolist(), cols[DESIRABLE], strict=True) if not out for x in row]
+        yield with_labels(micro_batch(ids, labels, positions, row_pairs), units)
 
 
 def eval_counts(rows: Any) -> torch.Tensor:

@@ -12,6 +12,7 @@ import dataclasses
 import datetime
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -115,7 +116,33 @@ def prepare_data(cfg: C.RunConfig, progress: bool = True, full: bool = True) -> 
         where = str(prepared.train_path.parent)
         brief = prepared.reused and not full
         print(brief_summary(prepared.manifest, True, where) if brief else prepared.summary(), flush=True)
+    _check_unpaired(cfg, prepared.manifest.get("train") or {}, progress)
     return prepared
+
+
+def _check_unpaired(cfg: C.RunConfig, train: dict[str, Any], say: bool) -> None:
+    """KTO trains on unpaired feedback and only KTO does: refuse the other kind of data naming the fix; for
+    KTO, print the label counts and KTO's guidance on the weights when they are unbalanced."""
+    from trainer.data import DataError, unpaired
+
+    kto, unpaired_data = cfg.train.objective == "kto", "desirable" in train
+    if kto and not unpaired_data:
+        raise DataError(
+            "train.objective=kto trains on unpaired feedback (TRL's prompt, completion and a bool label per row), "
+            "but the data was read as pairs: give rows with a 'label' column of true/false (a completion each), or "
+            "set train.objective to dpo, orpo or simpo for chosen/rejected pairs"
+        )
+    if unpaired_data and not kto:
+        raise DataError(
+            f"train.objective={cfg.train.objective} trains on chosen/rejected pairs, but the data holds unpaired "
+            "feedback (prompt, completion and a label): set train.objective=kto, or give pairs"
+        )
+    if kto and say:
+        good, bad = int(train["desirable"]), int(train["undesirable"])
+        print(f"kto: {good} desirable and {bad} undesirable answers", flush=True)
+        note = unpaired.balance_note(good, bad, cfg.train.desirable_weight, cfg.train.undesirable_weight)
+        if note:
+            print(f"spotune: warning: {note}", file=sys.stderr, flush=True)
 
 
 def prepare_once_per_node(cfg: C.RunConfig, proc: Process) -> Any:

@@ -27,7 +27,7 @@ from trainer.model import compile_cache, distributed, flops
 from trainer.model.balance import balanced
 from trainer.model.load import build, build_optimizer, count_params
 from trainer.model.objective import Objective, Sft
-from trainer.model.preference import Preference, regime_notes
+from trainer.model.preference import Kto, Preference, regime_notes
 from trainer.restart import owner
 from trainer.restart.checkpoint import CheckpointManager
 from trainer.restart.ledger import Ledger, timed
@@ -156,6 +156,8 @@ def refuse_identical_pairs(rows: Any, where: Path) -> None:
 def objective_for(train: C.TrainConfig) -> Objective:
     """The objective `train.objective` names, with its settings (here: objective.py's contract does not
     import its implementations)."""
+    if train.objective == "kto":
+        return Kto.of(train)
     return Sft() if train.objective == "sft" else Preference.of(train)
 
 
