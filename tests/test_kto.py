@@ -19,11 +19,13 @@ import pytest
 import torch
 
 from trainer import builtin_assets
+from trainer import config as C
 from trainer.config import AdapterConfig, DataConfig, ModelConfig, TrainConfig
-from trainer.data import prepare
-from trainer.data.unpaired import tokenize_unpaired_for, with_kl
+from trainer.data import DataError, prepare
+from trainer.data.unpaired import balance_note, tokenize_unpaired_for, with_kl
 from trainer.model.load import build
 from trainer.model.preference import Kto
+from trainer.training import run
 from trainer.training.loop import make_evaluator
 
 # The built-in template without the newline after an answer's EOS (as tests/test_preference_trl.py): TRL
@@ -176,3 +178,141 @@ def test_kto_evaluation_equals_trl(tiny_llama: Path, adapter: dict[str, torch.Te
         tiny_llama, adapter, rows, tmp_path / "beta", beta=0.11, desirable_weight=1.3, undesirable_weight=0.8
     )
     assert off["loss"] != pytest.approx(theirs["eval_loss"], rel=1e-4)
+
+
+def test_bad_rows_are_counted_drops_with_their_line_and_the_counts_are_said(
+    tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    good = unpaired_rows(6)
+    bad = [
+        {"prompt": good[0]["prompt"], "completion": good[0]["completion"]},  # no label
+        {"prompt": good[0]["prompt"], "completion": good[0]["completion"], "label": None},
+        {"prompt": good[0]["prompt"], "completion": good[0]["completion"], "label": "yes"},
+        {"prompt": good[0]["prompt"], "completion": good[0]["completion"], "label": 1},
+        {"prompt": good[0]["prompt"], "completion": [{"role": "assistant", "content": "  "}], "label": True},
+    ]
+    data = _jsonl(tmp_path / "kto.jsonl", good + bad)
+    cfg = C.from_dict(
+        {
+            "output_dir": str(tmp_path / "out"),
+            "model": {"name_or_path": str(tiny_llama)},
+            "data": {"path": str(data), "seq_len": 256, "cache_dir": str(tmp_path / "cache")},
+            "train": {"objective": "kto"},
+        }
+    )
+    from trainer.training.inputs import prepare_data
+
+    prepared = prepare_data(cfg)
+    train = prepared.manifest["train"]
+    assert train["dropped"] == {"empty_answer": 1, "label_not_bool": 2, "null_field": 2}
+    lost = [json.loads(x) for x in (prepared.train_path.parent / "dropped.jsonl").read_text().splitlines()]
+    assert [(e["line"], e["reason"]) for e in lost] == [
+        (7, "null_field"),
+        (8, "null_field"),
+        (9, "label_not_bool"),
+        (10, "label_not_bool"),
+        (11, "empty_answer"),
+    ]
+    assert (train["desirable"], train["undesirable"]) == (4, 2)
+    out, err = capsys.readouterr()
+    assert "kto: 4 desirable and 2 undesirable answers" in out
+    assert "outside KTO's recommended 1 to 4/3" in err and "train.desirable_weight within [0.5, 0.667]" in err
+
+    # The same data under another preference objective, and pairs under kto, are refused naming the fix.
+    with pytest.raises(DataError, match="set train.objective=kto"):
+        prepare_data(cfg.replace(**{"train.objective": "dpo"}))
+    pairs = _jsonl(tmp_path / "pairs.jsonl", builtin_assets.make_pairs(4))
+    with pytest.raises(DataError, match="train.objective=kto trains on unpaired feedback"):
+        prepare_data(cfg.replace(**{"data.path": str(pairs)}))
+
+
+def test_kto_guidance_on_the_weights() -> None:
+    assert balance_note(10, 10, 1.0, 1.0) is None
+    assert balance_note(12, 10, 1.0, 1.0) is None  # 1.2: within 1 to 4/3
+    assert balance_note(40, 10, 1.0, 1.0) is not None
+    assert balance_note(40, 10, 0.3, 1.0) is None  # TRL's fix: desirable_weight x 40 / 10 = 1.2
+    assert "no undesirable answer" in (balance_note(5, 0, 1.0, 1.0) or "")
+
+
+def test_kto_loss_by_hand() -> None:
+    """The two branches at a known log-ratio and z0 (TRL's formulas), and z0 clamped at 0."""
+    import math
+
+    kto = Kto(beta=0.5, desirable_weight=2.0, undesirable_weight=0.5)
+    logps = torch.tensor([-4.0, -9.0, -7.0, -10.0])  # answer, KL sequence, answer, KL sequence
+    reference = torch.tensor([-5.0, -10.0, -6.0, -10.0])  # ratios 1 and -1; KL log-ratios 1 and 0: z0 = 0.5
+    losses, rewards, z0 = kto.unit_terms(logps, reference, torch.tensor([True, False]))
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    assert z0.item() == 0.5
+    assert losses.tolist() == pytest.approx([2.0 * (1 - sig(0.5 * 0.5)), 0.5 * (1 - sig(0.5 * 1.5))])
+    assert rewards.tolist() == [0.5, -0.5]
+    below = kto.unit_terms(logps, reference + torch.tensor([0.0, 3.0, 0.0, 3.0]), torch.tensor([True, False]))
+    assert below[2].item() == 0.0  # a negative estimate is clamped (KL is never below 0)
+
+
+def test_config_and_other_tools_names(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.yaml"
+
+    def load(text: str, *overrides: str) -> C.RunConfig:
+        recipe.write_text(text)
+        return C.load(recipe, list(overrides))
+
+    def problems(text: str, *overrides: str) -> str:
+        with pytest.raises(C.ConfigError) as e:
+            load(text, *overrides)
+        return str(e.value)
+
+    # Axolotl's rl and its weights, LLaMA-Factory's stage and its, TRL's KTOConfig keys and its loss_type.
+    for text in (
+        "rl: kto\nkto_desirable_weight: 1.5\nkto_undesirable_weight: 0.5\n",
+        "stage: kto\npref_beta: 0.1\nkto_chosen_weight: 1.5\nkto_rejected_weight: 0.5\n",
+        "loss_type: kto\nbeta: 0.1\ndesirable_weight: 1.5\nundesirable_weight: 0.5\n",
+    ):
+        t = load(text).train
+        assert (t.objective, t.beta, t.desirable_weight, t.undesirable_weight) == ("kto", 0.1, 1.5, 0.5), text
+    assert load("rl: kto\n").train.desirable_weight == 1.0  # TRL's defaults
+    assert "train.desirable_weight: only train.objective=kto reads it" in problems("rl: dpo\ndesirable_weight: 2\n")
+    assert "set data.format to auto or prompt_completion" in problems("rl: kto\n", "data.format=preference")
+    assert "kto has no SFT term" in problems("rl: kto\n", "train.sft_weight=1")
+    assert "both are 0" in problems("rl: kto\n", "train.desirable_weight=0", "train.undesirable_weight=0")
+    assert "reference is the run's starting point, fixed for the whole run" in problems("rl: kto\nsync_ref_model: true\n")
+    assert "train_sampling_strategy" in problems("rl: kto\ntrain_sampling_strategy: sequential\n")
+    assert C.structural_fields(load("rl: kto\n"))["train.objective"] == "kto"
+
+
+def test_a_resumed_kto_run_equals_a_straight_one_bitwise(tiny_llama: Path, tmp_path: Path) -> None:
+    """1 step, stop, 1 more = 2 straight (accumulation over packed rows, the reference in the same step);
+    control: the checkpoints at steps 1 and 2 differ, so the comparison can fail."""
+    from safetensors.torch import load_file
+
+    data = _jsonl(tmp_path / "kto.jsonl", unpaired_rows(24))
+
+    def make(name: str, steps: int) -> C.RunConfig:
+        raw = {
+            "output_dir": str(tmp_path / name),
+            "seed": 3,
+            "model": {"name_or_path": str(tiny_llama), "dtype": "float32"},
+            "adapter": {"r": 4, "alpha": 8},
+            "data": {"path": str(data), "seq_len": 256, "cache_dir": str(tmp_path / "cache")},
+            "train": {"objective": "kto", "max_steps": steps, "micro_batch_size": 1, "grad_accum": 2, "lr": 1e-2, "schedule": "constant"},
+            "checkpoint": {"every_steps": None, "every_minutes": None},
+            "metrics": {"progress": False},
+        }
+        return C.from_dict(raw)
+
+    assert run.train(make("straight", 2)) == 0
+    assert run.train(make("split", 1)) == 0
+    assert run.train(make("split", 2)) == 0  # the same output_dir: resumes from step 1
+
+    def adapter(path: Path) -> dict[str, torch.Tensor]:
+        return load_file(path / "adapter_model.safetensors")
+
+    straight, split = adapter(tmp_path / "straight" / "final"), adapter(tmp_path / "split" / "final")
+    assert straight.keys() == split.keys() and all(torch.equal(straight[k], split[k]) for k in straight)
+    metrics = [json.loads(x) for x in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    logged = [m for m in metrics if "loss" in m and "kl" in m]
+    assert [m["step"] for m in logged] == [1, 2]  # resumed at 1 (from scratch, step 1 would be logged twice)
+    assert logged[0]["loss"] == pytest.approx(0.5 * 1.0, abs=1e-6)  # step 1: policy == reference, z0 = 0
+    assert all("rewards/chosen" in m and "desirable" in m for m in logged)
+    step1 = adapter(tmp_path / "split" / "checkpoints" / "step-000001")
+    assert any(not torch.equal(step1[k], split[k]) for k in split)  # control
