@@ -275,7 +275,9 @@ def test_config_and_other_tools_names(tmp_path: Path) -> None:
     assert "set data.format to auto or prompt_completion" in problems("rl: kto\n", "data.format=preference")
     assert "kto has no SFT term" in problems("rl: kto\n", "train.sft_weight=1")
     assert "both are 0" in problems("rl: kto\n", "train.desirable_weight=0", "train.undesirable_weight=0")
-    assert "reference is the run's starting point, fixed for the whole run" in problems("rl: kto\nsync_ref_model: true\n")
+    assert "reference is the run's starting point, fixed for the whole run" in problems(
+        "rl: kto\nsync_ref_model: true\n"
+    )
     assert "train_sampling_strategy" in problems("rl: kto\ntrain_sampling_strategy: sequential\n")
     assert C.structural_fields(load("rl: kto\n"))["train.objective"] == "kto"
 
@@ -294,7 +296,14 @@ def test_a_resumed_kto_run_equals_a_straight_one_bitwise(tiny_llama: Path, tmp_p
             "model": {"name_or_path": str(tiny_llama), "dtype": "float32"},
             "adapter": {"r": 4, "alpha": 8},
             "data": {"path": str(data), "seq_len": 256, "cache_dir": str(tmp_path / "cache")},
-            "train": {"objective": "kto", "max_steps": steps, "micro_batch_size": 1, "grad_accum": 2, "lr": 1e-2, "schedule": "constant"},
+            "train": {
+                "objective": "kto",
+                "max_steps": steps,
+                "micro_batch_size": 1,
+                "grad_accum": 2,
+                "lr": 1e-2,
+                "schedule": "constant",
+            },
             "checkpoint": {"every_steps": None, "every_minutes": None},
             "metrics": {"progress": False},
         }
