@@ -54,6 +54,8 @@ SAMPLE: dict[str, tuple[str, Any]] = {
     "train.label_smoothing": ("0.1", 0.1),
     "train.dpo_loss": ("hinge", "hinge"),
     "train.sft_weight": ("0.5", 0.5),
+    "train.desirable_weight": ("1.5", 1.5),
+    "train.undesirable_weight": ("0.5", 0.5),
     "train.router_aux_loss_coef": ("0.02", 0.02),
 }
 TRANSLATED = {"bf16": ("true", "bf16"), "fp16": ("true", "fp16")}  # bool flags -> the spotune choice
@@ -80,6 +82,8 @@ def test_each_alias_reads_exactly_as_its_key(name: str, tmp_path: Path) -> None:
         extra = ["model.dtype=float16"]
     elif name == "max_length":  # a preference objective keeps it as each answer's cap (SFT: data.seq_len)
         extra = ["train.objective=dpo"]
+    elif key in ("train.desirable_weight", "train.undesirable_weight"):  # read by kto alone
+        extra = ["train.objective=kto"]
     else:
         extra = []
     own = C.load(None, [f"{key}={expected if name in TRANSLATED else text}", *extra])
