@@ -312,16 +312,9 @@ def _tokenize_pack_save(
     bins = [[int(kept[i]) for i in b] for b in bins_local]
     if job.pairs:
         offsets, bins = pair_data.documents(offsets, np.asarray(tokenized["chosen_length"], dtype=np.int64), bins)
-    packed: dict[str, Any] = build_rows(
-        ids_arr.values.to_numpy(), lab_arr.values.to_numpy(), offsets, bins, cfg.seq_len, job.pad_id
-    )
-    kto = unpaired.DESIRABLE in tokenized.column_names
+    packed = build_rows(ids_arr.values.to_numpy(), lab_arr.values.to_numpy(), offsets, bins, cfg.seq_len, job.pad_id)
     if job.pairs:
-        packed["num_pairs"] = np.asarray([len(b) // 2 for b in bins], dtype=np.int32)
-    if kto:  # each packed row's units' labels, in the order of its units
-        labels = np.asarray(tokenized[unpaired.DESIRABLE], dtype=np.int8)
-        units: list[list[int]] = [[int(labels[d // 2]) for d in b[0::2]] for b in bins]
-        packed[unpaired.DESIRABLE] = units
+        _add_unit_columns(packed, tokenized, bins)
     _save_rows(packed, cfg.seq_len, out_dir / name)
 
     n_rows, real = len(bins), int(packed["num_real"].sum())
@@ -332,12 +325,7 @@ def _tokenize_pack_save(
         "dropped": dict(sorted(drops.items())),
         "dropped_rows": split_lost[: dropped.SHOWN],
         "truncated": int(_truncated(tokenized, lengths, cfg.seq_len, job.pairs)[kept].sum()),
-        **({"pairs": int(kept.size)} if job.pairs else {}),
-        **(
-            dict(zip(("desirable", "undesirable"), unpaired.counts(tokenized[unpaired.DESIRABLE]), strict=True))
-            if kto
-            else {}
-        ),
+        **({"pairs": int(kept.size), **unpaired.counts(tokenized)} if job.pairs else {}),
         "truncation": _truncation(tokenized, lengths, status, cfg, job.pairs),  # what lengths lose (data/stats.py)
         "real_tokens": real,
         "trainable_tokens": int(packed["num_trainable"].sum()),
@@ -353,6 +341,14 @@ def _tokenize_pack_save(
         "lengths": length_stats(lengths[lengths > 0]),
         "sources": per_source,
     }
+
+
+def _add_unit_columns(packed: dict[str, Any], tokenized: datasets.Dataset, bins: list[list[int]]) -> None:
+    """Preference rows' own columns: each row's units (pairs, or KTO's answers), and KTO's unit labels in order."""
+    packed["num_pairs"] = np.asarray([len(b) // 2 for b in bins], dtype=np.int32)
+    kto = unpaired.row_labels(tokenized, bins)
+    if kto is not None:
+        packed[unpaired.DESIRABLE] = kto
 
 
 def _held(tokenized: datasets.Dataset) -> np.ndarray:

@@ -232,10 +232,21 @@ def _fit(own: Seq, kl: Seq, lengths: Lengths, seq_len: int, overlong: str) -> tu
     return (s_ids, s_lab), (k_ids, k_lab)
 
 
-def counts(desirable: list[int] | np.ndarray) -> tuple[int, int]:
-    """(desirable, undesirable) among kept rows' labels (dropped rows are -1)."""
-    arr = np.asarray(desirable)
-    return int((arr == 1).sum()), int((arr == 0).sum())
+def counts(tokenized: datasets.Dataset) -> dict[str, int]:
+    """The manifest's desirable and undesirable counts among kept rows (dropped rows are -1); {} for pairs."""
+    if DESIRABLE not in tokenized.column_names:
+        return {}
+    arr = np.asarray(tokenized[DESIRABLE])
+    return {"desirable": int((arr == 1).sum()), "undesirable": int((arr == 0).sum())}
+
+
+def row_labels(tokenized: datasets.Dataset, bins: list[list[int]]) -> list[list[int]] | None:
+    """Per packed row, its units' labels in order, from the document bins (unit k = documents 2k, 2k+1:
+    pairs.documents); None for rows that are not KTO's."""
+    if DESIRABLE not in tokenized.column_names:
+        return None
+    labels = np.asarray(tokenized[DESIRABLE], dtype=np.int8)
+    return [[int(labels[d // 2]) for d in b[0::2]] for b in bins]
 
 
 def balance_note(
