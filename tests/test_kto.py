@@ -218,6 +218,11 @@ def test_bad_rows_are_counted_drops_with_their_line_and_the_counts_are_said(
     assert "kto: 4 desirable and 2 undesirable answers" in out
     assert "outside KTO's recommended 1 to 4/3" in err and "train.desirable_weight within [0.5, 0.667]" in err
 
+    from trainer.data.show import show_examples
+
+    shown = show_examples(cfg.data, str(tiny_llama), 2, pairs=True)  # `spotune inspect --show`
+    assert "kto.jsonl:1: desirable, " in shown and "kto.jsonl:2: undesirable, " in shown
+
     # The same data under another preference objective, and pairs under kto, are refused naming the fix.
     with pytest.raises(DataError, match="set train.objective=kto"):
         prepare_data(cfg.replace(**{"train.objective": "dpo"}))

@@ -79,11 +79,12 @@ def show_examples(
             place = dropped.place(loc.files[row[FILE_COLUMN]], row[LINE_COLUMN])
             if status:
                 lines.append(f"\n--- {place}: dropped ({status}{': ' + detail if detail else ''})")
-            elif pairs:
+            elif pairs and "chosen_length" in out:  # KTO's answers show alone (their KL sequences come at prepare)
                 lines += _pair_lines(tokenizer, place, ids, labels, out["chosen_length"][i], out["length"][i], color)
             else:
                 trained = sum(lab != IGNORE_INDEX for lab in labels)
-                lines.append(f"\n--- {place}: {len(ids)} tokens, {trained} trained")
+                said = ("un" if not out["desirable"][i] else "") + "desirable, " if "desirable" in out else ""
+                lines.append(f"\n--- {place}: {said}{len(ids)} tokens, {trained} trained")
                 lines.append(example_text(tokenizer, ids, labels, color))
     return "\n".join(lines)
 
