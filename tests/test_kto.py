@@ -330,3 +330,12 @@ def test_a_resumed_kto_run_equals_a_straight_one_bitwise(tiny_llama: Path, tmp_p
     assert all("rewards/chosen" in m and "desirable" in m for m in logged)
     step1 = adapter(tmp_path / "split" / "checkpoints" / "step-000001")
     assert any(not torch.equal(step1[k], split[k]) for k in split)  # control
+
+
+def test_the_console_line_shows_kl_and_margin() -> None:
+    from trainer.training.console import Console
+
+    console = Console(10, bar=False, is_main=True)
+    line = console.step_line(3, {"loss": 0.45, "kl": 0.125, "rewards/margins": 0.0123})
+    assert line.startswith("spotune: step 3/10 loss 0.4500 | kl 0.125 margin 0.0123")
+    assert "margin" not in console.step_line(3, {"loss": 0.45, "kl": 0.125})  # one label only in the step

@@ -182,13 +182,13 @@ class Kto:
             zero = token_logp.sum()
             return zero, torch.zeros(len(self.stats), device=zero.device, dtype=torch.float64)
         losses, rewards, kl = self.unit_terms(logps, reference, micro["desirable"])
-        good = micro["desirable"]
+        good = micro["desirable"].to(rewards.dtype)  # masks as weights: boolean indexing would sync the host
         answers = logps[0::2].detach()
         sums = (
-            rewards[good].sum(),
-            rewards[~good].sum(),
-            answers[good].sum(),
-            answers[~good].sum(),
+            (rewards * good).sum(),
+            (rewards * (1 - good)).sum(),
+            (answers * good).sum(),
+            (answers * (1 - good)).sum(),
             good.sum(),
             kl * good.numel(),
         )

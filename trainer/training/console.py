@@ -93,6 +93,9 @@ class Console:
         parts = [f"spotune: step {step}/{self.total} loss {_fmt(row.get('loss'))}{evaluated}"]
         if row.get("rewards/accuracies") is not None:  # a preference objective's own figures
             parts.append(f"reward acc {row['rewards/accuracies']:.2f} margin {row['rewards/margins']:.4g}")
+        elif row.get("kl") is not None:  # KTO's: its reference point, and the margin where both labels came
+            margin = f" margin {row['rewards/margins']:.4g}" if row.get("rewards/margins") is not None else ""
+            parts.append(f"kl {row['kl']:.4g}{margin}")
         # tok/s and step/s over one window, the row's (the steps since the previous row, their step time).
         speed = [f"{row['tokens_per_s']:,.0f} tok/s"] if row.get("tokens_per_s") is not None else []
         if row.get("step_time_s"):
