@@ -129,8 +129,10 @@ def _check_unpaired(cfg: C.RunConfig, train: dict[str, Any], say: bool) -> None:
     if kto and not unpaired_data:
         raise DataError(
             "train.objective=kto trains on unpaired feedback (TRL's prompt, completion and a bool label per row), "
-            "but the data was read as pairs: give rows with a 'label' column of true/false (a completion each), or "
-            "set train.objective to dpo, orpo or simpo for chosen/rejected pairs"
+            "but the data was read as chosen/rejected pairs, which spotune does not unpair itself (TRL's KTOTrainer "
+            "does, with trl.data_utils.unpair_preference_dataset): write each pair as two rows, the chosen answer "
+            "with label true and the rejected one with label false (that function does it), or set "
+            "train.objective to dpo, orpo or simpo to train on the pairs"
         )
     if unpaired_data and not kto:
         raise DataError(
