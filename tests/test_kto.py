@@ -345,3 +345,32 @@ def test_the_console_line_shows_kl_and_margin() -> None:
     line = console.step_line(3, {"loss": 0.45, "kl": 0.125, "rewards/margins": 0.0123})
     assert line.startswith("spotune: step 3/10 loss 0.4500 | kl 0.125 margin 0.0123")
     assert "margin" not in console.step_line(3, {"loss": 0.45, "kl": 0.125})  # one label only in the step
+
+
+def test_an_answer_and_its_kl_sequence_fit_one_row_or_the_row_drops(tiny_llama: Path) -> None:
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    rows = unpaired_rows(6)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+
+    def units(seq_len: int, overlong: str) -> Dataset:
+        cfg = DataConfig(chat_template=TEMPLATE, seq_len=seq_len, overlong=overlong)  # type: ignore[arg-type]
+        tok = tokenize_unpaired_for(cfg, tokenizer, "t").settle(list(rows[0]), rows)
+        return with_kl(
+            Dataset.from_dict(tok({c: [r[c] for r in rows] for c in rows[0]})), tok.lengths, seq_len, overlong
+        )
+
+    whole = units(1024, "drop")
+    assert whole["status"] == [""] * 6
+    sizes = sorted(len(ids) for ids in whole["input_ids"])
+    seq_len = sizes[2]  # half the units fit as they are
+    dropped = units(seq_len, "drop")
+    assert dropped["status"].count("overlong") == sum(n > seq_len for n in sizes) > 0
+    cut = units(seq_len, "truncate")
+    for ids, labels, first, status in zip(
+        cut["input_ids"], cut["labels"], cut["chosen_length"], cut["status"], strict=True
+    ):
+        assert status == "" and len(ids) <= seq_len
+        assert any(x != -100 for x in labels[:first]) and any(x != -100 for x in labels[first:])  # both scored
+    assert cut["length"] == whole["length"]  # the length before any cut, as pairs record it
