@@ -53,7 +53,7 @@ class AdapterConfig:
     alpha: float = 32.0
     """LoRA alpha; the update is scaled by alpha / r."""
     dropout: float = 0.05
-    """Dropout on the LoRA input (SFT). The preference objectives (dpo, orpo, simpo) train with every dropout off, this one and the model's own, as TRL's trainers do (`disable_dropout`): from `init_from`, step 1's policy is then exactly the reference."""
+    """Dropout on the LoRA input (SFT). The preference objectives (dpo, orpo, simpo, kto) train with every dropout off, this one and the model's own, as TRL's trainers do (`disable_dropout`): from `init_from`, step 1's policy is then exactly the reference."""
     target_modules: tuple[str, ...] = ("all-linear",)
     """Module names to adapt; `all-linear` adapts every linear layer but the output head."""
     train_router: bool = False
