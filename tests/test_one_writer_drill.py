@@ -183,8 +183,14 @@ def test_two_machines_one_remote_second_refused_waiting_third_resumes(
     first, second, third = (tmp_path / n for n in ("vm1", "vm2", "vm3"))
     a = m.start(m.recipe(first, remote=s3_remote), pause=1.5)
     assert _wait(a, lambda: read_lease(store)[0] is not None, timeout=120), m.log(a)
-    b = m.start(m.recipe(second, remote=s3_remote))
-    assert b.wait(timeout=120) == EXIT_BUSY, m.log(b)
+    # The holder held still while the second starts (well inside the lease's 180 s): on a loaded machine the
+    # second's start-up could otherwise outlast the first's whole run, and it would rightly resume, not refuse.
+    os.kill(a.pid, signal.SIGSTOP)
+    try:
+        b = m.start(m.recipe(second, remote=s3_remote))
+        assert b.wait(timeout=120) == EXIT_BUSY, m.log(b)
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
     assert f"pid {a.pid} on" in m.log(b) and "generation 1" in m.log(b)
     assert sorted(p.name for p in second.iterdir()) == [".spotune.lock"]  # read nothing from the store
     c = m.start(m.recipe(third, remote=s3_remote), "--wait", "300")

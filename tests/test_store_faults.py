@@ -76,7 +76,8 @@ def test_cut_off_past_expiry_keeps_training_and_takes_the_lease_back(
     assert a.generation == 2 and not lost
     assert any("took it back as generation 2" in m for m in said)
     lease, _ = read_lease(Store(s3_remote))
-    assert lease is not None and lease["holder"] == a.id and lease["generation"] == 2
+    # Still a's; a later generation only if a loaded machine delayed a renewal past the ttl again since.
+    assert lease is not None and lease["holder"] == a.id and lease["generation"] >= 2
     assert a.keeper.refused is None  # an outage is a fault of the moment: never "refused for good"
     a.release()
 
