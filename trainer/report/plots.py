@@ -102,7 +102,7 @@ def _duration(seconds: float) -> str:
 
 def timeline(run: RunData) -> bytes:
     """Processes (one lane per attempt), steps reached and cost so far, on one wall-clock axis."""
-    fig = Figure(figsize=(11, 6.6), layout="constrained")
+    fig = Figure(figsize=(11, 6.6), layout="tight")
     ax_p, ax_s, ax_c = fig.subplots(3, 1, sharex=True, height_ratios=[1.4, 1.2, 1.0])
     _processes(ax_p, run)
     _steps(ax_s, run)
@@ -256,7 +256,7 @@ def uploads(run: RunData) -> list[tuple[float, int, float]]:
 
 def hours(run: RunData) -> bytes:
     """Where each attempt's paid device time went, as stacked bars."""
-    fig = Figure(figsize=(11, 0.6 * len(run.attempts) + 1.6), layout="constrained")
+    fig = Figure(figsize=(11, 0.6 * len(run.attempts) + 1.6), layout="tight")
     ax = fig.subplots()
     if not run.attempts:
         _empty(ax, "no ledger.jsonl rows yet")
@@ -295,7 +295,7 @@ def _unit(seconds: float) -> tuple[float, str]:
 
 def loss(run: RunData) -> bytes:
     """Loss (and eval loss) against step and against device-hours (GPU-hours on GPUs)."""
-    fig = Figure(figsize=(11, 3.6), layout="constrained")
+    fig = Figure(figsize=(11, 3.6), layout="tight")
     ax_step, ax_hours = fig.subplots(1, 2, sharey=True)
     hours_at = {int(r["step"]): r["device_hours"] for r in run.train_rows if finite(r.get("device_hours"))}
     rows = run.train_rows
@@ -320,7 +320,7 @@ def loss(run: RunData) -> bytes:
 
 def throughput(run: RunData) -> bytes:
     """Tokens/s, MFU, data-stall share and peak memory against step."""
-    fig = Figure(figsize=(11, 5.6), layout="constrained")
+    fig = Figure(figsize=(11, 5.6), layout="tight")
     (ax_tok, ax_mfu), (ax_stall, ax_mem) = fig.subplots(2, 2, sharex=True)
     rows = run.train_rows
     ax_tok.plot(*_series(rows, "step", "tokens_per_s"), ".", color="#9bbce8", markersize=4, label="since last row")
@@ -355,7 +355,7 @@ def throughput(run: RunData) -> bytes:
 
 def optimizer(run: RunData) -> bytes:
     """The learning rate the schedule gave each step, and the gradient norm before clipping."""
-    fig = Figure(figsize=(11, 3.2), layout="constrained")
+    fig = Figure(figsize=(11, 3.2), layout="tight")
     ax_lr, ax_norm = fig.subplots(1, 2, sharex=True)
     rows = run.train_rows
     ax_lr.plot(*_per_attempt(run, rows, "step", "lr"), ".-", color=COLORS["train"], markersize=3)
@@ -380,7 +380,7 @@ def preference(run: RunData) -> bytes:
     rows = run.train_rows
     if not any(finite(r.get("rewards/margins")) for r in rows):
         return b""
-    fig = Figure(figsize=(11, 3.2), layout="constrained")
+    fig = Figure(figsize=(11, 3.2), layout="tight")
     ax_margin, ax_accuracy = fig.subplots(1, 2, sharex=True)
     for ax, name, title in (
         (ax_margin, "rewards/margins", "reward margin (chosen - rejected)"),
