@@ -166,14 +166,63 @@ def test_no_import_circle() -> None:
 
 def test_the_stage_checks_can_fail() -> None:
     """Controls: an upward import, an import between two stages of one rank, and a circle are seen."""
-    assert upward_imports("trainer.config.rules", {"trainer.restart.storage"})  # config reaching up into restart
+    assert upward_imports("trainer.config.rules", {"trainer.restart.store.storage"})  # config reaching up into restart
     assert upward_imports("trainer.serve.export", {"trainer.report.load"})  # same rank: neither may import the other
-    assert not upward_imports("trainer.restart.state", {"trainer.model.distributed", "trainer.restart.rng"})
+    assert not upward_imports("trainer.restart.local.state", {"trainer.model.distributed", "trainer.restart.local.rng"})
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
     assert not cycles({"a": {"b"}, "b": {"c"}, "c": set()})
     # and the graph is read from the real code: the training wiring imports restart (a lower stage)
-    assert "trainer.restart.saving" in _targets(PACKAGE / "training" / "run.py")
+    assert "trainer.restart.local.saving" in _targets(PACKAGE / "training" / "run.py")
     assert "trainer.data.cache" in _targets(PACKAGE / "data" / "prepare.py")  # `from trainer.data import cache`
+
+
+# The parts of restart/ (its sub-folders, and agree.py), lowest first: the same rule inside the stage, so a
+# newcomer reads the parts from the tree in the order they build on each other (CONTRIBUTING.md's map).
+RESTART_PARTS: dict[str, int] = {
+    "agree": 0,  # ranks that decide together: imports nothing of restart/
+    "signals": 0,  # the stop paths
+    "books": 0,  # the ledger, its hand-over records and clocks
+    "local": 1,  # this disk's checkpoints; the one save asks the stop flag (signals)
+    "store": 2,  # checkpoint.remote: manifests (local/), the ledger's file names (books/)
+    "ownership": 3,  # the lock and the lease: written through the store
+    "remote": 4,  # what an attempt asks of the store: every part below
+}
+
+
+def _part(module: str) -> str:
+    """`trainer.restart.store.storage` -> `store`; `trainer.restart.agree` -> `agree`."""
+    return module.split(".")[2]
+
+
+def upward_parts(module: str, targets: set[str]) -> list[str]:
+    """Every import of restart module `module` into a part of restart/ of its own rank or above (other than its own part)."""
+    own = _part(module)
+    return [
+        f"{module} (part {own}, rank {RESTART_PARTS[own]}) imports {t} (part {_part(t)}, rank {RESTART_PARTS[_part(t)]})"
+        for t in sorted(targets)
+        if t.startswith("trainer.restart.") and _part(t) != own and RESTART_PARTS[_part(t)] >= RESTART_PARTS[own]
+    ]
+
+
+def test_every_restart_module_belongs_to_a_part() -> None:
+    parts = {_part(m) for m in _graph() if m.startswith("trainer.restart.")}
+    assert parts == set(RESTART_PARTS), f"give these a rank in RESTART_PARTS (and CONTRIBUTING.md's map): {parts}"
+
+
+def test_each_restart_part_imports_only_the_parts_below_it() -> None:
+    offenders = [
+        line
+        for module, targets in _graph().items()
+        if module.startswith("trainer.restart.")
+        for line in upward_parts(module, targets)
+    ]
+    assert not offenders, "\n".join(offenders)
+    # The controls: the store reaching up into ownership, and two parts of one rank, are seen; the real code
+    # is read (the lease writes through the store, a lower part).
+    assert upward_parts("trainer.restart.store.storage", {"trainer.restart.ownership.lease"})
+    assert upward_parts("trainer.restart.books.ledger", {"trainer.restart.signals.preemption"})
+    assert not upward_parts("trainer.restart.ownership.lease", {"trainer.restart.store.storage"})
+    assert "trainer.restart.store.storage" in _targets(PACKAGE / "restart" / "ownership" / "lease.py")
 
 
 # ---------------------------------------------------------------------------- functions

@@ -3,7 +3,7 @@
 `start` builds the accelerator (device, autocast, process group), chooses DDP or FSDP, connects
 the run's store (a fresh machine fetches the run's history before writing anything), and
 installs the stop paths (signals, the cloud notice watcher, and under torchrun the watch on the
-launcher: trainer/restart/launcher.py). Each registers its close on the
+launcher: trainer/restart/signals/launcher.py). Each registers its close on the
 caller's `ExitStack`, so an exception anywhere in `train()` closes the same things as a clean end.
 """
 
@@ -19,9 +19,10 @@ import torch
 
 from trainer import config as C
 from trainer.model import distributed
-from trainer.restart import launcher, new_run, notice, preemption
-from trainer.restart.ledger import timed
-from trainer.restart.remote import RemoteRun
+from trainer.restart.books.ledger import timed
+from trainer.restart.remote import new_run
+from trainer.restart.remote.run import RemoteRun
+from trainer.restart.signals import launcher, notice, preemption
 from trainer.training import gpu_probe
 
 
@@ -47,7 +48,7 @@ class Process:
 
 
 def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitStack, fence: Any = None) -> Process:
-    """`fence`: the run's lease (trainer/restart/lease.py), which every write to the store asks first."""
+    """`fence`: the run's lease (trainer/restart/ownership/lease.py), which every write to the store asks first."""
     accelerator = make_accelerator(cfg)
     t, ck = cfg.train, cfg.checkpoint
     # DDP, or FSDP from the recipe or an accelerate FSDP config; refuses DeepSpeed and the like.
@@ -67,7 +68,7 @@ def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitSt
     if fence is not None:
         remote.fence = fence
     # checkpoint.resume=never: a new run. The old run's files and checkpoints go aside before anything reads
-    # them, and only once the store answered (trainer/restart/new_run.py): one step, never half of it.
+    # them, and only once the store answered (trainer/restart/remote/new_run.py): one step, never half of it.
     fresh = new_run.stamp() if ck.resume == "never" else None
 
     def set_aside_here(folder: str) -> None:  # rank 0's folder name on every node: one name per new run
@@ -85,7 +86,7 @@ def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitSt
     with timed(
         phases, "store"
     ):  # first: a fresh machine fetches the run's config, ledger and metrics before writing any
-        # Every node sets its own disk aside (rank 0's decides, trainer/restart/remote.py `connect`); a request
+        # Every node sets its own disk aside (rank 0's decides, trainer/restart/remote/run.py `connect`); a request
         # applied already (a rerun of the same command after a preemption) is not applied again.
         here = set_aside_here if fresh is not None and accelerator.is_local_main_process else None
         remote.connect(fresh, here, request=ck.resume)
@@ -100,7 +101,7 @@ def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitSt
         if fence.keeper.refused is not None:  # refused before this was wired
             remote.refuse(fence.keeper.refused)
     # A store found ahead of the step this attempt resumed from (it started cut off, on a stale disk):
-    # nothing is written there; save locally, exit 143 (trainer/restart/safety.py).
+    # nothing is written there; save locally, exit 143 (trainer/restart/store/safety.py).
     remote.floor.on_ahead = lambda why: stop.request(f"spotune: {why}", " (exit 143)")
     # A store write the rule refused (a bug): save locally, exit 1 (RemoteRun.exit_code), not train on uncopied.
     remote.on_violation = lambda why: stop.request(f"spotune: {why}", " (exit 1)")

@@ -28,11 +28,11 @@ from trainer.model.balance import balanced
 from trainer.model.load import build, build_optimizer, count_params
 from trainer.model.objective import Objective, Sft
 from trainer.model.preference import Preference, regime_notes
-from trainer.restart import owner
-from trainer.restart.checkpoint import CheckpointManager
-from trainer.restart.ledger import Ledger, timed
-from trainer.restart.saving import Saver
-from trainer.restart.state import Counters, TrainState, check_compatible
+from trainer.restart.books.ledger import Ledger, timed
+from trainer.restart.local.checkpoint import CheckpointManager
+from trainer.restart.local.saving import Saver
+from trainer.restart.local.state import Counters, TrainState, check_compatible
+from trainer.restart.ownership import owner
 from trainer.serve.final import write_final
 from trainer.training import attempts, autofit, determinism, loop, metrics, process, shutdown, trackers
 from trainer.training.batches import StepDataset, identical_pairs, prefetching, step_loader
@@ -69,7 +69,7 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
 
     ck = cfg.checkpoint
     with determinism.kernels(cfg.train.deterministic) as notes, contextlib.ExitStack() as closing:
-        # One writer per run, before anything touches output_dir or the store (trainer/restart/owner.py).
+        # One writer per run, before anything touches output_dir or the store (trainer/restart/ownership/owner.py).
         holding = closing.enter_context(
             owner.hold(
                 cfg.output_dir, ck.remote, ck.storage_options, ck.lease_seconds, wait, "train", ck.store_outage_seconds

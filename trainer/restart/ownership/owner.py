@@ -2,8 +2,8 @@
 the remote's lease for its whole life; `spotune status --break-lease` breaks a lease by hand (who
 holds a run now is trainer/report/status.py's to say).
 
-`hold` is what `run.train` wraps itself in: the local lock first (trainer/restart/lock.py),
-then the lease (trainer/restart/lease.py), both before the attempt touches the directory or
+`hold` is what `run.train` wraps itself in: the local lock first (trainer/restart/ownership/lock.py),
+then the lease (trainer/restart/ownership/lease.py), both before the attempt touches the directory or
 the store, both released when it returns or raises. A store that refuses the first lease request for
 good (trainer/faults.py: anything not known to be a fault of the moment) ends the attempt here with
 StoreDenied (exit 2), naming the setting; one that does not answer lets it start cut off. Only the job's main
@@ -26,10 +26,10 @@ from typing import Any
 
 from trainer.config.schema import CheckpointConfig
 from trainer.faults import transient
-from trainer.restart.conditional import Refused, write_object
-from trainer.restart.lease import LEASE_FILE, Lease, describe_lease, read_lease
-from trainer.restart.lock import RunBusy, RunLock
-from trainer.restart.storage import Store
+from trainer.restart.ownership.lease import LEASE_FILE, Lease, describe_lease, read_lease
+from trainer.restart.ownership.lock import RunBusy, RunLock
+from trainer.restart.store.conditional import Refused, write_object
+from trainer.restart.store.storage import Store
 from trainer.urls import one_line
 
 

@@ -32,8 +32,8 @@ from urllib.parse import urlsplit
 from trainer.atomic import files_below, fsync_tree, publish_dir, temp_sibling, write_bytes
 from trainer.exit_codes import EXIT_PREEMPTED, class_code
 from trainer.faults import Permanent, Transient, Verdict, classify
-from trainer.restart.checkpoint import MANIFEST, CheckpointError, file_digest
-from trainer.restart.generations import (
+from trainer.restart.local.checkpoint import MANIFEST, CheckpointError, file_digest
+from trainer.restart.store.generations import (
     current_steps,
     manifest_generation,
     newest_run_file,
@@ -42,7 +42,7 @@ from trainer.restart.generations import (
     run_file_key,
     stamped,
 )
-from trainer.restart.safety import Floor
+from trainer.restart.store.safety import Floor
 from trainer.urls import one_line, redact
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class Corrupt(StoreError):
 
 class StoreOffline(StoreError, Transient):
     """This attempt is cut off from the store (its lease could not be renewed in time): it writes
-    nothing there until the lease is confirmed again (trainer/restart/lease.py); uploads retry."""
+    nothing there until the lease is confirmed again (trainer/restart/ownership/lease.py); uploads retry."""
 
 
 def install_hint(url: str) -> str:
@@ -96,11 +96,11 @@ def install_hint(url: str) -> str:
 
 class Fence:
     """What every write to the store asks first. This one lets everything through; a run's
-    `restart.lease.Lease` refuses once another machine holds the run (one writer per run)."""
+    `restart.ownership.lease.Lease` refuses once another machine holds the run (one writer per run)."""
 
     @property
     def generation(self) -> int | None:
-        """The lease generation every write carries (trainer/restart/generations.py); 0 = none."""
+        """The lease generation every write carries (trainer/restart/store/generations.py); 0 = none."""
         return 0
 
     def check(self) -> None:
@@ -141,11 +141,11 @@ class Store:
         self.root = self.root.rstrip("/")
         self.local = not _is_object_store(self.fs)
         """A directory of this machine's filesystem (`file://`, a mount), not an object store."""
-        self.fence = Fence()  # a Lease while a training attempt holds the run (trainer/restart/lease.py)
+        self.fence = Fence()  # a Lease while a training attempt holds the run (trainer/restart/ownership/lease.py)
         self.conditional: bool | None = None
-        """Whether the store enforces If-Match / If-None-Match; probed once (trainer/restart/conditional.py)."""
+        """Whether the store enforces If-Match / If-None-Match; probed once (trainer/restart/store/conditional.py)."""
         self.floor = Floor()
-        """What this attempt may take out of sight here (trainer/restart/safety.py); set when it chooses its step."""
+        """What this attempt may take out of sight here (trainer/restart/store/safety.py); set when it chooses its step."""
 
     # ------------------------------------------------------------------ paths
 
@@ -313,13 +313,13 @@ class Store:
 
     def committed(self) -> list[int]:
         """Steps whose manifest exists remotely and is no fenced holder's late write (the rule in
-        trainer/restart/generations.py), oldest first (verification not implied)."""
+        trainer/restart/store/generations.py), oldest first (verification not implied)."""
         return current_steps(self._manifests())
 
     def writable(self) -> None:
         """Before any write: this attempt holds the run (the fence) and may write at all (the floor: a
         store found ahead of the step it resumed from takes nothing more; a floor read under another
-        lease generation reads the store again first; trainer/restart/safety.py)."""
+        lease generation reads the store again first; trainer/restart/store/safety.py)."""
         self.fence.check()
         self.floor.ready(self.committed, self.shown, self.fence.generation)
 
@@ -470,7 +470,7 @@ class Store:
 
     def read_run_file(self, rel: str) -> bytes | None:
         """Run file `rel` as readers see it: every generation's rows merged for the ledger and the
-        metrics, the newest copy for the others (trainer/restart/generations.py); None if absent."""
+        metrics, the newest copy for the others (trainer/restart/store/generations.py); None if absent."""
         return read_run_file(self.fs, self.path(rel))
 
     def put(self, local: Path, rel: str) -> int:

@@ -6,16 +6,16 @@ into `<output_dir>/previous-run-<time>/`, in `checkpoint.remote` under `previous
 generation's copy). So the new run writes a new config.yaml, pins hub data anew, opens new tracker
 runs (trackers.json), starts its ledger and metrics from nothing, and `spotune chat`, `export` and
 `status` read the new run. The old run's checkpoints are retired where they are, as for an explicit
-checkpoint (trainer/restart/checkpoint.py `retire`, trainer/restart/storage.py `retire`). Only the run's
+checkpoint (trainer/restart/local/checkpoint.py `retire`, trainer/restart/store/storage.py `retire`). Only the run's
 own outputs move: the lock, the prepared data, the pilot and a saved estimate stay.
 
 A request applies once. `resume=never` and `resume=<path>` in a job spec are rerun after every preemption
 by the same command; the attempt that applied one records it (`resume_request` in its ledger row and
-heartbeat, trainer/restart/ledger.py), and a start whose last attempt was started with the same request
+heartbeat, trainer/restart/books/ledger.py), and a start whose last attempt was started with the same request
 (`rerun_of`: a row, or the heartbeat of one killed before its row) resumes the timeline that request began,
 as `auto` does, and says so. A start whose last attempt carried no request, or another, applies it.
 
-It is one step, taken once the store answered (trainer/restart/remote.py `connect`): the store's
+It is one step, taken once the store answered (trainer/restart/remote/run.py `connect`): the store's
 checkpoints retired, this disk's checkpoints retired and its files set aside, the store's run files set
 aside. A store that does not answer stops the attempt (exit 143) before anything moved, so no failure
 leaves the old checkpoints beside a new ledger for a later `auto` to resume.
@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from trainer.atomic import fsync_path
-from trainer.restart.checkpoint import CheckpointManager
-from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, chronological, recover_killed, row_from_progress
-from trainer.restart.storage import CHECKPOINTS
-from trainer.restart.uploader import RAN_OUT_FILE
+from trainer.restart.books.ledger import HEARTBEAT_FILE, LEDGER_FILE, chronological, recover_killed, row_from_progress
+from trainer.restart.local.checkpoint import CheckpointManager
+from trainer.restart.remote.uploader import RAN_OUT_FILE
+from trainer.restart.store.storage import CHECKPOINTS
 
 PREFIX = "previous-run-"
 RUN_OUTPUTS = (
@@ -68,7 +68,7 @@ def stamp() -> str:
 def set_aside(run_dir: Path, folder: str, unbooked: Sequence[dict[str, Any]] = ()) -> tuple[list[str], list[str]]:
     """Retire the old run's checkpoints (renamed `checkpoints/step-XXXXXX.retired-<time>`) and move its outputs
     of `run_dir` into `run_dir/folder`; the names moved there and the retired checkpoints' new names.
-    `unbooked`: the old run's attempts its lease carried without a ledger row (trainer/restart/handover.py),
+    `unbooked`: the old run's attempts its lease carried without a ledger row (trainer/restart/books/handover.py),
     booked into the ledger set aside, where they belong."""
     retired = CheckpointManager(run_dir / CHECKPOINTS).retire(after_step=-1)  # renamed where they are, kept
     present = [name for name in RUN_OUTPUTS if (run_dir / name).exists()]

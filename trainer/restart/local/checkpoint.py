@@ -7,7 +7,7 @@ leaves either the previous set of committed checkpoints or that set plus the new
 leftover temp directories are never read and are removed by `clean_stale` at the next
 start. Old checkpoints are pruned only after the new one is committed.
 
-What goes *into* a checkpoint is `trainer.restart.state.write_training_state`; this module only
+What goes *into* a checkpoint is `trainer.restart.local.state.write_training_state`; this module only
 knows files.
 """
 

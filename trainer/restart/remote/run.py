@@ -11,7 +11,7 @@ early exit that saved nothing (out of memory). The loop never sees it.
 `connect` and `resolve` are collective: what rank 0 meets (the store refusing these credentials,
 or not answering) is raised alike on every rank (trainer/restart/agree.py), so the ranks exit with
 one code. Every write goes through the store's fence (the lease) and floor (the rule of
-trainer/restart/safety.py, which `resolve` sets up through trainer/restart/choose.py).
+trainer/restart/store/safety.py, which `resolve` sets up through trainer/restart/remote/choose.py).
 """
 
 from __future__ import annotations
@@ -29,16 +29,16 @@ from trainer.config.schema import CheckpointConfig
 from trainer.exit_codes import EXIT_ERROR, EXIT_FINISHED, EXIT_PREEMPTED, code_for
 from trainer.model.reference import INIT_FILES
 from trainer.restart import agree
-from trainer.restart import new_run as new_run_module
-from trainer.restart.checkpoint import MANIFEST, CheckpointError, CheckpointManager
-from trainer.restart.choose import choose, download_confirmed, retrying
-from trainer.restart.generations import APPEND_ONLY, merged_rows
-from trainer.restart.handover import Handover
-from trainer.restart.lease_object import Follower
-from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, attempt_key, read_rows, recover_killed
-from trainer.restart.safety import Floor
-from trainer.restart.storage import Corrupt, Fence, Store, StoreDenied, StoreUnreachable
-from trainer.restart.uploader import RAN_OUT_FILE, RUN_FILES, Uploader
+from trainer.restart.books.handover import Handover
+from trainer.restart.books.ledger import HEARTBEAT_FILE, LEDGER_FILE, attempt_key, read_rows, recover_killed
+from trainer.restart.local.checkpoint import MANIFEST, CheckpointError, CheckpointManager
+from trainer.restart.ownership.lease_object import Follower
+from trainer.restart.remote import new_run as new_run_module
+from trainer.restart.remote.choose import choose, download_confirmed, retrying
+from trainer.restart.remote.uploader import RAN_OUT_FILE, RUN_FILES, Uploader
+from trainer.restart.store.generations import APPEND_ONLY, merged_rows
+from trainer.restart.store.safety import Floor
+from trainer.restart.store.storage import Corrupt, Fence, Store, StoreDenied, StoreUnreachable
 from trainer.urls import one_line, redact
 
 Directory = tuple[str, int, int]
@@ -79,9 +79,9 @@ class RemoteRun:
         self.flushed = False
         self.resumed: Path | None = None
         """Rank 0: the checkpoint this attempt resumes from (`resolve`), uploaded first if the store lacks it."""
-        self.fence: Fence | None = None  # the run's lease (trainer/restart/lease.py), set by run.py
+        self.fence: Fence | None = None  # the run's lease (trainer/restart/ownership/lease.py), set by run.py
         self.floor = Floor()
-        """What this attempt may take out of sight in the store (trainer/restart/safety.py); on_ahead set by process.py."""
+        """What this attempt may take out of sight in the store (trainer/restart/store/safety.py); on_ahead set by process.py."""
         self.on_violation: Callable[[str], object] = lambda why: None
         """What the uploader calls when the rule refused one of its writes (a bug): process.py asks for the stop."""
         self._booking = threading.Lock()
@@ -113,9 +113,9 @@ class RemoteRun:
         checkpoint lets training start; with one, rank 0 warns and goes on cut off (the floor reads the
         store before the first write). `request` (checkpoint.resume) applies once: when the run's last
         attempt was started with it, this is a rerun of the same command, which resumes instead
-        (trainer/restart/new_run.py `rerun_of`; `setting`). `new_run` (checkpoint.resume=never, applied): the
+        (trainer/restart/remote/new_run.py `rerun_of`; `setting`). `new_run` (checkpoint.resume=never, applied): the
         folder the store's run files of the old run are moved to, once the store answered, in one step with
-        its checkpoints retired and with `set_aside_here(new_run)` (this disk's part, trainer/restart/new_run.py;
+        its checkpoints retired and with `set_aside_here(new_run)` (this disk's part, trainer/restart/remote/new_run.py;
         run on every node whose disk is not rank 0's too); a store that does not answer then stops the
         attempt (exit 143) before anything moved."""
         self.request = request
@@ -221,7 +221,7 @@ class RemoteRun:
 
     def resolve(self, resume_setting: str) -> tuple[Path | None, list[str]]:
         """The checkpoint every rank resumes from: chosen on rank 0 (local or remote, the newest
-        that verifies: trainer/restart/choose.py) and broadcast with the digest of its files.
+        that verifies: trainer/restart/remote/choose.py) and broadcast with the digest of its files.
 
         Each rank restores its run's own `step-XXXXXX`, except for a `checkpoint.resume=` path outside
         output_dir/checkpoints: every rank that can read that very directory (those of rank 0's node)
@@ -381,7 +381,7 @@ class RemoteRun:
 
     def book_late(self) -> list[dict[str, Any]]:
         """Rank 0, before each push of the run files: book the attempts this attempt's lease took over after its
-        ledger opened (the lease taken late, trainer/restart/handover.py `late`), so each paid attempt has its
+        ledger opened (the lease taken late, trainer/restart/books/handover.py `late`), so each paid attempt has its
         row even when this attempt finishes the run and nobody takes the lease after it. Returns the rows."""
         handover = getattr(self.fence, "handover", None)
         with self._booking:  # the upload thread and the final flush both push the run files
