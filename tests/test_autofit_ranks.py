@@ -167,7 +167,7 @@ def test_the_setting_that_ran_out_reaches_the_store_for_a_replacement_machine(
     from trainer.model import objective  # the loop's SFT objective calls the loss there
     from trainer.restart.books.ledger import read_rows
     from trainer.restart.remote.run import fetch_run_files
-    from trainer.restart.store.storage import Store
+    from trainer.restart.store.lifecycle import Store
     from trainer.training import run
 
     def nothing_fits(model: Any, micro: dict[str, Any]) -> Any:

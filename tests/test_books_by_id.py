@@ -16,7 +16,7 @@ import pytest
 from trainer.restart.books import ledger as L
 from trainer.restart.ownership.lease import Lease
 from trainer.restart.remote.run import RemoteRun, fetch_run_files
-from trainer.restart.store.storage import Store
+from trainer.restart.store.lifecycle import Store
 
 
 def _beat(attempt: int, attempt_id: str, pid: int, start: float, last_step: int) -> dict[str, Any]:

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from trainer import exit_codes as E
-from trainer.restart.store.storage import Corrupt, Store, StoreDenied, StoreOffline, StoreUnreachable
+from trainer.restart.store.errors import StoreDenied, StoreOffline, StoreUnreachable
+from trainer.restart.store.lifecycle import Store
+from trainer.restart.store.verify import Corrupt
 
 
 def _store(tmp_path: Path) -> Store:

@@ -166,7 +166,9 @@ def test_no_import_circle() -> None:
 
 def test_the_stage_checks_can_fail() -> None:
     """Controls: an upward import, an import between two stages of one rank, and a circle are seen."""
-    assert upward_imports("trainer.config.rules", {"trainer.restart.store.storage"})  # config reaching up into restart
+    assert upward_imports(
+        "trainer.config.rules", {"trainer.restart.store.lifecycle"}
+    )  # config reaching up into restart
     assert upward_imports("trainer.serve.export", {"trainer.report.load"})  # same rank: neither may import the other
     assert not upward_imports("trainer.restart.local.state", {"trainer.model.distributed", "trainer.restart.local.rng"})
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
@@ -190,7 +192,7 @@ RESTART_PARTS: dict[str, int] = {
 
 
 def _part(module: str) -> str:
-    """`trainer.restart.store.storage` -> `store`; `trainer.restart.agree` -> `agree`."""
+    """`trainer.restart.store.lifecycle` -> `store`; `trainer.restart.agree` -> `agree`."""
     return module.split(".")[2]
 
 
@@ -219,10 +221,10 @@ def test_each_restart_part_imports_only_the_parts_below_it() -> None:
     assert not offenders, "\n".join(offenders)
     # The controls: the store reaching up into ownership, and two parts of one rank, are seen; the real code
     # is read (the lease writes through the store, a lower part).
-    assert upward_parts("trainer.restart.store.storage", {"trainer.restart.ownership.lease"})
+    assert upward_parts("trainer.restart.store.lifecycle", {"trainer.restart.ownership.lease"})
     assert upward_parts("trainer.restart.books.ledger", {"trainer.restart.signals.preemption"})
-    assert not upward_parts("trainer.restart.ownership.lease", {"trainer.restart.store.storage"})
-    assert "trainer.restart.store.storage" in _targets(PACKAGE / "restart" / "ownership" / "lease.py")
+    assert not upward_parts("trainer.restart.ownership.lease", {"trainer.restart.store.lifecycle"})
+    assert "trainer.restart.store.lifecycle" in _targets(PACKAGE / "restart" / "ownership" / "lease.py")
 
 
 # ---------------------------------------------------------------------------- functions

@@ -444,7 +444,7 @@ def test_a_new_machine_resumes_on_the_commit_of_the_first_start(
 ) -> None:
     from trainer.restart.local.checkpoint import ResumeMismatch
     from trainer.restart.store.generations import run_file_copies
-    from trainer.restart.store.storage import Store
+    from trainer.restart.store.lifecycle import Store
     from trainer.training import run
 
     out = tmp_path / "run"

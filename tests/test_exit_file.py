@@ -137,7 +137,7 @@ def test_a_fault_of_the_moment_is_told_by_its_causes() -> None:
 
     from trainer.config import ConfigError
     from trainer.data import DataError
-    from trainer.restart.store.storage import StoreDenied, StoreUnreachable
+    from trainer.restart.store.errors import StoreDenied, StoreUnreachable
 
     def s3(code: str, status: int) -> BaseException:
         return translate_boto_error(
@@ -172,7 +172,8 @@ def test_one_classifier_gives_every_error_its_code() -> None:
     from trainer.restart.agree import Agreed
     from trainer.restart.ownership.lease_object import LeaseLost
     from trainer.restart.ownership.lock import RunBusy
-    from trainer.restart.store.storage import Corrupt, StoreDenied, StoreError, StoreOffline, StoreUnreachable
+    from trainer.restart.store.errors import StoreDenied, StoreError, StoreOffline, StoreUnreachable
+    from trainer.restart.store.verify import Corrupt
 
     cases = {
         E.EXIT_BAD_INPUT: [ConfigError(["x"]), DataError("x"), StoreDenied("x"), StoreError("no gcsfs")],

@@ -16,7 +16,8 @@ import pytest
 
 from trainer import exit_codes as E
 from trainer.faults import classify, transient
-from trainer.restart.store.storage import Store, StoreDenied, StoreUnreachable
+from trainer.restart.store.errors import StoreDenied, StoreUnreachable
+from trainer.restart.store.lifecycle import Store
 
 
 def s3(code: str, status: int) -> BaseException:
@@ -267,7 +268,7 @@ def test_classes_are_matched_by_type_not_by_name() -> None:
     class ConfigError(Exception):  # not trainer.config.ConfigError
         pass
 
-    class StoreUnreachable(Exception):  # not trainer.restart.store.storage.StoreUnreachable
+    class StoreUnreachable(Exception):  # not trainer.restart.store.errors.StoreUnreachable
         pass
 
     assert E.code_for(ConfigError("x")) == E.EXIT_ERROR

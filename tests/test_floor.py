@@ -24,8 +24,8 @@ from trainer.exit_codes import EXIT_BAD_INPUT, code_for
 from trainer.restart.local.checkpoint import MANIFEST, CheckpointError, CheckpointManager
 from trainer.restart.ownership.lease import Lease
 from trainer.restart.remote.choose import choose
+from trainer.restart.store.lifecycle import Store
 from trainer.restart.store.safety import SafetyViolation, StoreAhead
-from trainer.restart.store.storage import Store
 
 
 class BadReads:

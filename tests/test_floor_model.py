@@ -1,7 +1,7 @@
 """A model-based test of the restart code: hypothesis's stateful testing drives the real leases
 (trainer/restart/ownership/lease.py, renewed by its real state machine, trainer/restart/ownership/reclaim.py, on a fake
 clock), the real choice of the checkpoint (trainer/restart/remote/choose.py), the store's commit, clean, prune
-and retire with the floor (trainer/restart/store/storage.py, safety.py) and the run files' merge, against a
+and retire with the floor (trainer/restart/store/lifecycle.py, safety.py) and the run files' merge, against a
 `file://` store (a folder), with a stand-in training step (a checkpoint whose bytes are a function of
 its step: exact resume) and faults injected between any two actions: several machines with their own
 disks, kills at any point (the lease left behind), store outages, a lease request that blips, stale
@@ -43,8 +43,8 @@ from trainer.restart.ownership.lock import RunBusy
 from trainer.restart.remote.choose import choose
 from trainer.restart.remote.run import fetch_run_files
 from trainer.restart.store.generations import stamped
+from trainer.restart.store.lifecycle import Store
 from trainer.restart.store.safety import SafetyViolation, StoreAhead
-from trainer.restart.store.storage import Store
 
 BOOKS_INVARIANTS = True
 """Every step at or below the newest committed one has its metrics row in the store: the rows go up before

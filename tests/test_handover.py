@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from trainer.restart.books import ledger as L
 from trainer.restart.local.checkpoint import CheckpointManager
 from trainer.restart.ownership.lease import Lease, read_lease
-from trainer.restart.store.storage import Store
+from trainer.restart.store.lifecycle import Store
 from trainer.training.attempts import finished_already
 
 

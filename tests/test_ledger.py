@@ -224,7 +224,7 @@ def test_an_attempt_known_only_from_its_lease_is_booked_with_its_device_and_cost
     from trainer.report.totals import totals
     from trainer.restart.books.handover import attempt_record
     from trainer.restart.ownership.lease import Lease, read_lease
-    from trainer.restart.store.storage import Store
+    from trainer.restart.store.lifecycle import Store
 
     (tmp_path / "bucket").mkdir()
     lease = Lease(Store(f"file://{tmp_path / 'bucket'}"), 30.0, tmp_path / "run")

@@ -35,7 +35,7 @@ from trainer.data.cache import in_turns
 from trainer.restart.books.ledger import Ledger, read_rows
 from trainer.restart.local.checkpoint import MANIFEST, PAUSE_ENV, CheckpointManager
 from trainer.restart.remote.run import fetch_run_files
-from trainer.restart.store.storage import Store
+from trainer.restart.store.lifecycle import Store
 from trainer.training import run
 
 pytestmark = pytest.mark.bitwise  # separate runs agree bit for bit: one intra-op thread (conftest.py)

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from trainer import builtin_assets
 from trainer import config as C
-from trainer.restart.store.storage import Store
+from trainer.restart.store.lifecycle import Store
 from trainer.training import run
 
 
@@ -105,7 +105,7 @@ def test_resume_never_with_the_store_out_of_reach_sets_nothing_aside(
     from moto_fixture import SECRET, free_port
 
     from trainer.restart.local.checkpoint import CheckpointManager
-    from trainer.restart.store.storage import StoreUnreachable
+    from trainer.restart.store.errors import StoreUnreachable
     from trainer.training import process
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there

@@ -37,7 +37,7 @@ from test_kill_anywhere import REPO, STEPS, _metric_rows, _recipe, _wait, procs 
 
 from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_FILE_ENV, EXIT_PREEMPTED
 from trainer.restart.local.checkpoint import PAUSE_ENV
-from trainer.restart.store.storage import Store
+from trainer.restart.store.lifecycle import Store
 
 pytestmark = pytest.mark.bitwise  # separate runs agree bit for bit: one intra-op thread (conftest.py)
 

@@ -21,7 +21,7 @@ from trainer.report.status import NotARun, run_status
 from trainer.restart.ownership.lease import LEASE_FILE, Lease, LeaseLost, read_lease
 from trainer.restart.ownership.lock import LOCK_FILE, RunBusy, RunLock, holder
 from trainer.restart.ownership.owner import break_lease, hold
-from trainer.restart.store.storage import Store
+from trainer.restart.store.lifecycle import Store
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -34,7 +34,7 @@ from trainer.restart.books.ledger import read_rows
 from trainer.restart.local.checkpoint import PAUSE_ENV, CheckpointManager
 from trainer.restart.ownership.lease import read_lease
 from trainer.restart.ownership.lock import holder
-from trainer.restart.store.storage import Store
+from trainer.restart.store.lifecycle import Store
 
 pytestmark = [pytest.mark.slow, pytest.mark.bitwise]
 

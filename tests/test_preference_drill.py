@@ -34,7 +34,7 @@ from test_kill_anywhere import (  # noqa: F401 (procs: a fixture)
 from trainer import builtin_assets
 from trainer import config as C
 from trainer.restart.local.checkpoint import PAUSE_ENV
-from trainer.restart.store.storage import Store
+from trainer.restart.store.lifecycle import Store
 from trainer.training import run
 
 pytestmark = pytest.mark.bitwise  # separate runs agree bit for bit: one intra-op thread (conftest.py)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from trainer import config as C
 from trainer.cli import main as cli
 from trainer.restart.remote.run import RemoteRun
-from trainer.restart.store.storage import Store
+from trainer.restart.store.lifecycle import Store
 from trainer.restart.remote.uploader import Uploader
 from trainer.training.inputs import pin_data
 

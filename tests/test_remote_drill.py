@@ -36,7 +36,7 @@ from test_kill_anywhere import (  # noqa: F401 (procs: a fixture)
 from trainer.exit_codes import EXIT_PREEMPTED
 from trainer.restart.books.ledger import read_rows
 from trainer.restart.local.checkpoint import MANIFEST, PAUSE_ENV
-from trainer.restart.store.storage import UPLOAD_PAUSE_ENV, Store
+from trainer.restart.store.lifecycle import UPLOAD_PAUSE_ENV, Store
 
 pytestmark = pytest.mark.bitwise  # separate runs agree bit for bit: one intra-op thread (conftest.py)
 

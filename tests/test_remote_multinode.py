@@ -19,7 +19,7 @@ from trainer.restart.ownership.lease_object import Follower
 from trainer.restart.ownership.lock import RunBusy
 from trainer.restart.remote.run import RemoteRun, fetch_run_files
 from trainer.restart.remote.uploader import RAN_OUT_FILE
-from trainer.restart.store.storage import Store
+from trainer.restart.store.lifecycle import Store
 
 
 def _commit(manager: CheckpointManager, step: int, fill: int | None = None) -> Path:

@@ -19,7 +19,8 @@ from trainer import config as C
 from trainer.restart.local.checkpoint import MANIFEST, CheckpointManager
 from trainer.restart.remote.run import RemoteRun, fetch_run_files
 from trainer.restart.remote.uploader import Uploader
-from trainer.restart.store.storage import UPLOAD_PAUSE_ENV, Store, StoreError, StoreUnreachable
+from trainer.restart.store.errors import StoreError, StoreUnreachable
+from trainer.restart.store.lifecycle import UPLOAD_PAUSE_ENV, Store
 from trainer.urls import redact
 
 

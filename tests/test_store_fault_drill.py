@@ -35,7 +35,7 @@ from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from trainer.restart.books.ledger import read_rows
 from trainer.restart.local.checkpoint import PAUSE_ENV
 from trainer.restart.ownership.lease import read_lease
-from trainer.restart.store.storage import Store
+from trainer.restart.store.lifecycle import Store
 
 pytestmark = pytest.mark.bitwise  # separate runs agree bit for bit: one intra-op thread (conftest.py)
 

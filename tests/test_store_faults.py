@@ -25,7 +25,8 @@ from trainer.restart.ownership.lease import Lease, LeaseLost, read_lease
 from trainer.restart.ownership.lock import RunBusy
 from trainer.restart.ownership.owner import break_lease
 from trainer.restart.store.conditional import conditional
-from trainer.restart.store.storage import RETIRED, Fence, Store, StoreDenied, StoreOffline
+from trainer.restart.store.errors import StoreDenied, StoreOffline
+from trainer.restart.store.lifecycle import RETIRED, Fence, Store
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -197,7 +198,7 @@ _LIVE_HOLDER = """
 import sys, time
 from pathlib import Path
 from trainer.restart.ownership.lease import Lease
-from trainer.restart.store.storage import Store
+from trainer.restart.store.lifecycle import Store
 lease = Lease(Store(sys.argv[1]), 3.0, Path(sys.argv[2]), message=lambda m: None)
 lease.acquire()
 lease.start()
@@ -285,7 +286,7 @@ OUTSIDE_THE_PREFIX = r"^(GET|HEAD) /spotune-[0-9a-f]+/?(\?(?!.*prefix=run(/|%2F)
 def test_a_role_scoped_to_the_runs_prefix_may_start_and_a_missing_bucket_is_named(
     s3_remote: str, proxy: FaultProxy
 ) -> None:
-    from trainer.restart.store.storage import StoreDenied
+    from trainer.restart.store.errors import StoreDenied
 
     proxy.set(refuse=[{"match": OUTSIDE_THE_PREFIX, "as": "denied"}])
     Store(s3_remote + "/fresh").check()  # a prefix nothing is under yet: fine, the bucket exists

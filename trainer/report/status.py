@@ -23,7 +23,7 @@ from trainer.report.totals import FINISHED, Totals, ago, redone_by_attempt, tota
 from trainer.restart.local.checkpoint import CheckpointManager
 from trainer.restart.ownership.lease_object import describe_lease, read_lease
 from trainer.restart.ownership.lock import describe, holder
-from trainer.restart.store.storage import Store
+from trainer.restart.store.lifecycle import Store
 from trainer.urls import one_line, redact
 
 TRAINING, STARTING, STOPPED, UNKNOWN = "training", "starting", "stopped", "unknown"

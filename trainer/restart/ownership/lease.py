@@ -54,7 +54,8 @@ from trainer.restart.ownership.lease_object import (
 from trainer.restart.ownership.lock import RunBusy, _iso, last_step
 from trainer.restart.ownership.reclaim import Keeper, exit_busy
 from trainer.restart.store.conditional import Refused, conditional, read_object, write_object
-from trainer.restart.store.storage import Fence, Store, StoreOffline
+from trainer.restart.store.errors import StoreOffline
+from trainer.restart.store.lifecycle import Fence, Store
 
 T = TypeVar("T")
 

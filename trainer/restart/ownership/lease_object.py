@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from trainer.restart.ownership.lock import RunBusy
 from trainer.restart.store.conditional import read_object
-from trainer.restart.store.storage import Fence, Store
+from trainer.restart.store.lifecycle import Fence, Store
 
 T = TypeVar("T")
 

@@ -29,7 +29,7 @@ from trainer.faults import transient
 from trainer.restart.ownership.lease import LEASE_FILE, Lease, describe_lease, read_lease
 from trainer.restart.ownership.lock import RunBusy, RunLock
 from trainer.restart.store.conditional import Refused, write_object
-from trainer.restart.store.storage import Store
+from trainer.restart.store.lifecycle import Store
 from trainer.urls import one_line
 
 

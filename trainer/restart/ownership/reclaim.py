@@ -39,7 +39,7 @@ from trainer.faults import transient
 from trainer.restart.books.clock import boot_clock, process_start
 from trainer.restart.ownership.lease_object import LeaseLost
 from trainer.restart.ownership.lock import RunBusy
-from trainer.restart.store.storage import Store
+from trainer.restart.store.lifecycle import Store
 from trainer.urls import one_line
 
 OFFLINE_RETRY_SECONDS = 5.0

@@ -32,7 +32,9 @@ from typing import TypeVar
 from trainer.atomic import publish_dir, temp_sibling
 from trainer.faults import transient
 from trainer.restart.local.checkpoint import CheckpointError, CheckpointManager, resolve_resume
-from trainer.restart.store.storage import Corrupt, Store, StoreError, StoreUnreachable
+from trainer.restart.store.errors import StoreError, StoreUnreachable
+from trainer.restart.store.lifecycle import Store
+from trainer.restart.store.verify import Corrupt
 from trainer.urls import one_line
 
 T = TypeVar("T")

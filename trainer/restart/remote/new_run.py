@@ -6,7 +6,7 @@ into `<output_dir>/previous-run-<time>/`, in `checkpoint.remote` under `previous
 generation's copy). So the new run writes a new config.yaml, pins hub data anew, opens new tracker
 runs (trackers.json), starts its ledger and metrics from nothing, and `spotune chat`, `export` and
 `status` read the new run. The old run's checkpoints are retired where they are, as for an explicit
-checkpoint (trainer/restart/local/checkpoint.py `retire`, trainer/restart/store/storage.py `retire`). Only the run's
+checkpoint (trainer/restart/local/checkpoint.py `retire`, trainer/restart/store/lifecycle.py `retire`). Only the run's
 own outputs move: the lock, the prepared data, the pilot and a saved estimate stay.
 
 A request applies once. `resume=never` and `resume=<path>` in a job spec are rerun after every preemption
@@ -34,7 +34,7 @@ from trainer.atomic import fsync_path
 from trainer.restart.books.ledger import HEARTBEAT_FILE, LEDGER_FILE, chronological, recover_killed, row_from_progress
 from trainer.restart.local.checkpoint import CheckpointManager
 from trainer.restart.remote.uploader import RAN_OUT_FILE
-from trainer.restart.store.storage import CHECKPOINTS
+from trainer.restart.store.transport import CHECKPOINTS
 
 PREFIX = "previous-run-"
 RUN_OUTPUTS = (

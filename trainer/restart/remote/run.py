@@ -36,9 +36,11 @@ from trainer.restart.ownership.lease_object import Follower
 from trainer.restart.remote import new_run as new_run_module
 from trainer.restart.remote.choose import choose, download_confirmed, retrying
 from trainer.restart.remote.uploader import RAN_OUT_FILE, RUN_FILES, Uploader
+from trainer.restart.store.errors import StoreDenied, StoreUnreachable
 from trainer.restart.store.generations import APPEND_ONLY, merged_rows
+from trainer.restart.store.lifecycle import Fence, Store
 from trainer.restart.store.safety import Floor
-from trainer.restart.store.storage import Corrupt, Fence, Store, StoreDenied, StoreUnreachable
+from trainer.restart.store.verify import Corrupt
 from trainer.urls import one_line, redact
 
 Directory = tuple[str, int, int]

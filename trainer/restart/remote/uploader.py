@@ -33,8 +33,8 @@ from trainer.atomic import temp_sibling
 from trainer.faults import transient
 from trainer.restart.books.ledger import HEARTBEAT_FILE, LEDGER_FILE
 from trainer.restart.ownership.lease_object import LeaseLost
+from trainer.restart.store.lifecycle import Store
 from trainer.restart.store.safety import SafetyViolation, StoreAhead
-from trainer.restart.store.storage import Store
 from trainer.urls import one_line
 
 RAN_OUT_FILE = "auto-out-of-memory.json"

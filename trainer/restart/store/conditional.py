@@ -26,7 +26,7 @@ from typing import Any
 
 from trainer.atomic import write_bytes
 from trainer.faults import answer, transient
-from trainer.restart.store.storage import Store
+from trainer.restart.store.lifecycle import Store
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The rule that keeps what a run paid for, stated once. Every `Store` method that deletes, moves,
-uncommits or supersedes remote state asks it first (`Floor.allow*`, called by trainer/restart/store/storage.py;
+uncommits or supersedes remote state asks it first (`Floor.allow*`, called by trainer/restart/store/lifecycle.py;
 tests/test_safety.py checks each one does): pruning, replacing or committing a step, retiring, setting run
 files aside, and `clean`, for a late manifest (judged on the raw manifests: a step this attempt saw
 committed when it chose is never "late") and for an unfinished upload (`allow_unfinished`: no manifest, no
