@@ -159,8 +159,8 @@ def _new_run_rank(rank: int, tmp: str, remote: str) -> None:
     node = Path(tmp) / f"never-node{rank}"
     run = RemoteRun(remote, {}, node, keep_last=2, is_main=rank == 0, is_local_main=True, message=lambda m: None)
     stamp = new_run.stamp() + (f"-rank{rank}" if rank else "")  # rank 0's name must win on every node
-    run.connect(stamp, lambda folder: new_run.set_aside(node, folder), request="never")
-    (Path(tmp) / f"never{rank}").write_text(str(run.resolve(run.setting("never"))[0]))
+    run.connect(new_run.Request("never", stamp), lambda folder: new_run.set_aside(node, folder))
+    (Path(tmp) / f"never{rank}").write_text(str(run.resolve(run.request.acts_on)[0]))
     torch.distributed.destroy_process_group()
 
 

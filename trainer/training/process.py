@@ -68,8 +68,8 @@ def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitSt
     if fence is not None:
         remote.fence = fence
     # checkpoint.resume=never: a new run. The old run's files and checkpoints go aside before anything reads
-    # them, and only once the store answered (trainer/restart/remote/new_run.py): one step, never half of it.
-    fresh = new_run.stamp() if ck.resume == "never" else None
+    # them, and only once the store answered (trainer/restart/remote/new_run.py `apply`): one step, never half of it.
+    request = new_run.Request.of(ck.resume)
 
     def set_aside_here(folder: str) -> None:  # rank 0's folder name on every node: one name per new run
         unbooked = fence.new_run() if fence is not None and accelerator.is_main_process else []
@@ -88,8 +88,8 @@ def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitSt
     ):  # first: a fresh machine fetches the run's config, ledger and metrics before writing any
         # Every node sets its own disk aside (rank 0's decides, trainer/restart/remote/run.py `connect`); a request
         # applied already (a rerun of the same command after a preemption) is not applied again.
-        here = set_aside_here if fresh is not None and accelerator.is_local_main_process else None
-        remote.connect(fresh, here, request=ck.resume)
+        here = set_aside_here if request.folder is not None and accelerator.is_local_main_process else None
+        remote.connect(request, here)
     stop = preemption.Preemption().install()
     closing.callback(stop.uninstall)
     # A store that refused the uploader or the lease for good (credentials, permissions, full...): save locally,

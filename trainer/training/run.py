@@ -94,7 +94,7 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
         refuse_identical_pairs(rows, prepared.train_path)  # a preference objective never trains on them
         with timed(phases, "resolve"):
             # local or remote, on rank 0; a request applied already (a rerun of the same command) resumes as auto
-            resume_dir, resume_notes = proc.remote.resolve(proc.remote.setting(cfg.checkpoint.resume))
+            resume_dir, resume_notes = proc.remote.resolve(proc.remote.request.acts_on)
             keep_init_adapter(cfg, proc)  # adapter.init_from: the run's own copy, here and in the store
         sched = _schedule(cfg, proc, prepared, len(rows), resume_dir)
         if attempts.finished_already(
@@ -247,7 +247,7 @@ def _open_books(
         process_start=holding.clock_start(),  # after a --wait: from when this attempt got the run
         attempt_id=lease.id if lease is not None else None,
         lost_attempts=lease.hand_over() if lease is not None else (),  # killed attempts the lease names
-        resume_request=cfg.checkpoint.resume if cfg.checkpoint.resume != "auto" else None,  # applies once
+        resume_request=proc.remote.request.recorded,  # applies once: a rerun finds it (restart/remote/new_run.py)
     )
     closing.push(_ledger_row_on_error(ledger))
     console = Console(sched.steps, bar=cfg.metrics.progress, is_main=proc.is_main)

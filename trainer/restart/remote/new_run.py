@@ -15,10 +15,11 @@ heartbeat, trainer/restart/books/ledger.py), and a start whose last attempt was 
 (`rerun_of`: a row, or the heartbeat of one killed before its row) resumes the timeline that request began,
 as `auto` does, and says so. A start whose last attempt carried no request, or another, applies it.
 
-It is one step, taken once the store answered (trainer/restart/remote/run.py `connect`): the store's
-checkpoints retired, this disk's checkpoints retired and its files set aside, the store's run files set
-aside. A store that does not answer stops the attempt (exit 143) before anything moved, so no failure
-leaves the old checkpoints beside a new ledger for a later `auto` to resume.
+It is one step, `apply`, whose body states its order, taken on rank 0 once the store answered (called from
+one place, trainer/restart/remote/run.py `connect`): applied already?, the store's checkpoints retired (a new
+timeline), this disk's checkpoints retired and its files set aside, the store's run files set aside, the
+request recorded. A store that does not answer stops the attempt (exit 143) before anything moved, so no
+failure leaves the old checkpoints beside a new ledger for a later `auto` to resume.
 """
 
 from __future__ import annotations
@@ -26,14 +27,17 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trainer.atomic import fsync_path
+from trainer.model.reference import INIT_FILES
 from trainer.restart.books.ledger import HEARTBEAT_FILE, LEDGER_FILE, chronological, recover_killed, row_from_progress
 from trainer.restart.local.checkpoint import CheckpointManager
-from trainer.restart.remote.uploader import RAN_OUT_FILE
+from trainer.restart.remote.uploader import RAN_OUT_FILE, RUN_FILES
+from trainer.restart.store.lifecycle import Store
 from trainer.restart.store.transport import CHECKPOINTS
 
 PREFIX = "previous-run-"
@@ -63,6 +67,96 @@ RUN_OUTPUTS = (
 def stamp() -> str:
     """The name both set-aside folders share (UTC, to the second)."""
     return PREFIX + time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+
+
+@dataclass
+class Request:
+    """`checkpoint.resume` as this start was given it, and what this start does with it (`apply`)."""
+
+    setting: str = "auto"
+    folder: str | None = None
+    """resume=never: the folder the old run goes aside into (`stamp`; rank 0's name on every node)."""
+    rerun: dict[str, Any] | None = None
+    """The last attempt, started with `setting` already: this start resumes instead of applying it (`decide`)."""
+
+    @classmethod
+    def of(cls, setting: str) -> Request:
+        return cls(setting, stamp() if setting == "never" else None)
+
+    @property
+    def new_run(self) -> str | None:
+        """The folder the old run goes aside into when this start applies resume=never; else None."""
+        return self.folder if self.rerun is None else None
+
+    @property
+    def acts_on(self) -> str:
+        """The `checkpoint.resume` this attempt chooses its checkpoint by: `auto` for a request applied already."""
+        return "auto" if self.rerun is not None else self.setting
+
+    @property
+    def recorded(self) -> str | None:
+        """What this attempt's heartbeat and ledger row record (`resume_request`), so that a rerun resumes."""
+        return None if self.setting == "auto" else self.setting
+
+    def decide(
+        self, ledgers: Iterable[bytes | None], heartbeats: Iterable[bytes | None], message: Callable[[str], None]
+    ) -> None:
+        """Rank 0: whether this start is a rerun of the one that applied the request (`rerun_of`; said once)."""
+        if self.setting == "auto":
+            return
+        said = self.rerun is not None
+        self.rerun = rerun_of(self.setting, ledgers, heartbeats)
+        if self.rerun is not None and not said:
+            message(f"spotune: {rerun_note(self.setting, self.rerun)}")
+
+
+Files = Callable[[], tuple[list[bytes | None], list[bytes | None]]]
+"""The ledgers and heartbeats a start reads to tell whether it is a rerun (this disk's, and the store's)."""
+
+
+def apply(
+    request: Request,
+    store: Store | None,
+    files: Files,
+    here: Callable[[str], None] | None,
+    message: Callable[[str], None],
+) -> None:
+    """Rank 0, once the store answered (or without one): `checkpoint.resume=never` or `=<path>`, applied once, in
+    this order. Every other node sets its own disk aside after it (trainer/restart/remote/run.py `connect`)."""
+    if request.setting == "auto":
+        return
+    # 1. Applied already? The run's last attempt carried this request: a rerun of the same command (after a
+    #    preemption) resumes the timeline it began, as `auto` does (`Request.acts_on`), and nothing moves.
+    request.decide(*files(), message)
+    if store is not None:
+        store.floor.new_timeline = store.floor.new_timeline and request.rerun is None
+    folder = request.new_run
+    if folder is None:  # a rerun, or resume=<path>: choose.py resumes from that path, nothing is set aside
+        return
+    # 2. A new timeline in the store: its checkpoints retired (renamed, kept), which the floor allows because
+    #    the user asked (trainer/restart/store/safety.py).
+    if store is not None:
+        store.floor.choose(None, store.committed(), new_timeline=True, generation=store.fence.generation)
+        retired = store.retire(-1)
+        if retired:
+            message(
+                f"spotune: checkpoint.resume=never: set aside remote checkpoint(s) above step 0, kept as "
+                f"{', '.join(f'{store.shown}/checkpoints/{name}' for name in retired)}"
+            )
+    # 3. This disk: its checkpoints retired, its run files set aside (`set_aside`).
+    if here is not None:
+        here(folder)
+    # 4. The store's run files set aside: the new run writes its own config, ledger and metrics, and copies its
+    #    init_from anew.
+    if store is not None:
+        moved = store.set_aside(RUN_FILES + INIT_FILES, folder)
+        if moved:
+            message(
+                f"spotune: checkpoint.resume=never: a new run; the old run's files in {store.shown} are set "
+                f"aside in {store.shown}/{folder}/ ({', '.join(moved)}): kept, never read by this run"
+            )
+    # 5. Recorded: this attempt's heartbeat and ledger row carry the request (`Request.recorded`, written by
+    #    trainer/restart/books/ledger.py once the ledger opens), so step 1 finds it at the next start.
 
 
 def set_aside(run_dir: Path, folder: str, unbooked: Sequence[dict[str, Any]] = ()) -> tuple[list[str], list[str]]:

@@ -27,7 +27,6 @@ from typing import Any
 from trainer.atomic import write_bytes
 from trainer.config.schema import CheckpointConfig
 from trainer.exit_codes import EXIT_ERROR, EXIT_FINISHED, EXIT_PREEMPTED, code_for
-from trainer.model.reference import INIT_FILES
 from trainer.restart import agree
 from trainer.restart.books.handover import Handover
 from trainer.restart.books.ledger import HEARTBEAT_FILE, LEDGER_FILE, attempt_key, read_rows, recover_killed
@@ -87,10 +86,8 @@ class RemoteRun:
         self.on_violation: Callable[[str], object] = lambda why: None
         """What the uploader calls when the rule refused one of its writes (a bug): process.py asks for the stop."""
         self._booking = threading.Lock()
-        self.request = "auto"
-        """checkpoint.resume as given (`connect`)."""
-        self.rerun: dict[str, Any] | None = None
-        """The last attempt, started with `request` already: this start resumes instead (`setting`)."""
+        self.request = new_run_module.Request()
+        """checkpoint.resume as given, and whether this start applies it (`connect`; trainer/restart/remote/new_run.py)."""
         self.refused: BaseException | None = None
         """What the store answered a background thread (the uploader, the lease's) that rerunning will not change
         (trainer/faults.py): the run stops, and exits with its code (`exit_code`)."""
@@ -102,10 +99,7 @@ class RemoteRun:
     # ------------------------------------------------------------------ start
 
     def connect(
-        self,
-        new_run: str | None = None,
-        set_aside_here: Callable[[str], None] | None = None,
-        request: str = "auto",
+        self, request: new_run_module.Request | None = None, set_aside_here: Callable[[str], None] | None = None
     ) -> None:
         """Collective. Rank 0 checks the store (list, and a probe write and delete) and, on a machine
         without the run files, downloads them (this disk's ledger and metrics rows merged with the store's).
@@ -113,92 +107,70 @@ class RemoteRun:
         Every rank raises StoreDenied (exit 2) when the store refuses these credentials or has no such
         bucket, and StoreUnreachable (exit 143) when it does not answer for `budget` seconds and no local
         checkpoint lets training start; with one, rank 0 warns and goes on cut off (the floor reads the
-        store before the first write). `request` (checkpoint.resume) applies once: when the run's last
-        attempt was started with it, this is a rerun of the same command, which resumes instead
-        (trainer/restart/remote/new_run.py `rerun_of`; `setting`). `new_run` (checkpoint.resume=never, applied): the
-        folder the store's run files of the old run are moved to, once the store answered, in one step with
-        its checkpoints retired and with `set_aside_here(new_run)` (this disk's part, trainer/restart/remote/new_run.py;
-        run on every node whose disk is not rank 0's too); a store that does not answer then stops the
-        attempt (exit 143) before anything moved."""
-        self.request = request
+        store before the first write). `request` (checkpoint.resume) applies once, in one step once the store
+        answered (trainer/restart/remote/new_run.py `apply`, with `set_aside_here`: this disk's part), then on
+        every node whose disk is not rank 0's; a store that does not answer then stops the attempt (exit 143)
+        before anything moved."""
+        self.request = request or new_run_module.Request()
         if self.is_main:
             try:
-                if self.url is None:
-                    self._connect_local(new_run, set_aside_here)
-                else:
-                    self._connect_main(new_run, set_aside_here)
+                self._connect_main(set_aside_here)
             except Exception as e:
                 agree.broadcast((agree.failure(e), None, None))  # the other ranks wait in the broadcast below
                 raise
-        applied = new_run if new_run is not None and self.rerun is None else None
-        mine = (self.rerun is not None, applied, _directory(self.run_dir))
+        mine = (self.request.rerun is not None, self.request.new_run, _directory(self.run_dir))
         problem, self.holder, agreed = agree.broadcast((None, getattr(self.fence, "id", None), mine))
         agree.raise_failure([problem], prefix="rank 0 could not connect to the store: ")
         rerun, folder, directory = agreed
         if not self.is_main:
-            self.rerun = {"rank 0": "a rerun"} if rerun else None
+            self.request.rerun = {"rank 0": "a rerun"} if rerun else None
             if set_aside_here is not None and folder is not None and _directory(self.run_dir) != directory:
                 try:  # this node's own disk (not rank 0's): its old checkpoints and files go aside too
                     set_aside_here(folder)
                 except OSError as e:  # its old checkpoints stay; a resume still checks each copy's digest
                     self.message(f"spotune: rank {agree.rank()}: could not set this node's old run aside: {e}")
 
-    def setting(self, resume_setting: str) -> str:
-        """The `checkpoint.resume` this attempt acts on: `auto` for a request applied already (a rerun of the
-        command that applied it, `connect`), else `resume_setting`."""
-        return "auto" if self.rerun is not None else resume_setting
+    def _connect_main(self, set_aside_here: Callable[[str], None] | None) -> None:
+        """Rank 0: the store reached (or none used), the request applied once (`new_run.apply`, called here
+        only), the run files this machine lacks fetched."""
+        request, run_dir = self.request, self.run_dir
+        here = [set_aside_here] if set_aside_here is not None else []  # once: a retry finds nothing here
+        store: Store | None = None
+        local: list[Path] = []
+        if self.url is not None:
+            store = self.store = Store(self.url, self.options)
+            store.floor = self.floor
+            self.floor.new_timeline = request.folder is not None
+            if self.fence is not None:
+                store.fence = self.fence
+            local = CheckpointManager(run_dir / "checkpoints").committed()
 
-    def _decide(self, ledgers: list[bytes | None], heartbeats: list[bytes | None]) -> None:
-        """Rank 0: whether this start is a rerun of the one that applied `self.request` (said once)."""
-        if self.request == "auto":
-            return
-        said = self.rerun is not None
-        self.rerun = new_run_module.rerun_of(self.request, ledgers, heartbeats)
-        self.floor.new_timeline = self.floor.new_timeline and self.rerun is None
-        if self.rerun is not None and not said:
-            self.message(f"spotune: {new_run_module.rerun_note(self.request, self.rerun)}")
-
-    def _connect_local(self, new_run: str | None, set_aside_here: Callable[[str], None] | None) -> None:
-        self._decide(*new_run_module.local_files(self.run_dir))
-        if new_run is not None and set_aside_here is not None and self.rerun is None:
-            set_aside_here(new_run)
-
-    def _connect_main(self, new_run: str | None, set_aside_here: Callable[[str], None] | None) -> None:
-        store = self.store = Store(self.url or "", self.options)
-        store.floor = self.floor
-        self.floor.new_timeline = new_run is not None
-        if self.fence is not None:
-            store.fence = self.fence
-        local = CheckpointManager(self.run_dir / "checkpoints").committed()
-
-        here = [set_aside_here] if set_aside_here is not None else []
+        def files() -> tuple[list[bytes | None], list[bytes | None]]:  # the run's last attempt, here or in the store
+            ledgers, beats = new_run_module.local_files(run_dir)
+            if store is None:
+                return ledgers, beats
+            return [*ledgers, store.read_run_file(LEDGER_FILE)], [*beats, store.read_run_file(HEARTBEAT_FILE)]
 
         def reach() -> None:
-            store.check()
-            if self.request != "auto":  # the run's last attempt, on this disk or in the store: a rerun?
-                ledgers, beats = new_run_module.local_files(self.run_dir)
-                self._decide(
-                    [*ledgers, store.read_run_file(LEDGER_FILE)], [*beats, store.read_run_file(HEARTBEAT_FILE)]
-                )
-            if new_run is not None and self.rerun is None:
-                self._begin_new_run(store, new_run, here.pop() if here else None)  # once: a retry finds nothing here
-                moved = store.set_aside(RUN_FILES + INIT_FILES, new_run)  # a new run copies its init_from anew
-                if moved:
-                    self.message(
-                        f"spotune: checkpoint.resume=never: a new run; the old run's files in {store.shown} are set "
-                        f"aside in {store.shown}/{new_run}/ ({', '.join(moved)}): kept, never read by this run"
-                    )
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            fetch_run_files(store, self.run_dir)
+            if store is not None:
+                store.check()
+            new_run_module.apply(request, store, files, here.pop() if here else None, self.message)
+            if store is not None:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                fetch_run_files(store, run_dir)
 
+        if store is None:  # no checkpoint.remote: this disk alone
+            reach()
+            return
         try:
             retrying("reaching", 0.0 if local else self.budget, reach, self.message, store)
         except StoreDenied:
             raise  # a setting to fix: waiting changes nothing (exit 2)
         except StoreUnreachable as e:
-            if self.request != "auto":  # this disk alone may show a rerun, whose timeline goes on cut off like auto's
-                self._decide(*new_run_module.local_files(self.run_dir))
-            if new_run is not None and self.rerun is None:  # a new run sets the store's checkpoints aside first
+            # this disk alone may show a rerun, whose timeline goes on cut off like auto's
+            request.decide(*new_run_module.local_files(run_dir), self.message)
+            self.floor.new_timeline = self.floor.new_timeline and request.rerun is None
+            if request.new_run is not None:  # a new run sets the store's checkpoints aside first
                 raise StoreUnreachable(
                     f"{e}. checkpoint.resume=never sets the old run aside in the store too; nothing was moved "
                     "(exit 143: rerun once the store answers)"
@@ -208,18 +180,6 @@ class RemoteRun:
             self.message(f"spotune: {e}. Continuing from the local checkpoint {local[-1].name}; uploads will retry.")
             return
         self.reachable = True
-
-    def _begin_new_run(self, store: Store, folder: str, set_aside_here: Callable[[str], None] | None) -> None:
-        """resume=never, the store answering: its checkpoints retired (renamed, kept), then this disk's."""
-        self.floor.choose(None, store.committed(), new_timeline=True, generation=store.fence.generation)
-        moved = store.retire(-1)
-        if moved:
-            self.message(
-                f"spotune: checkpoint.resume=never: set aside remote checkpoint(s) above step 0, kept as "
-                f"{', '.join(f'{store.shown}/checkpoints/{name}' for name in moved)}"
-            )
-        if set_aside_here is not None:
-            set_aside_here(folder)
 
     def resolve(self, resume_setting: str) -> tuple[Path | None, list[str]]:
         """The checkpoint every rank resumes from: chosen on rank 0 (local or remote, the newest
