@@ -15,7 +15,8 @@ import pytest
 
 from trainer.restart.books import ledger as L
 from trainer.restart.ownership.lease import Lease
-from trainer.restart.remote.run import RemoteRun, fetch_run_files
+from trainer.restart.remote.run import RemoteRun
+from trainer.restart.remote.run_files import fetch_run_files
 from trainer.restart.store.lifecycle import Store
 
 

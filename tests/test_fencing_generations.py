@@ -16,7 +16,7 @@ import pytest
 from trainer.report.load import load_run
 from trainer.restart.local.checkpoint import MANIFEST, CheckpointManager
 from trainer.restart.ownership.lease import Lease
-from trainer.restart.remote.run import fetch_run_files
+from trainer.restart.remote.run_files import fetch_run_files
 from trainer.restart.store.generations import current_steps
 from trainer.restart.store.lifecycle import Fence, Store
 from trainer.restart.store.safety import Floor, SafetyViolation, StoreAhead

@@ -41,7 +41,7 @@ from trainer.restart.ownership.lease import Lease
 from trainer.restart.ownership.lease_object import LeaseLost
 from trainer.restart.ownership.lock import RunBusy
 from trainer.restart.remote.choose import choose
-from trainer.restart.remote.run import fetch_run_files
+from trainer.restart.remote.run_files import fetch_run_files
 from trainer.restart.store.generations import stamped
 from trainer.restart.store.lifecycle import Store
 from trainer.restart.store.safety import SafetyViolation, StoreAhead

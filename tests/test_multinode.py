@@ -34,7 +34,7 @@ from trainer import config as C
 from trainer.data.cache import in_turns
 from trainer.restart.books.ledger import Ledger, read_rows
 from trainer.restart.local.checkpoint import MANIFEST, PAUSE_ENV, CheckpointManager
-from trainer.restart.remote.run import fetch_run_files
+from trainer.restart.remote.run_files import fetch_run_files
 from trainer.restart.store.lifecycle import Store
 from trainer.training import run
 

@@ -17,7 +17,8 @@ from trainer.restart.local.checkpoint import CheckpointManager
 from trainer.restart.ownership.lease import Lease
 from trainer.restart.ownership.lease_object import Follower
 from trainer.restart.ownership.lock import RunBusy
-from trainer.restart.remote.run import RemoteRun, fetch_run_files
+from trainer.restart.remote.run import RemoteRun
+from trainer.restart.remote.run_files import fetch_run_files
 from trainer.restart.remote.uploader import RAN_OUT_FILE
 from trainer.restart.store.lifecycle import Store
 

@@ -17,7 +17,8 @@ from moto_fixture import SECRET, free_port, s3_env
 
 from trainer import config as C
 from trainer.restart.local.checkpoint import MANIFEST, CheckpointManager
-from trainer.restart.remote.run import RemoteRun, fetch_run_files
+from trainer.restart.remote.run import RemoteRun
+from trainer.restart.remote.run_files import fetch_run_files
 from trainer.restart.remote.uploader import Uploader
 from trainer.restart.store.errors import StoreError, StoreUnreachable
 from trainer.restart.store.lifecycle import UPLOAD_PAUSE_ENV, Store

@@ -45,7 +45,7 @@ METRICS_FILE = "metrics.jsonl"
 """The run's metrics rows (training/telemetry.py's JsonlSink, flushed per row)."""
 
 RUN_FILES = ("config.yaml", METRICS_FILE, RAN_OUT_FILE, LEDGER_FILE, HEARTBEAT_FILE)
-"""Uploaded after every checkpoint (absent ones skipped); the ledger before its heartbeat (see remote.fetch_run_files)."""
+"""Uploaded after every checkpoint (absent ones skipped); the ledger before its heartbeat (see remote/run_files.py fetch_run_files)."""
 
 
 @dataclass
