@@ -27,6 +27,7 @@ from typing import Any
 
 from trainer.atomic import REPLACED, TEMP_MARK, files_below, fsync_path, publish_dir, restore_replaced, temp_sibling
 from trainer.exit_codes import EXIT_BAD_INPUT
+from trainer.restart import defaults
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ def file_digest(path: Path, fsync: bool) -> tuple[int, str]:
 class CheckpointManager:
     """Step checkpoints under `root` (usually `<output_dir>/checkpoints`)."""
 
-    def __init__(self, root: Path | str, keep_last: int = 3) -> None:
+    def __init__(self, root: Path | str, keep_last: int = defaults.KEEP_LAST) -> None:
         if keep_last < 2:
             raise ValueError(f"checkpoint.keep_last must be at least 2, got {keep_last}")
         self.root = Path(root)

@@ -37,8 +37,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
-from trainer.config.schema import CheckpointConfig
 from trainer.exit_codes import EXIT_BUSY
+from trainer.restart import defaults
 from trainer.restart.books.clock import boot_clock, process_start
 from trainer.restart.books.handover import Handover
 from trainer.restart.books.ledger import LEDGER_FILE
@@ -73,7 +73,7 @@ class Lease(Fence):
         ttl: float,
         run_dir: Path,
         message: Callable[[str], None] = print,
-        outage_seconds: float = CheckpointConfig.store_outage_seconds,
+        outage_seconds: float = defaults.STORE_OUTAGE_SECONDS,
     ) -> None:
         self.store = store
         self.ttl = ttl

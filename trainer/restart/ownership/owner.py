@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.config.schema import CheckpointConfig
 from trainer.faults import transient
+from trainer.restart import defaults
 from trainer.restart.ownership.lease import LEASE_FILE, Lease, describe_lease, read_lease
 from trainer.restart.ownership.lock import RunBusy, RunLock
 from trainer.restart.store.conditional import Refused, write_object
@@ -66,7 +66,7 @@ def hold(
     lease_seconds: float,
     wait: float | None = None,
     command: str = "train",
-    outage_seconds: float = CheckpointConfig.store_outage_seconds,
+    outage_seconds: float = defaults.STORE_OUTAGE_SECONDS,
 ) -> Iterator[Holding]:
     """Hold `run_dir` (and the lease of `remote`) for the block; raises RunBusy naming the holder."""
     if os.environ.get("RANK", "0") != "0":

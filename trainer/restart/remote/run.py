@@ -26,9 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainer.config.schema import CheckpointConfig
 from trainer.exit_codes import EXIT_ERROR, EXIT_FINISHED, EXIT_PREEMPTED, code_for
-from trainer.restart import agree
+from trainer.restart import agree, defaults
 from trainer.restart.books.handover import Handover
 from trainer.restart.books.ledger import HEARTBEAT_FILE, LEDGER_FILE, recover_killed
 from trainer.restart.local.checkpoint import CheckpointError, CheckpointManager
@@ -60,8 +59,8 @@ class RemoteRun:
         is_main: bool,
         is_local_main: bool,
         message: Callable[[str], None] = print,
-        retry_seconds: float = CheckpointConfig.store_retry_seconds,
-        outage_seconds: float = CheckpointConfig.store_outage_seconds,
+        retry_seconds: float = defaults.STORE_RETRY_SECONDS,
+        outage_seconds: float = defaults.STORE_OUTAGE_SECONDS,
     ) -> None:
         self.url = url
         self.options = storage_options
