@@ -106,7 +106,7 @@ def test_resume_never_with_the_store_out_of_reach_sets_nothing_aside(
 
     from trainer.restart.local.checkpoint import CheckpointManager
     from trainer.restart.store.errors import StoreUnreachable
-    from trainer.training import process
+    from trainer.training import process, run
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
@@ -120,7 +120,7 @@ def test_resume_never_with_the_store_out_of_reach_sets_nothing_aside(
     cfg = _cfg(out, tiny_llama, data, "s3://spotune-unreachable/run", lr=1e-2)
     cfg = cfg.replace(**{"checkpoint.resume": "never", "checkpoint.store_retry_seconds": 1.0})
     with contextlib.ExitStack() as closing, pytest.raises(StoreUnreachable):
-        process.start(cfg, {}, closing)
+        process.start(run.process_settings(cfg), {}, closing)
     assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "config.yaml", "ledger.jsonl"]
     assert [p.name for p in CheckpointManager(out / "checkpoints").committed()] == ["step-000002"]
 

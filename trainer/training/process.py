@@ -5,6 +5,7 @@ the run's store (a fresh machine fetches the run's history before writing anythi
 installs the stop paths (signals, the cloud notice watcher, and under torchrun the watch on the
 launcher: trainer/restart/signals/launcher.py). Each registers its close on the
 caller's `ExitStack`, so an exception anywhere in `train()` closes the same things as a clean end.
+It reads the few settings it needs (`Settings`), never the whole run config (training/run.py builds them).
 """
 
 from __future__ import annotations
@@ -17,13 +18,29 @@ from typing import Any
 
 import torch
 
-from trainer import config as C
+from trainer.config import CheckpointConfig, ConfigError
 from trainer.model import distributed
 from trainer.restart.books.ledger import timed
 from trainer.restart.remote import new_run
 from trainer.restart.remote.run import RemoteRun
 from trainer.restart.signals import launcher, notice, preemption
 from trainer.training import gpu_probe
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the process's resources are built from (trainer/training/run.py `process_settings`)."""
+
+    output_dir: str
+    checkpoint: CheckpointConfig
+    """The store, the resume request, the stop paths' notice settings."""
+    mixed_precision: str
+    """train.mixed_precision (`auto`: bf16 where this GPU computes it natively)."""
+    distributed: str
+    """train.distributed: DDP or FSDP."""
+    fsdp_cpu_offload: bool
+    trackers: tuple[str, ...] = ()
+    """metrics.trackers: checked installed before the model loads."""
 
 
 @dataclass
@@ -47,13 +64,13 @@ class Process:
         return bool(self.accelerator.is_main_process)
 
 
-def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitStack, fence: Any = None) -> Process:
+def start(settings: Settings, phases: dict[str, float], closing: contextlib.ExitStack, fence: Any = None) -> Process:
     """`fence`: the run's lease (trainer/restart/ownership/lease.py), which every write to the store asks first."""
-    accelerator = make_accelerator(cfg)
-    t, ck = cfg.train, cfg.checkpoint
+    accelerator = make_accelerator(settings)
+    ck = settings.checkpoint
     # DDP, or FSDP from the recipe or an accelerate FSDP config; refuses DeepSpeed and the like.
-    sharding = distributed.choose(t.distributed, t.fsdp_cpu_offload, accelerator)
-    out = Path(cfg.output_dir)
+    sharding = distributed.choose(settings.distributed, settings.fsdp_cpu_offload, accelerator)
+    out = Path(settings.output_dir)
     remote = RemoteRun(
         ck.remote,
         ck.storage_options,
@@ -116,14 +133,7 @@ def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitSt
     return Process(accelerator, sharding, remote, stop, out)
 
 
-def resolved_precision(cfg: C.RunConfig, accelerator: Any) -> C.RunConfig:
-    """`cfg` with `train.mixed_precision: auto` replaced by what `make_accelerator` chose for this GPU."""
-    if cfg.train.mixed_precision != "auto":
-        return cfg
-    return cfg.replace(**{"train.mixed_precision": accelerator.mixed_precision})
-
-
-def make_accelerator(cfg: C.RunConfig) -> Any:
+def make_accelerator(settings: Settings) -> Any:
     """Accelerate owns device placement, autocast (+ fp16 grad scaler) and DDP wrapping; FSDP
     sharding is ours (trainer/model/distributed.py says why).
 
@@ -137,25 +147,25 @@ def make_accelerator(cfg: C.RunConfig) -> Any:
     cuda = torch.cuda.is_available()
     unusable = gpu_probe.unusable_gpu_reason()
     if unusable:
-        raise C.ConfigError([unusable])
-    if cfg.train.mixed_precision == "fp16" and not cuda:
-        raise C.ConfigError(["train.mixed_precision: fp16 needs a CUDA GPU; use bf16 or no on CPU"])
-    precision = cfg.train.mixed_precision
+        raise ConfigError([unusable])
+    if settings.mixed_precision == "fp16" and not cuda:
+        raise ConfigError(["train.mixed_precision: fp16 needs a CUDA GPU; use bf16 or no on CPU"])
+    precision = settings.mixed_precision
     if precision == "auto":  # bf16 where this GPU computes it natively (every rank of a job has the same GPUs)
         precision = "bf16" if cuda and torch.cuda.is_bf16_supported() else "no"
-    trackers = list(cfg.metrics.trackers)
+    trackers = list(settings.trackers)
     missing = [t for t in trackers if importlib.util.find_spec(t) is None]
     if missing:  # said before the model loads, not at the first metrics row (trainer/training/trackers.py)
-        raise C.ConfigError(
+        raise ConfigError(
             [
                 f"metrics.trackers: {', '.join(missing)} is not installed; pip install {' '.join(missing)} "
                 "(or pip install 'spotune[trackers]'), or remove it from metrics.trackers"
             ]
         )
-    backend = distributed.process_group_backend(cfg.train.distributed, cfg.train.fsdp_cpu_offload, cuda)
+    backend = distributed.process_group_backend(settings.distributed, settings.fsdp_cpu_offload, cuda)
     return Accelerator(
         cpu=not cuda,
         mixed_precision=precision,
-        project_dir=cfg.output_dir,
+        project_dir=settings.output_dir,
         kwargs_handlers=[InitProcessGroupKwargs(backend=backend)] if backend else None,
     )

@@ -75,8 +75,10 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
                 cfg.output_dir, ck.remote, ck.storage_options, ck.lease_seconds, wait, "train", ck.store_outage_seconds
             )
         )
-        proc = process.start(cfg, phases, closing, fence=holding.lease)  # accelerator, DDP/FSDP, store, stop paths
-        cfg = process.resolved_precision(cfg, proc.accelerator)  # `auto`: what the accelerator runs on this GPU
+        proc = process.start(
+            process_settings(cfg), phases, closing, fence=holding.lease
+        )  # accelerator, DDP/FSDP, store, stop paths
+        cfg = resolved_precision(cfg, proc.accelerator)  # `auto`: what the accelerator runs on this GPU
         device = proc.accelerator.device
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         if holding.lease is not None:  # a kill before the ledger opens is still booked with its device and rate
@@ -139,6 +141,26 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
 
 
 # ---------------------------------------------------------------------------- the stages
+
+
+def process_settings(cfg: C.RunConfig) -> process.Settings:
+    """What the process's resources are built from (trainer/training/process.py `start`): a few values, not the run."""
+    t = cfg.train
+    return process.Settings(
+        cfg.output_dir,
+        cfg.checkpoint,
+        t.mixed_precision,
+        t.distributed,
+        t.fsdp_cpu_offload,
+        tuple(cfg.metrics.trackers),
+    )
+
+
+def resolved_precision(cfg: C.RunConfig, accelerator: Any) -> C.RunConfig:
+    """`cfg` with `train.mixed_precision: auto` replaced by what `make_accelerator` chose for this GPU."""
+    if cfg.train.mixed_precision != "auto":
+        return cfg
+    return cfg.replace(**{"train.mixed_precision": accelerator.mixed_precision})
 
 
 def refuse_identical_pairs(rows: Any, where: Path) -> None:
