@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from trainer import config as C  # noqa: E402
-from trainer.restart.ledger import read_rows  # noqa: E402
+from trainer.restart.books.ledger import read_rows  # noqa: E402
 from trainer.training import run  # noqa: E402
 
 

@@ -33,7 +33,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from trainer.restart.ledger import read_rows  # noqa: E402
+from trainer.restart.books.ledger import read_rows  # noqa: E402
 
 
 def recipe(work: Path, name: str, remote: Path, args: argparse.Namespace, **model: Any) -> Path:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 from trainer import config  # noqa: E402
 from trainer.cli.world import estimate_for_run  # noqa: E402
 from trainer.plan.pilot import summarise  # noqa: E402
-from trainer.restart.ledger import read_rows  # noqa: E402
+from trainer.restart.books.ledger import read_rows  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data" / "gpteacher-roleplay.json"
 

@@ -41,9 +41,9 @@ from safetensors.torch import save_file  # noqa: E402
 from trainer import builtin_assets  # noqa: E402
 from trainer import config as C  # noqa: E402
 from trainer.data.sampler import StepSampler  # noqa: E402
-from trainer.restart.checkpoint import CheckpointManager  # noqa: E402
-from trainer.restart.rng import gather_rng  # noqa: E402
-from trainer.restart.state import TrainState, optimizer_to_tensors, write_training_state  # noqa: E402
+from trainer.restart.local.checkpoint import CheckpointManager  # noqa: E402
+from trainer.restart.local.rng import gather_rng  # noqa: E402
+from trainer.restart.local.state import TrainState, optimizer_to_tensors, write_training_state  # noqa: E402
 from trainer.training import inputs  # noqa: E402
 
 FAR = 10_000

@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 from resume import NEAR, _recipe, _train  # noqa: E402  (benchmarks/resume.py: the seed-run recipe, the launcher)
 
 from trainer import builtin_assets  # noqa: E402
-from trainer.restart.ledger import read_rows  # noqa: E402
+from trainer.restart.books.ledger import read_rows  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from trainer import builtin_assets as tiny  # noqa: E402
-from trainer.restart.checkpoint import CheckpointManager  # noqa: E402
+from trainer.restart.local.checkpoint import CheckpointManager  # noqa: E402
 
 SHIPPED_1B = REPO / "trainer" / "plan" / "models" / "meta-llama--Llama-3.2-1B.json"
 

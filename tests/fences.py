@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainer.restart.storage import Fence
+from trainer.restart.store.lifecycle import Fence
 
 
 class Generation(Fence):

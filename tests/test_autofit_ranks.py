@@ -165,9 +165,9 @@ def test_the_setting_that_ran_out_reaches_the_store_for_a_replacement_machine(
     """An out-of-memory exit pushes the ledger row and the `auto` setting that ran out with the run
     files, so a new VM (an empty output_dir) skips that setting instead of running out again forever."""
     from trainer.model import objective  # the loop's SFT objective calls the loss there
-    from trainer.restart.ledger import read_rows
-    from trainer.restart.remote import fetch_run_files
-    from trainer.restart.storage import Store
+    from trainer.restart.books.ledger import read_rows
+    from trainer.restart.remote.run_files import fetch_run_files
+    from trainer.restart.store.lifecycle import Store
     from trainer.training import run
 
     def nothing_fits(model: Any, micro: dict[str, Any]) -> Any:

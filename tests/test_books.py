@@ -28,7 +28,7 @@ from trainer.report import write_report
 from trainer.report.load import Attempt, RunData, load_run
 from trainer.report.status import format_status, run_status
 from trainer.report.totals import hours_unit, redone_by_attempt, resume_line, totals
-from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, Ledger
+from trainer.restart.books.ledger import HEARTBEAT_FILE, LEDGER_FILE, Ledger
 
 REPO = Path(__file__).resolve().parents[1]
 KILL_STEP, SAVED_STEP = 25, 20

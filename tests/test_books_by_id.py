@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 
-from trainer.restart import ledger as L
-from trainer.restart.lease import Lease
-from trainer.restart.remote import RemoteRun, fetch_run_files
-from trainer.restart.storage import Store
+from trainer.restart.books import ledger as L
+from trainer.restart.ownership.lease import Lease
+from trainer.restart.remote.run import RemoteRun
+from trainer.restart.remote.run_files import fetch_run_files
+from trainer.restart.store.lifecycle import Store
 
 
 def _beat(attempt: int, attempt_id: str, pid: int, start: float, last_step: int) -> dict[str, Any]:
@@ -126,8 +127,8 @@ def test_a_kill_right_after_the_store_committed_a_step_loses_no_metrics_row(
     """The uploader commits step 2 (its manifest is in the store) and the machine dies before the run files
     follow. The rows up to step 2 must be in the store already: the resumed run does not log step 2 again
     (before, the store's history had a hole at 2). The kill: the first call after the commit never returns."""
-    from trainer.restart.checkpoint import CheckpointManager
-    from trainer.restart.uploader import Uploader
+    from trainer.restart.local.checkpoint import CheckpointManager
+    from trainer.restart.remote.uploader import Uploader
 
     url, _ = _store(tmp_path)
     run = tmp_path / "run"

@@ -14,14 +14,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from trainer.restart.checkpoint import (
+from trainer.restart.local.checkpoint import (
     MANIFEST,
     CheckpointError,
     CheckpointManager,
     ResumeMismatch,
     resolve_resume,
 )
-from trainer.restart.state import TrainState, check_compatible
+from trainer.restart.local.state import TrainState, check_compatible
 
 
 def writer(step: int, size: int = 1000):
@@ -211,7 +211,7 @@ def test_file_size_limit_in_a_real_process(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import resource, signal, sys, torch
         from safetensors.torch import save_file
-        from trainer.restart.checkpoint import CheckpointManager, CheckpointError
+        from trainer.restart.local.checkpoint import CheckpointManager, CheckpointError
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # get EFBIG instead of being killed
         resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
         m = CheckpointManager({str(m.root)!r}, keep_last=2)

@@ -1,4 +1,4 @@
-"""rank 0's choice of the resume step (trainer/restart/choose.py), in process against a `file://` store:
+"""rank 0's choice of the resume step (trainer/restart/remote/choose.py), in process against a `file://` store:
 what is retried as a fault of the moment and what ends the attempt with its own code."""
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from trainer import exit_codes as E
-from trainer.restart.storage import Corrupt, Store, StoreDenied, StoreOffline, StoreUnreachable
+from trainer.restart.store.errors import StoreDenied, StoreOffline, StoreUnreachable
+from trainer.restart.store.lifecycle import Store
+from trainer.restart.store.verify import Corrupt
 
 
 def _store(tmp_path: Path) -> Store:
@@ -23,7 +25,7 @@ def test_only_a_fault_of_the_moment_is_retried(tmp_path: Path) -> None:
     """A full disk, a bug or this machine's own refused file are not the store's fault: they end the
     attempt at once with their own code (1), never 143 forever; the network, a store that does not answer
     and a lease cut off are retried, then 143. `exit_codes.transient` is the one definition of both."""
-    from trainer.restart.choose import retrying
+    from trainer.restart.remote.choose import retrying
 
     store = _store(tmp_path)
     said: list[str] = []
@@ -67,7 +69,7 @@ def test_a_refusal_is_the_stores_when_the_store_refused(tmp_path: Path) -> None:
     exception an `except` block was handling): a refusal re-raised as another error is still a refusal
     (exit 2), while a PermissionError about a file on this machine, outside the store, is not the store's
     (no "lacks s3:GetObject"): it keeps its own code."""
-    from trainer.restart.choose import retrying
+    from trainer.restart.remote.choose import retrying
 
     store = _store(tmp_path)
     try:
@@ -88,8 +90,8 @@ def test_a_refusal_is_the_stores_when_the_store_refused(tmp_path: Path) -> None:
 def test_an_unreachable_store_and_no_local_checkpoint_that_verifies_is_a_fault_of_the_moment(tmp_path: Path) -> None:
     """The store did not answer at start and every local checkpoint fails to verify: the store may hold
     good ones, so the attempt stops with 143 (rerun once it answers), not 2 ("none verifies")."""
-    from trainer.restart.checkpoint import CheckpointError, CheckpointManager
-    from trainer.restart.choose import choose
+    from trainer.restart.local.checkpoint import CheckpointError, CheckpointManager
+    from trainer.restart.remote.choose import choose
 
     root = tmp_path / "run" / "checkpoints"
     manager = CheckpointManager(root, keep_last=2)

@@ -82,9 +82,16 @@ STAGES: dict[str, int] = {
 }
 
 
+# Leaves inside a stage: a module that imports nothing of trainer/ but the ranks below 0, which a lower stage may
+# import. restart/defaults.py holds the numbers restart is tuned by, beside the code they tune; the schema
+# (config/, rank 1) takes them as its defaults, where users read them.
+LEAVES: dict[str, int] = {"trainer.restart.defaults": 0}
+RANKS: dict[str, int] = {**STAGES, **LEAVES}
+
+
 def _stage(module: str) -> str:
-    """`trainer.model.loss` -> `model`; `trainer.atomic` -> `atomic`."""
-    return module.split(".")[1]
+    """`trainer.model.loss` -> `model`; `trainer.atomic` -> `atomic`; a leaf is a stage of its own."""
+    return module if module in LEAVES else module.split(".")[1]
 
 
 def _module_name(path: Path) -> str:
@@ -115,9 +122,9 @@ def upward_imports(module: str, targets: set[str]) -> list[str]:
     """Every import of `module` into a stage of its own rank or above (other than its own stage)."""
     own = _stage(module)
     return [
-        f"{module} (stage {own}, rank {STAGES[own]}) imports {t} (stage {_stage(t)}, rank {STAGES[_stage(t)]})"
+        f"{module} (stage {own}, rank {RANKS[own]}) imports {t} (stage {_stage(t)}, rank {RANKS[_stage(t)]})"
         for t in sorted(targets)
-        if _stage(t) != own and STAGES[_stage(t)] >= STAGES[own]
+        if _stage(t) != own and RANKS[_stage(t)] >= RANKS[own]
     ]
 
 
@@ -149,7 +156,7 @@ def _graph() -> dict[str, set[str]]:
 
 
 def test_every_module_belongs_to_a_stage() -> None:
-    unranked = sorted({_stage(m) for m in _graph() if m != "trainer"} - set(STAGES))
+    unranked = sorted({_stage(m) for m in _graph() if m != "trainer"} - set(RANKS))
     assert not unranked, f"give these a stage in STAGES (and CONTRIBUTING.md's map): {unranked}"
 
 
@@ -166,14 +173,71 @@ def test_no_import_circle() -> None:
 
 def test_the_stage_checks_can_fail() -> None:
     """Controls: an upward import, an import between two stages of one rank, and a circle are seen."""
-    assert upward_imports("trainer.config.rules", {"trainer.restart.storage"})  # config reaching up into restart
+    assert upward_imports(
+        "trainer.config.rules", {"trainer.restart.store.lifecycle"}
+    )  # config reaching up into restart
     assert upward_imports("trainer.serve.export", {"trainer.report.load"})  # same rank: neither may import the other
-    assert not upward_imports("trainer.restart.state", {"trainer.model.distributed", "trainer.restart.rng"})
+    assert not upward_imports("trainer.restart.local.state", {"trainer.model.distributed", "trainer.restart.local.rng"})
+    # a leaf may be imported from below; the rest of its stage may not, and a leaf imports nothing of its stage
+    assert not upward_imports("trainer.config.schema", {"trainer.restart.defaults"})
+    assert upward_imports("trainer.config.schema", {"trainer.restart.ownership.lease"})
+    assert upward_imports("trainer.restart.defaults", {"trainer.restart.agree"})
+    assert "trainer.restart.defaults" in _targets(PACKAGE / "config" / "schema.py")
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
     assert not cycles({"a": {"b"}, "b": {"c"}, "c": set()})
     # and the graph is read from the real code: the training wiring imports restart (a lower stage)
-    assert "trainer.restart.saving" in _targets(PACKAGE / "training" / "run.py")
+    assert "trainer.restart.local.saving" in _targets(PACKAGE / "training" / "run.py")
     assert "trainer.data.cache" in _targets(PACKAGE / "data" / "prepare.py")  # `from trainer.data import cache`
+
+
+# The parts of restart/ (its sub-folders, and agree.py), lowest first: the same rule inside the stage, so a
+# newcomer reads the parts from the tree in the order they build on each other (CONTRIBUTING.md's map).
+RESTART_PARTS: dict[str, int] = {
+    "defaults": -1,  # the numbers restart is tuned by: imports nothing (a leaf the schema imports, LEAVES)
+    "agree": 0,  # ranks that decide together: imports nothing of restart/
+    "signals": 0,  # the stop paths
+    "books": 0,  # the ledger, its hand-over records and clocks
+    "local": 1,  # this disk's checkpoints; the one save asks the stop flag (signals)
+    "store": 2,  # checkpoint.remote: manifests (local/), the ledger's file names (books/)
+    "ownership": 3,  # the lock and the lease: written through the store
+    "remote": 4,  # what an attempt asks of the store: every part below
+}
+
+
+def _part(module: str) -> str:
+    """`trainer.restart.store.lifecycle` -> `store`; `trainer.restart.agree` -> `agree`."""
+    return module.split(".")[2]
+
+
+def upward_parts(module: str, targets: set[str]) -> list[str]:
+    """Every import of restart module `module` into a part of restart/ of its own rank or above (other than its own part)."""
+    own = _part(module)
+    return [
+        f"{module} (part {own}, rank {RESTART_PARTS[own]}) imports {t} (part {_part(t)}, rank {RESTART_PARTS[_part(t)]})"
+        for t in sorted(targets)
+        if t.startswith("trainer.restart.") and _part(t) != own and RESTART_PARTS[_part(t)] >= RESTART_PARTS[own]
+    ]
+
+
+def test_every_restart_module_belongs_to_a_part() -> None:
+    parts = {_part(m) for m in _graph() if m.startswith("trainer.restart.")}
+    assert parts == set(RESTART_PARTS), f"give these a rank in RESTART_PARTS (and CONTRIBUTING.md's map): {parts}"
+
+
+def test_each_restart_part_imports_only_the_parts_below_it() -> None:
+    offenders = [
+        line
+        for module, targets in _graph().items()
+        if module.startswith("trainer.restart.")
+        for line in upward_parts(module, targets)
+    ]
+    assert not offenders, "\n".join(offenders)
+    # The controls: the store reaching up into ownership, and two parts of one rank, are seen; the real code
+    # is read (the lease writes through the store, a lower part).
+    assert upward_parts("trainer.restart.store.lifecycle", {"trainer.restart.ownership.lease"})
+    assert upward_parts("trainer.restart.books.ledger", {"trainer.restart.signals.preemption"})
+    assert not upward_parts("trainer.restart.ownership.lease", {"trainer.restart.store.lifecycle"})
+    assert "trainer.restart.store.lifecycle" in _targets(PACKAGE / "restart" / "ownership" / "lease.py")
 
 
 # ---------------------------------------------------------------------------- functions

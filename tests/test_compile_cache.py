@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 
 from trainer import builtin_assets
 from trainer.model import compile_cache as cc
-from trainer.restart.checkpoint import MANIFEST, CheckpointManager
-from trainer.restart.ledger import read_rows
+from trainer.restart.books.ledger import read_rows
+from trainer.restart.local.checkpoint import MANIFEST, CheckpointManager
 
 pytestmark = pytest.mark.bitwise  # separate runs agree bit for bit: one intra-op thread (conftest.py)
 

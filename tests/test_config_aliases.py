@@ -380,15 +380,15 @@ def test_bf16_auto_is_what_the_device_runs() -> None:
     built for the run and the config the run goes on with agree); a set precision stays as set."""
     import torch
 
-    from trainer.training import process
+    from trainer.training import process, run
 
     cfg = C.load(None, ["bf16=auto", "output_dir=/tmp/unused"])
-    accelerator = process.make_accelerator(cfg)
+    accelerator = process.make_accelerator(run.process_settings(cfg))
     expected = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
     assert accelerator.mixed_precision == expected
-    assert process.resolved_precision(cfg, accelerator).train.mixed_precision == expected
+    assert run.resolved_precision(cfg, accelerator).train.mixed_precision == expected
     fixed = C.load(None, ["bf16=true"])
-    assert process.resolved_precision(fixed, accelerator) is fixed  # control: only `auto` is decided here
+    assert run.resolved_precision(fixed, accelerator) is fixed  # control: only `auto` is decided here
 
 
 def test_did_you_mean_knows_the_aliases() -> None:

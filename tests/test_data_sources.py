@@ -442,9 +442,9 @@ def test_a_hub_source_in_a_mix_is_pinned_by_its_own_entry(
 def test_a_new_machine_resumes_on_the_commit_of_the_first_start(
     tmp_path: Path, tiny_llama: Path, fake_hub: FakeHub, s3_remote: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from trainer.restart.checkpoint import ResumeMismatch
-    from trainer.restart.generations import run_file_copies
-    from trainer.restart.storage import Store
+    from trainer.restart.local.checkpoint import ResumeMismatch
+    from trainer.restart.store.generations import run_file_copies
+    from trainer.restart.store.lifecycle import Store
     from trainer.training import run
 
     out = tmp_path / "run"

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from trainer import builtin_assets as tiny
 from trainer import config as C
-from trainer.restart.preemption import STOP_AFTER_ENV
+from trainer.restart.signals.preemption import STOP_AFTER_ENV
 from trainer.training import determinism, run
 
 pytestmark = pytest.mark.bitwise  # separate runs agree bit for bit: one intra-op thread (conftest.py)

@@ -26,7 +26,7 @@ from drill_reference import train_here
 from safetensors.torch import load_file
 
 from trainer.data.sampler import StepSampler
-from trainer.restart.checkpoint import MANIFEST, CheckpointManager
+from trainer.restart.local.checkpoint import MANIFEST, CheckpointManager
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 6

@@ -137,7 +137,7 @@ def test_a_fault_of_the_moment_is_told_by_its_causes() -> None:
 
     from trainer.config import ConfigError
     from trainer.data import DataError
-    from trainer.restart.storage import StoreDenied, StoreUnreachable
+    from trainer.restart.store.errors import StoreDenied, StoreUnreachable
 
     def s3(code: str, status: int) -> BaseException:
         return translate_boto_error(
@@ -170,9 +170,10 @@ def test_one_classifier_gives_every_error_its_code() -> None:
     from trainer.config import ConfigError
     from trainer.data import DataError
     from trainer.restart.agree import Agreed
-    from trainer.restart.lease_object import LeaseLost
-    from trainer.restart.lock import RunBusy
-    from trainer.restart.storage import Corrupt, StoreDenied, StoreError, StoreOffline, StoreUnreachable
+    from trainer.restart.ownership.lease_object import LeaseLost
+    from trainer.restart.ownership.lock import RunBusy
+    from trainer.restart.store.errors import StoreDenied, StoreError, StoreOffline, StoreUnreachable
+    from trainer.restart.store.verify import Corrupt
 
     cases = {
         E.EXIT_BAD_INPUT: [ConfigError(["x"]), DataError("x"), StoreDenied("x"), StoreError("no gcsfs")],
@@ -222,7 +223,7 @@ def test_a_tokenizer_the_hub_could_not_serve_keeps_the_cause_that_decides_the_ex
 # recorded running out of memory in the same attempt: the file keeps 5, the most specific.
 LOSES_ITS_LEASE = """
 import sys
-from trainer.restart.reclaim import exit_busy
+from trainer.restart.ownership.reclaim import exit_busy
 print("started", flush=True)
 sys.stdin.readline()  # rank 1 records its code meanwhile
 exit_busy("another attempt took the run's lease")

@@ -125,7 +125,7 @@ def _wait_failed(proc: subprocess.Popen, tmp_path: Path) -> float:
     [
         ("trainer.model.objective.token_loss_sum", 3, E.EXIT_ERROR),  # the forward of step 1
         # A failed save is reported as such (CheckpointError: disk full, permissions), without a traceback.
-        pytest.param("trainer.restart.saving.write_training_state", 0, E.EXIT_BAD_INPUT, marks=pytest.mark.slow),
+        pytest.param("trainer.restart.local.saving.write_training_state", 0, E.EXIT_BAD_INPUT, marks=pytest.mark.slow),
         # the report page after the last step
         pytest.param("trainer.report.report_after_train", 0, E.EXIT_ERROR, marks=pytest.mark.slow),
     ],

@@ -16,7 +16,8 @@ import pytest
 
 from trainer import exit_codes as E
 from trainer.faults import classify, transient
-from trainer.restart.storage import Store, StoreDenied, StoreUnreachable
+from trainer.restart.store.errors import StoreDenied, StoreUnreachable
+from trainer.restart.store.lifecycle import Store
 
 
 def s3(code: str, status: int) -> BaseException:
@@ -262,12 +263,12 @@ def test_hub_errors_under_spotunes_own_decide_the_exit_code() -> None:
 def test_classes_are_matched_by_type_not_by_name() -> None:
     """A class that merely shares a name with one of spotune's is not spotune's; StoreAhead stops with 143 (a
     restart resumes from the store's newer step), not 1."""
-    from trainer.restart.safety import StoreAhead
+    from trainer.restart.store.safety import StoreAhead
 
     class ConfigError(Exception):  # not trainer.config.ConfigError
         pass
 
-    class StoreUnreachable(Exception):  # not trainer.restart.storage.StoreUnreachable
+    class StoreUnreachable(Exception):  # not trainer.restart.store.errors.StoreUnreachable
         pass
 
     assert E.code_for(ConfigError("x")) == E.EXIT_ERROR

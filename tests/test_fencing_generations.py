@@ -1,10 +1,10 @@
-"""Fencing by generation (trainer/restart/generations.py), against moto's S3 through s3fs: a write
+"""Fencing by generation (trainer/restart/store/generations.py), against moto's S3 through s3fs: a write
 of a fenced holder that lands late (a request already in flight when it was cut off) never replaces
 what a newer holder wrote: for a run file its rows are merged in (no row is lost, none counted
 twice), and a late checkpoint manifest counts as absent. Each has a control: the same late write
 made the way it was before generations (every writer at generation 0) wins. The manifest rule
 assumes a newer holder never commits below a checkpoint it saw committed: the floor of
-trainer/restart/safety.py asserts that, and a test breaks it."""
+trainer/restart/store/safety.py asserts that, and a test breaks it."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 from trainer.report.load import load_run
-from trainer.restart.checkpoint import MANIFEST, CheckpointManager
-from trainer.restart.generations import current_steps
-from trainer.restart.lease import Lease
-from trainer.restart.remote import fetch_run_files
-from trainer.restart.safety import Floor, SafetyViolation, StoreAhead
-from trainer.restart.storage import Fence, Store
+from trainer.restart.local.checkpoint import MANIFEST, CheckpointManager
+from trainer.restart.ownership.lease import Lease
+from trainer.restart.remote.run_files import fetch_run_files
+from trainer.restart.store.generations import current_steps
+from trainer.restart.store.lifecycle import Fence, Store
+from trainer.restart.store.safety import Floor, SafetyViolation, StoreAhead
 
 
 class InFlight(Fence):

@@ -1,4 +1,4 @@
-"""The floor of trainer/restart/safety.py is built once per attempt, under the lease, and a corrupt verdict
+"""The floor of trainer/restart/store/safety.py is built once per attempt, under the lease, and a corrupt verdict
 is confirmed before anything acts on it. Against a `file://` store (a folder), with real `Lease` objects:
 
 - one machine whose reads of every newer remote checkpoint fail their hash check (bad RAM, a bad disk)
@@ -21,11 +21,11 @@ import pytest
 from fences import Generation
 
 from trainer.exit_codes import EXIT_BAD_INPUT, code_for
-from trainer.restart.checkpoint import MANIFEST, CheckpointError, CheckpointManager
-from trainer.restart.choose import choose
-from trainer.restart.lease import Lease
-from trainer.restart.safety import SafetyViolation, StoreAhead
-from trainer.restart.storage import Store
+from trainer.restart.local.checkpoint import MANIFEST, CheckpointError, CheckpointManager
+from trainer.restart.ownership.lease import Lease
+from trainer.restart.remote.choose import choose
+from trainer.restart.store.lifecycle import Store
+from trainer.restart.store.safety import SafetyViolation, StoreAhead
 
 
 class BadReads:

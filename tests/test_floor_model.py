@@ -1,7 +1,7 @@
 """A model-based test of the restart code: hypothesis's stateful testing drives the real leases
-(trainer/restart/lease.py, renewed by its real state machine, trainer/restart/reclaim.py, on a fake
-clock), the real choice of the checkpoint (trainer/restart/choose.py), the store's commit, clean, prune
-and retire with the floor (trainer/restart/storage.py, safety.py) and the run files' merge, against a
+(trainer/restart/ownership/lease.py, renewed by its real state machine, trainer/restart/ownership/reclaim.py, on a fake
+clock), the real choice of the checkpoint (trainer/restart/remote/choose.py), the store's commit, clean, prune
+and retire with the floor (trainer/restart/store/lifecycle.py, safety.py) and the run files' merge, against a
 `file://` store (a folder), with a stand-in training step (a checkpoint whose bytes are a function of
 its step: exact resume) and faults injected between any two actions: several machines with their own
 disks, kills at any point (the lease left behind), store outages, a lease request that blips, stale
@@ -36,19 +36,19 @@ from hypothesis.stateful import (
 )
 
 from trainer.exit_codes import code_for
-from trainer.restart.checkpoint import MANIFEST, CheckpointError, CheckpointManager
-from trainer.restart.choose import choose
-from trainer.restart.generations import stamped
-from trainer.restart.lease import Lease
-from trainer.restart.lease_object import LeaseLost
-from trainer.restart.lock import RunBusy
-from trainer.restart.remote import fetch_run_files
-from trainer.restart.safety import SafetyViolation, StoreAhead
-from trainer.restart.storage import Store
+from trainer.restart.local.checkpoint import MANIFEST, CheckpointError, CheckpointManager
+from trainer.restart.ownership.lease import Lease
+from trainer.restart.ownership.lease_object import LeaseLost
+from trainer.restart.ownership.lock import RunBusy
+from trainer.restart.remote.choose import choose
+from trainer.restart.remote.run_files import fetch_run_files
+from trainer.restart.store.generations import stamped
+from trainer.restart.store.lifecycle import Store
+from trainer.restart.store.safety import SafetyViolation, StoreAhead
 
 BOOKS_INVARIANTS = True
 """Every step at or below the newest committed one has its metrics row in the store: the rows go up before
-each commit (trainer/restart/uploader.py), so a kill between a commit and the push of the run files loses
+each commit (trainer/restart/remote/uploader.py), so a kill between a commit and the push of the run files loses
 none. False shows the invariant's check can be switched off for a deeper search of the floor alone."""
 
 TTL = 30.0
@@ -138,8 +138,8 @@ class Model(RuleBasedStateMachine):
         self.url = f"file://{self.tmp / 'store'}"
         self.clock = Clock()
         self.patches = [
-            mock.patch("trainer.restart.lease.boot_clock", self.clock),
-            mock.patch("trainer.restart.reclaim.boot_clock", self.clock),
+            mock.patch("trainer.restart.ownership.lease.boot_clock", self.clock),
+            mock.patch("trainer.restart.ownership.reclaim.boot_clock", self.clock),
         ]
         for p in self.patches:
             p.start()
@@ -304,7 +304,7 @@ class Model(RuleBasedStateMachine):
         path = CheckpointManager(a.machine.root).step_dir(a.pending)
         try:
             a.store.clean()
-            # the uploader's order (trainer/restart/uploader.py): the rows up to this step before its commit
+            # the uploader's order (trainer/restart/remote/uploader.py): the rows up to this step before its commit
             a.store.put(a.machine.disk / "metrics.jsonl", "metrics.jsonl")
             a.store.upload(path, a.pending)
             a.store.prune(KEEP_LAST)

@@ -174,7 +174,7 @@ def test_the_gathered_adapter_is_what_peft_saves(tmp_path: Path, tiny_llama: Pat
     from peft.utils import get_peft_model_state_dict
 
     from trainer.model.load import build
-    from trainer.restart.state import adapter_state
+    from trainer.restart.local.state import adapter_state
 
     model = build(C.ModelConfig(dtype="float32"), C.AdapterConfig(), name_or_path=str(tiny_llama))
     trainable = [p for p in model.parameters() if p.requires_grad]

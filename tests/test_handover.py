@@ -1,4 +1,4 @@
-"""The ledger hand-over between lease holders (trainer/restart/handover.py) when a run is run again after it
+"""The ledger hand-over between lease holders (trainer/restart/books/handover.py) when a run is run again after it
 finished: in process, against a local-directory store."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from trainer.restart import ledger as L
-from trainer.restart.checkpoint import CheckpointManager
-from trainer.restart.lease import Lease, read_lease
-from trainer.restart.storage import Store
+from trainer.restart.books import ledger as L
+from trainer.restart.local.checkpoint import CheckpointManager
+from trainer.restart.ownership.lease import Lease, read_lease
+from trainer.restart.store.lifecycle import Store
 from trainer.training.attempts import finished_already
 
 

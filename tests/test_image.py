@@ -200,7 +200,8 @@ def test_entrypoint_passes_every_other_command_through() -> None:
 def test_the_extra_the_trainer_asks_for_without_a_backend_is_in_the_image(monkeypatch: pytest.MonkeyPatch) -> None:
     """What a Job on an image without s3fs meets at start (exit 2): the store names the extra to
     install. That extra is the one the image installs, for every template's scheme."""
-    from trainer.restart.storage import Store, StoreError
+    from trainer.restart.store.errors import StoreError
+    from trainer.restart.store.lifecycle import Store
 
     installed = _image_extras(DOCKERFILE.read_text())
     for template, schemes in remote_schemes().items():

@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 
 from trainer import builtin_assets
 from trainer.exit_codes import EXIT_PREEMPTED
-from trainer.restart.checkpoint import CheckpointManager
-from trainer.restart.state import TrainState
+from trainer.restart.local.checkpoint import CheckpointManager
+from trainer.restart.local.state import TrainState
 
 pytestmark = pytest.mark.bitwise  # separate runs agree bit for bit: one intra-op thread (conftest.py)
 

@@ -16,9 +16,9 @@ import yaml
 
 from trainer import builtin_assets
 from trainer.exit_codes import EXIT_FILE_ENV, EXIT_PREEMPTED
-from trainer.restart import launcher
-from trainer.restart.checkpoint import CheckpointManager
-from trainer.restart.state import TrainState
+from trainer.restart.local.checkpoint import CheckpointManager
+from trainer.restart.local.state import TrainState
+from trainer.restart.signals import launcher
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.restart import ledger as L
-from trainer.restart.clock import seconds_since_process_start
+from trainer.restart.books import ledger as L
+from trainer.restart.books.clock import seconds_since_process_start
 
 
 class Clock:
@@ -175,7 +175,7 @@ def test_the_process_start_is_the_moment_the_process_began() -> None:
     code = (
         "import time; t = time.time()\n"
         "import psutil\n"
-        "from trainer.restart.clock import process_start\n"
+        "from trainer.restart.books.clock import process_start\n"
         "print(t, process_start(), psutil.Process().create_time())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -222,9 +222,9 @@ def test_an_attempt_known_only_from_its_lease_is_booked_with_its_device_and_cost
 
     from trainer.report.load import Attempt, RunData
     from trainer.report.totals import totals
-    from trainer.restart.handover import attempt_record
-    from trainer.restart.lease import Lease, read_lease
-    from trainer.restart.storage import Store
+    from trainer.restart.books.handover import attempt_record
+    from trainer.restart.ownership.lease import Lease, read_lease
+    from trainer.restart.store.lifecycle import Store
 
     (tmp_path / "bucket").mkdir()
     lease = Lease(Store(f"file://{tmp_path / 'bucket'}"), 30.0, tmp_path / "run")

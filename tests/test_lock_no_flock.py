@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.restart import lock
+from trainer.restart.ownership import lock
 
 
 @pytest.fixture

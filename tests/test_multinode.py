@@ -32,10 +32,10 @@ from test_elastic import REPO, STEPS, _adapter, _args, _assert_close, _digests, 
 
 from trainer import config as C
 from trainer.data.cache import in_turns
-from trainer.restart.checkpoint import MANIFEST, PAUSE_ENV, CheckpointManager
-from trainer.restart.ledger import Ledger, read_rows
-from trainer.restart.remote import fetch_run_files
-from trainer.restart.storage import Store
+from trainer.restart.books.ledger import Ledger, read_rows
+from trainer.restart.local.checkpoint import MANIFEST, PAUSE_ENV, CheckpointManager
+from trainer.restart.remote.run_files import fetch_run_files
+from trainer.restart.store.lifecycle import Store
 from trainer.training import run
 
 pytestmark = pytest.mark.bitwise  # separate runs agree bit for bit: one intra-op thread (conftest.py)

@@ -1,4 +1,4 @@
-"""`checkpoint.resume=never` in a used run directory starts a new run (trainer/restart/new_run.py): a new
+"""`checkpoint.resume=never` in a used run directory starts a new run (trainer/restart/remote/new_run.py): a new
 config.yaml, a new ledger and metrics, new tracker runs, the old run's final/ out of the way of `chat`
 and `export`; the old run's files set aside, renamed and kept, locally and in `checkpoint.remote`, and
 named in the log. Before, the new run inherited the old config.yaml (and so its hub data pin), its
@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from trainer import builtin_assets
 from trainer import config as C
-from trainer.restart.storage import Store
+from trainer.restart.store.lifecycle import Store
 from trainer.training import run
 
 
@@ -104,9 +104,9 @@ def test_resume_never_with_the_store_out_of_reach_sets_nothing_aside(
     a later `auto` finds the old run whole (its checkpoints with their ledger), never a half-new run."""
     from moto_fixture import SECRET, free_port
 
-    from trainer.restart.checkpoint import CheckpointManager
-    from trainer.restart.storage import StoreUnreachable
-    from trainer.training import process
+    from trainer.restart.local.checkpoint import CheckpointManager
+    from trainer.restart.store.errors import StoreUnreachable
+    from trainer.training import process, run
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
@@ -120,7 +120,7 @@ def test_resume_never_with_the_store_out_of_reach_sets_nothing_aside(
     cfg = _cfg(out, tiny_llama, data, "s3://spotune-unreachable/run", lr=1e-2)
     cfg = cfg.replace(**{"checkpoint.resume": "never", "checkpoint.store_retry_seconds": 1.0})
     with contextlib.ExitStack() as closing, pytest.raises(StoreUnreachable):
-        process.start(cfg, {}, closing)
+        process.start(run.process_settings(cfg), {}, closing)
     assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "config.yaml", "ledger.jsonl"]
     assert [p.name for p in CheckpointManager(out / "checkpoints").committed()] == ["step-000002"]
 
@@ -131,7 +131,7 @@ def test_a_request_applies_once_and_a_rerun_of_the_same_command_resumes(
     """`checkpoint.resume=never` in a job spec: the supervisor reruns the same command after a preemption (here:
     after the new run's first attempt). The rerun resumes the new run, says why, and sets nothing aside again
     (before, every rerun started from scratch and retired the new run's checkpoints too)."""
-    from trainer.restart.ledger import read_rows
+    from trainer.restart.books.ledger import read_rows
 
     data = builtin_assets.write_dataset(tmp_path / "data" / "train.jsonl", n=16)
     out = tmp_path / "run"
@@ -155,9 +155,9 @@ def test_a_request_applies_once_and_a_rerun_of_the_same_command_resumes(
 
 def test_rerun_of_reads_the_last_attempt_row_or_heartbeat(monkeypatch: pytest.MonkeyPatch) -> None:
     """The unit under the test above: the last attempt decides, a killed one's heartbeat included."""
-    from trainer.restart import new_run
-    from trainer.restart.ledger import row_from_progress
-    from trainer.restart.new_run import rerun_of
+    from trainer.restart.books.ledger import row_from_progress
+    from trainer.restart.remote import new_run
+    from trainer.restart.remote.new_run import rerun_of
 
     def beat(n: int, at: float, request: str | None) -> dict[str, Any]:
         zero = dict.fromkeys(("productive_wall", "productive_at_checkpoint_wall", "checkpoint_wall"), 0.0)

@@ -36,8 +36,8 @@ from safetensors.torch import load_file
 from test_kill_anywhere import REPO, STEPS, _metric_rows, _recipe, _wait, procs  # noqa: F401 (procs: a fixture)
 
 from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_FILE_ENV, EXIT_PREEMPTED
-from trainer.restart.checkpoint import PAUSE_ENV
-from trainer.restart.storage import Store
+from trainer.restart.local.checkpoint import PAUSE_ENV
+from trainer.restart.store.lifecycle import Store
 
 pytestmark = pytest.mark.bitwise  # separate runs agree bit for bit: one intra-op thread (conftest.py)
 

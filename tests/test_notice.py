@@ -22,9 +22,9 @@ import yaml
 
 from trainer import config as C
 from trainer.exit_codes import EXIT_FINISHED, EXIT_PREEMPTED
-from trainer.restart import notice as N
-from trainer.restart.checkpoint import CheckpointManager
-from trainer.restart.preemption import Preemption
+from trainer.restart.local.checkpoint import CheckpointManager
+from trainer.restart.signals import notice as N
+from trainer.restart.signals.preemption import Preemption
 
 REPO = Path(__file__).resolve().parents[1]
 POLL = 0.05

@@ -1,5 +1,5 @@
-"""One writer per run, the pieces: the run directory's kernel lock (trainer/restart/lock.py) and
-the remote lease with its fencing (trainer/restart/lease.py) against moto's S3, plus `spotune
+"""One writer per run, the pieces: the run directory's kernel lock (trainer/restart/ownership/lock.py) and
+the remote lease with its fencing (trainer/restart/ownership/lease.py) against moto's S3, plus `spotune
 status`. The multi-process drills (the same command twice, two machines, SIGSTOP past expiry)
 are in test_one_writer_drill.py."""
 
@@ -18,10 +18,10 @@ import pytest
 from trainer.cli import main as cli
 from trainer.exit_codes import EXIT_BUSY
 from trainer.report.status import NotARun, run_status
-from trainer.restart.lease import LEASE_FILE, Lease, LeaseLost, read_lease
-from trainer.restart.lock import LOCK_FILE, RunBusy, RunLock, holder
-from trainer.restart.owner import break_lease, hold
-from trainer.restart.storage import Store
+from trainer.restart.ownership.lease import LEASE_FILE, Lease, LeaseLost, read_lease
+from trainer.restart.ownership.lock import LOCK_FILE, RunBusy, RunLock, holder
+from trainer.restart.ownership.owner import break_lease, hold
+from trainer.restart.store.lifecycle import Store
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,7 +44,7 @@ def test_second_lock_refuses_at_once_naming_the_holder(tmp_path: Path) -> None:
 
 def test_a_sigkilled_holder_leaves_no_stale_lock(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    code = f"from trainer.restart.lock import RunLock; RunLock.take({str(run)!r}, 'train'); print('held', flush=True); import time; time.sleep(60)"
+    code = f"from trainer.restart.ownership.lock import RunLock; RunLock.take({str(run)!r}, 'train'); print('held', flush=True); import time; time.sleep(60)"
     p = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "held"
@@ -255,7 +255,7 @@ def test_a_released_lease_is_never_taken_again_by_a_late_upload(tmp_path: Path, 
 
 _FORKING_HOLDER = """
 import fcntl, os, sys, time
-from trainer.restart.lock import RunLock
+from trainer.restart.ownership.lock import RunLock
 run = sys.argv[1]
 if sys.argv[2] == "runlock":
     RunLock.take(run, "train")

@@ -30,11 +30,11 @@ from safetensors.torch import load_file
 from test_kill_anywhere import REPO, STEPS, _metric_rows, _recipe, _wait
 
 from trainer.exit_codes import EXIT_BUSY
-from trainer.restart.checkpoint import PAUSE_ENV, CheckpointManager
-from trainer.restart.lease import read_lease
-from trainer.restart.ledger import read_rows
-from trainer.restart.lock import holder
-from trainer.restart.storage import Store
+from trainer.restart.books.ledger import read_rows
+from trainer.restart.local.checkpoint import PAUSE_ENV, CheckpointManager
+from trainer.restart.ownership.lease import read_lease
+from trainer.restart.ownership.lock import holder
+from trainer.restart.store.lifecycle import Store
 
 pytestmark = [pytest.mark.slow, pytest.mark.bitwise]
 

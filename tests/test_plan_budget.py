@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from trainer import config, exit_codes
-from trainer.restart.ledger import read_rows
+from trainer.restart.books.ledger import read_rows
 from trainer.training import run
 
 

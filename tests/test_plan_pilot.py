@@ -17,7 +17,7 @@ from trainer import config
 from trainer.cli import pilot_run, world
 from trainer.cli.estimate import estimate_command
 from trainer.plan import PlanError, pilot
-from trainer.restart.clock import seconds_since_process_start
+from trainer.restart.books.clock import seconds_since_process_start
 from trainer.training import inputs
 
 

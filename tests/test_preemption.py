@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from trainer import exit_codes as E
-from trainer.restart import preemption as P
+from trainer.restart.signals import preemption as P
 
 
 def test_signals_set_the_flag_and_uninstall_restores(capsys: pytest.CaptureFixture) -> None:

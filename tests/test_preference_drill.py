@@ -33,8 +33,8 @@ from test_kill_anywhere import (  # noqa: F401 (procs: a fixture)
 
 from trainer import builtin_assets
 from trainer import config as C
-from trainer.restart.checkpoint import PAUSE_ENV
-from trainer.restart.storage import Store
+from trainer.restart.local.checkpoint import PAUSE_ENV
+from trainer.restart.store.lifecycle import Store
 from trainer.training import run
 
 pytestmark = pytest.mark.bitwise  # separate runs agree bit for bit: one intra-op thread (conftest.py)

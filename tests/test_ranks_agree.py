@@ -25,9 +25,9 @@ from pathlib import Path
 import torch.distributed as dist
 from trainer import config as C
 from trainer.cli import main as cli
-from trainer.restart.remote import RemoteRun
-from trainer.restart.storage import Store
-from trainer.restart.uploader import Uploader
+from trainer.restart.remote.run import RemoteRun
+from trainer.restart.store.lifecycle import Store
+from trainer.restart.remote.uploader import Uploader
 from trainer.training.inputs import pin_data
 
 port, rank, tmp = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])

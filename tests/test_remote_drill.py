@@ -34,9 +34,9 @@ from test_kill_anywhere import (  # noqa: F401 (procs: a fixture)
 )
 
 from trainer.exit_codes import EXIT_PREEMPTED
-from trainer.restart.checkpoint import MANIFEST, PAUSE_ENV
-from trainer.restart.ledger import read_rows
-from trainer.restart.storage import UPLOAD_PAUSE_ENV, Store
+from trainer.restart.books.ledger import read_rows
+from trainer.restart.local.checkpoint import MANIFEST, PAUSE_ENV
+from trainer.restart.store.lifecycle import UPLOAD_PAUSE_ENV, Store
 
 pytestmark = pytest.mark.bitwise  # separate runs agree bit for bit: one intra-op thread (conftest.py)
 
@@ -118,7 +118,7 @@ def test_kill_delete_output_dir_rerun_from_the_bucket(
     # 3: SIGTERM (a preemption notice): the step is saved and its upload flushed before exit 143.
     p = start(3)
     # This attempt's newest step: its last row (the store's rows can run past a commit a killed attempt never
-    # finished, since they go up before each commit: trainer/restart/uploader.py).
+    # finished, since they go up before each commit: trainer/restart/remote/uploader.py).
     logged = lambda: ([0] + [r["step"] for r in _metric_rows(out)])[-1]  # noqa: E731
     first = None
     # metrics.jsonl travels with the run, so wait for this attempt's own rows: after it says it is

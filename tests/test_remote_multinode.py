@@ -13,13 +13,14 @@ import torch
 import torch.multiprocessing as mp
 
 from trainer.exit_codes import EXIT_PREEMPTED, code_for
-from trainer.restart.checkpoint import CheckpointManager
-from trainer.restart.lease import Lease
-from trainer.restart.lease_object import Follower
-from trainer.restart.lock import RunBusy
-from trainer.restart.remote import RemoteRun, fetch_run_files
-from trainer.restart.storage import Store
-from trainer.restart.uploader import RAN_OUT_FILE
+from trainer.restart.local.checkpoint import CheckpointManager
+from trainer.restart.ownership.lease import Lease
+from trainer.restart.ownership.lease_object import Follower
+from trainer.restart.ownership.lock import RunBusy
+from trainer.restart.remote.run import RemoteRun
+from trainer.restart.remote.run_files import fetch_run_files
+from trainer.restart.remote.uploader import RAN_OUT_FILE
+from trainer.restart.store.lifecycle import Store
 
 
 def _commit(manager: CheckpointManager, step: int, fill: int | None = None) -> Path:
@@ -153,14 +154,14 @@ def test_a_fault_on_one_rank(tmp_path: Path, s3_remote: str) -> None:
 
 def _new_run_rank(rank: int, tmp: str, remote: str) -> None:
     """checkpoint.resume=never on two nodes, each with its own disk holding the old run."""
-    from trainer.restart import new_run
+    from trainer.restart.remote import new_run
 
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/pg-never", rank=rank, world_size=2)
     node = Path(tmp) / f"never-node{rank}"
     run = RemoteRun(remote, {}, node, keep_last=2, is_main=rank == 0, is_local_main=True, message=lambda m: None)
     stamp = new_run.stamp() + (f"-rank{rank}" if rank else "")  # rank 0's name must win on every node
-    run.connect(stamp, lambda folder: new_run.set_aside(node, folder), request="never")
-    (Path(tmp) / f"never{rank}").write_text(str(run.resolve(run.setting("never"))[0]))
+    run.connect(new_run.Request("never", stamp), lambda folder: new_run.set_aside(node, folder))
+    (Path(tmp) / f"never{rank}").write_text(str(run.resolve(run.request.acts_on)[0]))
     torch.distributed.destroy_process_group()
 
 

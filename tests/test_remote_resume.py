@@ -28,9 +28,10 @@ from safetensors.torch import load_file
 from trainer import builtin_assets
 from trainer import config as C
 from trainer.exit_codes import EXIT_PREEMPTED
-from trainer.restart.checkpoint import CheckpointManager
-from trainer.restart.ledger import read_rows
-from trainer.restart.storage import UPLOAD_PAUSE_ENV, Store, StoreUnreachable
+from trainer.restart.books.ledger import read_rows
+from trainer.restart.local.checkpoint import CheckpointManager
+from trainer.restart.store.errors import StoreUnreachable
+from trainer.restart.store.lifecycle import UPLOAD_PAUSE_ENV, Store
 from trainer.training import run
 
 K = 3

@@ -16,10 +16,12 @@ import pytest
 from moto_fixture import SECRET, free_port, s3_env
 
 from trainer import config as C
-from trainer.restart.checkpoint import MANIFEST, CheckpointManager
-from trainer.restart.remote import RemoteRun, fetch_run_files
-from trainer.restart.storage import UPLOAD_PAUSE_ENV, Store, StoreError, StoreUnreachable
-from trainer.restart.uploader import Uploader
+from trainer.restart.local.checkpoint import MANIFEST, CheckpointManager
+from trainer.restart.remote.run import RemoteRun
+from trainer.restart.remote.run_files import fetch_run_files
+from trainer.restart.remote.uploader import Uploader
+from trainer.restart.store.errors import StoreError, StoreUnreachable
+from trainer.restart.store.lifecycle import UPLOAD_PAUSE_ENV, Store
 from trainer.urls import redact
 
 
@@ -34,7 +36,7 @@ def _commit(manager: CheckpointManager, step: int) -> Path:
 
 def _attempt(store: Store) -> Store:
     """`store` as written by one attempt that began at step 0 on an empty store: the rule of
-    trainer/restart/safety.py protects nothing it did not commit itself."""
+    trainer/restart/store/safety.py protects nothing it did not commit itself."""
     store.floor.choose(None, [])
     return store
 

@@ -38,7 +38,7 @@ from trainer.report.load import load_run
 from trainer.report.page import default_out
 from trainer.report.plots import FIGURES, uploads
 from trainer.report.totals import attempt_of
-from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, Ledger
+from trainer.restart.books.ledger import HEARTBEAT_FILE, LEDGER_FILE, Ledger
 from trainer.urls import redact
 
 REPO = Path(__file__).resolve().parents[1]

@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 from trainer import builtin_assets
 from trainer import config as C
 from trainer.data import sampler
-from trainer.restart import state
-from trainer.restart.checkpoint import CheckpointManager
+from trainer.restart.local import state
+from trainer.restart.local.checkpoint import CheckpointManager
 from trainer.training import run
 
 K = 4

@@ -1,4 +1,4 @@
-"""The rule that keeps what a run paid for (trainer/restart/safety.py), broken on purpose against moto's S3:
+"""The rule that keeps what a run paid for (trainer/restart/store/safety.py), broken on purpose against moto's S3:
 every store write that would take a committed checkpoint out of sight above the step the attempt resumed
 from is refused before it happens, and the store is left as it was. Each with the control that lets the
 same write through when the rule allows it. And the rule's reach: every path of trainer/ that deletes,
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from fences import Generation
 
-from trainer.restart.checkpoint import MANIFEST, CheckpointManager
-from trainer.restart.safety import Floor, SafetyViolation
-from trainer.restart.storage import Store
+from trainer.restart.local.checkpoint import MANIFEST, CheckpointManager
+from trainer.restart.store.lifecycle import Store
+from trainer.restart.store.safety import Floor, SafetyViolation
 
 PACKAGE = Path(__file__).resolve().parents[1] / "trainer"
 
@@ -95,7 +95,7 @@ def _guarded(source: str, name: str) -> list[str]:
 
 
 # The one store deletion that is no run state: `Store.check` writes and deletes its own probe object.
-PROBE = {"restart/storage.py:check"}
+PROBE = {"restart/store/transport.py:check"}
 
 
 def test_every_path_that_deletes_moves_or_uncommits_remote_state_asks_the_rule() -> None:
@@ -108,9 +108,9 @@ def test_every_path_that_deletes_moves_or_uncommits_remote_state_asks_the_rule()
     bad = "def prune(self):\n    self.fs.rm_file('x')\n"
     good = "def prune(self):\n    self.floor.allow('p', [], [])\n    self.fs.rm_file('x')\n"
     assert _guarded(bad, "f.py") == ["f.py:prune"] and _guarded(good, "f.py") == []
-    assert "restart/storage.py:prune" in _guarded(
-        (PACKAGE / "restart" / "storage.py").read_text().replace("self._allow(", "self._skip("),
-        "restart/storage.py",
+    assert "restart/store/lifecycle.py:prune" in _guarded(
+        (PACKAGE / "restart" / "store" / "lifecycle.py").read_text().replace("self._allow(", "self._skip("),
+        "restart/store/lifecycle.py",
     )
 
 

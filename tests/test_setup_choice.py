@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from trainer import config as C
-from trainer.training import gpu_probe, process
+from trainer.training import gpu_probe, process, run
 
 REPO = Path(__file__).resolve().parents[1]
 CHOICE = REPO / "scripts" / "torch_choice.py"
@@ -115,7 +115,7 @@ def test_train_refuses_the_cpu_of_a_gpu_machine(tmp_path: Path, monkeypatch: pyt
     assert reason is not None and "nvidia-smi lists GPU 0: NVIDIA H100 80GB HBM3 but torch" in reason
     assert "rm -rf .venv && make setup" in reason
     with pytest.raises(C.ConfigError, match="training would run on the CPU"):
-        process.make_accelerator(C.load(None, []))
+        process.make_accelerator(run.process_settings(C.load(None, [])))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the CPU on purpose
     assert gpu_probe.unusable_gpu_reason() is None
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer.restart import rng
-from trainer.restart import state as S
+from trainer.restart.local import rng
+from trainer.restart.local import state as S
 
 
 def _draws() -> tuple:

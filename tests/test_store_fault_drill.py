@@ -32,10 +32,10 @@ from test_kill_anywhere import REPO, STEPS, _metric_rows, _recipe, _wait, drill_
 from trainer import builtin_assets as tiny
 from trainer.cli import main as cli
 from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_PREEMPTED
-from trainer.restart.checkpoint import PAUSE_ENV
-from trainer.restart.lease import read_lease
-from trainer.restart.ledger import read_rows
-from trainer.restart.storage import Store
+from trainer.restart.books.ledger import read_rows
+from trainer.restart.local.checkpoint import PAUSE_ENV
+from trainer.restart.ownership.lease import read_lease
+from trainer.restart.store.lifecycle import Store
 
 pytestmark = pytest.mark.bitwise  # separate runs agree bit for bit: one intra-op thread (conftest.py)
 

@@ -20,12 +20,13 @@ from moto_fixture import s3_env
 
 from trainer import exit_codes as E
 from trainer.faults import transient
-from trainer.restart.checkpoint import MANIFEST, CheckpointManager, file_digest
-from trainer.restart.conditional import conditional
-from trainer.restart.lease import Lease, LeaseLost, read_lease
-from trainer.restart.lock import RunBusy
-from trainer.restart.owner import break_lease
-from trainer.restart.storage import RETIRED, Fence, Store, StoreDenied, StoreOffline
+from trainer.restart.local.checkpoint import MANIFEST, CheckpointManager, file_digest
+from trainer.restart.ownership.lease import Lease, LeaseLost, read_lease
+from trainer.restart.ownership.lock import RunBusy
+from trainer.restart.ownership.owner import break_lease
+from trainer.restart.store.conditional import conditional
+from trainer.restart.store.errors import StoreDenied, StoreOffline
+from trainer.restart.store.lifecycle import RETIRED, Fence, Store
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -197,8 +198,8 @@ def test_a_store_that_ignores_conditions_is_found_out_and_reread(
 _LIVE_HOLDER = """
 import sys, time
 from pathlib import Path
-from trainer.restart.lease import Lease
-from trainer.restart.storage import Store
+from trainer.restart.ownership.lease import Lease
+from trainer.restart.store.lifecycle import Store
 lease = Lease(Store(sys.argv[1]), 3.0, Path(sys.argv[2]), message=lambda m: None)
 lease.acquire()
 lease.start()
@@ -286,7 +287,7 @@ OUTSIDE_THE_PREFIX = r"^(GET|HEAD) /spotune-[0-9a-f]+/?(\?(?!.*prefix=run(/|%2F)
 def test_a_role_scoped_to_the_runs_prefix_may_start_and_a_missing_bucket_is_named(
     s3_remote: str, proxy: FaultProxy
 ) -> None:
-    from trainer.restart.storage import StoreDenied
+    from trainer.restart.store.errors import StoreDenied
 
     proxy.set(refuse=[{"match": OUTSIDE_THE_PREFIX, "as": "denied"}])
     Store(s3_remote + "/fresh").check()  # a prefix nothing is under yet: fine, the bucket exists
@@ -352,7 +353,7 @@ def test_the_lease_thread_ends_the_attempt_on_a_permanent_error(
 
 def _uploading_step_10(store: Store, run: Path, said: list[str], refused: list[BaseException]) -> tuple[Any, Path]:
     """An uploader on `store` (its refusals into `refused`) sending a saved checkpoint of step 10; both returned."""
-    from trainer.restart.uploader import Uploader
+    from trainer.restart.remote.uploader import Uploader
 
     uploader = Uploader(store, run, 2, said.append, on_refused=refused.append).start(None)
     saved = CheckpointManager(run / "checkpoints", keep_last=5).save(
@@ -387,7 +388,7 @@ def test_an_upload_after_this_attempt_released_its_lease_is_no_refusal(tmp_path:
     """A lease released while an upload waits (the attempt is ending) or lost to another holder: the uploader
     writes nothing more and asks no stop of its own. The lease's path decides the stop and its code; a
     refusal here would turn a preempted attempt's 143 into 75, which supervisors do not requeue."""
-    from trainer.restart.lease_object import LeaseLost
+    from trainer.restart.ownership.lease_object import LeaseLost
 
     class Released(Fence):
         def check(self) -> None:

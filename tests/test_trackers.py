@@ -27,8 +27,8 @@ from test_kill_anywhere import (  # noqa: F401 (procs: a fixture)
 )
 
 from trainer import builtin_assets
-from trainer.restart.checkpoint import CheckpointManager
-from trainer.restart.state import TrainState
+from trainer.restart.local.checkpoint import CheckpointManager
+from trainer.restart.local.state import TrainState
 from trainer.training import trackers
 
 pytest.importorskip("wandb")

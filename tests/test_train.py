@@ -23,7 +23,7 @@ from trainer.data.chat_templates import NAMED
 from trainer.data.sampler import StepSampler
 from trainer.model import loss as micro_loss
 from trainer.model.load import build
-from trainer.restart.state import Counters
+from trainer.restart.local.state import Counters
 from trainer.serve.export import export
 from trainer.training import batches as step_data
 from trainer.training import loop, run

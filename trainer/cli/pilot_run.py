@@ -24,9 +24,9 @@ from trainer.config import RunConfig, to_yaml
 from trainer.data.cache import MANIFEST, data_cache_root
 from trainer.plan import PlanError, pilot
 from trainer.plan.pilot import DEFAULT_STEPS
-from trainer.restart import new_run
-from trainer.restart.clock import seconds_since_process_start
-from trainer.restart.preemption import STOP_AFTER_ENV
+from trainer.restart.books.clock import seconds_since_process_start
+from trainer.restart.remote import new_run
+from trainer.restart.signals.preemption import STOP_AFTER_ENV
 from trainer.training import run
 
 

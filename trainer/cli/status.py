@@ -1,6 +1,6 @@
 """`spotune status`: where a run stands (finished, training, stopped), its newest checkpoint, hours
 and cost, attempts, and who holds it (trainer/report/status.py); `--break-lease` by hand
-(trainer/restart/owner.py), its one-line result first (in the JSON document under --json)."""
+(trainer/restart/ownership/owner.py), its one-line result first (in the JSON document under --json)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
 
     broke = None
     if args.break_lease:
-        from trainer.restart.owner import break_lease
+        from trainer.restart.ownership.owner import break_lease
 
         remote, options = run_remote(args.run)
         if remote is None:

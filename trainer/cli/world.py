@@ -27,7 +27,7 @@ from trainer.plan.estimate import estimate
 from trainer.plan.fit import NO_DATA, memory_fit
 from trainer.plan.job import Constraints, Job, Measured
 from trainer.plan.throughput import choose
-from trainer.restart.ledger import read_rows, row_time
+from trainer.restart.books.ledger import read_rows, row_time
 from trainer.training.inputs import prepares_pairs, tokenizer_path
 
 

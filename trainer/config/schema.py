@@ -1,7 +1,8 @@
 """The sections of a recipe: frozen typed dataclasses, one per top-level key, and their defaults.
 
-Defaults live here and nowhere else; each field's docstring is its documentation
-(`spotune config --reference`, docs/config-reference.md). `RunConfig`, which holds one of
+Defaults are read here and nowhere else; each field's docstring is its documentation
+(`spotune config --reference`, docs/config-reference.md). The numbers restart/ is tuned by are defined
+beside the code they tune, with why (trainer/restart/defaults.py), and taken from there. `RunConfig`, which holds one of
 each, and the loading live in `trainer/config/__init__.py`; the rules in `rules.py`.
 """
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from trainer.restart import defaults as restart
 
 BUILTIN_TINY_MODEL = "builtin:tiny-llama"
 BUILTIN_TINY_DATA = "builtin:tiny-instruct"
@@ -252,15 +255,15 @@ class TrainConfig:
 class CheckpointConfig:
     every_steps: int | None = None
     """Save every N optimizer steps."""
-    every_minutes: float | None = 30.0
+    every_minutes: float | None = restart.SAVE_EVERY_MINUTES
     """Save when this much wall time passed since the last save."""
-    keep_last: int = 3
+    keep_last: int = restart.KEEP_LAST
     """Committed checkpoints to keep (at least 2)."""
     resume: str = "auto"
     """`auto` (newest that verifies), `never`, or a checkpoint directory; `never` and a path set newer checkpoints aside."""
     allow_config_change: bool = False
     """Resume even if the dataset or a structural setting changed."""
-    notice_seconds: float = 30.0
+    notice_seconds: float = restart.NOTICE_SECONDS
     """Preemption notice window: warn when a save takes longer; with checkpoint.remote, the time allowed to flush
     the last upload before exit."""
     preemption_notice: Literal["auto", "aws", "gcp", "azure", "off"] = "off"
@@ -269,17 +272,17 @@ class CheckpointConfig:
     turn it on."""
     notice_endpoint: str | None = None
     """Base URL of the metadata service for `preemption_notice` (default http://169.254.169.254)."""
-    notice_poll_seconds: float = 5.0
+    notice_poll_seconds: float = restart.NOTICE_POLL_SECONDS
     """Seconds between preemption-notice polls (AWS recommends 5)."""
     remote: str | None = None
     """fsspec URL (`s3://bucket/prefix`, `gs://`, `az://`, `file://`) that every checkpoint is uploaded to in the background; resume also looks there. Credentials come from the cloud's standard chain."""
-    lease_seconds: float = 180.0
+    lease_seconds: float = restart.LEASE_SECONDS
     """With `checkpoint.remote`: how long the run's lease lasts unrenewed (renewed every third of it). A replacement
     machine takes over a silent holder's run after this; the holder stops writing a little before."""
-    store_outage_seconds: float = 900.0
+    store_outage_seconds: float = restart.STORE_OUTAGE_SECONDS
     """With `checkpoint.remote`: how long training goes on with local checkpoints while the store cannot be reached
     (nothing is written there meanwhile); past it the run saves locally and exits 143, which supervisors restart."""
-    store_retry_seconds: float = 120.0
+    store_retry_seconds: float = restart.STORE_RETRY_SECONDS
     """With `checkpoint.remote`: how long a start waits out a store that fails for a reason of the moment (the
     network, 5xx, throttling, a broken transfer), retrying with backoff, before it exits 143 without training; it
     never trains from an older checkpoint than the store's newest instead. At most `store_outage_seconds`."""

@@ -7,7 +7,7 @@ as a second peft adapter, `reference`, beside the trained `default` (a copy of i
 `reference_forward` switches the model to it for one forward under no_grad, in the same step, and back.
 
 What must stay true: outside `reference_forward` the active adapter is `default`, the only one with
-trainable parameters, the one every checkpoint and `final/` save (restart/state.py and export.py read
+trainable parameters, the one every checkpoint and `final/` save (restart/local/state.py and export.py read
 the active adapter). The reference adapter has dropout 0 and is loaded from `init_from` on every start,
 never from a checkpoint: its content is part of the run's structural fingerprint (run.py), so a resume
 against another starting adapter is refused.

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from trainer.plan import PlanError
-from trainer.restart.checkpoint import CheckpointManager
+from trainer.restart.local.checkpoint import CheckpointManager
 
 DEFAULT_STEPS = 20
 PILOT_SCHEMA = "spotune.pilot/2"
@@ -60,7 +60,7 @@ def summarise(
     to exit); the ledger row ends before interpreter exit, which this measures. `earlier_seconds`:
     process time before the pilot that a `spotune train` process would not have (an in-process
     pilot started from a long-lived process), taken out of the first attempt's imports."""
-    from trainer.restart.ledger import read_rows
+    from trainer.restart.books.ledger import read_rows
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     ledger = read_rows(run_dir)

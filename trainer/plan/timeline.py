@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trainer.restart.checkpoint import save_step_due, save_time_due
+from trainer.restart.local.checkpoint import save_step_due, save_time_due
 
 DEFAULT_DOWNLOAD_MB_S = 200.0
 """A cloud VM pulling from the Hugging Face Hub or an object store in its region (measure
@@ -190,7 +190,7 @@ def as_dicts(items: Sequence[Item]) -> list[dict[str, Any]]:
 
 def save_count(steps: int, every_steps: int | None, every_minutes: float | None, step_seconds: float) -> int:
     """Checkpoints the loop writes: at each `every_steps` step, when `every_minutes` passed since
-    the last save, and at the end: the loop's own rules (restart.checkpoint.save_step_due / save_time_due)."""
+    the last save, and at the end: the loop's own rules (restart.local.checkpoint.save_step_due / save_time_due)."""
     saves, since = 0, 0.0
     for step in range(1, steps + 1):
         since += step_seconds

@@ -22,8 +22,7 @@ from trainer.config import ConfigError, RunConfig, from_dict
 from trainer.exit_codes import EXIT_BAD_INPUT
 from trainer.report.example import Example, training_example
 from trainer.report.trained import Trained, load_trained
-from trainer.restart.generations import read_run_file
-from trainer.restart.ledger import (
+from trainer.restart.books.ledger import (
     HEARTBEAT_FILE,
     LEDGER_FILE,
     attempt_key,
@@ -31,6 +30,7 @@ from trainer.restart.ledger import (
     row_from_progress,
     row_time,
 )
+from trainer.restart.store.generations import read_run_file
 from trainer.urls import redact
 
 log = logging.getLogger(__name__)
@@ -219,7 +219,7 @@ def _config(text: str | None, where: str, notes: list[str]) -> RunConfig | None:
 
 def _read(url: str) -> str | None:
     """A run file's text as readers see it: in a store, every lease generation's rows merged for the
-    ledger and the metrics, the newest copy for the others (trainer/restart/generations.py)."""
+    ledger and the metrics, the newest copy for the others (trainer/restart/store/generations.py)."""
     try:
         fs, path = fsspec.core.url_to_fs(url)
         body = read_run_file(fs, path)

@@ -2,7 +2,7 @@
 URL without writing to it: finished, training (on which machine, at which step, how fresh its
 heartbeat), or stopped (how, at which step); its newest committed checkpoint; the device-hours and
 cost so far and every attempt. The figures are the report's (load.py, totals.py); who holds the run
-is the lock's and the lease's own reading (trainer/restart/lock.py `holder`, lease_object.py).
+is the lock's and the lease's own reading (trainer/restart/ownership/lock.py `holder`, lease_object.py).
 
 A directory or URL that holds nothing of a run (no config.yaml, metrics, ledger, heartbeat,
 checkpoint, lock or lease) is not a run: `NotARun`, exit 2. A run directory whose checkpoint.remote
@@ -20,10 +20,10 @@ from typing import Any
 
 from trainer.report.load import CONFIG_FILE, RUNNING, ReportError, RunData, load_run, read_config
 from trainer.report.totals import FINISHED, Totals, ago, redone_by_attempt, totals
-from trainer.restart.checkpoint import CheckpointManager
-from trainer.restart.lease_object import describe_lease, read_lease
-from trainer.restart.lock import describe, holder
-from trainer.restart.storage import Store
+from trainer.restart.local.checkpoint import CheckpointManager
+from trainer.restart.ownership.lease_object import describe_lease, read_lease
+from trainer.restart.ownership.lock import describe, holder
+from trainer.restart.store.lifecycle import Store
 from trainer.urls import one_line, redact
 
 TRAINING, STARTING, STOPPED, UNKNOWN = "training", "starting", "stopped", "unknown"
@@ -198,7 +198,7 @@ def _data(run: str) -> RunData | None:
 
 
 def _has_config(run: str, options: dict[str, Any]) -> bool:
-    """A config.yaml (in a store, any generation's copy: trainer/restart/generations.py)."""
+    """A config.yaml (in a store, any generation's copy: trainer/restart/store/generations.py)."""
     return Store(run, options if "://" in run else {}).run_file(CONFIG_FILE) is not None
 
 

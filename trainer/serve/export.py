@@ -28,7 +28,7 @@ def adapter_source(run_dir: Path) -> Path:
     final = run_dir / "final"
     if all((final / f).is_file() for f in ADAPTER_FILES):
         return final
-    from trainer.restart.checkpoint import CheckpointError, CheckpointManager
+    from trainer.restart.local.checkpoint import CheckpointError, CheckpointManager
 
     path, _ = CheckpointManager(run_dir / "checkpoints", keep_last=2).latest_verified()
     if path is None:

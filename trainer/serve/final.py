@@ -17,7 +17,7 @@ from trainer.config import DataConfig
 from trainer.data.template import end_of_turn_ids
 from trainer.model import distributed
 from trainer.model.wrappers import unwrap_peft
-from trainer.restart.state import adapter_state
+from trainer.restart.local.state import adapter_state
 
 GENERATION_CONFIG = "generation_config.json"
 

@@ -13,11 +13,11 @@ from typing import Any
 import torch
 
 from trainer.restart import agree
-from trainer.restart.checkpoint import CheckpointManager
-from trainer.restart.clock import process_start
-from trainer.restart.lease import Lease
-from trainer.restart.ledger import LEDGER_FILE, Ledger, read_rows, recover_killed
-from trainer.restart.state import Counters, restore_training_state
+from trainer.restart.books.clock import process_start
+from trainer.restart.books.ledger import LEDGER_FILE, Ledger, read_rows, recover_killed
+from trainer.restart.local.checkpoint import CheckpointManager
+from trainer.restart.local.state import Counters, restore_training_state
+from trainer.restart.ownership.lease import Lease
 from trainer.training import process
 from trainer.urls import one_line
 
@@ -31,7 +31,7 @@ def finished_already(proc: process.Process, steps: int, resume_dir: Path | None,
     Ending here is no attempt (no row, no device-hours), yet its books are closed first: the attempts
     killed since (a heartbeat left on this disk, the records `lease` carries) are booked and the
     ledger pushed to the store; `lease` is marked `no_attempt`, so the next holder does not book this
-    process as a killed attempt (trainer/restart/handover.py)."""
+    process as a killed attempt (trainer/restart/books/handover.py)."""
 
     def decide() -> bool:
         assert resume_dir is not None

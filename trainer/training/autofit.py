@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.plan.memory import CUDA_OVERHEAD_BYTES, GIB, MemoryEstimate
-from trainer.restart import uploader
+from trainer.restart.remote import uploader
 
 HEADROOM_SHARE = 0.05
 """Of the device's memory kept free beyond the estimate: the estimate's own error (the planner's

@@ -30,7 +30,7 @@ import torch
 
 from trainer.data.template import IGNORE_INDEX
 from trainer.model.objective import Counts
-from trainer.restart.preemption import SIGNALS
+from trainer.restart.signals.preemption import SIGNALS
 from trainer.training.shutdown import close_loader
 
 COLUMNS = ("input_ids", "labels", "position_ids")

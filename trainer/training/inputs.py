@@ -197,7 +197,7 @@ def keep_init_adapter(cfg: C.RunConfig, proc: Process) -> None:
     data is prepared. Call it after the store resolved the resume step: the store's rule lets an attempt
     write only then."""
     from trainer.model.reference import INIT_DIR, INIT_FILES, SOURCE_FILE, check_base, keep_copy, kept_from
-    from trainer.restart.storage import Store
+    from trainer.restart.store.lifecycle import Store
 
     init_from = cfg.adapter.init_from
     if init_from is None:

@@ -28,9 +28,9 @@ import torch
 from trainer.exit_codes import StopReason
 from trainer.model import distributed
 from trainer.model.objective import Counts, Objective, Sft
-from trainer.restart.checkpoint import save_step_due, save_time_due
-from trainer.restart.preemption import agree_all
-from trainer.restart.state import Counters
+from trainer.restart.local.checkpoint import save_step_due, save_time_due
+from trainer.restart.local.state import Counters
+from trainer.restart.signals.preemption import agree_all
 from trainer.training.batches import StepBatch, eval_counts, eval_micro_batches, to_device
 from trainer.training.shutdown import OOM_ERRORS, OutOfMemory
 

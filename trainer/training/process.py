@@ -3,8 +3,9 @@
 `start` builds the accelerator (device, autocast, process group), chooses DDP or FSDP, connects
 the run's store (a fresh machine fetches the run's history before writing anything), and
 installs the stop paths (signals, the cloud notice watcher, and under torchrun the watch on the
-launcher: trainer/restart/launcher.py). Each registers its close on the
+launcher: trainer/restart/signals/launcher.py). Each registers its close on the
 caller's `ExitStack`, so an exception anywhere in `train()` closes the same things as a clean end.
+It reads the few settings it needs (`Settings`), never the whole run config (training/run.py builds them).
 """
 
 from __future__ import annotations
@@ -17,12 +18,29 @@ from typing import Any
 
 import torch
 
-from trainer import config as C
+from trainer.config import CheckpointConfig, ConfigError
 from trainer.model import distributed
-from trainer.restart import launcher, new_run, notice, preemption
-from trainer.restart.ledger import timed
-from trainer.restart.remote import RemoteRun
+from trainer.restart.books.ledger import timed
+from trainer.restart.remote import new_run
+from trainer.restart.remote.run import RemoteRun
+from trainer.restart.signals import launcher, notice, preemption
 from trainer.training import gpu_probe
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the process's resources are built from (trainer/training/run.py `process_settings`)."""
+
+    output_dir: str
+    checkpoint: CheckpointConfig
+    """The store, the resume request, the stop paths' notice settings."""
+    mixed_precision: str
+    """train.mixed_precision (`auto`: bf16 where this GPU computes it natively)."""
+    distributed: str
+    """train.distributed: DDP or FSDP."""
+    fsdp_cpu_offload: bool
+    trackers: tuple[str, ...] = ()
+    """metrics.trackers: checked installed before the model loads."""
 
 
 @dataclass
@@ -46,13 +64,13 @@ class Process:
         return bool(self.accelerator.is_main_process)
 
 
-def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitStack, fence: Any = None) -> Process:
-    """`fence`: the run's lease (trainer/restart/lease.py), which every write to the store asks first."""
-    accelerator = make_accelerator(cfg)
-    t, ck = cfg.train, cfg.checkpoint
+def start(settings: Settings, phases: dict[str, float], closing: contextlib.ExitStack, fence: Any = None) -> Process:
+    """`fence`: the run's lease (trainer/restart/ownership/lease.py), which every write to the store asks first."""
+    accelerator = make_accelerator(settings)
+    ck = settings.checkpoint
     # DDP, or FSDP from the recipe or an accelerate FSDP config; refuses DeepSpeed and the like.
-    sharding = distributed.choose(t.distributed, t.fsdp_cpu_offload, accelerator)
-    out = Path(cfg.output_dir)
+    sharding = distributed.choose(settings.distributed, settings.fsdp_cpu_offload, accelerator)
+    out = Path(settings.output_dir)
     remote = RemoteRun(
         ck.remote,
         ck.storage_options,
@@ -67,8 +85,8 @@ def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitSt
     if fence is not None:
         remote.fence = fence
     # checkpoint.resume=never: a new run. The old run's files and checkpoints go aside before anything reads
-    # them, and only once the store answered (trainer/restart/new_run.py): one step, never half of it.
-    fresh = new_run.stamp() if ck.resume == "never" else None
+    # them, and only once the store answered (trainer/restart/remote/new_run.py `apply`): one step, never half of it.
+    request = new_run.Request.of(ck.resume)
 
     def set_aside_here(folder: str) -> None:  # rank 0's folder name on every node: one name per new run
         unbooked = fence.new_run() if fence is not None and accelerator.is_main_process else []
@@ -85,10 +103,10 @@ def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitSt
     with timed(
         phases, "store"
     ):  # first: a fresh machine fetches the run's config, ledger and metrics before writing any
-        # Every node sets its own disk aside (rank 0's decides, trainer/restart/remote.py `connect`); a request
+        # Every node sets its own disk aside (rank 0's decides, trainer/restart/remote/run.py `connect`); a request
         # applied already (a rerun of the same command after a preemption) is not applied again.
-        here = set_aside_here if fresh is not None and accelerator.is_local_main_process else None
-        remote.connect(fresh, here, request=ck.resume)
+        here = set_aside_here if request.folder is not None and accelerator.is_local_main_process else None
+        remote.connect(request, here)
     stop = preemption.Preemption().install()
     closing.callback(stop.uninstall)
     # A store that refused the uploader or the lease for good (credentials, permissions, full...): save locally,
@@ -100,7 +118,7 @@ def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitSt
         if fence.keeper.refused is not None:  # refused before this was wired
             remote.refuse(fence.keeper.refused)
     # A store found ahead of the step this attempt resumed from (it started cut off, on a stale disk):
-    # nothing is written there; save locally, exit 143 (trainer/restart/safety.py).
+    # nothing is written there; save locally, exit 143 (trainer/restart/store/safety.py).
     remote.floor.on_ahead = lambda why: stop.request(f"spotune: {why}", " (exit 143)")
     # A store write the rule refused (a bug): save locally, exit 1 (RemoteRun.exit_code), not train on uncopied.
     remote.on_violation = lambda why: stop.request(f"spotune: {why}", " (exit 1)")
@@ -115,14 +133,7 @@ def start(cfg: C.RunConfig, phases: dict[str, float], closing: contextlib.ExitSt
     return Process(accelerator, sharding, remote, stop, out)
 
 
-def resolved_precision(cfg: C.RunConfig, accelerator: Any) -> C.RunConfig:
-    """`cfg` with `train.mixed_precision: auto` replaced by what `make_accelerator` chose for this GPU."""
-    if cfg.train.mixed_precision != "auto":
-        return cfg
-    return cfg.replace(**{"train.mixed_precision": accelerator.mixed_precision})
-
-
-def make_accelerator(cfg: C.RunConfig) -> Any:
+def make_accelerator(settings: Settings) -> Any:
     """Accelerate owns device placement, autocast (+ fp16 grad scaler) and DDP wrapping; FSDP
     sharding is ours (trainer/model/distributed.py says why).
 
@@ -136,25 +147,25 @@ def make_accelerator(cfg: C.RunConfig) -> Any:
     cuda = torch.cuda.is_available()
     unusable = gpu_probe.unusable_gpu_reason()
     if unusable:
-        raise C.ConfigError([unusable])
-    if cfg.train.mixed_precision == "fp16" and not cuda:
-        raise C.ConfigError(["train.mixed_precision: fp16 needs a CUDA GPU; use bf16 or no on CPU"])
-    precision = cfg.train.mixed_precision
+        raise ConfigError([unusable])
+    if settings.mixed_precision == "fp16" and not cuda:
+        raise ConfigError(["train.mixed_precision: fp16 needs a CUDA GPU; use bf16 or no on CPU"])
+    precision = settings.mixed_precision
     if precision == "auto":  # bf16 where this GPU computes it natively (every rank of a job has the same GPUs)
         precision = "bf16" if cuda and torch.cuda.is_bf16_supported() else "no"
-    trackers = list(cfg.metrics.trackers)
+    trackers = list(settings.trackers)
     missing = [t for t in trackers if importlib.util.find_spec(t) is None]
     if missing:  # said before the model loads, not at the first metrics row (trainer/training/trackers.py)
-        raise C.ConfigError(
+        raise ConfigError(
             [
                 f"metrics.trackers: {', '.join(missing)} is not installed; pip install {' '.join(missing)} "
                 "(or pip install 'spotune[trackers]'), or remove it from metrics.trackers"
             ]
         )
-    backend = distributed.process_group_backend(cfg.train.distributed, cfg.train.fsdp_cpu_offload, cuda)
+    backend = distributed.process_group_backend(settings.distributed, settings.fsdp_cpu_offload, cuda)
     return Accelerator(
         cpu=not cuda,
         mixed_precision=precision,
-        project_dir=cfg.output_dir,
+        project_dir=settings.output_dir,
         kwargs_handlers=[InitProcessGroupKwargs(backend=backend)] if backend else None,
     )

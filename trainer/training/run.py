@@ -28,11 +28,11 @@ from trainer.model.balance import balanced
 from trainer.model.load import build, build_optimizer, count_params
 from trainer.model.objective import Objective, Sft
 from trainer.model.preference import Kto, Preference, regime_notes
-from trainer.restart import owner
-from trainer.restart.checkpoint import CheckpointManager
-from trainer.restart.ledger import Ledger, timed
-from trainer.restart.saving import Saver
-from trainer.restart.state import Counters, TrainState, check_compatible
+from trainer.restart.books.ledger import Ledger, timed
+from trainer.restart.local.checkpoint import CheckpointManager
+from trainer.restart.local.saving import Saver
+from trainer.restart.local.state import Counters, TrainState, check_compatible
+from trainer.restart.ownership import owner
 from trainer.serve.final import write_final
 from trainer.training import attempts, autofit, determinism, loop, metrics, process, shutdown, trackers
 from trainer.training.batches import StepDataset, identical_pairs, prefetching, step_loader
@@ -69,14 +69,16 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
 
     ck = cfg.checkpoint
     with determinism.kernels(cfg.train.deterministic) as notes, contextlib.ExitStack() as closing:
-        # One writer per run, before anything touches output_dir or the store (trainer/restart/owner.py).
+        # One writer per run, before anything touches output_dir or the store (trainer/restart/ownership/owner.py).
         holding = closing.enter_context(
             owner.hold(
                 cfg.output_dir, ck.remote, ck.storage_options, ck.lease_seconds, wait, "train", ck.store_outage_seconds
             )
         )
-        proc = process.start(cfg, phases, closing, fence=holding.lease)  # accelerator, DDP/FSDP, store, stop paths
-        cfg = process.resolved_precision(cfg, proc.accelerator)  # `auto`: what the accelerator runs on this GPU
+        proc = process.start(
+            process_settings(cfg), phases, closing, fence=holding.lease
+        )  # accelerator, DDP/FSDP, store, stop paths
+        cfg = resolved_precision(cfg, proc.accelerator)  # `auto`: what the accelerator runs on this GPU
         device = proc.accelerator.device
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         if holding.lease is not None:  # a kill before the ledger opens is still booked with its device and rate
@@ -94,7 +96,7 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
         refuse_identical_pairs(rows, prepared.train_path)  # a preference objective never trains on them
         with timed(phases, "resolve"):
             # local or remote, on rank 0; a request applied already (a rerun of the same command) resumes as auto
-            resume_dir, resume_notes = proc.remote.resolve(proc.remote.setting(cfg.checkpoint.resume))
+            resume_dir, resume_notes = proc.remote.resolve(proc.remote.request.acts_on)
             keep_init_adapter(cfg, proc)  # adapter.init_from: the run's own copy, here and in the store
         sched = _schedule(cfg, proc, prepared, len(rows), resume_dir)
         if attempts.finished_already(
@@ -139,6 +141,26 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
 
 
 # ---------------------------------------------------------------------------- the stages
+
+
+def process_settings(cfg: C.RunConfig) -> process.Settings:
+    """What the process's resources are built from (trainer/training/process.py `start`): a few values, not the run."""
+    t = cfg.train
+    return process.Settings(
+        cfg.output_dir,
+        cfg.checkpoint,
+        t.mixed_precision,
+        t.distributed,
+        t.fsdp_cpu_offload,
+        tuple(cfg.metrics.trackers),
+    )
+
+
+def resolved_precision(cfg: C.RunConfig, accelerator: Any) -> C.RunConfig:
+    """`cfg` with `train.mixed_precision: auto` replaced by what `make_accelerator` chose for this GPU."""
+    if cfg.train.mixed_precision != "auto":
+        return cfg
+    return cfg.replace(**{"train.mixed_precision": accelerator.mixed_precision})
 
 
 def refuse_identical_pairs(rows: Any, where: Path) -> None:
@@ -249,7 +271,7 @@ def _open_books(
         process_start=holding.clock_start(),  # after a --wait: from when this attempt got the run
         attempt_id=lease.id if lease is not None else None,
         lost_attempts=lease.hand_over() if lease is not None else (),  # killed attempts the lease names
-        resume_request=cfg.checkpoint.resume if cfg.checkpoint.resume != "auto" else None,  # applies once
+        resume_request=proc.remote.request.recorded,  # applies once: a rerun finds it (restart/remote/new_run.py)
     )
     closing.push(_ledger_row_on_error(ledger))
     console = Console(sched.steps, bar=cfg.metrics.progress, is_main=proc.is_main)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.restart.ledger import Ledger
+from trainer.restart.books.ledger import Ledger
 from trainer.training.console import Console
 from trainer.training.loop import StepRecord
 from trainer.training.metrics import Meter
@@ -64,7 +64,7 @@ class Telemetry:
         self.epoch_of, self.digest_of = epoch_of, digest_of
         self.tracker_log = tracker_log
         self.row_extras = row_extras
-        """Fields merged into every metrics row written (the uploads' figures: trainer/restart/remote.py)."""
+        """Fields merged into every metrics row written (the uploads' figures: trainer/restart/remote/run.py)."""
         self.last: StepRecord | None = None
         self.compiling: Callable[[dict[str, float]], None] | None = None
         """`model.compile`: puts this attempt's compile seconds into the ledger's phases (trainer/model/compile_cache.py)."""
@@ -151,7 +151,7 @@ class Telemetry:
         `stopped_by`: what asked a preempted run to stop (a signal, a notice, a planned stop); `planned`:
         the stop planned in advance (`Preemption.planned`, the pilot's), said as such, not as a preemption."""
         from trainer.report.totals import hours_unit
-        from trainer.restart.ledger import read_rows
+        from trainer.restart.books.ledger import read_rows
 
         def num(value: float | None, fmt: str, missing: str = "n/a") -> str:
             return missing if value is None else format(value, fmt)

@@ -1,5 +1,5 @@
 """The rule that keeps what a run paid for, stated once. Every `Store` method that deletes, moves,
-uncommits or supersedes remote state asks it first (`Floor.allow*`, called by trainer/restart/storage.py;
+uncommits or supersedes remote state asks it first (`Floor.allow*`, called by trainer/restart/store/lifecycle.py;
 tests/test_safety.py checks each one does): pruning, replacing or committing a step, retiring, setting run
 files aside, and `clean`, for a late manifest (judged on the raw manifests: a step this attempt saw
 committed when it chose is never "late") and for an unfinished upload (`allow_unfinished`: no manifest, no
@@ -9,12 +9,12 @@ retired marker, no retire of its step left unfinished).
 row above the step it resumed from, unless the user asked for a new timeline** (`checkpoint.resume=never`
 or a checkpoint path: the newer checkpoints are then retired, their manifest renamed, their data kept).
 **A checkpoint found corrupt is retired too, never deleted**, and only once a second download into a
-fresh directory agreed (trainer/restart/choose.py): one machine's bad RAM, disk or tmpfs must not cost
+fresh directory agreed (trainer/restart/remote/choose.py): one machine's bad RAM, disk or tmpfs must not cost
 the run its newest steps.
 
 How each kind of remote state is kept:
 - Ledger and metrics rows are never deleted at all: each lease generation writes its own copy and
-  readers merge the rows of every copy (trainer/restart/generations.py), so no write can drop one.
+  readers merge the rows of every copy (trainer/restart/store/generations.py), so no write can drop one.
 - A checkpoint is "committed" while its manifest is visible to readers (`Store.committed`, the
   generation rule). An action supersedes a checkpoint when it makes that manifest invisible: deleting
   or renaming it, or committing a newer generation's manifest below it. So the store asks with the
@@ -50,7 +50,7 @@ import threading
 from collections.abc import Callable, Collection, Iterable
 
 from trainer.exit_codes import EXIT_PREEMPTED
-from trainer.restart.checkpoint import MANIFEST
+from trainer.restart.local.checkpoint import MANIFEST
 
 
 class SafetyViolation(AssertionError):

@@ -1,11 +1,11 @@
 """Rank 0's choice of the checkpoint to resume from, local or in `checkpoint.remote`, and what it
-promises the store (trainer/restart/safety.py): the step chosen and the committed steps seen are
+promises the store (trainer/restart/store/safety.py): the step chosen and the committed steps seen are
 recorded on the store's `Floor` before anything is written there.
 
 - `auto`: the newest checkpoint that verifies, on this disk or in the store (downloaded). Only a
   remote checkpoint whose bytes disagree with its manifest (`Corrupt`) is skipped, and only once a second
   download into a fresh directory agrees (one read can be this machine's fault: bad RAM, a bad disk or
-  tmpfs). A checkpoint found corrupt is retired (renamed, kept: trainer/restart/safety.py), never
+  tmpfs). A checkpoint found corrupt is retired (renamed, kept: trainer/restart/store/safety.py), never
   deleted; when every remote checkpoint newer than the local ones is corrupt and no local one verifies,
   the attempt stops with CheckpointError (exit 2) naming them, as the local rule does. A fault of the
   moment while listing or downloading (trainer/faults.py `transient`: the network, 5xx, throttling, a broken
@@ -31,8 +31,10 @@ from typing import TypeVar
 
 from trainer.atomic import publish_dir, temp_sibling
 from trainer.faults import transient
-from trainer.restart.checkpoint import CheckpointError, CheckpointManager, resolve_resume
-from trainer.restart.storage import Corrupt, Store, StoreError, StoreUnreachable
+from trainer.restart.local.checkpoint import CheckpointError, CheckpointManager, resolve_resume
+from trainer.restart.store.errors import StoreError, StoreUnreachable
+from trainer.restart.store.lifecycle import Store
+from trainer.restart.store.verify import Corrupt
 from trainer.urls import one_line
 
 T = TypeVar("T")

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.exit_codes import EXIT_BUSY
-from trainer.restart.ledger import HEARTBEAT_FILE
+from trainer.restart.books.ledger import HEARTBEAT_FILE
 
 LOCK_FILE = ".spotune.lock"
 PROBE_GRACE = 1.0

@@ -6,7 +6,7 @@ S3-compatible endpoints accept both headers and ignore them, which would leave t
 unnoticed, so `conditional(store)` asks the store once, at the lease's first use: it writes a
 probe object, then writes it again with each condition set so that it must be refused. A store
 that lets either through is treated as having no conditional writes (the lease then re-reads
-itself around every commit, trainer/restart/lease.py). So is one that refuses a conditional PUT with
+itself around every commit, trainer/restart/ownership/lease.py). So is one that refuses a conditional PUT with
 any other answer than 412 (501 NotImplemented, a 400 for a header it does not know): that is no outage,
 and the lease works without conditions; only a fault of the moment (trainer/faults.py) propagates. Non-S3
 stores (a local directory, GCS through gcsfs, Azure) take the re-read path too; on a local directory a
@@ -26,7 +26,7 @@ from typing import Any
 
 from trainer.atomic import write_bytes
 from trainer.faults import answer, transient
-from trainer.restart.storage import Store
+from trainer.restart.store.lifecycle import Store
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ what a newer holder wrote. Two rules, applied by every reader (resume, `spotune 
   generations than the newest one, those above the newest generation's highest step are late
   writes and count as absent (a newer holder resumed below them). This holds only because a holder
   never commits below a checkpoint it saw committed unless that one is corrupt or the user asked
-  for a new timeline (the rule of trainer/restart/safety.py, asserted by every store write that
+  for a new timeline (the rule of trainer/restart/store/safety.py, asserted by every store write that
   could take one out of sight).
 
 The second rule cannot tell a late manifest below that step from a live one: a reader reaches it
@@ -29,7 +29,7 @@ import posixpath
 from collections.abc import Iterable
 from typing import Any
 
-from trainer.restart.ledger import LEDGER_FILE
+from trainer.restart.books.ledger import LEDGER_FILE
 
 GEN = ".gen-"
 """Between a run file's name and the generation that wrote it."""

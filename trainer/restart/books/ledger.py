@@ -8,7 +8,7 @@ device counts add up. Per attempt:
 - `checkpoint_seconds`: time spent saving.
 - `lost_seconds`: optimizer-step time after the last checkpoint; the next attempt redoes it.
 - `resume_request`: `checkpoint.resume` when the attempt was started with a request (`never`, a path), so
-  a rerun of the same command does not apply it again (trainer/restart/new_run.py).
+  a rerun of the same command does not apply it again (trainer/restart/remote/new_run.py).
 - `last_step`: the last step logged or saved; `resumed_from`: the step its training started from
   (the checkpoint's, 0 without one; absent when it never got that far).
 - `phases`: wall seconds of the attempt's fixed costs, for the forecast to itemise
@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.atomic import append_line, write_text
-from trainer.restart import clock
+from trainer.restart.books import clock
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class Ledger:
         self.run_dir = run_dir
         self.resume_request = resume_request
         """`checkpoint.resume` when this attempt was started with a request (`never`, a path): the next start
-        of the same command resumes instead of applying it again (trainer/restart/new_run.py `rerun_of`)."""
+        of the same command resumes instead of applying it again (trainer/restart/remote/new_run.py `rerun_of`)."""
         self.attempt_id = attempt_id
         """The lease holder id of this attempt (with checkpoint.remote): how a later attempt tells it is booked."""
         self.world_size = world_size

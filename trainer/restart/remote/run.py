@@ -11,38 +11,36 @@ early exit that saved nothing (out of memory). The loop never sees it.
 `connect` and `resolve` are collective: what rank 0 meets (the store refusing these credentials,
 or not answering) is raised alike on every rank (trainer/restart/agree.py), so the ranks exit with
 one code. Every write goes through the store's fence (the lease) and floor (the rule of
-trainer/restart/safety.py, which `resolve` sets up through trainer/restart/choose.py).
+trainer/restart/store/safety.py, which `resolve` sets up through trainer/restart/remote/choose.py).
+
+The parts it calls, each its own module: a resume request applied once (new_run.py `apply`), the run
+files a machine fetches (run_files.py), the choice (choose.py), the several-node copies (nodes.py), the
+background uploads (uploader.py). What stays here is the order of an attempt's calls and its verdicts:
+the exit reason and code every rank ends with.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainer.atomic import write_bytes
-from trainer.config.schema import CheckpointConfig
 from trainer.exit_codes import EXIT_ERROR, EXIT_FINISHED, EXIT_PREEMPTED, code_for
-from trainer.model.reference import INIT_FILES
-from trainer.restart import agree
-from trainer.restart import new_run as new_run_module
-from trainer.restart.checkpoint import MANIFEST, CheckpointError, CheckpointManager
-from trainer.restart.choose import choose, download_confirmed, retrying
-from trainer.restart.generations import APPEND_ONLY, merged_rows
-from trainer.restart.handover import Handover
-from trainer.restart.lease_object import Follower
-from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE, attempt_key, read_rows, recover_killed
-from trainer.restart.safety import Floor
-from trainer.restart.storage import Corrupt, Fence, Store, StoreDenied, StoreUnreachable
-from trainer.restart.uploader import RAN_OUT_FILE, RUN_FILES, Uploader
+from trainer.restart import agree, defaults
+from trainer.restart.books.handover import Handover
+from trainer.restart.books.ledger import HEARTBEAT_FILE, LEDGER_FILE, recover_killed
+from trainer.restart.local.checkpoint import CheckpointError, CheckpointManager
+from trainer.restart.ownership.lease_object import Follower
+from trainer.restart.remote import new_run as new_run_module
+from trainer.restart.remote.choose import choose, retrying
+from trainer.restart.remote.nodes import Copies, Directory, directory_of, files_digest, holds
+from trainer.restart.remote.run_files import fetch_run_files
+from trainer.restart.remote.uploader import RAN_OUT_FILE, Uploader
+from trainer.restart.store.errors import StoreDenied, StoreUnreachable
+from trainer.restart.store.lifecycle import Fence, Store
+from trainer.restart.store.safety import Floor
 from trainer.urls import one_line, redact
-
-Directory = tuple[str, int, int]
-"""Which directory a path is on one machine (`_directory`)."""
 
 FINISH_TIMEOUT = 600.0
 """Seconds a finished run waits for its last upload (a preempted one has checkpoint.notice_seconds)."""
@@ -61,8 +59,8 @@ class RemoteRun:
         is_main: bool,
         is_local_main: bool,
         message: Callable[[str], None] = print,
-        retry_seconds: float = CheckpointConfig.store_retry_seconds,
-        outage_seconds: float = CheckpointConfig.store_outage_seconds,
+        retry_seconds: float = defaults.STORE_RETRY_SECONDS,
+        outage_seconds: float = defaults.STORE_OUTAGE_SECONDS,
     ) -> None:
         self.url = url
         self.options = storage_options
@@ -79,16 +77,14 @@ class RemoteRun:
         self.flushed = False
         self.resumed: Path | None = None
         """Rank 0: the checkpoint this attempt resumes from (`resolve`), uploaded first if the store lacks it."""
-        self.fence: Fence | None = None  # the run's lease (trainer/restart/lease.py), set by run.py
+        self.fence: Fence | None = None  # the run's lease (trainer/restart/ownership/lease.py), set by run.py
         self.floor = Floor()
-        """What this attempt may take out of sight in the store (trainer/restart/safety.py); on_ahead set by process.py."""
+        """What this attempt may take out of sight in the store (trainer/restart/store/safety.py); on_ahead set by process.py."""
         self.on_violation: Callable[[str], object] = lambda why: None
         """What the uploader calls when the rule refused one of its writes (a bug): process.py asks for the stop."""
         self._booking = threading.Lock()
-        self.request = "auto"
-        """checkpoint.resume as given (`connect`)."""
-        self.rerun: dict[str, Any] | None = None
-        """The last attempt, started with `request` already: this start resumes instead (`setting`)."""
+        self.request = new_run_module.Request()
+        """checkpoint.resume as given, and whether this start applies it (`connect`; trainer/restart/remote/new_run.py)."""
         self.refused: BaseException | None = None
         """What the store answered a background thread (the uploader, the lease's) that rerunning will not change
         (trainer/faults.py): the run stops, and exits with its code (`exit_code`)."""
@@ -100,10 +96,7 @@ class RemoteRun:
     # ------------------------------------------------------------------ start
 
     def connect(
-        self,
-        new_run: str | None = None,
-        set_aside_here: Callable[[str], None] | None = None,
-        request: str = "auto",
+        self, request: new_run_module.Request | None = None, set_aside_here: Callable[[str], None] | None = None
     ) -> None:
         """Collective. Rank 0 checks the store (list, and a probe write and delete) and, on a machine
         without the run files, downloads them (this disk's ledger and metrics rows merged with the store's).
@@ -111,92 +104,70 @@ class RemoteRun:
         Every rank raises StoreDenied (exit 2) when the store refuses these credentials or has no such
         bucket, and StoreUnreachable (exit 143) when it does not answer for `budget` seconds and no local
         checkpoint lets training start; with one, rank 0 warns and goes on cut off (the floor reads the
-        store before the first write). `request` (checkpoint.resume) applies once: when the run's last
-        attempt was started with it, this is a rerun of the same command, which resumes instead
-        (trainer/restart/new_run.py `rerun_of`; `setting`). `new_run` (checkpoint.resume=never, applied): the
-        folder the store's run files of the old run are moved to, once the store answered, in one step with
-        its checkpoints retired and with `set_aside_here(new_run)` (this disk's part, trainer/restart/new_run.py;
-        run on every node whose disk is not rank 0's too); a store that does not answer then stops the
-        attempt (exit 143) before anything moved."""
-        self.request = request
+        store before the first write). `request` (checkpoint.resume) applies once, in one step once the store
+        answered (trainer/restart/remote/new_run.py `apply`, with `set_aside_here`: this disk's part), then on
+        every node whose disk is not rank 0's; a store that does not answer then stops the attempt (exit 143)
+        before anything moved."""
+        self.request = request or new_run_module.Request()
         if self.is_main:
             try:
-                if self.url is None:
-                    self._connect_local(new_run, set_aside_here)
-                else:
-                    self._connect_main(new_run, set_aside_here)
+                self._connect_main(set_aside_here)
             except Exception as e:
                 agree.broadcast((agree.failure(e), None, None))  # the other ranks wait in the broadcast below
                 raise
-        applied = new_run if new_run is not None and self.rerun is None else None
-        mine = (self.rerun is not None, applied, _directory(self.run_dir))
+        mine = (self.request.rerun is not None, self.request.new_run, directory_of(self.run_dir))
         problem, self.holder, agreed = agree.broadcast((None, getattr(self.fence, "id", None), mine))
         agree.raise_failure([problem], prefix="rank 0 could not connect to the store: ")
         rerun, folder, directory = agreed
         if not self.is_main:
-            self.rerun = {"rank 0": "a rerun"} if rerun else None
-            if set_aside_here is not None and folder is not None and _directory(self.run_dir) != directory:
+            self.request.rerun = {"rank 0": "a rerun"} if rerun else None
+            if set_aside_here is not None and folder is not None and directory_of(self.run_dir) != directory:
                 try:  # this node's own disk (not rank 0's): its old checkpoints and files go aside too
                     set_aside_here(folder)
                 except OSError as e:  # its old checkpoints stay; a resume still checks each copy's digest
                     self.message(f"spotune: rank {agree.rank()}: could not set this node's old run aside: {e}")
 
-    def setting(self, resume_setting: str) -> str:
-        """The `checkpoint.resume` this attempt acts on: `auto` for a request applied already (a rerun of the
-        command that applied it, `connect`), else `resume_setting`."""
-        return "auto" if self.rerun is not None else resume_setting
+    def _connect_main(self, set_aside_here: Callable[[str], None] | None) -> None:
+        """Rank 0: the store reached (or none used), the request applied once (`new_run.apply`, called here
+        only), the run files this machine lacks fetched."""
+        request, run_dir = self.request, self.run_dir
+        here = [set_aside_here] if set_aside_here is not None else []  # once: a retry finds nothing here
+        store: Store | None = None
+        local: list[Path] = []
+        if self.url is not None:
+            store = self.store = Store(self.url, self.options)
+            store.floor = self.floor
+            self.floor.new_timeline = request.folder is not None
+            if self.fence is not None:
+                store.fence = self.fence
+            local = CheckpointManager(run_dir / "checkpoints").committed()
 
-    def _decide(self, ledgers: list[bytes | None], heartbeats: list[bytes | None]) -> None:
-        """Rank 0: whether this start is a rerun of the one that applied `self.request` (said once)."""
-        if self.request == "auto":
-            return
-        said = self.rerun is not None
-        self.rerun = new_run_module.rerun_of(self.request, ledgers, heartbeats)
-        self.floor.new_timeline = self.floor.new_timeline and self.rerun is None
-        if self.rerun is not None and not said:
-            self.message(f"spotune: {new_run_module.rerun_note(self.request, self.rerun)}")
-
-    def _connect_local(self, new_run: str | None, set_aside_here: Callable[[str], None] | None) -> None:
-        self._decide(*new_run_module.local_files(self.run_dir))
-        if new_run is not None and set_aside_here is not None and self.rerun is None:
-            set_aside_here(new_run)
-
-    def _connect_main(self, new_run: str | None, set_aside_here: Callable[[str], None] | None) -> None:
-        store = self.store = Store(self.url or "", self.options)
-        store.floor = self.floor
-        self.floor.new_timeline = new_run is not None
-        if self.fence is not None:
-            store.fence = self.fence
-        local = CheckpointManager(self.run_dir / "checkpoints").committed()
-
-        here = [set_aside_here] if set_aside_here is not None else []
+        def files() -> tuple[list[bytes | None], list[bytes | None]]:  # the run's last attempt, here or in the store
+            ledgers, beats = new_run_module.local_files(run_dir)
+            if store is None:
+                return ledgers, beats
+            return [*ledgers, store.read_run_file(LEDGER_FILE)], [*beats, store.read_run_file(HEARTBEAT_FILE)]
 
         def reach() -> None:
-            store.check()
-            if self.request != "auto":  # the run's last attempt, on this disk or in the store: a rerun?
-                ledgers, beats = new_run_module.local_files(self.run_dir)
-                self._decide(
-                    [*ledgers, store.read_run_file(LEDGER_FILE)], [*beats, store.read_run_file(HEARTBEAT_FILE)]
-                )
-            if new_run is not None and self.rerun is None:
-                self._begin_new_run(store, new_run, here.pop() if here else None)  # once: a retry finds nothing here
-                moved = store.set_aside(RUN_FILES + INIT_FILES, new_run)  # a new run copies its init_from anew
-                if moved:
-                    self.message(
-                        f"spotune: checkpoint.resume=never: a new run; the old run's files in {store.shown} are set "
-                        f"aside in {store.shown}/{new_run}/ ({', '.join(moved)}): kept, never read by this run"
-                    )
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            fetch_run_files(store, self.run_dir)
+            if store is not None:
+                store.check()
+            new_run_module.apply(request, store, files, here.pop() if here else None, self.message)
+            if store is not None:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                fetch_run_files(store, run_dir)
 
+        if store is None:  # no checkpoint.remote: this disk alone
+            reach()
+            return
         try:
             retrying("reaching", 0.0 if local else self.budget, reach, self.message, store)
         except StoreDenied:
             raise  # a setting to fix: waiting changes nothing (exit 2)
         except StoreUnreachable as e:
-            if self.request != "auto":  # this disk alone may show a rerun, whose timeline goes on cut off like auto's
-                self._decide(*new_run_module.local_files(self.run_dir))
-            if new_run is not None and self.rerun is None:  # a new run sets the store's checkpoints aside first
+            # this disk alone may show a rerun, whose timeline goes on cut off like auto's
+            request.decide(*new_run_module.local_files(run_dir), self.message)
+            self.floor.new_timeline = self.floor.new_timeline and request.rerun is None
+            if request.new_run is not None:  # a new run sets the store's checkpoints aside first
                 raise StoreUnreachable(
                     f"{e}. checkpoint.resume=never sets the old run aside in the store too; nothing was moved "
                     "(exit 143: rerun once the store answers)"
@@ -207,21 +178,9 @@ class RemoteRun:
             return
         self.reachable = True
 
-    def _begin_new_run(self, store: Store, folder: str, set_aside_here: Callable[[str], None] | None) -> None:
-        """resume=never, the store answering: its checkpoints retired (renamed, kept), then this disk's."""
-        self.floor.choose(None, store.committed(), new_timeline=True, generation=store.fence.generation)
-        moved = store.retire(-1)
-        if moved:
-            self.message(
-                f"spotune: checkpoint.resume=never: set aside remote checkpoint(s) above step 0, kept as "
-                f"{', '.join(f'{store.shown}/checkpoints/{name}' for name in moved)}"
-            )
-        if set_aside_here is not None:
-            set_aside_here(folder)
-
     def resolve(self, resume_setting: str) -> tuple[Path | None, list[str]]:
         """The checkpoint every rank resumes from: chosen on rank 0 (local or remote, the newest
-        that verifies: trainer/restart/choose.py) and broadcast with the digest of its files.
+        that verifies: trainer/restart/remote/choose.py) and broadcast with the digest of its files.
 
         Each rank restores its run's own `step-XXXXXX`, except for a `checkpoint.resume=` path outside
         output_dir/checkpoints: every rank that can read that very directory (those of rank 0's node)
@@ -245,7 +204,7 @@ class RemoteRun:
                     # A path outside the run's checkpoints (checkpoint.resume=<path>) is named by its directory:
                     # the ranks that can read that very one (rank 0's node) restore it; the others, their step.
                     outside = chosen.absolute() != (root / chosen.name).absolute()
-                    directory = _directory(chosen) if outside else None
+                    directory = directory_of(chosen) if outside else None
                     picked = (step, str(chosen.absolute()), files_digest(chosen), directory)
             except Exception as e:
                 agree.broadcast((None, agree.failure(e)))  # the other ranks wait in the broadcast below
@@ -255,10 +214,10 @@ class RemoteRun:
         if picked is None:
             return None, notes
         step, rank0_path, digest, directory = picked
-        same = self.is_main or (directory is not None and _directory(Path(rank0_path)) == directory)
+        same = self.is_main or (directory is not None and directory_of(Path(rank0_path)) == directory)
         here = (chosen or Path(rank0_path)) if same else root / f"step-{step:06d}"
         self.resumed = here if self.is_main else None
-        lacks = self.is_local_main and not same and not _holds(root, here, digest)
+        lacks = self.is_local_main and not same and not holds(root, here, digest)
         lacking = [r for r, flag in enumerate(agree.gather(lacks)) if flag]
         if lacking:
             if self.url is None:
@@ -266,88 +225,12 @@ class RemoteRun:
                     f"rank 0 resumes from step {step} but the disk of rank(s) {', '.join(map(str, lacking))} lacks "
                     "it; put output_dir on a shared filesystem or set checkpoint.remote"
                 )
-            self._bring(Path(rank0_path), root, step, digest, lacks, notes)
+            store = self.store if self.reachable else None
+            copies = Copies(self.url, self.options, store, self.is_main, self.budget, self.keep_last, self.message)
+            copies.bring(Path(rank0_path), root, step, digest, lacks, notes)
         if self.is_local_main and not self.is_main:  # one line per node: what it loaded
             self.message(f"spotune: rank {agree.rank()}: resuming from {here} at step {step} (chosen by rank 0)")
         return here, notes
-
-    def _bring(self, path: Path, root: Path, step: int, digest: str, lacks: bool, notes: list[str]) -> None:
-        """Collective: rank 0 makes sure the store holds its checkpoint `path` as step `step`, and each node
-        that `lacks` it downloads it. A node that finds the store's copy corrupt (an object there that is
-        not what the manifest lists: a fenced holder's late write under the same manifest) has rank 0 send
-        it again, once: else every attempt would meet the same copy and exit 143 forever."""
-        for replace in (False, True):
-            problem = self._publish(path, step, digest, notes, replace=replace) if self.is_main else None
-            problem = agree.broadcast(problem)
-            corrupt = False
-            if problem is None and lacks:
-                problem, corrupt = self._fetch(root, step, digest)
-                lacks = problem is not None  # a node that has it now does not download it again
-            results = agree.gather((problem, corrupt))
-            if not replace and any(found for _, found in results):
-                if self.is_main:
-                    self.message(f"spotune: a node found the store's step {step} corrupt: uploading it again")
-                continue
-            agree.raise_failure([failed for failed, _ in results])
-            return
-
-    def _publish(
-        self, path: Path, step: int, digest: str, notes: list[str], *, replace: bool = False
-    ) -> agree.Failure | None:
-        """Rank 0: make sure the store holds `path` as step `step` for the nodes that lack it (`replace`: send
-        it even when the store's manifest lists these bytes; a node found an object there corrupt)."""
-        store = self.store
-        if store is None or not self.reachable:
-            return (
-                EXIT_PREEMPTED,
-                f"rank 0 resumes from its local step {step}, other nodes lack it and checkpoint.remote="
-                f"{redact(self.url or '')} was unreachable at start (exit 143: rerun once it answers)",
-            )
-
-        def publish() -> bool:
-            if (
-                not replace
-                and step in store.committed()
-                and manifest_digest(store.fs.cat_file(store.step_path(step, MANIFEST))) == digest
-            ):
-                return False
-            store.upload(path, step, replace=replace)
-            return True
-
-        try:
-            if not retrying(f"uploading step {step} to", self.budget, publish, self.message, store, action="write"):
-                return None
-        except Exception as e:
-            return agree.failure(e)
-        notes.append(
-            f"uploaded {store.show_dir(step)} for the nodes that lack it (the last attempt stopped before its upload)"
-        )
-        return None
-
-    def _fetch(self, root: Path, step: int, digest: str) -> tuple[agree.Failure | None, bool]:
-        """A node's local main: download step `step` from the store; (None, or what went wrong; whether
-        the store's copy was found corrupt)."""
-        store = Store(self.url or "", self.options)
-        notes: list[str] = []
-        try:  # a corrupt verdict is confirmed by a second download before rank 0 acts on it (sends it again)
-            path = retrying(
-                f"downloading step {step} from",
-                self.budget,
-                lambda: download_confirmed(store, step, root, notes),
-                self.message,
-                store,
-            )
-        except Exception as e:
-            code, text = agree.failure(e)
-            return (code, f"rank {agree.rank()}: {text}"), isinstance(e, Corrupt)
-        if files_digest(path) != digest:  # rank 0 published another copy meanwhile: a restart sorts it out
-            return (
-                EXIT_PREEMPTED,
-                f"rank {agree.rank()}: {store.show_dir(step)} is not the checkpoint rank 0 resumes from",
-            ), False
-        self.message(f"spotune: rank {agree.rank()}: this node lacked step {step}; downloaded {store.show_dir(step)}")
-        CheckpointManager(root, keep_last=self.keep_last).prune(protect=path)  # only rank 0 saves: no other prune
-        return None, False
 
     # ------------------------------------------------------------------ while training
 
@@ -381,7 +264,7 @@ class RemoteRun:
 
     def book_late(self) -> list[dict[str, Any]]:
         """Rank 0, before each push of the run files: book the attempts this attempt's lease took over after its
-        ledger opened (the lease taken late, trainer/restart/handover.py `late`), so each paid attempt has its
+        ledger opened (the lease taken late, trainer/restart/books/handover.py `late`), so each paid attempt has its
         row even when this attempt finishes the run and nobody takes the lease after it. Returns the rows."""
         handover = getattr(self.fence, "handover", None)
         with self._booking:  # the upload thread and the final flush both push the run files
@@ -490,97 +373,3 @@ class RemoteRun:
     def stop(self) -> None:
         if self.uploader is not None:
             self.uploader.stop()
-
-
-def fetch_run_files(store: Store, run_dir: Path) -> list[str]:
-    """Download the run files this machine lacks (a fresh VM), and merge the store's rows into the
-    append-only ones it holds (a node that was rank 0 in an earlier attempt, since when another
-    node's rank 0 has written on, or a disk that comes back after others trained); returns their names.
-
-    A heartbeat whose attempt already has its ledger row is dropped: the uploader sends the
-    ledger before the heartbeat, so a kill between the two would otherwise count it twice. A disk that
-    holds its own heartbeat does not take the store's, so the store's (another machine's attempt, killed
-    after this disk's: the disks diverged) is booked here and now, unless its attempt has a row; attempts
-    are told apart by id (ledger.attempt_key), never by number.
-    """
-    fetched = []
-    beat = run_dir / HEARTBEAT_FILE
-    theirs = _heartbeat(store.read_run_file(HEARTBEAT_FILE)) if beat.exists() else None
-    for name in RUN_FILES:
-        local = run_dir / name
-        if not local.exists():
-            got = store.get(name, local)
-        else:
-            got = name in APPEND_ONLY and _continue(store, name, local)
-        if got:
-            fetched.append(name)
-    rows = {attempt_key(r) for r in read_rows(run_dir)}
-    if beat.exists():
-        try:
-            key: tuple[Any, ...] | None = attempt_key(json.loads(beat.read_text()))
-        except (ValueError, TypeError, AttributeError):
-            key = None  # an unreadable local one is left to Ledger.open, which warns
-        if (key is not None and key in rows) or (key is None and HEARTBEAT_FILE in fetched):
-            beat.unlink()
-            if HEARTBEAT_FILE in fetched:
-                fetched.remove(HEARTBEAT_FILE)
-        # Another attempt's heartbeat, and no live holder can own it: this attempt holds the lease (or none is used).
-        if theirs is not None and attempt_key(theirs) != key and getattr(store.fence, "held", True):
-            recover_killed(run_dir, heartbeats=[theirs], leftover=False)
-    return fetched
-
-
-def _heartbeat(raw: bytes | None) -> dict[str, Any] | None:
-    """A heartbeat read from the store, or None (none there, or unreadable: nothing to book from it)."""
-    try:
-        progress = json.loads(raw) if raw else None
-    except ValueError:
-        return None
-    return progress if isinstance(progress, dict) else None
-
-
-def _continue(store: Store, name: str, local: Path) -> bool:
-    """Merge the store's rows of `name` (every generation's copy) into `local`: each row once, this disk's
-    rows that the store lacks kept after the store's (a node that wrote them last, or a diverged disk).
-    True when `local` changed. Nothing is dropped on either side, so the next push loses no row."""
-    remote = store.read_run_file(name)
-    if remote is None:
-        return False
-    mine = local.read_bytes()
-    merged = merged_rows([remote, mine])
-    if merged == mine:
-        return False
-    write_bytes(local, merged)
-    return True
-
-
-def manifest_digest(manifest: bytes) -> str:
-    """sha256 over a checkpoint manifest's entries (every file's size and sha256): equal digests, equal
-    bytes. The manifest's own timestamp (and the generation a remote one records) is left out."""
-    files = json.loads(manifest)["files"]
-    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
-
-
-def files_digest(checkpoint: Path) -> str:
-    """`manifest_digest` of a local committed checkpoint."""
-    return manifest_digest((checkpoint / MANIFEST).read_bytes())
-
-
-def _directory(path: Path) -> Directory | None:
-    """Which directory `path` is: equal on two ranks only when both read the very same one (the ranks of
-    one node; one kernel's (device, inode), named by its boot id, or the host name where there is none)."""
-    boot = Path("/proc/sys/kernel/random/boot_id")
-    try:
-        kernel = boot.read_text().strip() if boot.exists() else socket.gethostname()
-        st = path.stat()
-    except OSError:
-        return None
-    return kernel, st.st_dev, st.st_ino
-
-
-def _holds(root: Path, path: Path, digest: str) -> bool:
-    """Whether this node's disk has the exact checkpoint rank 0 chose, and it verifies."""
-    try:
-        return path.is_dir() and files_digest(path) == digest and not CheckpointManager(root).verify(path)
-    except (OSError, ValueError, KeyError, TypeError):
-        return False

@@ -40,6 +40,8 @@ from email.message import Message
 from email.utils import parsedate_to_datetime
 from typing import Literal
 
+from trainer.restart import defaults
+
 log = logging.getLogger(__name__)
 
 Mode = Literal["auto", "aws", "gcp", "azure", "off"]
@@ -235,7 +237,7 @@ class NoticeWatcher:
         mode: Mode,
         on_notice: Callable[[str], object],
         endpoint: str | None = None,
-        poll_seconds: float = 5.0,
+        poll_seconds: float = defaults.NOTICE_POLL_SECONDS,
     ) -> None:
         self.mode = mode
         self.on_notice = on_notice

@@ -2,8 +2,8 @@
 the remote's lease for its whole life; `spotune status --break-lease` breaks a lease by hand (who
 holds a run now is trainer/report/status.py's to say).
 
-`hold` is what `run.train` wraps itself in: the local lock first (trainer/restart/lock.py),
-then the lease (trainer/restart/lease.py), both before the attempt touches the directory or
+`hold` is what `run.train` wraps itself in: the local lock first (trainer/restart/ownership/lock.py),
+then the lease (trainer/restart/ownership/lease.py), both before the attempt touches the directory or
 the store, both released when it returns or raises. A store that refuses the first lease request for
 good (trainer/faults.py: anything not known to be a fault of the moment) ends the attempt here with
 StoreDenied (exit 2), naming the setting; one that does not answer lets it start cut off. Only the job's main
@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.config.schema import CheckpointConfig
 from trainer.faults import transient
-from trainer.restart.conditional import Refused, write_object
-from trainer.restart.lease import LEASE_FILE, Lease, describe_lease, read_lease
-from trainer.restart.lock import RunBusy, RunLock
-from trainer.restart.storage import Store
+from trainer.restart import defaults
+from trainer.restart.ownership.lease import LEASE_FILE, Lease, describe_lease, read_lease
+from trainer.restart.ownership.lock import RunBusy, RunLock
+from trainer.restart.store.conditional import Refused, write_object
+from trainer.restart.store.lifecycle import Store
 from trainer.urls import one_line
 
 
@@ -66,7 +66,7 @@ def hold(
     lease_seconds: float,
     wait: float | None = None,
     command: str = "train",
-    outage_seconds: float = CheckpointConfig.store_outage_seconds,
+    outage_seconds: float = defaults.STORE_OUTAGE_SECONDS,
 ) -> Iterator[Holding]:
     """Hold `run_dir` (and the lease of `remote`) for the block; raises RunBusy naming the holder."""
     if os.environ.get("RANK", "0") != "0":

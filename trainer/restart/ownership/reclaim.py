@@ -1,6 +1,6 @@
 """A lease holder cut off from the store, and back: the state machine, and the thread that drives it.
 
-Availability first, never two writers. The states of a holder (trainer/restart/lease.py):
+Availability first, never two writers. The states of a holder (trainer/restart/ownership/lease.py):
 - online: it holds the lease within its deadline; the thread renews it every `ttl / 3` seconds.
 - cut off (`since` set): the deadline passed unrenewed (the store did not answer, or the machine was
   paused), or the lease could not be taken at start. The lease's fence refuses every store write;
@@ -8,7 +8,7 @@ Availability first, never two writers. The states of a holder (trainer/restart/l
   `min(ttl / 3, OFFLINE_RETRY_SECONDS)` seconds.
 - back online: the store answers and the lease is still this attempt's (unchanged since its last
   renewal, or, never taken, free to take): it is taken as `generation + 1` and uploads resume with
-  the newest local checkpoint (which the store's floor checks first: trainer/restart/safety.py).
+  the newest local checkpoint (which the store's floor checks first: trainer/restart/store/safety.py).
 - lost: another attempt took the lease meanwhile. `on_lost` ends the process at once with EXIT_BUSY
   (75), from whichever thread found it, so nothing it runs writes again.
 - never taken (the store did not answer at start): the thread takes it with what is left of `--wait`
@@ -36,10 +36,10 @@ from typing import Any, Protocol
 from trainer import exit_codes
 from trainer.exit_codes import EXIT_BUSY
 from trainer.faults import transient
-from trainer.restart.clock import boot_clock, process_start
-from trainer.restart.lease_object import LeaseLost
-from trainer.restart.lock import RunBusy
-from trainer.restart.storage import Store
+from trainer.restart.books.clock import boot_clock, process_start
+from trainer.restart.ownership.lease_object import LeaseLost
+from trainer.restart.ownership.lock import RunBusy
+from trainer.restart.store.lifecycle import Store
 from trainer.urls import one_line
 
 OFFLINE_RETRY_SECONDS = 5.0
@@ -47,7 +47,7 @@ OFFLINE_RETRY_SECONDS = 5.0
 
 
 class Holder(Protocol):
-    """What the state machine drives: the lease (trainer/restart/lease.py)."""
+    """What the state machine drives: the lease (trainer/restart/ownership/lease.py)."""
 
     store: Store
     ttl: float

@@ -2,7 +2,7 @@
 
 SIGTERM (what spot/preemptible VMs, Kubernetes and Slurm send), SIGINT (Ctrl-C) and
 SIGUSR1 (Slurm's `--signal=USR1@90`) only set a flag, and so does a cloud preemption notice
-(`trainer.restart.notice`): both go through `Preemption.request`, the one stop path. The loop finishes the optimizer
+(`trainer.restart.signals.notice`): both go through `Preemption.request`, the one stop path. The loop finishes the optimizer
 step it is in, every rank agrees to stop at the same step (`agree`), a checkpoint is
 saved, and the process exits with `EXIT_PREEMPTED`. A second SIGINT aborts at once.
 

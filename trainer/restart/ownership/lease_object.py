@@ -1,6 +1,6 @@
 """The lease object of `checkpoint.remote` as others see it: reading it, describing its holder, and
 writing under it from another rank of the holder's attempt (`Follower`). The lease itself (taking,
-renewing, fencing) is trainer/restart/lease.py; its records of earlier attempts, trainer/restart/handover.py."""
+renewing, fencing) is trainer/restart/ownership/lease.py; its records of earlier attempts, trainer/restart/books/handover.py."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from trainer.restart.conditional import read_object
-from trainer.restart.lock import RunBusy
-from trainer.restart.storage import Fence, Store
+from trainer.restart.ownership.lock import RunBusy
+from trainer.restart.store.conditional import read_object
+from trainer.restart.store.lifecycle import Fence, Store
 
 T = TypeVar("T")
 

@@ -7,7 +7,7 @@ leaves either the previous set of committed checkpoints or that set plus the new
 leftover temp directories are never read and are removed by `clean_stale` at the next
 start. Old checkpoints are pruned only after the new one is committed.
 
-What goes *into* a checkpoint is `trainer.restart.state.write_training_state`; this module only
+What goes *into* a checkpoint is `trainer.restart.local.state.write_training_state`; this module only
 knows files.
 """
 
@@ -27,6 +27,7 @@ from typing import Any
 
 from trainer.atomic import REPLACED, TEMP_MARK, files_below, fsync_path, publish_dir, restore_replaced, temp_sibling
 from trainer.exit_codes import EXIT_BAD_INPUT
+from trainer.restart import defaults
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ def file_digest(path: Path, fsync: bool) -> tuple[int, str]:
 class CheckpointManager:
     """Step checkpoints under `root` (usually `<output_dir>/checkpoints`)."""
 
-    def __init__(self, root: Path | str, keep_last: int = 3) -> None:
+    def __init__(self, root: Path | str, keep_last: int = defaults.KEEP_LAST) -> None:
         if keep_last < 2:
             raise ValueError(f"checkpoint.keep_last must be at least 2, got {keep_last}")
         self.root = Path(root)

@@ -14,7 +14,7 @@ Formats (tensors in safetensors, the rest JSON):
   state values, param groups).
   Tensors are always whole (gathered from FSDP shards, cut again on restore), so a checkpoint
   resumes on any world size, sharded or not.
-- `rng.safetensors`: every rank's generators (see trainer/restart/rng.py).
+- `rng.safetensors`: every rank's generators (see trainer/restart/local/rng.py).
 - `trainer_state.json`: `TrainState.to_json()`.
 """
 
@@ -36,8 +36,8 @@ from safetensors.torch import load_file, save_file
 from trainer.config import diff_structural
 from trainer.model.distributed import full_tensor, is_sharded, shard_like
 from trainer.model.wrappers import unwrap_peft
-from trainer.restart.checkpoint import ResumeMismatch
-from trainer.restart.rng import rank_rng, reseed, restore_rng
+from trainer.restart.local.checkpoint import ResumeMismatch
+from trainer.restart.local.rng import rank_rng, reseed, restore_rng
 
 log = logging.getLogger(__name__)
 

@@ -31,10 +31,10 @@ from typing import Any
 
 from trainer.atomic import temp_sibling
 from trainer.faults import transient
-from trainer.restart.lease_object import LeaseLost
-from trainer.restart.ledger import HEARTBEAT_FILE, LEDGER_FILE
-from trainer.restart.safety import SafetyViolation, StoreAhead
-from trainer.restart.storage import Store
+from trainer.restart.books.ledger import HEARTBEAT_FILE, LEDGER_FILE
+from trainer.restart.ownership.lease_object import LeaseLost
+from trainer.restart.store.lifecycle import Store
+from trainer.restart.store.safety import SafetyViolation, StoreAhead
 from trainer.urls import one_line
 
 RAN_OUT_FILE = "auto-out-of-memory.json"
@@ -45,7 +45,7 @@ METRICS_FILE = "metrics.jsonl"
 """The run's metrics rows (training/telemetry.py's JsonlSink, flushed per row)."""
 
 RUN_FILES = ("config.yaml", METRICS_FILE, RAN_OUT_FILE, LEDGER_FILE, HEARTBEAT_FILE)
-"""Uploaded after every checkpoint (absent ones skipped); the ledger before its heartbeat (see remote.fetch_run_files)."""
+"""Uploaded after every checkpoint (absent ones skipped); the ledger before its heartbeat (see remote/run_files.py fetch_run_files)."""
 
 
 @dataclass
@@ -92,7 +92,7 @@ class Uploader:
         self.refused = False
         """The store's floor refuses every write of this attempt (found ahead of it): nothing more is sent."""
         self.violation: str | None = None
-        """A write the safety rule refused (a bug in spotune, trainer/restart/safety.py): nothing more is sent,
+        """A write the safety rule refused (a bug in spotune, trainer/restart/store/safety.py): nothing more is sent,
         and the run stops with exit 1 (`RemoteRun.exit_code`), not 143: a requeue would meet the bug again."""
         self.stopped_by: BaseException | None = None
         """An upload failed for good (not a fault of the moment): as the store's fault names it; nothing more is sent."""
@@ -220,7 +220,7 @@ class Uploader:
                 self.store.prune(self.keep_last)
                 self._push_run_files()
                 break
-            except StoreAhead:  # this attempt may write nothing there (trainer/restart/safety.py): it stops
+            except StoreAhead:  # this attempt may write nothing there (trainer/restart/store/safety.py): it stops
                 self.failing = self.refused = True
                 break
             except LeaseLost:  # released (the attempt is ending) or lost: the lease's own path sets the stop and code

@@ -1,7 +1,7 @@
 """The one save the loop calls (`Hooks.save`): a crash-consistent checkpoint of every rank's state.
 
 Collective: every rank's RNG is gathered and, under FSDP, the adapter and optimizer state are
-gathered whole; rank 0 commits them (trainer/restart/checkpoint.py) and hands the directory to
+gathered whole; rank 0 commits them (trainer/restart/local/checkpoint.py) and hands the directory to
 the background uploader; every rank then waits, so nobody runs ahead of a checkpoint that is
 not committed yet.
 """
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer.model.compile_cache import CompileCache
-from trainer.restart import preemption
-from trainer.restart.checkpoint import CheckpointManager
-from trainer.restart.rng import gather_rng
-from trainer.restart.state import Counters, TrainState, snapshot, write_training_state
+from trainer.restart.local.checkpoint import CheckpointManager
+from trainer.restart.local.rng import gather_rng
+from trainer.restart.local.state import Counters, TrainState, snapshot, write_training_state
+from trainer.restart.signals import preemption
 
 
 @dataclass

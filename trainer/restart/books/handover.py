@@ -4,7 +4,7 @@ even one killed before any of its rows reached the store.
 Contract. The attempt that takes the lease from another (`took_over`) carries, in its own lease
 object (`unbooked`), a record of that holder and of the holders it still carried: when each
 started, on how many devices, on what device at what price, its last sign of life (`attempt_record`). Its ledger books them at
-open (`hand_over`: trainer/restart/ledger.py's `lost_attempts`, matched by `attempt_id`, so a record
+open (`hand_over`: trainer/restart/books/ledger.py's `lost_attempts`, matched by `attempt_id`, so a record
 whose attempt already has a row is not booked twice). The records leave the lease only once the
 ledger that booked them is in the store (`pushed`): a kill before that leaves them to the next holder.
 A holder that takes the lease only after its ledger opened (cut off at start) books the records it took

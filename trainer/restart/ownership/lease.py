@@ -5,11 +5,11 @@ Contract. At most one attempt writes a run's store at any moment, whatever the c
 outages. `<remote>/lease.json` names the attempt that may write the run (holder id, host, pid, run
 directory, `generation`, `renewed_at`, `expires_at`, and for the ledger: when the process started,
 its device count, device and price per hour, and the earlier attempts no ledger row books yet,
-trainer/restart/handover.py). An
+trainer/restart/books/handover.py). An
 attempt takes it before it reads or writes anything else in the store:
 - absent: created with `If-None-Match: *` (two machines racing: one wins);
 - released, or held by this same run directory on this same host (the kernel lock of
-  trainer/restart/lock.py, which this process holds, proves that holder is dead): replaced at once
+  trainer/restart/ownership/lock.py, which this process holds, proves that holder is dead): replaced at once
   with `If-Match: <etag read>` and `generation + 1`;
 - held by someone else: refused (RunBusy), or with `--wait` polled. It is taken over only once the
   object has not changed for the holder's `ttl` on the taker's own clock: machines' wall clocks
@@ -22,7 +22,7 @@ while the lease is cut off, lost or past its deadline. Commits (a manifest, the 
 manifest with `If-None-Match: *`; elsewhere a re-read of the lease before and after. A refused
 conditional write is checked against a re-read first (s3fs resends a PUT after a timeout: when the
 first one landed, the refused resend is ours). Renewing in the background, going cut off and taking
-the lease back are trainer/restart/reclaim.py's state machine.
+the lease back are trainer/restart/ownership/reclaim.py's state machine.
 """
 
 from __future__ import annotations
@@ -37,17 +37,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
-from trainer.config.schema import CheckpointConfig
 from trainer.exit_codes import EXIT_BUSY
-from trainer.restart import lease_object
-from trainer.restart.clock import boot_clock, process_start
-from trainer.restart.conditional import Refused, conditional, read_object, write_object
-from trainer.restart.handover import Handover
-from trainer.restart.lease_object import LEASE_FILE, LeaseLost, busy_message, describe_lease, read_lease, ttl_of
-from trainer.restart.ledger import LEDGER_FILE
-from trainer.restart.lock import RunBusy, _iso, last_step
-from trainer.restart.reclaim import Keeper, exit_busy
-from trainer.restart.storage import Fence, Store, StoreOffline
+from trainer.restart import defaults
+from trainer.restart.books.clock import boot_clock, process_start
+from trainer.restart.books.handover import Handover
+from trainer.restart.books.ledger import LEDGER_FILE
+from trainer.restart.ownership import lease_object
+from trainer.restart.ownership.lease_object import (
+    LEASE_FILE,
+    LeaseLost,
+    busy_message,
+    describe_lease,
+    read_lease,
+    ttl_of,
+)
+from trainer.restart.ownership.lock import RunBusy, _iso, last_step
+from trainer.restart.ownership.reclaim import Keeper, exit_busy
+from trainer.restart.store.conditional import Refused, conditional, read_object, write_object
+from trainer.restart.store.errors import StoreOffline
+from trainer.restart.store.lifecycle import Fence, Store
 
 T = TypeVar("T")
 
@@ -65,7 +73,7 @@ class Lease(Fence):
         ttl: float,
         run_dir: Path,
         message: Callable[[str], None] = print,
-        outage_seconds: float = CheckpointConfig.store_outage_seconds,
+        outage_seconds: float = defaults.STORE_OUTAGE_SECONDS,
     ) -> None:
         self.store = store
         self.ttl = ttl
@@ -83,7 +91,7 @@ class Lease(Fence):
         self.requests = 0  # reads, writes and the probe: its cost on the store's bill
         self.doing = "write"
         """The kind of the last store request (`read` or `write`; the conditional probe writes): what a refusal
-        at start names the permission of (trainer/restart/owner.py)."""
+        at start names the permission of (trainer/restart/ownership/owner.py)."""
         self.on_lost: Callable[[str], None] = exit_busy
         self.lost: str | None = None
         self.released = False  # after `release`, an upload thread still running must not take it again
@@ -91,14 +99,14 @@ class Lease(Fence):
         self.device: str | None = None
         self.price_per_hour: float | None = None
         """What this attempt runs on and its rate (set once known): a kill before its ledger opens is still
-        booked with its device and cost by the next holder (trainer/restart/handover.py)."""
+        booked with its device and cost by the next holder (trainer/restart/books/handover.py)."""
         """This process trained nothing (the run finished already): its release says so (`no_attempt`), and the
-        next holder carries its chain but books no attempt for it (trainer/restart/handover.py)."""
+        next holder carries its chain but books no attempt for it (trainer/restart/books/handover.py)."""
         self.lock = threading.RLock()
         self.keeper = Keeper(self, outage_seconds)
-        """Online or cut off, and the thread that renews or reclaims (trainer/restart/reclaim.py)."""
+        """Online or cut off, and the thread that renews or reclaims (trainer/restart/ownership/reclaim.py)."""
         self.handover = Handover()
-        """The earlier attempts this one took the run from, for the ledger (trainer/restart/handover.py)."""
+        """The earlier attempts this one took the run from, for the ledger (trainer/restart/books/handover.py)."""
         self._attempted: tuple[dict[str, Any] | None, float] = (None, 0.0)  # the last body sent, and when
         self.margin = min(5.0, ttl * 0.1)
         """Seconds the holder stops writing before its lease could be taken: what the clocks' rates may differ by."""
@@ -188,7 +196,7 @@ class Lease(Fence):
         return current.get("host") == self.host and current.get("run_dir") == str(self.run_dir.resolve())
 
     def start(self) -> Lease:
-        """Renew (or, cut off, retry) in the background until `release` (trainer/restart/reclaim.py)."""
+        """Renew (or, cut off, retry) in the background until `release` (trainer/restart/ownership/reclaim.py)."""
         self.keeper.start()
         return self
 
@@ -285,7 +293,7 @@ class Lease(Fence):
         return records
 
     def hand_over(self) -> list[dict[str, Any]]:
-        """The records of earlier attempts for the ledger to book now (trainer/restart/handover.py)."""
+        """The records of earlier attempts for the ledger to book now (trainer/restart/books/handover.py)."""
         return self.handover.hand_over()
 
     def pushed(self, rel: str) -> None:
