@@ -3,6 +3,9 @@ model, the same LoRA adapter (random, non-zero, so the policy differs from the r
 and beta: eval loss, rewards, reward accuracy and log-probabilities. spotune packs several pairs per row
 (chosen and rejected as documents of one row); TRL pads each sequence to its own row. Both score the same
 tokens (checked first), so the figures agree to float32 summation order.
+With TRL's `max_length` and `truncation_mode` (given to spotune by those names) each answer's sequence is cut
+as TRL's collator cuts it and the pairs whose prompt fills the cap are dropped as TRL drops them: the same tokens
+and figures again.
 
 Controls: the same evaluation of the pairs with chosen and rejected swapped differs in every figure (an
 odd number of pairs, so the accuracy cannot come out at 1/2 both ways), and a beta off by 10% moves the
@@ -11,6 +14,7 @@ loss and the rewards. ORPO's and SimPO's losses are checked term for term agains
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import types
@@ -56,7 +60,13 @@ def adapter(tiny_llama: Path) -> dict[str, torch.Tensor]:
 
 
 def _spotune(
-    tiny_llama: Path, adapter: dict[str, torch.Tensor], rows: list[dict[str, Any]], tmp: Path, **train: Any
+    tiny_llama: Path,
+    adapter: dict[str, torch.Tensor],
+    rows: list[dict[str, Any]],
+    tmp: Path,
+    data_cfg: DataConfig | None = None,
+    kept: int | None = None,
+    **train: Any,
 ) -> dict[str, float]:
     from accelerate import Accelerator
     from datasets import load_from_disk
@@ -65,9 +75,9 @@ def _spotune(
     tmp.mkdir(parents=True, exist_ok=True)
     data = tmp / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = DataConfig(path=str(data), seq_len=256, chat_template=TEMPLATE)
+    cfg = dataclasses.replace(data_cfg or DataConfig(seq_len=256), path=str(data), chat_template=TEMPLATE)
     prepared = prepare(cfg, str(tiny_llama), tmp / "cache", progress=False, pairs=True)
-    assert prepared.manifest["train"]["pairs"] == len(rows)
+    assert prepared.manifest["train"]["pairs"] == (len(rows) if kept is None else kept)
     packed = load_from_disk(str(prepared.train_path))
     assert max(packed["num_pairs"]) > 1  # several pairs share a row: the packed path is what is compared
     model = build(ModelConfig(name_or_path=str(tiny_llama), dtype="float32"), AdapterConfig(r=4, alpha=8, dropout=0.0))
@@ -100,10 +110,9 @@ def _trl(tiny_llama: Path, adapter: dict[str, torch.Tensor], rows: list[dict[str
         report_to=[],
         use_cpu=True,
         bf16=False,  # TRL's default is bf16 autocast; spotune's recipe here is float32
-        max_length=None,
         save_strategy="no",
         logging_strategy="no",
-        **args,
+        **{"max_length": None, **args},  # TRL's default caps at 1024; None unless a case sets it
     )
     base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
     peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
@@ -154,6 +163,72 @@ def test_dpo_evaluation_equals_trl(
     off = _spotune(tiny_llama, adapter, pairs, tmp_path / "beta", beta=0.11, dpo_loss=loss)
     assert off["loss"] != pytest.approx(theirs["eval_loss"], rel=1e-4)
     assert off["rewards/chosen"] != pytest.approx(theirs["eval_rewards/chosen"], rel=1e-3)
+
+
+# (max_length, truncation_mode, pairs kept): every sequence longer than the cap is cut (4, 8 and 4 pairs); at 22
+# the prompt alone fills the cap for 5 pairs, which keep_start drops in both.
+@pytest.mark.parametrize(
+    ("max_length", "mode", "kept"), [(40, "keep_start", 13), (22, "keep_start", 8), (30, "keep_end", 13)]
+)
+def test_dpo_truncation_equals_trl(
+    tiny_llama: Path,
+    adapter: dict[str, torch.Tensor],
+    pairs: list[dict[str, Any]],
+    tmp_path: Path,
+    max_length: int,
+    mode: str,
+    kept: int,
+) -> None:
+    """TRL's `max_length` and `truncation_mode`, given to spotune by those names: each answer's sequence is cut
+    as TRL's collator cuts it, the pairs whose prompt fills the cap are dropped as TRL drops them, and the eval
+    figures agree. Control: the other truncation mode at the same cap moves the figures."""
+    from transformers import AutoTokenizer
+
+    from trainer.config import load
+    from trainer.data.pairs import tokenize_pairs_for
+    from trainer.data.template import NO_TRAINABLE_AFTER_TRUNCATION
+
+    trainer, theirs = _trl(tiny_llama, adapter, pairs, tmp_path, beta=0.1, max_length=max_length, truncation_mode=mode)
+    cfg = load(None, [f"max_length={max_length}", f"truncation_mode={mode}", "objective=dpo", "seq_len=256"]).data
+    assert (cfg.max_length, cfg.truncation_mode) == (max_length, mode)
+
+    # TRL's sequences as its collator cuts them (chosen ones first, then rejected), and the tokens it scores.
+    examples = list(trainer.eval_dataset)
+    assert len(examples) == kept
+    batch = trainer.data_collator(examples)
+    lengths = batch["attention_mask"].sum(1).tolist()
+    seqs = [ids[:n] for ids, n in zip(batch["input_ids"].tolist(), lengths, strict=True)]
+    scored = [[j for j in range(1, n) if m[j]] for m, n in zip(batch["completion_mask"].tolist(), lengths, strict=True)]
+    full = [len(ex["prompt_ids"]) + len(ex[k]) for k in ("chosen_ids", "rejected_ids") for ex in examples]
+    cut = sum(lengths[i] < full[i] or lengths[kept + i] < full[kept + i] for i in range(kept))
+    assert cut >= 4 and max(lengths) == max_length  # several pairs are truncated, none beyond the cap
+
+    # spotune's: the same ids per answer, its trained labels the tokens TRL scores, the same pairs dropped.
+    tok = tokenize_pairs_for(
+        dataclasses.replace(cfg, chat_template=TEMPLATE), AutoTokenizer.from_pretrained(tiny_llama), "t"
+    )
+    tok = tok.settle(list(pairs[0]), pairs)
+    ours = tok({c: [r[c] for r in pairs] for c in pairs[0]})
+    rows = [i for i, status in enumerate(ours["status"]) if not status]
+    assert len(rows) == kept
+    assert {ours["status"][i] for i in range(PAIRS) if i not in rows} <= {NO_TRAINABLE_AFTER_TRUNCATION}
+    for k, i in enumerate(rows):
+        ids, labels, n = ours["input_ids"][i], ours["labels"][i], ours["chosen_length"][i]
+        assert (ids[:n], ids[n:]) == (seqs[k], seqs[kept + k])
+        assert [j for j, x in enumerate(labels[:n]) if x != -100] == scored[k]
+        assert [j for j, x in enumerate(labels[n:]) if x != -100] == scored[kept + k]
+
+    mine = _spotune(tiny_llama, adapter, pairs, tmp_path / "spotune", cfg, kept, beta=0.1)
+    assert mine["loss"] == pytest.approx(theirs["eval_loss"], rel=1e-5, abs=1e-6)
+    assert round(mine["rewards/accuracies"] * kept) == round(theirs["eval_rewards/accuracies"] * kept)
+    for name in FIGURES:
+        assert mine[name] == pytest.approx(theirs[f"eval_{name}"], rel=1e-4, abs=1e-6), name
+
+    # Control: the other mode at the same cap keeps other tokens (and every pair), and the figures move.
+    other = dataclasses.replace(cfg, truncation_mode="keep_end" if mode == "keep_start" else "keep_start")
+    moved = _spotune(tiny_llama, adapter, pairs, tmp_path / "other", other, beta=0.1)
+    assert moved["loss"] != pytest.approx(theirs["eval_loss"], rel=1e-4)  # 10x the tolerance above
+    assert moved["logps/chosen"] != pytest.approx(theirs["eval_logps/chosen"], rel=1e-2)
 
 
 def test_reference_free_losses_equal_trls_functions() -> None:
