@@ -75,6 +75,23 @@ def test_one_conversation_in_every_format_trains_the_same_tokens(tiny_tokenizer:
         assert _tokenized(tok, fmt, [{key: ROWS[fmt][key][1:]}])["input_ids"] != ref["input_ids"]  # control
 
 
+def test_alpaca_history_is_read_as_the_earlier_turns(tiny_tokenizer: Path) -> None:
+    """LLaMA-Factory's alpaca `history` ([[query, response], ...]) becomes the turns before the instruction, each
+    answer trained (its default, mask_history false), exactly as the same conversation in `messages` form; a
+    malformed one is a counted drop naming the column. The earlier turns used to be left out."""
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer)
+    row = {"instruction": USER, "input": "", "output": ANSWER, "history": [["Capital of Spain?", "Madrid"]]}
+    turns = [("user", "Capital of Spain?"), ("assistant", "Madrid"), ("user", USER), ("assistant", ANSWER)]
+    same = {"messages": [{"role": r, "content": c} for r, c in turns]}
+    got = _tokenized(tok, "alpaca", [row])
+    assert got == _tokenized(tok, "messages", [same]) == _tokenized(tok, "auto", [row])
+    trained = [t for t, lab in zip(got["input_ids"][0], got["labels"][0], strict=True) if lab != IGNORE_INDEX]
+    assert tok.decode(trained) == "Madrid" + tok.eos_token + ANSWER + tok.eos_token
+    assert _tokenized(tok, "alpaca", [dict(row, history=[])])["input_ids"] != got["input_ids"]  # control
+    bad = _tokenized(tok, "alpaca", [dict(row, history=["Capital of Spain?"])])
+    assert bad["status"] == ["malformed_messages"] and "'history'" in bad["detail"][0], bad
+
+
 def test_auto_says_what_it_picked_and_why(tmp_path: Path, tiny_tokenizer: Path, capfd: pytest.CaptureFixture) -> None:
     path = _jsonl(tmp_path / "share.jsonl", [ROWS["sharegpt"]])
     p = prepare(DataConfig(path=str(path), seq_len=256), str(tiny_tokenizer), tmp_path / "c", progress=False)

@@ -39,6 +39,7 @@ FORMAT_FIELDS: dict[str, tuple[tuple[str, str, bool], ...]] = {
         ("input_field", "input", False),
         ("output_field", "output", True),
         _SYSTEM,
+        ("history_field", "history", False),  # LLaMA-Factory's earlier turns, [[query, response], ...]
     ),
     "prompt_completion": (("prompt_field", "prompt", True), ("completion_field", "completion", True), _TOOLS),
     "messages": (("messages_field", "messages", True), _SYSTEM, _TOOLS),
@@ -219,15 +220,34 @@ def alpaca_messages(instruction: str, input_text: str = "", system: str | None =
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
 
 
+def history_turns(row: dict[str, Any], fields: dict[str, str]) -> list[dict[str, str]] | Drop:
+    """LLaMA-Factory's alpaca `history`, [[query, response], ...]: the turns before the instruction, as
+    user/assistant messages; [] where the column is absent, null or empty."""
+    column = fields.get("history")
+    history = row.get(column) if column else None
+    if not history:
+        return []
+    if not isinstance(history, list) or not all(
+        isinstance(t, (list, tuple)) and len(t) == 2 and all(isinstance(x, str) for x in t) for t in history
+    ):
+        return Drop(BAD_MESSAGES, f"field {column!r} is not a list of [query, response]")
+    return [{"role": r, "content": x} for q, a in history for r, x in (("user", q), ("assistant", a))]
+
+
 def _alpaca(row: dict[str, Any], fields: dict[str, str]) -> Example | Drop:
     for role in ("instruction", "output"):
         if row.get(fields[role]) is None:
             return _missing(fields[role])
-    # `input` and `system` are optional: missing, null or empty, the prompt has none.
+    # `input`, `system` and `history` are optional: missing, null or empty, the prompt has none.
     system = row.get(fields.get("system", "system"))
     instruction, input_text = str(row[fields["instruction"]]), str(row.get(fields["input"]) or "")
+    earlier = history_turns(row, fields)
+    if isinstance(earlier, Drop):
+        return earlier
     msgs = alpaca_messages(instruction, input_text, str(system) if system else None)
+    msgs[-1:-1] = earlier  # after the system turn, before the instruction
     msgs.append({"role": "assistant", "content": str(row[fields["output"]])})
+    # Every answer is trained, the earlier ones too: LLaMA-Factory's default (mask_history: false).
     return Example(messages=msgs, trainable=[m["role"] == "assistant" for m in msgs])
 
 

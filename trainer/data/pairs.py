@@ -194,13 +194,10 @@ def to_pair(
             return Drop(NULL_FIELD, f"field {instruction!r} is missing or null")
         input_text = str(row.get(fields.get("input") or "") or "") if fields.get("input") else ""
         prompt = formats.alpaca_messages(str(row[instruction]), input_text)[0]["content"]
-        history = row.get(fields["history"]) if fields.get("history") else None
-        if history:  # LLaMA-Factory's [[query, response], ...] before the instruction
-            if not all(
-                isinstance(t, (list, tuple)) and len(t) == 2 and all(isinstance(x, str) for x in t) for t in history
-            ):
-                return Drop(formats.BAD_MESSAGES, f"field {fields['history']!r} is not a list of [query, response]")
-            turns = [{"role": r, "content": x} for q, a in history for r, x in (("user", q), ("assistant", a))]
+        turns = formats.history_turns(row, fields)  # LLaMA-Factory's [[query, response], ...] before it
+        if isinstance(turns, Drop):
+            return turns
+        if turns:
             prompt = [*turns, {"role": "user", "content": prompt}]
     else:
         if chosen == rejected:
