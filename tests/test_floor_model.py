@@ -137,6 +137,7 @@ class Attempt:
         self.machine, self.lease, self.store = machine, lease, store
         self.step = 0
         self.pending: int | None = None  # a checkpoint not yet in the store
+        self.rows_sent: int | None = None  # the pending step whose metrics rows went up: its commit may be in flight
         self.stopping = False
         self.generations: set[int] = set()
         self.started = 0  # the model's clock of events: when this attempt's ledger opened
@@ -322,7 +323,8 @@ class Model(RuleBasedStateMachine):
         a = self.attempts.pop(m)
         a.lease.keeper.stop()
         self.ended_now(a)  # killed: no row written, its heartbeat and its lease left behind
-        if then == "kill in flight" and a.pending is not None and a.lease.generation:
+        # Only a commit whose rows went up can be in flight: the uploader sends them first (uploader.py).
+        if then == "kill in flight" and a.pending is not None and a.rows_sent == a.pending and a.lease.generation:
             self.fenced.append((a.lease.generation, a.pending))
 
     def train_one_step(self, m: int) -> None:
@@ -360,6 +362,7 @@ class Model(RuleBasedStateMachine):
             a.store.clean()
             # the uploader's order (trainer/restart/remote/uploader.py): the rows up to this step before its commit
             a.store.put(a.machine.disk / "metrics.jsonl", "metrics.jsonl")
+            a.rows_sent = a.pending
             a.store.upload(path, a.pending)
             a.store.prune(KEEP_LAST)
             a.pending = None
