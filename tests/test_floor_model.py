@@ -11,7 +11,12 @@ listings, corrupt reads (once, or the store's bytes really corrupt), late writes
 After every rule: the store's newest committed step never goes down, unless the user asked
 (`resume=never`) or the steps that went were really corrupt in the store (retired, kept); no write is
 refused by the rule (a SafetyViolation is a bug); no two attempts hold one lease generation; with
-BOOKS_INVARIANTS, every step at or below the newest committed one has its metrics row in the store.
+BOOKS_INVARIANTS, every step at or below the newest committed one has its metrics row in the store, and
+every attempt that trained has its ledger row: each attempt opens a real Ledger on its machine's disk (after
+choosing, with the lease's hand-over), heartbeats at each step and checkpoint, closes it on every end but a
+kill, and pushes the run files through the real Uploader._push_run_files (RemoteRun.book_late first). Once an
+attempt that trained and ended left a trace in the store (`Attempt.owed`) and a later attempt has pushed its
+run files, the store's ledger holds exactly one row of it (by attempt_key); no attempt ever has two.
 """
 
 from __future__ import annotations
@@ -19,7 +24,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
@@ -36,12 +44,15 @@ from hypothesis.stateful import (
 )
 
 from trainer.exit_codes import code_for
+from trainer.restart.books.ledger import Ledger, attempt_key
 from trainer.restart.local.checkpoint import MANIFEST, CheckpointError, CheckpointManager
 from trainer.restart.ownership.lease import Lease
 from trainer.restart.ownership.lease_object import LeaseLost
 from trainer.restart.ownership.lock import RunBusy
 from trainer.restart.remote.choose import choose
+from trainer.restart.remote.run import RemoteRun
 from trainer.restart.remote.run_files import fetch_run_files
+from trainer.restart.remote.uploader import Uploader
 from trainer.restart.store.generations import stamped
 from trainer.restart.store.lifecycle import Store
 from trainer.restart.store.safety import SafetyViolation, StoreAhead
@@ -49,7 +60,8 @@ from trainer.restart.store.safety import SafetyViolation, StoreAhead
 BOOKS_INVARIANTS = True
 """Every step at or below the newest committed one has its metrics row in the store: the rows go up before
 each commit (trainer/restart/remote/uploader.py), so a kill between a commit and the push of the run files loses
-none. False shows the invariant's check can be switched off for a deeper search of the floor alone."""
+none; and the ledger's row of every attempt owed one. False switches both off for a deeper search of the
+floor alone."""
 
 TTL = 30.0
 MACHINES = 2
@@ -125,8 +137,40 @@ class Attempt:
         self.machine, self.lease, self.store = machine, lease, store
         self.step = 0
         self.pending: int | None = None  # a checkpoint not yet in the store
+        self.rows_sent: int | None = None  # the pending step whose metrics rows went up: its commit may be in flight
         self.stopping = False
         self.generations: set[int] = set()
+        self.started = 0  # the model's clock of events: when this attempt's ledger opened
+        self.ended: int | None = None
+        self.trained = 0  # steps trained by this attempt
+        self.reached_store = False  # a push of its run files after its first step went through
+        self.held_at_end = False  # it held the lease when it ended: the lease object names it
+
+    def open_books(self, started: int) -> None:
+        self.started = started
+        machine, lease, store = self.machine, self.lease, self.store
+        # The ledger as the real attempt opens it (trainer/training/run.py `_books`): after choosing, with the
+        # lease's records of the attempts it took the run from.
+        self.ledger = Ledger.open(
+            machine.disk, 1, attempt_id=lease.id, lost_attempts=lease.hand_over(), process_start=time.time()
+        )
+        # The real uploader's push of the run files (its thread is never started: the model calls it in turn),
+        # with RemoteRun.book_late before each push, as RemoteRun.start_uploads wires it.
+        remote = SimpleNamespace(fence=lease, run_dir=machine.disk, _booking=threading.Lock())
+        self.uploader = Uploader(
+            store, machine.disk, KEEP_LAST, lambda _: None, before_run_files=lambda: RemoteRun.book_late(remote)
+        )
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        return attempt_key({"attempt_id": self.lease.id})
+
+    def owed(self) -> bool:
+        """The books promise this attempt a row: it trained, it ended, and a trace of it reached the store
+        (its heartbeat or row pushed after a step, or the lease object it held when it ended). An attempt
+        whose only trace was its own disk (cut off from the store all along) is booked only by the next
+        attempt on that disk: a wiped disk loses it, which the code does not promise against."""
+        return self.trained > 0 and self.ended is not None and (self.reached_store or self.held_at_end)
 
 
 class Model(RuleBasedStateMachine):
@@ -153,6 +197,9 @@ class Model(RuleBasedStateMachine):
         self.newest = -1
         self.violations: list[str] = []
         self.holders: dict[int, str] = {}  # lease generation -> holder id
+        self.events = 0  # the model's clock of starts, ends and pushes
+        self.ended: list[Attempt] = []
+        self.due: dict[tuple[Any, ...], Attempt] = {}  # attempts the store must hold exactly one row of
 
     def teardown(self) -> None:
         for a in self.attempts.values():
@@ -234,10 +281,13 @@ class Model(RuleBasedStateMachine):
             return
         if never:
             self.user_reset = True
+        self.events += 1
+        attempt.open_books(self.events)
         attempt.step = CheckpointManager.step_of(chosen) if chosen is not None else 0
         attempt.pending = attempt.step if chosen is not None else None  # start_uploads: the store may lack it
         self.attempts[m] = attempt
         self.note_generation(attempt)
+        self.push_run_files(attempt)  # the uploader thread's first act: a kill before any step is still booked
 
     def note_generation(self, a: Attempt) -> None:
         gen = a.lease.generation
@@ -272,7 +322,9 @@ class Model(RuleBasedStateMachine):
             return
         a = self.attempts.pop(m)
         a.lease.keeper.stop()
-        if then == "kill in flight" and a.pending is not None and a.lease.generation:
+        self.ended_now(a)  # killed: no row written, its heartbeat and its lease left behind
+        # Only a commit whose rows went up can be in flight: the uploader sends them first (uploader.py).
+        if then == "kill in flight" and a.pending is not None and a.rows_sent == a.pending and a.lease.generation:
             self.fenced.append((a.lease.generation, a.pending))
 
     def train_one_step(self, m: int) -> None:
@@ -288,12 +340,16 @@ class Model(RuleBasedStateMachine):
         if a.stopping:
             self.end(m)
             return
+        a.ledger.mark_first_step()
         a.step += 1
+        a.trained += 1
+        with open(a.machine.disk / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": a.step, "loss": 1.0 / a.step}) + "\n")
+        a.ledger.heartbeat(a.step)  # the loop's log step
         CheckpointManager(a.machine.root, keep_last=KEEP_LAST).save(
             a.step, lambda tmp: (tmp / ADAPTER).write_bytes(_bytes(a.step))
         )
-        with open(a.machine.disk / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"step": a.step, "loss": 1.0 / a.step}) + "\n")
+        a.ledger.checkpointed()
         a.pending = a.step
         self.upload(m)
 
@@ -306,9 +362,12 @@ class Model(RuleBasedStateMachine):
             a.store.clean()
             # the uploader's order (trainer/restart/remote/uploader.py): the rows up to this step before its commit
             a.store.put(a.machine.disk / "metrics.jsonl", "metrics.jsonl")
+            a.rows_sent = a.pending
             a.store.upload(path, a.pending)
             a.store.prune(KEEP_LAST)
             a.pending = None
+            a.uploader._push_run_files()  # after each upload, as the uploader does (its ledger before its heartbeat)
+            self.pushed(a)
         except StoreAhead:
             self.end(m)  # save locally, exit 143
         except SafetyViolation as e:
@@ -323,9 +382,35 @@ class Model(RuleBasedStateMachine):
         a = self.attempts.pop(m)
         if a.machine.bad_reads > 1:
             a.machine.bad_reads = 0
+        a.ledger.close("preempted")  # every exit but a kill writes the row (trainer/training/run.py `_finish`)
+        if a.pending is None:  # RemoteRun.close: the run files follow when the uploads caught up
+            self.push_run_files(a)
+        self.ended_now(a)
         if release:
             a.lease.release()
         a.lease.keeper.stop()
+
+    def ended_now(self, a: Attempt) -> None:
+        self.events += 1
+        a.ended = self.events
+        a.held_at_end = a.lease.held
+        self.ended.append(a)
+
+    def push_run_files(self, a: Attempt) -> None:
+        try:
+            a.uploader._push_run_files()
+        except Exception:
+            return  # best effort, as the uploader's first push and RemoteRun.close are
+        self.pushed(a)
+
+    def pushed(self, a: Attempt) -> None:
+        """`a` pushed its run files: it reached the store, and every attempt owed a row that ended before `a`
+        started is due (its trace reached `a`: through its disk, the store's heartbeat or the lease)."""
+        if a.trained > 0:
+            a.reached_store = True
+        for e in self.ended:
+            if e.ended is not None and e.ended < a.started and e.owed():
+                self.due.setdefault(e.key, e)
 
     @precondition(lambda self: self.fenced)
     @rule()
@@ -407,6 +492,20 @@ class Model(RuleBasedStateMachine):
         newest = committed[-1] if committed else 0
         assert all(s in logged for s in range(1, newest + 1)), (newest, sorted(logged))
 
+    @invariant()
+    def every_attempt_that_trained_has_its_ledger_row(self) -> None:
+        """Every attempt that trained, has ended and left a trace in the store (`Attempt.owed`) has exactly one
+        row, by attempt id, in the store's ledger (every generation's copy merged) once a later attempt, started
+        after it ended, has pushed its run files; and no attempt ever has two rows there."""
+        if not BOOKS_INVARIANTS or self.outage:
+            return
+        body = Store(self.url).read_run_file("ledger.jsonl") or b""
+        keys = [attempt_key(json.loads(x)) for x in body.splitlines() if x.strip()]
+        twice = {k for k in keys if keys.count(k) > 1}
+        assert not twice, f"an attempt booked twice in the store's ledger: {twice}"
+        missing = [k for k in self.due if k not in keys]
+        assert not missing, f"no ledger row in the store for attempts {missing} that trained and ended"
+
 
 def _entry(step: int) -> dict[str, Any]:
     import hashlib
@@ -434,3 +533,37 @@ def test_no_interleaving_of_faults_loses_a_committed_step(tmp_path: Path) -> Non
             phases=[Phase.explicit, Phase.reuse, Phase.generate],  # no shrinking: the failing sequence prints as found
         ),
     )
+
+
+@pytest.mark.filterwarnings("ignore::hypothesis.errors.NonInteractiveExampleWarning")
+def test_the_books_invariant_fails_when_killed_attempts_go_unbooked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The control: with the booking of killed attempts switched off (recover_killed books nothing, wherever it
+    is called: the ledger's open, the fetch of the run files, the late hand-over), the model finds an attempt
+    that trained and has no row."""
+    from trainer.restart.books import ledger
+    from trainer.restart.remote import run, run_files
+
+    def book_nothing(run_dir: Any, *args: Any, **kw: Any) -> list[dict[str, Any]]:
+        if kw.get("leftover", True):
+            (Path(run_dir) / ledger.HEARTBEAT_FILE).unlink(missing_ok=True)  # the heartbeat is dropped unbooked
+        return []
+
+    for module in (ledger, run_files, run):
+        monkeypatch.setattr(module, "recover_killed", book_nothing)
+    TMP[:] = [str(tmp_path)]
+    with pytest.raises(AssertionError, match="no ledger row in the store"):
+        run_state_machine_as_test(
+            Model,
+            settings=settings(
+                max_examples=40,
+                stateful_step_count=10,
+                deadline=None,
+                derandomize=True,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+                print_blob=False,
+                phases=[Phase.explicit, Phase.reuse, Phase.generate],
+            ),
+        )
