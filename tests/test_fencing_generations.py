@@ -17,7 +17,7 @@ from trainer.report.load import load_run
 from trainer.restart.local.checkpoint import MANIFEST, CheckpointManager
 from trainer.restart.ownership.lease import Lease
 from trainer.restart.remote.run_files import fetch_run_files
-from trainer.restart.store.generations import current_steps
+from trainer.restart.store.generations import current_steps, merged_rows
 from trainer.restart.store.lifecycle import Fence, Store
 from trainer.restart.store.safety import Floor, SafetyViolation, StoreAhead
 
@@ -200,3 +200,28 @@ def test_clean_deletes_a_late_manifest_only_if_this_attempt_never_saw_it_committ
     never_saw.floor.choose(90, [80, 90], generation=3)
     assert never_saw.clean() == [100]
     assert Store(s3_remote).committed() == [80, 90] and not Store(s3_remote).fs.exists(saw.step_path(100, MANIFEST))
+
+
+def test_an_attempt_booked_as_killed_by_another_machine_and_by_its_own_row_counts_once() -> None:
+    """An attempt closes its row during an outage (its release fails); another machine takes the lease over and
+    books it from its heartbeat as killed; later the first disk's rows meet the store's. Whichever copy comes
+    first, the attempt has one row, its own (the recovered one is a lower bound); other attempts' rows stay."""
+    own = {"attempt_id": "a1", "attempt": 1, "exit_reason": "finished", "last_step": 8, "wall_seconds": 90.0}
+    recovered = {
+        "attempt_id": "a1",
+        "attempt": 1,
+        "exit_reason": "killed",
+        "last_step": 6,
+        "end_is_last_heartbeat": True,
+    }
+    other = {"attempt_id": "b2", "attempt": 2, "exit_reason": "finished", "last_step": 8, "wall_seconds": 5.0}
+
+    def lines(*rows: dict) -> bytes:
+        return b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+
+    for copies in ([lines(recovered, other), lines(own)], [lines(own), lines(recovered, other)]):
+        merged = [json.loads(x) for x in merged_rows(copies).splitlines()]
+        assert sorted((r["attempt_id"], r["exit_reason"]) for r in merged) == [("a1", "finished"), ("b2", "finished")]
+    # The control: two recovered rows of different attempts are two attempts, both kept.
+    both = merged_rows([lines(recovered), lines(dict(recovered, attempt_id="c3"))])
+    assert len(both.splitlines()) == 2
