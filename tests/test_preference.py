@@ -647,6 +647,20 @@ def test_the_estimate_says_the_mean_pairs_per_step(tiny_llama: Path, tmp_path: P
     assert exact["run"]["pairs_per_step"] == pytest.approx(mean, rel=1e-12)
     assert sampled["run"]["pairs_per_step"] == pytest.approx(mean, rel=1e-12)  # the whole set is the sample
     assert f", {mean:.1f} pairs per step (mean)" in format_estimate(exact)
+    # KTO's units are single answers (TRL's unpaired rows: each pair as a thumbs-up and a thumbs-down row)
+    rows = [json.loads(x) for x in data.read_text().splitlines()]
+    unpaired = tmp_path / "unpaired.jsonl"
+    unpaired.write_text(
+        "".join(
+            json.dumps({"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}) + "\n"
+            for r in rows
+            for side in ("chosen", "rejected")
+        )
+    )
+    kto = [*base[:1], f"data.path={unpaired}", *base[2:-1], "train.objective=kto"]
+    answers = world.estimate_for_run(C.load(None, kto), gpu="H100-SXM", throughput=1000.0)
+    assert answers["run"]["pairs_are"] == "answers" and exact["run"]["pairs_are"] == "pairs"
+    assert " answers per step (mean)" in format_estimate(answers) and " pairs per step" not in format_estimate(answers)
 
 
 def test_a_run_refuses_prepared_pairs_with_identical_answers(tiny_llama: Path, tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ JSON document.
   data{source: manifest|sample|given, exact, rows_per_epoch, real_tokens_per_epoch, ..., truncation{seq_len,
        examples, tokens, truncated, dropped, tokens_lost, p99} | null (trainer/data/stats.py)},
   run{steps, gpus, global_batch_rows, seq_len, epochs, real_tokens, trainable_tokens, train_flops,
-      pairs_per_step (preference objectives; null for SFT)},
+      pairs_per_step (preference objectives; null for SFT), pairs_are (`pairs`, or KTO's `answers`)},
   memory_gib{weights, adapter, gradients, optimizer, activations, logits, backward_workspace,
              overhead, total, pilot_measured_peak, sharded_over (FSDP devices, 1 under DDP), settings (the memory
              settings the figure is for: `auto` at its most frugal)}, throughput{source: pilot|given|mfu, ...},
@@ -176,6 +176,8 @@ def _described(job: Job, work: wl.Workload, totals: Totals, constraints: Constra
             "epochs": totals.steps * totals.global_rows / work.rows if work.rows else None,
             # Packing puts a varying number of pairs in a row: the mean a step of these rows trains on.
             "pairs_per_step": totals.global_rows * work.pairs / work.rows if work.pairs and work.rows else None,
+            # KTO's units are single answers, each with its thumbs-up or down, not pairs.
+            "pairs_are": "answers" if job.train.objective == "kto" else "pairs",
             "real_tokens": totals.tokens,
             "trainable_tokens": totals.trainable,
             "train_flops": totals.train_flops,

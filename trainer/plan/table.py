@@ -32,7 +32,11 @@ def format_estimate(result: dict[str, Any]) -> str:
         f"run     {r['steps']:,} steps x {r['global_batch_rows']} rows x {r['seq_len']} token slots = "
         f"{r['steps'] * r['global_batch_rows'] * r['seq_len']:,} token slots, of which {r['real_tokens']:,.0f} real "
         f"(non-padding) tokens, on {_devices(result)}, {r['train_flops']:.3g} FLOPs"
-        + (f", {r['pairs_per_step']:.1f} pairs per step (mean)" if r.get("pairs_per_step") else ""),
+        + (
+            f", {r['pairs_per_step']:.1f} {r.get('pairs_are', 'pairs')} per step (mean)"
+            if r.get("pairs_per_step")
+            else ""
+        ),
         _memory_line(mem_g),
         *_timeline(result),
         "",
