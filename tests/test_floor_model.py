@@ -517,22 +517,24 @@ def _entry(step: int) -> dict[str, Any]:
 TMP: list[str] = []
 
 
+def _search(examples: int) -> settings:
+    """The same search every time (derandomized), `examples` sequences of up to 10 rules."""
+    return settings(
+        max_examples=examples,
+        stateful_step_count=10,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+        phases=[Phase.explicit, Phase.reuse, Phase.generate],  # no shrinking: the failing sequence prints as found
+    )
+
+
 @pytest.mark.filterwarnings("ignore::hypothesis.errors.NonInteractiveExampleWarning")
 def test_no_interleaving_of_faults_loses_a_committed_step(tmp_path: Path) -> None:
     TMP[:] = [str(tmp_path)]
-    run_state_machine_as_test(
-        Model,
-        settings=settings(
-            max_examples=int(os.environ.get("SPOTUNE_MODEL_EXAMPLES", "40")),
-            stateful_step_count=10,
-            deadline=None,
-            derandomize=True,
-            database=None,
-            suppress_health_check=list(HealthCheck),
-            print_blob=False,
-            phases=[Phase.explicit, Phase.reuse, Phase.generate],  # no shrinking: the failing sequence prints as found
-        ),
-    )
+    run_state_machine_as_test(Model, settings=_search(int(os.environ.get("SPOTUNE_MODEL_EXAMPLES", "40"))))
 
 
 @pytest.mark.filterwarnings("ignore::hypothesis.errors.NonInteractiveExampleWarning")
@@ -554,16 +556,4 @@ def test_the_books_invariant_fails_when_killed_attempts_go_unbooked(
         monkeypatch.setattr(module, "recover_killed", book_nothing)
     TMP[:] = [str(tmp_path)]
     with pytest.raises(AssertionError, match="no ledger row in the store"):
-        run_state_machine_as_test(
-            Model,
-            settings=settings(
-                max_examples=40,
-                stateful_step_count=10,
-                deadline=None,
-                derandomize=True,
-                database=None,
-                suppress_health_check=list(HealthCheck),
-                print_blob=False,
-                phases=[Phase.explicit, Phase.reuse, Phase.generate],
-            ),
-        )
+        run_state_machine_as_test(Model, settings=_search(40))

@@ -452,25 +452,47 @@ class TokenizePairs:
         if _untrained_prefix(c_ids, c_lab) != _untrained_prefix(r_ids, r_lab):
             why = "the template renders the prompt differently before the chosen and the rejected answer"
             return c_ids, c_lab, r_ids, r_lab, Drop(PROMPT_DIFFERS, why)
-        cut = [self.lengths.cap(ids, lab, self.tok.overlong) for ids, lab in ((c_ids, c_lab), (r_ids, r_lab))]
-        for capped in cut:
-            if isinstance(capped, Drop):
-                return c_ids, c_lab, r_ids, r_lab, capped
-        (c_ids, c_lab), (r_ids, r_lab) = cut  # type: ignore[misc]
-        seq_len = self.tok.seq_len
-        if len(c_ids) + len(r_ids) <= seq_len:
-            return c_ids, c_lab, r_ids, r_lab, None
-        if self.tok.overlong == "drop":
-            why = f"{len(c_ids) + len(r_ids)} tokens for both answers, data.seq_len is {seq_len}"
-            return c_ids, c_lab, r_ids, r_lab, Drop(OVERLONG, why)
-        # Each keeps at least half the row; what one leaves of its half the other may use.
-        keep_c = max(seq_len - len(r_ids), min(len(c_ids), (seq_len + 1) // 2))
-        keep_r = seq_len - keep_c
-        c_ids, c_lab, r_ids, r_lab = c_ids[:keep_c], c_lab[:keep_c], r_ids[:keep_r], r_lab[:keep_r]
-        if not _trained(c_lab) or not _trained(r_lab):
-            why = f"cut to data.seq_len={seq_len}, an answer keeps no trained token"
-            return c_ids, c_lab, r_ids, r_lab, Drop(NO_TRAINABLE_AFTER_TRUNCATION, why)
+        fitted = fit_two(
+            (c_ids, c_lab),
+            (r_ids, r_lab),
+            self.lengths,
+            self.tok.seq_len,
+            self.tok.overlong,
+            "both answers",
+            "an answer",
+        )
+        if isinstance(fitted, Drop):
+            return c_ids, c_lab, r_ids, r_lab, fitted
+        (c_ids, c_lab), (r_ids, r_lab) = fitted
         return c_ids, c_lab, r_ids, r_lab, None
+
+
+Seq = tuple[list[int], list[int]]
+"""One sequence's token ids and labels."""
+
+
+def fit_two(
+    first: Seq, second: Seq, lengths: Lengths, seq_len: int, overlong: str, both: str, each: str
+) -> tuple[Seq, Seq] | Drop:
+    """Two sequences as one packed row takes them (a pair's answers, or KTO's answer and its KL sequence): each
+    capped by TRL's length settings apart, then both fitted to `seq_len`, or why the unit is dropped. `both` and
+    `each` name them in the reason ("both answers", "an answer")."""
+    capped = [lengths.cap(ids, lab, overlong) for ids, lab in (first, second)]
+    for c in capped:
+        if isinstance(c, Drop):
+            return c
+    (a_ids, a_lab), (b_ids, b_lab) = capped  # type: ignore[misc]
+    if len(a_ids) + len(b_ids) <= seq_len:
+        return (a_ids, a_lab), (b_ids, b_lab)
+    if overlong == "drop":
+        return Drop(OVERLONG, f"{len(a_ids) + len(b_ids)} tokens for {both}, data.seq_len is {seq_len}")
+    # Each keeps at least half the row; what one leaves of its half the other may use.
+    keep_a = max(seq_len - len(b_ids), min(len(a_ids), (seq_len + 1) // 2))
+    keep_b = seq_len - keep_a
+    a_ids, a_lab, b_ids, b_lab = a_ids[:keep_a], a_lab[:keep_a], b_ids[:keep_b], b_lab[:keep_b]
+    if not _trained(a_lab) or not _trained(b_lab):
+        return Drop(NO_TRAINABLE_AFTER_TRUNCATION, f"cut to data.seq_len={seq_len}, {each} keeps no trained token")
+    return (a_ids, a_lab), (b_ids, b_lab)
 
 
 def _example(pair: Pair, answer: Messages | str) -> formats.Example:

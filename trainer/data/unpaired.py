@@ -34,21 +34,14 @@ from typing import Any
 import datasets
 import numpy as np
 
-try:
-    from datasets import List  # datasets >= 4
-except ImportError:  # datasets 3.x spells a variable-length list `Sequence`
-    from datasets import Sequence as List
-
 from trainer.data import formats
 from trainer.data.chat_templates import require_template
-from trainer.data.pairs import EMPTY_ANSWER, Lengths
+from trainer.data.pairs import EMPTY_ANSWER, Lengths, fit_two
 from trainer.data.read import DataError, unpacked
 from trainer.data.template import (
     IGNORE_INDEX,
     NO_TRAINABLE,
-    NO_TRAINABLE_AFTER_TRUNCATION,
     NULL_FIELD,
-    OVERLONG,
     Tokenize,
     tokenize_for,
 )
@@ -183,7 +176,7 @@ def with_kl(tokenized: datasets.Dataset, lengths: Lengths, seq_len: int, overlon
         own = (ids_all[i], labels_all[i])
         kl = (ids_all[i][:a] + ids_all[j][b:], [IGNORE_INDEX] * a + labels_all[j][b:])
         length[i] = len(own[0]) + len(kl[0])  # both, before any cut
-        fitted = _fit(own, kl, lengths, seq_len, overlong)
+        fitted = fit_two(own, kl, lengths, seq_len, overlong, "the answer and its KL sequence", "a sequence")
         if isinstance(fitted, Drop):
             status[i], detail[i] = fitted.reason, fitted.detail
             continue
@@ -200,36 +193,13 @@ def with_kl(tokenized: datasets.Dataset, lengths: Lengths, seq_len: int, overlon
             "chosen_length": chosen_length,
             DESIRABLE: desirable,
         },
-        features=FEATURES,
+        # The tokenised rows' own types, and the answer's length in the row (as a pair's chosen one).
+        features=datasets.Features({**tokenized.features, "chosen_length": datasets.Value("int32")}),
     )
 
 
 def _first_label(labels: list[int]) -> int:
     return next((k for k, x in enumerate(labels) if x != IGNORE_INDEX), len(labels))
-
-
-Seq = tuple[list[int], list[int]]
-
-
-def _fit(own: Seq, kl: Seq, lengths: Lengths, seq_len: int, overlong: str) -> tuple[Seq, Seq] | Drop:
-    """Both sequences as one packed row takes them (pairs.py's rule for a pair's two answers), or why not."""
-    capped = [lengths.cap(ids, lab, overlong) for ids, lab in (own, kl)]
-    for c in capped:
-        if isinstance(c, Drop):
-            return c
-    (s_ids, s_lab), (k_ids, k_lab) = capped  # type: ignore[misc]
-    if len(s_ids) + len(k_ids) <= seq_len:
-        return (s_ids, s_lab), (k_ids, k_lab)
-    if overlong == "drop":
-        return Drop(
-            OVERLONG, f"{len(s_ids) + len(k_ids)} tokens for the answer and its KL sequence, data.seq_len is {seq_len}"
-        )
-    keep_s = max(seq_len - len(k_ids), min(len(s_ids), (seq_len + 1) // 2))
-    keep_k = seq_len - keep_s
-    s_ids, s_lab, k_ids, k_lab = s_ids[:keep_s], s_lab[:keep_s], k_ids[:keep_k], k_lab[:keep_k]
-    if not any(x != IGNORE_INDEX for x in s_lab) or not any(x != IGNORE_INDEX for x in k_lab):
-        return Drop(NO_TRAINABLE_AFTER_TRUNCATION, f"cut to data.seq_len={seq_len}, a sequence keeps no trained token")
-    return (s_ids, s_lab), (k_ids, k_lab)
 
 
 def counts(tokenized: datasets.Dataset) -> dict[str, int]:
@@ -268,16 +238,3 @@ def balance_note(
         f"[{desirable_weight * n_desirable / n_undesirable / BALANCE[1]:.3g}, "
         f"{desirable_weight * n_desirable / n_undesirable:.3g}])"
     )
-
-
-FEATURES = datasets.Features(
-    {
-        "input_ids": List(datasets.Value("int32")),
-        "labels": List(datasets.Value("int32")),
-        "length": datasets.Value("int32"),
-        "status": datasets.Value("string"),
-        "detail": datasets.Value("string"),
-        "chosen_length": datasets.Value("int32"),
-        DESIRABLE: datasets.Value("int8"),
-    }
-)
