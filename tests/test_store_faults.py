@@ -20,6 +20,7 @@ from moto_fixture import s3_env
 
 from trainer import exit_codes as E
 from trainer.faults import transient
+from trainer.restart.books.ledger import HEARTBEAT_FILE
 from trainer.restart.local.checkpoint import MANIFEST, CheckpointManager, file_digest
 from trainer.restart.ownership.lease import Lease, LeaseLost, read_lease
 from trainer.restart.ownership.lock import RunBusy
@@ -405,5 +406,57 @@ def test_an_upload_after_this_attempt_released_its_lease_is_no_refusal(tmp_path:
         assert _wait_for(lambda: uploader.failing, timeout=30), said
         assert refused == [] and uploader.remote_step is None, (refused, said)
         assert store.committed() == [] and saved.is_dir()
+    finally:
+        uploader.stop()
+
+
+def _beating(store: Store, run: Path, said: list[str], refused: list[BaseException]) -> Any:
+    """An uploader on `store` with nothing to upload: it pushes the run files once, then the heartbeat every 0.2 s."""
+    from trainer.restart.remote.uploader import Uploader
+
+    run.mkdir(parents=True, exist_ok=True)
+    (run / HEARTBEAT_FILE).write_text('{"step": 3}\n')
+    return Uploader(store, run, 2, said.append, heartbeat_seconds=0.2, on_refused=refused.append).start(None)
+
+
+def test_a_heartbeat_refused_for_good_stops_the_run_at_once(tmp_path: Path, s3_remote: str, proxy: FaultProxy) -> None:
+    """Between checkpoints only the heartbeat goes up. The store refusing it (403: the role lost s3:PutObject) stops
+    the attempt with exit 2 naming the permission at once, said once, and nothing more is pushed. Before, the
+    heartbeat's errors were swallowed: the run trained on, paid, until its next checkpoint upload found the same."""
+    store = Store(s3_remote)
+    store.floor.choose(None, [])
+    refused: list[BaseException] = []
+    said: list[str] = []
+    uploader = _beating(store, tmp_path / "run", said, refused)
+    try:
+        assert _wait_for(lambda: store.fs.exists(store.path(HEARTBEAT_FILE)), timeout=15), said
+        proxy.set(refuse=[{"match": r"^PUT /[^/]+/run/ledger\.current", "as": "denied"}])
+        assert _wait_for(lambda: bool(refused), timeout=30), said
+        assert isinstance(refused[0], StoreDenied) and "s3:PutObject" in str(refused[0])
+        assert E.code_for(refused[0]) == E.EXIT_BAD_INPUT and uploader.halted
+        time.sleep(1.0)  # five heartbeat periods: nothing more is tried, nothing more is said
+        assert len(refused) == 1 and sum("failed for good" in m for m in said) == 1, said
+        assert "refreshing the heartbeat" in said[-1], said
+    finally:
+        uploader.stop()
+
+
+def test_a_heartbeat_that_blips_is_said_once_and_sent_again(tmp_path: Path, s3_remote: str, proxy: FaultProxy) -> None:
+    """A store failing for a moment (503 SlowDown, resets) while only the heartbeat goes up: said once, not at every
+    push, no stop asked; the heartbeat lands again when the store answers. Control: the refusal test above."""
+    store = Store(s3_remote)
+    store.floor.choose(None, [])
+    refused: list[BaseException] = []
+    said: list[str] = []
+    proxy.set(refuse=[{"match": r"^PUT /[^/]+/run/ledger\.current", "as": "flaky"}])
+    uploader = _beating(store, tmp_path / "run", said, refused)
+    try:
+        assert _wait_for(lambda: uploader.beside_failing, timeout=30), said
+        time.sleep(1.0)  # several failed pushes
+        assert sum("failed (" in m and "training goes on" in m for m in said) == 1, said
+        assert refused == [] and not uploader.halted
+        proxy.set()
+        assert _wait_for(lambda: not uploader.beside_failing, timeout=30), said
+        assert store.fs.exists(store.path(HEARTBEAT_FILE))
     finally:
         uploader.stop()

@@ -96,6 +96,8 @@ class Uploader:
         and the run stops with exit 1 (`RemoteRun.exit_code`), not 143: a requeue would meet the bug again."""
         self.stopped_by: BaseException | None = None
         """An upload failed for good (not a fault of the moment): as the store's fault names it; nothing more is sent."""
+        self.beside_failing = False
+        """The last push beside the checkpoints (run files, heartbeat) failed with a fault of the moment: said once."""
         self.stats: dict[str, Any] = {"uploads_skipped": 0}
         self._thread = threading.Thread(target=self._run, name="spotune-upload", daemon=True)
 
@@ -181,19 +183,21 @@ class Uploader:
     def _run(self) -> None:
         # First the ledger row of a killed attempt (recovered at open) and this attempt's heartbeat,
         # so even an attempt killed before its first checkpoint is counted on the next machine.
-        self._quietly(self._push_run_files)
+        self._beside("uploading the run files", self._push_run_files)
         last_push = time.monotonic()
         while True:
             with self._cond:
                 while self._pending is None and not self._stopping:
                     if not self._cond.wait(max(0.0, last_push + self.heartbeat_seconds - time.monotonic())):
                         break
-                if self._stopping:
+                if self._stopping or self.halted:  # halted: nothing more is sent (`submit` drops what comes)
                     return
                 job, self._pending = self._pending, None
                 self._busy = job is not None
             if job is None:  # nothing to upload for a while: refresh the remote heartbeat only
-                self._quietly(lambda: self.store.put(self.run_dir / HEARTBEAT_FILE, HEARTBEAT_FILE))
+                self._beside(
+                    "refreshing the heartbeat", lambda: self.store.put(self.run_dir / HEARTBEAT_FILE, HEARTBEAT_FILE)
+                )
             else:
                 self._upload_with_retries(job)
             last_push = time.monotonic()
@@ -226,25 +230,9 @@ class Uploader:
             except LeaseLost:  # released (the attempt is ending) or lost: the lease's own path sets the stop and code
                 self.failing = True
                 break
-            except SafetyViolation as e:  # a bug: the write was refused before it happened; write nothing more
-                self.violation = f"a bug in spotune: {e}"
-                self.failing = True
-                self.message(
-                    f"spotune: {self.violation}. Nothing more is uploaded (the local checkpoints stay); saving a "
-                    "checkpoint and stopping with exit 1: report it, rerunning meets it again"
-                )
-                self.on_violation(self.violation)
-                break
             except Exception as e:
                 self.failing = True
-                if not transient(e):  # retrying changes nothing (trainer/faults.py): stop, keep the local ones
-                    self.stopped_by = self.store.fault(e, "write") or e
-                    self.message(
-                        f"spotune: uploading step {job.step} to {self.store.show_dir(job.step)} failed for good: "
-                        f"{self.stopped_by}. Nothing more is uploaded (the local checkpoints stay); saving a "
-                        "checkpoint and stopping"
-                    )
-                    self.on_refused(self.stopped_by)
+                if self._halts(e, f"uploading step {job.step} to {self.store.show_dir(job.step)}"):
                     break
                 with self._cond:
                     behind = (self.local_step or job.step) - (self.remote_step or 0)
@@ -270,13 +258,51 @@ class Uploader:
         for name in RUN_FILES:
             self.store.put(self.run_dir / name, name)
 
-    def _quietly(self, fn: Callable[[], Any]) -> None:
+    def _halts(self, e: Exception, what: str) -> bool:
+        """Whether the failed write `e` ends this attempt's uploads, and if so say so and ask the run to stop: a
+        write the safety rule refused (a bug: exit 1), or one the store refused for good (trainer/faults.py:
+        credentials, permissions, a full store, anything not known to pass; exit as the store's fault names it).
+        A fault of the moment (False) is retried by the caller."""
+        if isinstance(e, SafetyViolation):  # refused before it happened; write nothing more
+            self.violation = f"a bug in spotune: {e}"
+            self.message(
+                f"spotune: {self.violation}. Nothing more is uploaded (the local checkpoints stay); saving a "
+                "checkpoint and stopping with exit 1: report it, rerunning meets it again"
+            )
+            self.on_violation(self.violation)
+            return True
+        if transient(e):
+            return False
+        self.stopped_by = self.store.fault(e, "write") or e  # retrying changes nothing: stop, keep the local ones
+        self.message(
+            f"spotune: {what} failed for good: {self.stopped_by}. Nothing more is uploaded (the local checkpoints "
+            "stay); saving a checkpoint and stopping"
+        )
+        self.on_refused(self.stopped_by)
+        return True
+
+    def _beside(self, what: str, fn: Callable[[], Any]) -> None:
+        """A push beside the checkpoints (the run files at start, the heartbeat between checkpoints), which no
+        training waits for: a fault of the moment is said once (not at every push while it lasts) and retried at
+        the next push; a refusal for good stops the attempt as a failed checkpoint upload does, at once rather
+        than at the next checkpoint, which may be many paid minutes away."""
         try:
             fn()
         except StoreAhead:
             self.refused = True
-        except Exception:  # a heartbeat is best effort; the next checkpoint upload reports failures
+        except LeaseLost:  # released (the attempt is ending) or lost: the lease's own path sets the stop and code
             pass
+        except Exception as e:
+            if self._halts(e, f"{what} in {self.store.shown}"):
+                return
+            if not self.beside_failing:
+                self.message(
+                    f"spotune: {what} in {self.store.shown} failed ({type(e).__name__}: {one_line(e)}); "
+                    f"trying again in {self.heartbeat_seconds:g}s, training goes on"
+                )
+            self.beside_failing = True
+        else:
+            self.beside_failing = False
 
 
 def _link_tree(src: Path, dest: Path) -> None:
