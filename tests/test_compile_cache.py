@@ -18,7 +18,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from trainer import builtin_assets
+from trainer import atomic, builtin_assets
 from trainer.model import compile_cache as cc
 from trainer.restart.books.ledger import read_rows
 from trainer.restart.local.checkpoint import MANIFEST, CheckpointManager
@@ -60,6 +60,26 @@ def test_each_save_links_the_staged_artifacts(tmp_path: Path) -> None:
     other = cc.CompileCache({**KEY, "python": "3.12.0"}, stage)
     other.write_into(tmp_path / "save-6")
     assert not (tmp_path / "save-6").exists()
+
+
+def test_a_kill_between_the_stages_renames_leaves_the_staged_copy_in_use(tmp_path: Path) -> None:
+    """`publish_dir` moves the old stage aside before renaming the new one in: killed between the two, the only
+    staged copy has a temp name. The next attempt puts it back (and reuses it) and removes an unfinished copy that
+    a kill while staging left. Before, it read no stage, serialised everything again, and the temp copies stayed."""
+    stage = _folder(tmp_path, KEY) / cc.FOLDER
+    aside = atomic.temp_sibling(stage, atomic.REPLACED)
+    stage.rename(aside)  # killed here, inside publish_dir
+    unfinished = atomic.temp_sibling(stage)
+    unfinished.mkdir()
+    (unfinished / cc.BLOB).write_bytes(b"half")
+    cache = cc.CompileCache(KEY, stage)
+    assert (stage / cc.BLOB).read_bytes() == b"not torch's format" and not aside.exists() and not unfinished.exists()
+    cache.write_into(tmp_path / "save-2")  # the restored copy is the one each save links
+    assert (tmp_path / "save-2" / cc.FOLDER / cc.BLOB).stat().st_ino == (stage / cc.BLOB).stat().st_ino
+    # Control: no stage at all (nothing moved aside) is a plain miss, nothing made up.
+    empty = cc.CompileCache(KEY, tmp_path / "none" / cc.FOLDER)
+    empty.write_into(tmp_path / "save-4")
+    assert not (tmp_path / "save-4").exists()
 
 
 def test_the_key_follows_the_settings_that_shape_the_graph(tiny_llama: Path, tmp_path: Path) -> None:

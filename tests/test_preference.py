@@ -570,6 +570,43 @@ def test_an_adapter_of_another_base_or_revision_is_refused_naming_both(tiny_llam
     assert started(sft, "model.name_or_path=org/base", "model.revision=abc123") is not None  # control
 
 
+def test_the_runs_copy_of_the_starting_adapter_survives_a_kill_inside_its_publish(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """The run keeps its own copy of `adapter.init_from` (`init_adapter/`, published by renaming the old copy aside,
+    then the new one in). Killed between the two renames, the only copy has a temp name; the path it came from may
+    be gone by the next start (another machine's disk). The next start puts the copy back and trains from it; a
+    kill while copying leaves an unfinished copy, which goes. Before, the start looked for the path and failed."""
+    from types import SimpleNamespace
+
+    from trainer import atomic
+    from trainer.model.reference import INIT_DIR
+    from trainer.training.inputs import init_adapter, keep_init_adapter
+
+    model = build(ModelConfig(name_or_path=str(tiny_llama), dtype="float32"), AdapterConfig(r=4, alpha=8))
+    model.save_pretrained(tmp_path / "adapter")
+    base = [f"output_dir={tmp_path / 'run'}", "train.objective=dpo", f"adapter.init_from={tmp_path / 'adapter'}"]
+    cfg = C.load(None, [*base, "adapter.r=4", "adapter.alpha=8", f"model.name_or_path={tiny_llama}"])
+    node = SimpleNamespace(is_local_main_process=True, wait_for_everyone=lambda: None)
+    proc: Any = SimpleNamespace(is_main=True, remote=SimpleNamespace(reachable=False), accelerator=node)
+    keep_init_adapter(cfg, proc)
+    kept = tmp_path / "run" / INIT_DIR
+    weights = (kept / "adapter_model.safetensors").read_bytes()
+    kept.rename(atomic.temp_sibling(kept, atomic.REPLACED))  # killed inside publish_dir
+    unfinished = atomic.temp_sibling(kept, "copy")
+    unfinished.mkdir()
+    shutil.rmtree(tmp_path / "adapter")  # the path is gone: the temp-named copy is the only one
+    keep_init_adapter(cfg, proc)
+    assert (kept / "adapter_model.safetensors").read_bytes() == weights
+    assert sorted(p.name for p in kept.parent.iterdir() if p.name.startswith(INIT_DIR)) == [INIT_DIR]
+    init = init_adapter(cfg)
+    assert init is not None and init.path == kept
+    # Control: with no copy anywhere (nothing moved aside either), the start names the missing path.
+    shutil.rmtree(kept)
+    with pytest.raises(C.ConfigError, match="adapter.init_from: no adapter"):
+        keep_init_adapter(cfg, proc)
+
+
 @pytest.mark.parametrize("mean", [0.0, -1e-9])
 def test_orpo_has_a_finite_loss_and_gradient_at_a_mean_log_prob_of_0_and_just_below(mean: float) -> None:
     """Both torch.where branches of log(1 - exp(x)) are evaluated and backpropagated: each must be finite on

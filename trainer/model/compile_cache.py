@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from trainer.atomic import fsync_tree, publish_dir, temp_sibling
+from trainer.atomic import fsync_tree, publish_dir, remove_temp_siblings, temp_sibling
 from trainer.config import AdapterConfig, ModelConfig
 from trainer.model.load import compile_seconds
 from trainer.model.wrappers import causal_lm
@@ -158,6 +158,8 @@ class CompileCache:
         self._baseline = compile_seconds()  # compile_seconds counts the process; an attempt counts its own
         self._started = time.time()  # kernel libraries built from here on are this attempt's
         self._looked_at = 0.0
+        if stage is not None:
+            _tidy(stage)
         staged = self._read_key(stage) if stage is not None else None  # an earlier attempt's, on this disk
         self._staged: dict[str, Any] | None = staged if staged is not None and staged.get("key") == key else None
 
@@ -289,6 +291,17 @@ class CompileCache:
             return record if isinstance(record, dict) and (folder / BLOB).is_file() else None
         except (OSError, ValueError):
             return None
+
+
+def _tidy(stage: Path) -> None:
+    """Before the stage is read: a kill inside `publish_dir` (between its two renames) leaves the staged copy under
+    a temp name, which goes back in place, and a kill while staging leaves unfinished copies, which go (each one
+    as large as the artifacts, they would pile up on the disk at every kill)."""
+    try:
+        for gone in remove_temp_siblings(stage):
+            log.info("spotune: removed an unfinished copy of the compiled artifacts: %s", gone)
+    except OSError as e:  # a cache never fails a run: at worst it is a miss
+        log.warning("spotune: the staged compiled artifacts in %s were not tidied (%s: %s)", stage, type(e).__name__, e)
 
 
 def _link_files(src: Path, dest: Path) -> None:

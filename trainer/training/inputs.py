@@ -196,6 +196,7 @@ def keep_init_adapter(cfg: C.RunConfig, proc: Process) -> None:
     hold another adapter since (a continued SFT run). Rank 0 first, then one rank per other node, as the
     data is prepared. Call it after the store resolved the resume step: the store's rule lets an attempt
     write only then."""
+    from trainer.atomic import remove_temp_siblings
     from trainer.model.reference import INIT_DIR, INIT_FILES, SOURCE_FILE, check_base, keep_copy, kept_from
     from trainer.restart.store.lifecycle import Store
 
@@ -209,6 +210,9 @@ def keep_init_adapter(cfg: C.RunConfig, proc: Process) -> None:
         # Rank 0's store answered at connect (else it trains cut off from it, from a local checkpoint and copy).
         main_store = proc.remote.store if proc.remote.reachable else None
         store = main_store if proc.is_main else (Store(ck.remote, ck.storage_options) if ck.remote else None)
+        # A kill inside publish_dir leaves the kept copy under a temp name (back in place: it may be the only copy
+        # once init_from's path is gone) and a kill while copying leaves an unfinished one (removed).
+        remove_temp_siblings(kept)
         if kept_from(kept) != init_from and not (store is not None and _fetch_init(store, kept, init_from)):
             keep_copy(init_from, kept)
         source = json.loads((kept / SOURCE_FILE).read_text())
