@@ -345,12 +345,23 @@ def test_a_bare_model_id_is_priced_as_a_run_would_train_it(
         assert "gradient_checkpointing=true" in by[gpu]["setting"]["setting"] and by[gpu]["setting"]["gib"] <= 22.1
     # Where it fits without checkpointing, the run would not pay for it.
     assert "gradient_checkpointing=false" in by["H100-SXM"]["setting"]["setting"]
-    assert doc["cheapest"]["on-demand"]["gpu"] == doc["cheapest"]["spot"]["gpu"] == "RTX-3090"
+    # The cheapest is what trains a token for the least money, not the lowest price per hour: the RTX-3090
+    # ($0.25/h) is the cheapest hour, the RTX-4090 ($0.40/h, 2.3x its bf16 FLOP/s) the cheapest token.
+    per = {g: o["per_million_tokens"] for g, o in by.items()}
+    for pricing, key in (("on-demand", "on_demand_price"), ("spot", "spot_price")):
+        fitting = [g for g, o in by.items() if o["fits"] and o[key] is not None]
+        assert doc["cheapest"][pricing]["gpu"] == min(fitting, key=lambda g: per[g][pricing]) == "RTX-4090"
+        assert min(fitting, key=lambda g: by[g][key]) == "RTX-3090"  # control: by the hour, another GPU
+        o = by["RTX-4090"]
+        assert per["RTX-4090"][pricing] == pytest.approx(o[key] / (o["tokens_per_s"] * 3600) * 1e6)
+    assert by["H100-SXM"]["tokens_per_s"] / by["RTX-4090"]["tokens_per_s"] == pytest.approx(989 / 165.2, rel=1e-6)
     assert spotune(["estimate", "meta-llama/Llama-3.1-8B-Instruct"]) == 0
     text = capsys.readouterr().out
     assert text.startswith(
-        "cheapest GPU that fits (by price per GPU-hour: the time needs the data): on-demand RTX-3090"
+        "cheapest GPU that fits (by cost per million trained tokens, at each GPU's peak bf16 FLOP/s x an assumed "
+        "MFU 0.35): on-demand RTX-4090 $0.0"
     )
+    assert "$/1M tok" in text
     # Control: the user's own setting wins over the defaults; checkpointing off does not fit a 24 GB GPU,
     # and the answer names the smallest change that does, with its memory.
     off_overrides = ["model.gradient_checkpointing=false", "model.activation_offload=off"]

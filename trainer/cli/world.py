@@ -72,15 +72,15 @@ def estimate_for_run(
         manifest = _pilot_manifest(cfg, measured)  # the data the pilot prepared, when it is this run's
     if tokens is not None and tokens < 1:
         raise PlanError(f"--tokens must be at least 1, got {tokens:g}")
+    rate = choose(cfg.adapter.method, measured, throughput, cfg.metrics.gpu, mfu)
     if not data_given and not tokens:
-        return memory_fit(job, catalog, constraints, NO_DATA, how)
+        return memory_fit(job, catalog, constraints, NO_DATA, rate, how)
     try:
         work = wl.from_tokens(tokens, cfg.data.seq_len) if tokens else _workload(cfg, manifest, sample_size)
     except DataError as e:
         if _data_at_hand(cfg):
             raise  # the data is there and has a problem: its message names the fix
-        return memory_fit(job, catalog, constraints, str(e), how)
-    rate = choose(cfg.adapter.method, measured, throughput, cfg.metrics.gpu, mfu)
+        return memory_fit(job, catalog, constraints, str(e), rate, how)
     target = _target(cfg, model, shape.total_params() * bytes_per_param, work, download_mb_s, vm_start_seconds)
     return estimate(job, work, rate, catalog, constraints, Measured(measured), target, how)
 

@@ -29,6 +29,10 @@ JSON document.
   recommendation{index, gpu, pricing, wall_hours, cost, why, next_cheaper (what the option just cheaper
   lacks, or null)} | null, cheapest{on-demand, spot: {gpu, gpus, price_per_gpu_hour, wall_hours, cost,
   setting} | null}, assumptions[str] (the spot interruption rates among them).
+Without data (trainer/plan/fit.py): data{source: none, problem}, options one per GPU {gpu, gpus, memory_gib,
+fits, fsdp_gpus, on_demand_price, spot_price, mtbi_hours, tokens_per_s, throughput_basis,
+per_million_tokens{on-demand, spot}, setting, fit_changes}, throughput, cheapest{on-demand, spot: {gpu, gpus,
+price_per_gpu_hour, per_million_tokens, setting} | null}, needs.
 Throughput is in real (non-padding) tokens per second, the unit of the training metrics.
 
 The interval: on the device the pilot ran on, high is the expected wall time + two standard
@@ -227,6 +231,12 @@ def _totals(job: Job, work: wl.Workload, gpus: int) -> Totals:
     if runs_reference(job.train.objective):  # DPO: the reference's forward over the same tokens
         run_flops += flops.reference_forward_flops(job.shape, tokens, doc_sq, trainable)
     return Totals(steps, global_rows, tokens, trainable, doc_sq, run_flops)
+
+
+def flops_per_token(job: Job, gpus: int) -> float:
+    """Training FLOPs per real token of this run's model and settings when its data is not at hand: rows packed
+    full at `seq_len`, one document per row (workload.from_tokens), which bounds the attention's share from above."""
+    return _totals(job, wl.from_tokens(float(job.seq_len) * 1024, job.seq_len), gpus).flops_per_token
 
 
 def _options(

@@ -99,20 +99,24 @@ def format_memory_fit(result: dict[str, Any]) -> str:
         *_model_line(result["model"]),
         _memory_line(result["memory_gib"]),
         "",
-        f"{'GPU':<14}{'GiB':>6}  {'fit':<5}{'$/GPU-h':>8}{'spot':>7}{'MTBI':>6}  how (GiB per GPU)",
+        f"{'GPU':<14}{'GiB':>6}  {'fit':<5}{'$/GPU-h':>8}{'spot':>7}{'$/1M tok':>9}{'spot':>8}{'MTBI':>6}  "
+        "how (GiB per GPU)",
     ]
     for o in result["options"]:
         spot = f"${o['spot_price']:.2f}" if o.get("spot_price") is not None else "-"
         mtbi = f"{o['mtbi_hours']:g}h" if o.get("mtbi_hours") else "-"
+        per = {k: "-" if v is None else f"${v:.3f}" for k, v in o["per_million_tokens"].items()}
         lines.append(
             f"{o['gpu'][:13]:<14}{o['memory_gib']:>6.0f}  {'yes' if o['fits'] else 'NO':<5}"
-            f"{'$' + format(o['on_demand_price'], '.2f'):>8}{spot:>7}{mtbi:>6}  {_how(o)}"
+            f"{'$' + format(o['on_demand_price'], '.2f'):>8}{spot:>7}{per['on-demand']:>9}{per['spot']:>8}"
+            f"{mtbi:>6}  {_how(o)}"
         )
     lines += _fsdp_hint(result)
     lines.append(
-        "how: what the recipe's `auto` memory settings choose on that GPU (the fastest that fits), or, where it "
-        "does not fit, the smallest change that makes it fit; MTBI: mean time between spot interruptions "
-        "(catalogue; --mtbi-hours to set yours)"
+        f"$/1M tok: what a million trained tokens cost there, {_rate_basis(result['throughput'])} (spot: before "
+        "interruptions, whose cost needs the run's length); how: what the recipe's `auto` memory settings choose on "
+        "that GPU (the fastest that fits), or, where it does not fit, the smallest change that makes it fit; MTBI: "
+        "mean time between spot interruptions (catalogue; --mtbi-hours to set yours)"
     )
     lines += ["", f"data: {result['data']['problem']}", result["needs"]]
     return "\n".join(lines)
@@ -144,17 +148,26 @@ def cheapest_lines(result: dict[str, Any]) -> list[str]:
         money = (
             f"~{_money(c['cost'])}, ~{_hours(c['wall_hours'])}"
             if priced and c.get("cost") is not None
-            else f"${c['price_per_gpu_hour']:.2f}/GPU-h"
+            else f"${c['per_million_tokens']:.3f} per 1M tokens (${c['price_per_gpu_hour']:.2f}/GPU-h)"
         )
         parts.append(f"{pricing} {c['gpu']}{count} {money}")
     if not parts:
         return ["cheapest GPU that fits: none in the catalogue as set (see what makes one fit below)"]
     how = next((c["setting"] for c in (found.get("spot"), found.get("on-demand")) if c and c.get("setting")), None)
-    basis = "" if priced else " (by price per GPU-hour: the time needs the data)"
+    basis = "" if priced else f" (by cost per million trained tokens, {_rate_basis(result['throughput'])})"
     lines = [f"cheapest GPU that fits{basis}: {'; '.join(parts)}"]
     if how:
         lines.append(f"  trains there with {how}")
     return lines
+
+
+def _rate_basis(throughput: dict[str, Any]) -> str:
+    """Where the tokens/s behind a cost per token comes from, in a few words."""
+    if throughput["source"] == "pilot":
+        return f"at the rate a pilot measured on {throughput['device']}"
+    if throughput["source"] == "given":
+        return f"at the --throughput given, {throughput['tokens_per_s_per_gpu']:g} tokens/s per GPU"
+    return f"at each GPU's peak bf16 FLOP/s x an assumed MFU {throughput['assumed_mfu']:.2f}"
 
 
 def settings_lines(options: list[dict[str, Any]]) -> list[str]:
