@@ -168,6 +168,22 @@ def test_dequantised_experts_are_not_kept_for_the_backward(qwen3_moe: Path, monk
     assert grads.keys() == kept_grads.keys() and all(torch.equal(grads[n], kept_grads[n]) for n in grads)
 
 
+def test_nf4_experts_under_activation_checkpointing(qwen3_moe: Path) -> None:
+    """Non-reentrant checkpointing recomputes each layer in the backward, the expert hooks with it: the gradients
+    are exactly those without checkpointing."""
+    ids = _ids()
+
+    def grads(checkpointing: bool) -> dict[str, torch.Tensor]:
+        cfg = ModelConfig(name_or_path=str(qwen3_moe), dtype="float32", gradient_checkpointing=checkpointing)
+        model = load.build(cfg, AdapterConfig(method="qlora", dropout=0.0)).train()
+        _randomise_adapter(model)
+        return _logits_and_grads(model, ids)[1]
+
+    plain, checkpointed = grads(False), grads(True)
+    assert plain.keys() == checkpointed.keys() and any("experts" in n for n in plain)
+    assert all(torch.equal(plain[n], checkpointed[n]) for n in plain)
+
+
 def test_qlora_moe_run_trains_resumes_bit_identical_and_saves_a_peft_adapter(qwen3_moe: Path, tmp_path: Path) -> None:
     """`spotune train`'s path with adapter.method=qlora: the expert LoRA trains (its B leaves zero, the loss falls),
     4 steps straight equal 2 + 2 resumed bit for bit (control: step 2's adapter differs from the final one); the
@@ -265,3 +281,36 @@ def test_plan_counts_moe_experts_at_4_bits_under_qlora(qwen3_moe: Path) -> None:
     assert (top_k_only - measured) / measured > 0.3  # control: the idle experts at 16/32 bits, as before
     dense = memory.weight_bytes(shape, "float32")
     assert planned < 0.6 * dense  # the tiny model's embeddings and head stay fp32; the experts shrink 7.8x
+
+
+def test_estimate_prices_moe_qlora_at_4_bits_and_never_suggests_fsdp(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`spotune estimate` on Qwen3-30B-A3B: under QLoRA its weights take NF4's bytes for every expert (about 15.5 GiB
+    against 56.9 in bf16); FSDP, which QLoRA on fused experts refuses, is neither a change offered nor a hint;
+    control: bf16 LoRA on the same model is shardable and offered FSDP where it does not fit."""
+    import json
+
+    from trainer.cli.main import main as spotune
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+
+    def recipe(method: str) -> str:
+        path = tmp_path / f"{method}.yaml"
+        path.write_text(f"model:\n  name_or_path: Qwen/Qwen3-30B-A3B\nadapter:\n  method: {method}\n")
+        return str(path)
+
+    def estimate(method: str) -> dict[str, Any]:
+        assert spotune(["estimate", recipe(method), "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    qlora, lora = estimate("qlora"), estimate("lora")
+    assert qlora["model"]["weight_format"] == "nf4" and not qlora["model"]["shardable"] and lora["model"]["shardable"]
+    assert 15 < qlora["memory_gib"]["weights"] < 16 and 56 < lora["memory_gib"]["weights"] < 58
+    changes = [c["change"] for o in qlora["options"] for c in o.get("fit_changes") or []]
+    assert changes and not [c for c in changes if "fsdp" in c]
+    assert all(o["fsdp_gpus"] is None for o in qlora["options"])
+    assert [c for o in lora["options"] for c in o.get("fit_changes") or [] if "fsdp" in c["change"]]  # control
+    assert spotune(["estimate", recipe("qlora")]) == 0
+    assert "fsdp" not in capsys.readouterr().out

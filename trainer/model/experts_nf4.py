@@ -187,13 +187,17 @@ class Quantised:
 
 
 def quantise(
-    experts: dict[str, torch.nn.Module], names: Iterable[str], wrappers: Iterable[torch.nn.Module]
+    experts: dict[str, torch.nn.Module],
+    names: Iterable[str],
+    wrappers: Iterable[torch.nn.Module],
+    device: torch.device | None = None,
 ) -> Quantised:
-    """Store the 3-D expert Parameters `names` of each fused experts module in NF4, expert by expert (see the module
-    docstring), and hook each experts module's outermost LoRA wrapper (`wrappers`, whose forward runs the kernel) so
+    """Store the 3-D expert Parameters `names` of each fused experts module in NF4, expert by expert, on `device`
+    (default: where each is; one expert at a time goes there in 16 bits), see the module docstring; and hook each experts module's outermost LoRA wrapper (`wrappers`, whose forward runs the kernel) so
     the backward dequantises again instead of keeping dequantised weights."""
     import bitsandbytes.functional as bnb
 
+    names = tuple(names)
     done: list[str] = []
     dense = packed = 0
     for module_name, module in experts.items():
@@ -202,7 +206,7 @@ def quantise(
             param = getattr(module, name, None)
             if not isinstance(param, torch.nn.Parameter) or param.dim() != 3 or param.is_meta:
                 continue
-            projections[name] = _quantised(bnb, param.detach())
+            projections[name] = _quantised(bnb, param.detach(), device or param.device)
             dense += param.numel() * param.element_size()
             # Gone from the module's parameters (so `.to()`, DDP's broadcast and state dicts never meet it); in its
             # place a plain attribute of the same shape and dtype on the meta device, which peft's wrapper and
@@ -225,10 +229,11 @@ def quantise(
     return Quantised(done, dense, packed)
 
 
-def _quantised(bnb: Any, param: torch.Tensor) -> Projection:
+def _quantised(bnb: Any, param: torch.Tensor, device: torch.device) -> Projection:
     states, packed = [], []
     for e in range(param.size(0)):
-        codes, state = bnb.quantize_4bit(param[e].contiguous(), compress_statistics=True, quant_type=QUANT_TYPE)
+        weight = param[e].to(device).contiguous()
+        codes, state = bnb.quantize_4bit(weight, compress_statistics=True, quant_type=QUANT_TYPE)
         packed.append(codes.flatten())
         states.append(state)
     first = states[0]

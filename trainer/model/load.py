@@ -188,9 +188,12 @@ def load_base(
     device: torch.device | str = "cpu",
     sharded: bool = False,
     progress: bool = False,
+    experts_on_host: bool = False,
 ) -> PreTrainedModel:
     """The frozen base model on `device`, quantised when `adapter.method` is `qlora`; `sharded`:
-    laid out for FSDP (see `quantization_config`)."""
+    laid out for FSDP (see `quantization_config`). `experts_on_host`: a QLoRA model with fused routed
+    experts loads on the CPU instead (its linear layers already 4-bit), so that its experts reach the
+    device only in NF4 (`quantise_experts` quantises them there and moves the rest)."""
     device = torch.device(device)
     path = name_or_path or model_cfg.name_or_path
     dtype = torch_dtype(model_cfg.dtype)
@@ -204,13 +207,13 @@ def load_base(
         trust_remote_code=model_cfg.trust_remote_code,
     )
     if adapter_cfg.method == "qlora":
-        refuse_quantised_experts(path, model_cfg, adapter_cfg, sharded=sharded)
+        fused = refuse_quantised_experts(path, model_cfg, adapter_cfg, sharded=sharded)
         compute = quant_compute_dtype(model_cfg, device)
         kwargs["dtype"] = compute  # non-quantised modules (embeddings, norms, head) in the compute dtype
         kwargs["quantization_config"] = quantization_config(adapter_cfg, compute, sharded=sharded)
-        # Quantised weights are packed as they are placed; they cannot be `.to()`-moved
-        # afterwards, so place them on this rank's device while loading.
-        kwargs["device_map"] = {"": device}
+        # Quantised weights are packed as they are placed, so place them on this rank's device while
+        # loading; but 16-bit fused experts would not fit where their NF4 form does: those stay on the host.
+        kwargs["device_map"] = {"": torch.device("cpu") if fused and experts_on_host else device}
     try:
         # `progress`: the download shows (trainer/progress.py: a bar, or lines in a log file).
         with quiet_hf_progress(downloads=progress):
@@ -225,11 +228,12 @@ def load_base(
     return model
 
 
-def refuse_quantised_experts(path: str, model_cfg: ModelConfig, adapter_cfg: AdapterConfig, *, sharded: bool) -> None:
+def refuse_quantised_experts(path: str, model_cfg: ModelConfig, adapter_cfg: AdapterConfig, *, sharded: bool) -> bool:
     """QLoRA on a model with fused routed experts stores them in NF4 (trainer/model/experts_nf4.py: bitsandbytes'
     `load_in_4bit` quantises linear layers only, and would leave them in 16 bits); what that cannot do is refused
     before the model loads, with the reason: 8-bit experts, FSDP, and experts spotune's expert kernel does not
-    run (only it reads NF4 experts). The model's layout is read on the meta device."""
+    run (only it reads NF4 experts). The model's layout is read on the meta device. Returns whether it has fused
+    routed experts."""
     from transformers import AutoConfig
 
     try:
@@ -237,12 +241,12 @@ def refuse_quantised_experts(path: str, model_cfg: ModelConfig, adapter_cfg: Ada
             path, revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code
         )
     except (OSError, ValueError):  # from_pretrained says what is wrong with the path
-        return
+        return False
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=model_cfg.trust_remote_code)
     moe = experts.find(skeleton)
     if not moe.experts:
-        return
+        return False
     first = moe.expert_parameters()[0]
     why = None
     if adapter_cfg.quant_bits != 4:
@@ -264,6 +268,7 @@ def refuse_quantised_experts(path: str, model_cfg: ModelConfig, adapter_cfg: Ada
         )
     if why:
         raise ConfigError([f"adapter.method: qlora on {config.model_type}: {why}"])
+    return True
 
 
 _NO_SDPA = {"gpt_oss"}
@@ -319,7 +324,13 @@ def build(
     input-grad hook.
     """
     base = load_base(
-        model_cfg, adapter_cfg, name_or_path=name_or_path, device=device, sharded=sharded, progress=progress
+        model_cfg,
+        adapter_cfg,
+        name_or_path=name_or_path,
+        device=device,
+        sharded=sharded,
+        progress=progress,
+        experts_on_host=True,
     )
     base.config.use_cache = False  # training never uses the KV cache; avoids warnings with checkpointing
     if model_cfg.gradient_checkpointing is True:  # `auto` is resolved by trainer/training/autofit.py before build
@@ -328,7 +339,7 @@ def build(
     if init is not None:  # before the runtime views below, which then cover the reference adapter too
         load_init(model, init, adapter_cfg)
     if adapter_cfg.method == "qlora":  # after every adapter is made: peft places a new one by its Parameter's device
-        quantise_experts(model, notes)
+        quantise_experts(model, torch.device(device), notes)
     if no_dropout:
         disable_dropout(model)
     if autocast:
@@ -444,16 +455,22 @@ def _moe_adapted(model: torch.nn.Module, dropout: float, device: torch.device, n
         )
 
 
-def quantise_experts(model: torch.nn.Module, notes: list[str] | None) -> experts_nf4.Quantised | None:
-    """A QLoRA model's fused routed experts in NF4 (trainer/model/experts_nf4.py), which bitsandbytes'
-    `load_in_4bit` left in 16 bits; None for a model without them. The log says the bytes before and after."""
+def quantise_experts(
+    model: torch.nn.Module, device: torch.device, notes: list[str] | None
+) -> experts_nf4.Quantised | None:
+    """A QLoRA model's fused routed experts in NF4 on `device` (trainer/model/experts_nf4.py), which bitsandbytes'
+    `load_in_4bit` left in 16 bits, on the host (`load_base`'s `experts_on_host`); then the rest of the model
+    (4-bit linear layers, which bitsandbytes moves with their quantisation state, the adapter, embeddings, norms)
+    goes to `device` too. None for a model without them. The log says the bytes before and after."""
     moe = experts.find(model)
     if not moe.experts:
         return None
     cls = experts.expert_lora_class()
     wrapped = {id(m.base_layer) for m in model.modules() if type(m) is cls}
     outermost = [m for m in model.modules() if type(m) is cls and id(m) not in wrapped]
-    done = experts_nf4.quantise(moe.experts, experts.EXPERT_PARAMS, outermost)
+    done = experts_nf4.quantise(moe.experts, experts.EXPERT_PARAMS, outermost, device)
+    torch.nn.Module.to(model, device)  # in place; the NF4 experts are no parameters and are there already
+    causal_lm(model).hf_device_map = {"": device}  # where it now is, as loading on `device` would have said
     if notes is not None and done.parameters:
         notes.append(
             f"QLoRA: {len(done.parameters)} fused routed-expert parameters stored in NF4 per expert "
