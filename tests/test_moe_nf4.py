@@ -91,11 +91,11 @@ def test_experts_are_resident_in_nf4_and_no_dense_copy_is_left(qwen3_moe: Path) 
     assert any(f"{len(names)} fused routed-expert parameters stored in NF4" in n for n in notes), notes
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("arch", builtin_assets.MOE_ARCHES)
 def test_nf4_experts_compute_what_their_dequantised_weights_do(tiny_model: Callable[..., Path], arch: str) -> None:
-    """Logits and every gradient of the NF4 model equal (exactly) the same model with dense expert Parameters
-    holding the dequantised NF4 weights; control: the original weights give measurably other logits. gpt-oss:
-    transposed experts with biases."""
+    """Every family quantises: logits and every gradient of the NF4 model equal (exactly) the same model with dense
+    expert Parameters holding the dequantised NF4 weights, adapters on and off (the DPO reference); control: the
+    original weights give measurably other logits. gpt-oss: transposed experts with biases."""
     from transformers import AutoModelForCausalLM
 
     path = tiny_model(arch)
@@ -104,11 +104,16 @@ def test_nf4_experts_compute_what_their_dequantised_weights_do(tiny_model: Calla
     ids = _ids()
     got, got_grads = _logits_and_grads(model, ids)
     assert any("experts" in n and "lora_B" in n for n in got_grads)
+    with torch.no_grad(), model.disable_adapter():
+        got_off = model(input_ids=ids).logits
     modules = experts.find(model).experts
     weights = {(n, p): experts_nf4.dequantised(m, p) for n, m in modules.items() for p in _projections(m)}
     _dense_experts(model, lambda n, p: weights[(n, p)])
     want, want_grads = _logits_and_grads(model, ids)
     assert torch.equal(got, want)
+    with torch.no_grad(), model.disable_adapter():  # peft's own path on the dense experts
+        assert torch.equal(got_off, model(input_ids=ids).logits)
+    assert not torch.equal(got_off, got)
     assert got_grads.keys() == want_grads.keys()
     for name, grad in want_grads.items():
         assert torch.equal(got_grads[name], grad), name
