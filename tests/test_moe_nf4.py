@@ -247,6 +247,10 @@ def test_what_cannot_be_quantised_is_refused_with_the_reason(qwen3_moe: Path) ->
     text = str(e.value)
     assert "adapter.method: qlora on qwen3_moe" in text and "adapter.quant_bits=4" in text
     assert "model.layers.0.mlp.experts.gate_up_proj" in text
+    model = _build(qwen3_moe)  # peft's merge into NF4 experts: the forward says where a merged model comes from
+    model.merge_adapter()
+    with pytest.raises(NotImplementedError, match="NF4.*spotune export --merge"):
+        model(input_ids=_ids())
     with pytest.raises(ConfigError, match="FSDP does not shard.*adapter.method=lora"):
         load.load_base(ModelConfig(name_or_path=str(qwen3_moe)), AdapterConfig(method="qlora"), sharded=True)
 

@@ -331,7 +331,9 @@ def expert_lora_class() -> type:
             )
             if not fast and quantised:
                 raise NotImplementedError(
-                    "NF4 experts (QLoRA) run spotune's expert kernel only: no merge or mixed batches"
+                    "this model's routed experts are NF4 (QLoRA), which only spotune's expert kernel reads: peft's "
+                    "merge and mixed-adapter batches need 16-bit experts. A merged model: `spotune export --merge`, "
+                    "which merges into the 16-bit base"
                 )
             if not fast:
                 return super().forward(x, *args, **kwargs)

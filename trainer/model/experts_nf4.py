@@ -99,6 +99,8 @@ class Nf4Experts:
     live: dict[int, tuple[weakref.ref[torch.Tensor], str, list[int]]] = field(default_factory=dict)
     """id of a dequantised tensor -> (the tensor, its projection, the experts dequantised in it): what the pack hook
     recognises (weakly held: a tensor freed in the forward must not match a later one at the same address)."""
+    hooked: int = 0
+    """Forwards in progress under the recompute hooks (`_Recompute`): only then is a dequantised tensor recorded."""
 
     def nbytes(self) -> int:
         return sum(p.nbytes() for p in self.projections.values())
@@ -117,7 +119,7 @@ def weight(experts: torch.nn.Module, name: str, counts: torch.Tensor) -> torch.T
         return getattr(experts, name)
     hit = [int(e) for e in torch.nonzero(counts).flatten().tolist()]
     full = nf4.projections[name].experts(hit)
-    if torch.is_grad_enabled():
+    if nf4.hooked and torch.is_grad_enabled():
         nf4.live[id(full)] = (weakref.ref(full), name, hit)
     return full
 
@@ -168,10 +170,12 @@ class _Recompute:
         hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         hooks.__enter__()
         self.active.append(hooks)
+        self.nf4.hooked += 1
 
     def exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         self.active.pop().__exit__(None, None, None)
-        if not self.active:
+        self.nf4.hooked -= 1
+        if not self.nf4.hooked:
             self.nf4.live.clear()
 
 
