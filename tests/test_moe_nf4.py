@@ -323,3 +323,24 @@ def test_estimate_prices_moe_qlora_at_4_bits_and_never_suggests_fsdp(
     assert [c for o in lora["options"] for c in o.get("fit_changes") or [] if "fsdp" in c["change"]]  # control
     assert spotune(["estimate", recipe("qlora")]) == 0
     assert "fsdp" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("shape", [(6, 128, 64), (6, 256, 64), (3, 24, 20)])
+def test_experts_dequantised_at_once_equal_bitsandbytes_expert_by_expert(shape: tuple[int, int, int]) -> None:
+    """The experts a batch routes to, dequantised in one call, are bit for bit bitsandbytes' own dequantisation of
+    each expert's QuantState (nested scales in one call where they are whole blocks: 256 x 64 / 64 = 256 scales; not:
+    128 x 64; experts not whole blocks at all: 24 x 20); the experts not hit are zero."""
+    import bitsandbytes.functional as bnb
+
+    weights = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    projection = experts_nf4._quantised(bnb, weights, torch.device("cpu"))
+    for hit in ([shape[0] - 1, 1], list(range(shape[0])), [2]):
+        got = projection.experts(hit)
+        for e in range(shape[0]):
+            if e not in hit:
+                assert not got[e].any()
+                continue
+            codes, state = bnb.quantize_4bit(weights[e].contiguous(), compress_statistics=True, quant_type="nf4")
+            assert torch.equal(got[e], bnb.dequantize_4bit(codes, state)), (hit, e)
+            assert torch.equal(got[e], projection.expert(e))
+        assert (got[hit[0]] - weights[hit[0]]).abs().max() > 1e-3  # control: 4 bits are not the weights

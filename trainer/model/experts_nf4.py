@@ -84,11 +84,64 @@ class Projection:
         return bnb.dequantize_4bit(self.packed[e], state)
 
     def experts(self, hit: Iterable[int]) -> torch.Tensor:
-        """[experts, a, b]: the experts in `hit` dequantised, the others zero."""
+        """[experts, a, b]: the experts in `hit` dequantised, the others zero; in one `dequantize_4bit` call where
+        each expert is whole blocks (then the flattened experts hit are one tensor to bitsandbytes; one kernel,
+        not one per expert, on a GPU), else expert by expert. The same values as `expert` either way."""
+        import bitsandbytes.functional as bnb
+
+        hit = list(hit)
         full = torch.zeros(self.shape, dtype=self.dtype, device=self.packed.device)
-        for e in hit:  # (bitsandbytes' `out=` variant has no CPU kernel: one expert's copy at a time)
-            full[e].copy_(self.expert(e))
-        return full
+        per = self.shape[1] * self.shape[2]
+        if not hit:
+            return full
+        if per % self.blocksize:
+            for e in hit:  # (bitsandbytes' `out=` variant has no CPU kernel: one expert's copy at a time)
+                full[e].copy_(self.expert(e))
+            return full
+        index = torch.tensor(hit, device=self.packed.device)
+        state = bnb.QuantState(
+            absmax=self._absmax(hit, index),
+            shape=torch.Size((len(hit), *self.shape[1:])),
+            code=self.code,
+            blocksize=self.blocksize,
+            quant_type=QUANT_TYPE,
+            dtype=self.dtype,
+        )
+        some = bnb.dequantize_4bit(self.packed[index].reshape(-1), state)
+        if len(hit) == self.shape[0] and hit == sorted(hit):
+            return some  # every expert hit: no scatter (and no second copy of the projection)
+        return full.index_copy_(0, index, some)
+
+    def _absmax(self, hit: list[int], index: torch.Tensor) -> torch.Tensor:
+        """The fp32 block scales of the experts `hit`, flattened, as bitsandbytes' nested dequantisation gives them
+        (dequantize_blockwise, plus each expert's offset): one call where each expert's scales are whole blocks."""
+        import bitsandbytes.functional as bnb
+
+        blocks = self.absmax.shape[1]
+        if blocks % self.nested_blocksize == 0:
+            nested = bnb.QuantState(
+                absmax=self.absmax_scale[index].reshape(-1),
+                code=self.absmax_code,
+                blocksize=self.nested_blocksize,
+                dtype=torch.float32,
+            )
+            scales = bnb.dequantize_blockwise(self.absmax[index].reshape(-1), nested)
+        else:
+            scales = torch.cat(
+                [
+                    bnb.dequantize_blockwise(
+                        self.absmax[e],
+                        bnb.QuantState(
+                            absmax=self.absmax_scale[e],
+                            code=self.absmax_code,
+                            blocksize=self.nested_blocksize,
+                            dtype=torch.float32,
+                        ),
+                    )
+                    for e in hit
+                ]
+            )
+        return scales + self.offset[index].repeat_interleave(blocks)
 
 
 @dataclass
