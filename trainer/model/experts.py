@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from trainer.model import experts_nf4
+
 EXPERT_PARAMS = ("gate_up_proj", "up_proj", "down_proj")
 """The fused expert projections transformers 5 stores as 3-D Parameters."""
 ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
@@ -266,7 +268,7 @@ def experts_forward(
         return _per_group(a, w, sizes if sizes is not None else counts.tolist())
 
     def project(name: str, a: torch.Tensor) -> torch.Tensor:
-        weight = getattr(experts, name)
+        weight = experts_nf4.weight(experts, name, counts)  # the Parameter, or under QLoRA the experts hit, dequantised
         a = a.to(weight.dtype)
         out = matmul(a, weight if experts.is_transposed else weight.transpose(1, 2))
         for lora_a, lora_b, scaling in lora.get(name, ()):
@@ -320,16 +322,27 @@ def expert_lora_class() -> type:
             while isinstance(inner, ParamWrapper):
                 chain.append(inner)
                 inner = inner.base_layer
+            quantised = experts_nf4.storage(inner) is not None  # NF4 experts: only this kernel reads them
             fast = (
-                not self.disable_adapters
+                (quantised or not self.disable_adapters)
                 and "adapter_names" not in kwargs
                 and all(type(w) is type(self) and not w.merged for w in chain)
                 and hasattr(inner, "has_gate")
             )
+            if not fast and quantised:
+                raise NotImplementedError(
+                    "this model's routed experts are NF4 (QLoRA), which only spotune's expert kernel reads: peft's "
+                    "merge and mixed-adapter batches need 16-bit experts. A merged model: `spotune export --merge`, "
+                    "which merges into the 16-bit base"
+                )
             if not fast:
                 return super().forward(x, *args, **kwargs)
             routing = [*args, *kwargs.values()]
-            lora = {w.parameter_name: [factors(w, a) for a in w.active_adapters if a in w.lora_A] for w in chain}
+            lora = {
+                w.parameter_name: [factors(w, a) for a in w.active_adapters if a in w.lora_A]
+                for w in chain
+                if not self.disable_adapters
+            }
             return experts_forward(inner, x, routing[0], routing[1], lora, self.use_grouped_mm)
 
     ExpertLora.__name__ = "ParamWrapper"

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import math
 import re
 import sys
 import warnings
@@ -27,7 +28,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedMod
 
 from trainer import progress as progress_lib
 from trainer.config import AdapterConfig, ConfigError, ModelConfig, TrainConfig
-from trainer.model import attention, experts, lora_fused, offload, tiling
+from trainer.model import attention, experts, experts_nf4, lora_fused, offload, tiling
 from trainer.model.reference import InitAdapter, load_init
 from trainer.model.wrappers import causal_lm, outside_the_decoder
 
@@ -187,9 +188,12 @@ def load_base(
     device: torch.device | str = "cpu",
     sharded: bool = False,
     progress: bool = False,
+    experts_on_host: bool = False,
 ) -> PreTrainedModel:
     """The frozen base model on `device`, quantised when `adapter.method` is `qlora`; `sharded`:
-    laid out for FSDP (see `quantization_config`)."""
+    laid out for FSDP (see `quantization_config`). `experts_on_host`: a QLoRA model with fused routed
+    experts loads on the CPU instead (its linear layers already 4-bit), so that its experts reach the
+    device only in NF4 (`quantise_experts` quantises them there and moves the rest)."""
     device = torch.device(device)
     path = name_or_path or model_cfg.name_or_path
     dtype = torch_dtype(model_cfg.dtype)
@@ -203,13 +207,13 @@ def load_base(
         trust_remote_code=model_cfg.trust_remote_code,
     )
     if adapter_cfg.method == "qlora":
-        refuse_quantised_experts(path, model_cfg)
+        fused = refuse_quantised_experts(path, model_cfg, adapter_cfg, sharded=sharded)
         compute = quant_compute_dtype(model_cfg, device)
         kwargs["dtype"] = compute  # non-quantised modules (embeddings, norms, head) in the compute dtype
         kwargs["quantization_config"] = quantization_config(adapter_cfg, compute, sharded=sharded)
-        # Quantised weights are packed as they are placed; they cannot be `.to()`-moved
-        # afterwards, so place them on this rank's device while loading.
-        kwargs["device_map"] = {"": device}
+        # Quantised weights are packed as they are placed, so place them on this rank's device while
+        # loading; but 16-bit fused experts would not fit where their NF4 form does: those stay on the host.
+        kwargs["device_map"] = {"": torch.device("cpu") if fused and experts_on_host else device}
     try:
         # `progress`: the download shows (trainer/progress.py: a bar, or lines in a log file).
         with quiet_hf_progress(downloads=progress):
@@ -224,10 +228,12 @@ def load_base(
     return model
 
 
-def refuse_quantised_experts(path: str, model_cfg: ModelConfig) -> None:
-    """QLoRA on a model with fused routed experts is refused before it loads: bitsandbytes' `load_in_4bit`
-    quantises nn.Linear layers only, so transformers 5's 3-D expert Parameters (most of such a model) would load
-    in 16 bits, several times the memory a 4-bit plan promised. The model's layout is read on the meta device."""
+def refuse_quantised_experts(path: str, model_cfg: ModelConfig, adapter_cfg: AdapterConfig, *, sharded: bool) -> bool:
+    """QLoRA on a model with fused routed experts stores them in NF4 (trainer/model/experts_nf4.py: bitsandbytes'
+    `load_in_4bit` quantises linear layers only, and would leave them in 16 bits); what that cannot do is refused
+    before the model loads, with the reason: 8-bit experts, FSDP, and experts spotune's expert kernel does not
+    run (only it reads NF4 experts). The model's layout is read on the meta device. Returns whether it has fused
+    routed experts."""
     from transformers import AutoConfig
 
     try:
@@ -235,21 +241,34 @@ def refuse_quantised_experts(path: str, model_cfg: ModelConfig) -> None:
             path, revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code
         )
     except (OSError, ValueError):  # from_pretrained says what is wrong with the path
-        return
+        return False
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=model_cfg.trust_remote_code)
     moe = experts.find(skeleton)
-    if moe.experts:
-        total = sum(p.numel() for p in skeleton.parameters())
-        routed = sum(skeleton.get_parameter(n).numel() for n in moe.expert_parameters())
-        raise ConfigError(
-            [
-                f"adapter.method: qlora on {config.model_type}: bitsandbytes quantises linear layers only, and this "
-                f"model's routed experts are fused 3-D parameters ({routed / total:.0%} of its weights, e.g. "
-                f"{moe.expert_parameters()[0]}), which would load in 16 bits, not 4. Set adapter.method=lora "
-                "(bf16: `spotune estimate` says which GPUs fit it)"
-            ]
+    if not moe.experts:
+        return False
+    first = moe.expert_parameters()[0]
+    why = None
+    if adapter_cfg.quant_bits != 4:
+        why = (
+            f"its routed experts (fused 3-D parameters such as {first}) are quantised to 4 bits (NF4) only. "
+            "Set adapter.quant_bits=4"
         )
+    elif sharded:
+        why = (
+            f"its routed experts ({first}) are stored in NF4 outside bitsandbytes' layers, which FSDP does not "
+            "shard. Train on one GPU (train.distributed=ddp or none), or set adapter.method=lora"
+        )
+    elif not all(hasattr(m, "has_gate") for m in moe.experts.values()):
+        kind = type(next(m for m in moe.experts.values() if not hasattr(m, "has_gate"))).__name__
+        why = (
+            f"its experts module {kind} is not one transformers' experts implementation runs, so spotune's expert "
+            f"kernel, the only code that reads 4-bit experts, cannot compute it ({first} would stay in 16 bits). "
+            "Set adapter.method=lora"
+        )
+    if why:
+        raise ConfigError([f"adapter.method: qlora on {config.model_type}: {why}"])
+    return True
 
 
 _NO_SDPA = {"gpt_oss"}
@@ -305,7 +324,13 @@ def build(
     input-grad hook.
     """
     base = load_base(
-        model_cfg, adapter_cfg, name_or_path=name_or_path, device=device, sharded=sharded, progress=progress
+        model_cfg,
+        adapter_cfg,
+        name_or_path=name_or_path,
+        device=device,
+        sharded=sharded,
+        progress=progress,
+        experts_on_host=True,
     )
     base.config.use_cache = False  # training never uses the KV cache; avoids warnings with checkpointing
     if model_cfg.gradient_checkpointing is True:  # `auto` is resolved by trainer/training/autofit.py before build
@@ -313,6 +338,8 @@ def build(
     model = with_lora(base, adapter_cfg, 0.0 if no_dropout else adapter_cfg.dropout, torch.device(device), notes)
     if init is not None:  # before the runtime views below, which then cover the reference adapter too
         load_init(model, init, adapter_cfg)
+    if adapter_cfg.method == "qlora":  # after every adapter is made: peft places a new one by its Parameter's device
+        quantise_experts(model, torch.device(device), notes)
     if no_dropout:
         disable_dropout(model)
     if autocast:
@@ -428,6 +455,31 @@ def _moe_adapted(model: torch.nn.Module, dropout: float, device: torch.device, n
         )
 
 
+def quantise_experts(
+    model: torch.nn.Module, device: torch.device, notes: list[str] | None
+) -> experts_nf4.Quantised | None:
+    """A QLoRA model's fused routed experts in NF4 on `device` (trainer/model/experts_nf4.py), which bitsandbytes'
+    `load_in_4bit` left in 16 bits, on the host (`load_base`'s `experts_on_host`); then the rest of the model
+    (4-bit linear layers, which bitsandbytes moves with their quantisation state, the adapter, embeddings, norms)
+    goes to `device` too. None for a model without them. The log says the bytes before and after."""
+    moe = experts.find(model)
+    if not moe.experts:
+        return None
+    cls = experts.expert_lora_class()
+    wrapped = {id(m.base_layer) for m in model.modules() if type(m) is cls}
+    outermost = [m for m in model.modules() if type(m) is cls and id(m) not in wrapped]
+    done = experts_nf4.quantise(moe.experts, experts.EXPERT_PARAMS, outermost, device)
+    torch.nn.Module.to(model, device)  # in place; the NF4 experts are no parameters and are there already
+    causal_lm(model).hf_device_map = {"": device}  # where it now is, as loading on `device` would have said
+    if notes is not None and done.parameters:
+        notes.append(
+            f"QLoRA: {len(done.parameters)} fused routed-expert parameters stored in NF4 per expert "
+            f"({done.dense_bytes / 2**20:,.1f} MiB -> {done.nf4_bytes / 2**20:,.1f} MiB), dequantised per routed "
+            "expert in the forward and again in the backward"
+        )
+    return done
+
+
 def disable_dropout(model: torch.nn.Module) -> int:
     """Every dropout of `model` off in train mode too: its dropout layers (TRL's `disable_dropout_in_model`)
     and the attention dropout its attention modules hold as a probability (`attention_dropout`, read in
@@ -516,7 +568,7 @@ def enable_activation_checkpointing(model: PreTrainedModel) -> None:
 
 
 def count_params(model: torch.nn.Module) -> ParamCounts:
-    """Trainable and frozen parameter counts; a packed 4-bit tensor counts as its logical shape."""
+    """Trainable and frozen parameter counts; a packed 4-bit tensor (NF4 experts too) counts as its logical shape."""
     trainable = frozen = 0
     for p in model.parameters():
         quant_state = getattr(p, "quant_state", None)
@@ -525,6 +577,9 @@ def count_params(model: torch.nn.Module) -> ParamCounts:
             trainable += n
         else:
             frozen += n
+    frozen += sum(
+        math.prod(p.shape) for _, nf4 in experts_nf4.quantised_modules(model) for p in nf4.projections.values()
+    )
     return ParamCounts(trainable=trainable, frozen=frozen)
 
 

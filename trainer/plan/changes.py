@@ -69,6 +69,8 @@ def fit_changes(job: Job, devices: int, memory_gib: float) -> list[dict[str, Any
         total = dataclasses.replace(lean, seq_len=seq).memory(devices).total
         add(" ".join([f"data.seq_len={seq}", *overrides]), total)
     n = lean.fsdp_devices(memory_gib)
+    if not lean.shardable:  # FSDP is no change that can make it fit
+        return out
     if n is not None and n > 1:
         add(" ".join([f"train.distributed=fsdp --gpus {n}", *overrides]), lean.memory(n, fsdp=True).total, gpus=n)
     elif n is None:

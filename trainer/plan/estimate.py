@@ -8,7 +8,7 @@ trainer/cli/world.py reads the model config, the data and pilot.json and builds 
 JSON document.
 
 `--json` schema `spotune.estimate/1` (tests/test_plan_estimate.py pins the keys):
-  model{name_or_path, arch, params, trainable_params, weight_format, flops_per_token},
+  model{name_or_path, arch, params, trainable_params, weight_format, shardable (FSDP can train it), flops_per_token},
   data{source: manifest|sample|given, exact, rows_per_epoch, real_tokens_per_epoch, ..., truncation{seq_len,
        examples, tokens, truncated, dropped, tokens_lost, p99} | null (trainer/data/stats.py)},
   run{steps, gpus, global_batch_rows, seq_len, epochs, real_tokens, trainable_tokens, train_flops,
@@ -154,6 +154,7 @@ def model_facts(job: Job) -> dict[str, Any]:
         "params": job.shape.total_params(),
         "trainable_params": job.lora_params,
         "weight_format": job.weight_format,
+        "shardable": job.shardable,
     }
 
 

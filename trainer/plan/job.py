@@ -69,8 +69,16 @@ class Job:
         reference = runs_reference(self.train.objective) and self.adapter.init_from is not None
         return mem.with_reference_adapter(estimate) if reference else estimate
 
+    @property
+    def shardable(self) -> bool:
+        """Whether FSDP can train it: not QLoRA on a mixture of experts, whose NF4 experts are no parameters FSDP
+        shards (trainer/model/load.py refuses it)."""
+        return not (self.adapter.method == "qlora" and self.shape.experts > 0)
+
     def fsdp_devices(self, memory_gib: float) -> int | None:
-        """The fewest devices of `memory_gib` each that hold the run under FSDP (None: over 64)."""
+        """The fewest devices of `memory_gib` each that hold the run under FSDP (None: over 64, or not shardable)."""
+        if not self.shardable:
+            return None
         return mem.smallest_shard_count(lambda n: self.memory(n, fsdp=True).total <= memory_gib * mem.GIB)
 
 

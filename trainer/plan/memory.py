@@ -146,11 +146,18 @@ def weight_bytes(shape: ModelShape, fmt: WeightFormat, compute_dtype: str = "bfl
     if fmt in _DTYPE_BYTES:
         return float(total * _DTYPE_BYTES[fmt])
     linear = shape.layers * shape.block_matmul_params()
+    if fmt == "nf4":  # every routed expert too, the ones a token skips included (trainer/model/experts_nf4.py)
+        linear += shape.layers * idle_expert_params(shape)
+        return (total - linear) * _DTYPE_BYTES[compute_dtype] + linear * NF4_BYTES
     rest = (total - linear) * _DTYPE_BYTES[compute_dtype]
-    if fmt == "nf4":
-        return rest + linear * NF4_BYTES
     row_scales = shape.layers * sum(o for _, _, o in shape.linears()) * 4
     return rest + linear * INT8_BYTES + row_scales
+
+
+def idle_expert_params(shape: ModelShape) -> int:
+    """One layer's routed-expert weights a token does not use (all but its top-k; 0 for a dense model): resident,
+    and under QLoRA in NF4 like the rest of the experts."""
+    return (shape.experts - shape.top_k) * 3 * shape.hidden * shape.expert_intermediate if shape.experts else 0
 
 
 def layer_weight_bytes(shape: ModelShape, fmt: WeightFormat, compute_dtype: str = "bfloat16") -> float:
@@ -220,8 +227,12 @@ def _saved(
 
 def dequantised_bytes(shape: ModelShape, a: int, weight_format: WeightFormat) -> float:
     """NF4/int8: the largest block weight dequantised to the compute dtype (bitsandbytes does that
-    in each backward); nothing for weights kept in a float dtype."""
-    return float(max(i * o for _, i, o in shape.linears()) * a) if weight_format in ("nf4", "int8") else 0.0
+    in each backward; NF4 routed experts: one projection of every expert a batch routes to, at most all of
+    them); nothing for weights kept in a float dtype."""
+    if weight_format not in ("nf4", "int8"):
+        return 0.0
+    experts = shape.experts * shape.hidden * 2 * shape.expert_intermediate if weight_format == "nf4" else 0
+    return float(max(experts, *(i * o for _, i, o in shape.linears())) * a)
 
 
 def with_reference_adapter(estimate: MemoryEstimate) -> MemoryEstimate:

@@ -257,7 +257,9 @@ def _money(x: float) -> str:
 
 
 def _fsdp_hint(result: dict[str, Any]) -> list[str]:
-    """Where the run does not fit: how many of each GPU hold it with the base sharded (FSDP)."""
+    """Where the run does not fit: how many of each GPU hold it with the base sharded (FSDP), where FSDP can."""
+    if not result["model"].get("shardable", True):
+        return []
     fits: dict[str, int | None] = {}
     for o in result["options"]:
         if not o["fits"] and o.get("memory_gib"):
