@@ -28,6 +28,7 @@ and tensors under `min_bytes` (rotary tables, positions: the copy would cost mor
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +59,8 @@ class ActivationOffload:
         self.stream: Any = None
         self.saved: list[_Offloaded | None] = []
         self.skip: set[int] = set()
-        self.seen: dict[tuple, _Offloaded] = {}  # one host copy for a tensor saved twice (RMSNorm's input)
+        self.seen: dict[tuple, tuple[weakref.ref[torch.Tensor], _Offloaded]] = {}
+        """One host copy for a tensor saved twice (RMSNorm's input), by where its bytes are (see `pack`)."""
         self.offloaded_bytes = 0
         """Bytes moved to host memory by the latest forward (what the estimate's `offloaded` term predicts)."""
         self._hooks: Any = None
@@ -95,8 +97,8 @@ class ActivationOffload:
         ):
             return t
         key = (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
-        if key in self.seen:
-            return self.seen[key]
+        if (hit := self.seen.get(key)) is not None and hit[0]() is t:
+            return hit[1]
         item = _Offloaded(host=torch.empty(0), device=t.device, index=len(self.saved))
         if t.is_cuda:
             stream = self._side_stream()
@@ -110,7 +112,10 @@ class ActivationOffload:
             item.host = torch.empty_like(t, device="cpu")
             item.host.copy_(t)
         self.saved.append(item)
-        self.seen[key] = item
+        # The key names memory, which a tensor freed during this forward hands on to the next one of its shape
+        # (each layer's input, under checkpointing): a hit counts only while the very tensor it was made for
+        # lives (its storage cannot have been reused then), or a layer would get another layer's activations back.
+        self.seen[key] = (weakref.ref(t), item)
         self.offloaded_bytes += nbytes
         return item
 
