@@ -1,28 +1,27 @@
 """A model-based test of the restart code: hypothesis's stateful testing drives the real leases
-(trainer/restart/ownership/lease.py, renewed by its real state machine, trainer/restart/ownership/reclaim.py, on the
-model's boot and wall clock: once its time passes a lease's ttl, another machine takes a killed or silent
+(trainer/restart/ownership/lease.py, renewed by its real state machine, trainer/restart/ownership/reclaim.py, on
+the model's boot and wall clock: once its time passes a lease's ttl, another machine takes a killed or silent
 holder's lease over and its ledger books that holder from the lease's hand-over), the real choice of the
-checkpoint (trainer/restart/remote/choose.py), the store's commit, clean, prune and retire with the floor (trainer/restart/store/lifecycle.py, safety.py) and the run files' merge, against a
-`file://` store (a folder), with a stand-in training step (a checkpoint whose bytes are a function of
-its step: exact resume) and faults injected between any two actions: several machines with their own
-disks, kills at any point (the lease left behind), store outages, a lease request that blips, stale
-listings, corrupt reads (once, or the store's bytes really corrupt), late writes of a fenced holder,
-`checkpoint.resume=never`.
+checkpoint (trainer/restart/remote/choose.py), the store's commit, clean, prune and retire with the floor
+(trainer/restart/store/lifecycle.py, safety.py) and the run files' merge, against a `file://` store (a folder),
+with a stand-in training step (a checkpoint whose bytes are a function of its step: exact resume) and faults
+injected between any two actions: several machines with their own disks, kills at any point (the lease left
+behind), store outages, a lease request that blips, stale listings, corrupt reads (once, or the store's bytes
+really corrupt), late writes of a fenced holder, `checkpoint.resume=never`.
 
-After every rule: the store's newest committed step never goes down, unless the user asked
-(`resume=never`) or the steps that went were really corrupt in the store (retired, kept); no write is
-refused by the rule (a SafetyViolation is a bug); no two attempts hold one lease generation; with
-BOOKS_INVARIANTS, every step at or below the newest committed one has its metrics row in the store, and
-every attempt that trained (or was killed while starting, holding the lease) has its ledger row: each attempt opens a real Ledger on its machine's disk (after
-choosing, with the lease's hand-over), heartbeats at each step and checkpoint, closes it on every end but a
-kill, and pushes the run files through the real Uploader._push_run_files (RemoteRun.book_late first). Once an
-attempt that trained and ended left a trace in the store (`Attempt.owed`) and a later attempt has pushed its
-run files, the store's ledger holds exactly one row of it (by attempt_key); no attempt ever has two.
+After every rule: the store's newest committed step never goes down, unless the user asked (`resume=never`) or
+the steps that went were really corrupt in the store (retired, kept); no write is refused by the rule (a
+SafetyViolation is a bug); no two attempts hold one lease generation; with BOOKS_INVARIANTS, every step at or
+below the newest committed one has its metrics row in the store, and every attempt that trained (or was killed
+while starting, holding the lease) has its ledger row: each attempt opens a real Ledger on its machine's disk
+(after choosing, with the lease's hand-over), heartbeats at each step and checkpoint, closes it on every end but
+a kill, and pushes the run files through the real Uploader._push_run_files (RemoteRun.book_late first). Once an
+attempt that trained and ended left a trace in the store (`Attempt.owed`) and a later attempt has pushed its run
+files, the store's ledger holds exactly one row of it (by attempt_key); no attempt ever has two.
 
-The search must reach takeovers (`SEEN`, asserted at its end); sequences written out beside it pin the
-takeover of a killed holder with its late write fenced, a late lease after a blip meeting a store that moved
-on, and an attempt killed while starting booked from its lease alone (with a control that switches the
-hand-over off).
+The search must reach takeovers (`SEEN`, asserted at its end); sequences written out beside it pin the takeover
+of a killed holder with its late write fenced, a late lease after a blip meeting a store that moved on, and an
+attempt killed while starting booked from its lease alone (with a control that switches the hand-over off).
 """
 
 from __future__ import annotations
