@@ -225,3 +225,32 @@ def test_a_stale_listing_never_lets_a_commit_hide_the_steps_it_missed(tmp_path: 
         fresh.upload(_commit(tmp_path / "b", step), step)
     assert fresh.prune(keep_last=2) == [500, 600, 700, 710]  # those at or below 700, and its own 710
     assert Store(url).committed() == [720, 730]
+
+
+def test_a_late_write_of_the_very_bytes_this_attempt_trained_is_its_own_to_prune(tmp_path: Path) -> None:
+    """A killed holder's (generation 1) manifest PUT of step 400 lands after this attempt (generation 2)
+    resumed from 300; it trains 400 itself, the same bytes (exact resume), and its upload finds those very
+    bytes committed and sends nothing. Pruning 400 once 500 and 600 are committed takes nothing paid for:
+    it used to count 400 as another machine's newer step and stop a healthy attempt (StoreAhead, exit 143)."""
+    url = _history(tmp_path)
+    taker = _writer(url, 2, 300, [100, 200, 300])
+    _writer(url, 1, 300, [100, 200, 300]).upload(_commit(tmp_path / "killed", 400), 400)  # the late write lands
+    assert taker.upload(_commit(tmp_path / "taker", 400), 400) == 0  # those very bytes: nothing sent
+    for step in (500, 600):
+        taker.upload(_commit(tmp_path / "taker", step), step)
+    assert taker.prune(2) == [100, 200, 300, 400]
+    assert Store(url).committed() == [500, 600] and taker.floor.ahead is None
+
+
+def test_a_late_manifest_out_of_sight_is_replaced_not_taken_for_this_attempts_commit(tmp_path: Path) -> None:
+    """A killed holder's (generation 1) manifest of step 500 lands above this attempt's (generation 2) newest
+    commit, 400: readers do not see it (the generation rule). The attempt's own upload of 500, the same bytes,
+    commits it under its generation instead of taking the hidden one for committed (step 500 stayed out of
+    every reader's sight, the store's newest stuck at 400)."""
+    url = _history(tmp_path)
+    taker = _writer(url, 2, 300, [100, 200, 300])
+    taker.upload(_commit(tmp_path / "taker", 400), 400)
+    _writer(url, 1, 300, [100, 200, 300]).upload(_commit(tmp_path / "killed", 500), 500)  # the late write lands
+    assert Store(url).committed() == [100, 200, 300, 400]  # out of sight: generation 2 committed only up to 400
+    assert taker.upload(_commit(tmp_path / "taker", 500), 500) > 0
+    assert Store(url).committed() == [100, 200, 300, 400, 500]

@@ -1,31 +1,38 @@
 """A model-based test of the restart code: hypothesis's stateful testing drives the real leases
-(trainer/restart/ownership/lease.py, renewed by its real state machine, trainer/restart/ownership/reclaim.py, on a fake
-clock), the real choice of the checkpoint (trainer/restart/remote/choose.py), the store's commit, clean, prune
-and retire with the floor (trainer/restart/store/lifecycle.py, safety.py) and the run files' merge, against a
-`file://` store (a folder), with a stand-in training step (a checkpoint whose bytes are a function of
-its step: exact resume) and faults injected between any two actions: several machines with their own
-disks, kills at any point (the lease left behind), store outages, a lease request that blips, stale
-listings, corrupt reads (once, or the store's bytes really corrupt), late writes of a fenced holder,
-`checkpoint.resume=never`.
+(trainer/restart/ownership/lease.py, renewed by its real state machine, trainer/restart/ownership/reclaim.py, on
+the model's boot and wall clock: once its time passes a lease's ttl, another machine takes a killed or silent
+holder's lease over and its ledger books that holder from the lease's hand-over), the real choice of the
+checkpoint (trainer/restart/remote/choose.py), the store's commit, clean, prune and retire with the floor
+(trainer/restart/store/lifecycle.py, safety.py) and the run files' merge, against a `file://` store (a folder),
+with a stand-in training step (a checkpoint whose bytes are a function of its step: exact resume) and faults
+injected between any two actions: several machines with their own disks, kills at any point (the lease left
+behind), store outages, a lease request that blips, stale listings, corrupt reads (once, or the store's bytes
+really corrupt), late writes of a fenced holder, `checkpoint.resume=never`.
 
-After every rule: the store's newest committed step never goes down, unless the user asked
-(`resume=never`) or the steps that went were really corrupt in the store (retired, kept); no write is
-refused by the rule (a SafetyViolation is a bug); no two attempts hold one lease generation; with
-BOOKS_INVARIANTS, every step at or below the newest committed one has its metrics row in the store, and
-every attempt that trained has its ledger row: each attempt opens a real Ledger on its machine's disk (after
-choosing, with the lease's hand-over), heartbeats at each step and checkpoint, closes it on every end but a
-kill, and pushes the run files through the real Uploader._push_run_files (RemoteRun.book_late first). Once an
-attempt that trained and ended left a trace in the store (`Attempt.owed`) and a later attempt has pushed its
-run files, the store's ledger holds exactly one row of it (by attempt_key); no attempt ever has two.
+After every rule: the store's newest committed step never goes down, unless the user asked (`resume=never`) or
+the steps that went were really corrupt in the store (retired, kept); no write is refused by the rule (a
+SafetyViolation is a bug); no two attempts hold one lease generation; with BOOKS_INVARIANTS, every step at or
+below the newest committed one has its metrics row in the store, and every attempt that trained (or was killed
+while starting, holding the lease) has its ledger row: each attempt opens a real Ledger on its machine's disk
+(after choosing, with the lease's hand-over), heartbeats at each step and checkpoint, closes it on every end but
+a kill, and pushes the run files through the real Uploader._push_run_files (RemoteRun.book_late first). Once an
+attempt that trained and ended left a trace in the store (`Attempt.owed`) and a later attempt has pushed its run
+files, the store's ledger holds exactly one row of it (by attempt_key); no attempt ever has two.
+
+The search must reach takeovers (`SEEN`, asserted at its end); sequences written out beside it pin the takeover
+of a killed holder with its late write fenced, a late lease after a blip meeting a store that moved on, and an
+attempt killed while starting booked from its lease alone (with a control that switches the hand-over off).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -47,7 +54,7 @@ from trainer.exit_codes import code_for
 from trainer.restart.books.ledger import Ledger, attempt_key
 from trainer.restart.local.checkpoint import MANIFEST, CheckpointError, CheckpointManager
 from trainer.restart.ownership.lease import Lease
-from trainer.restart.ownership.lease_object import LeaseLost
+from trainer.restart.ownership.lease_object import LeaseLost, read_lease
 from trainer.restart.ownership.lock import RunBusy
 from trainer.restart.remote.choose import choose
 from trainer.restart.remote.run import RemoteRun
@@ -63,6 +70,9 @@ each commit (trainer/restart/remote/uploader.py), so a kill between a commit and
 none; and the ledger's row of every attempt owed one. False switches both off for a deeper search of the
 floor alone."""
 
+SEEN: dict[str, int] = {}
+"""What the search reached, over all its sequences (`Model.saw`): the test asserts the lease changes hands."""
+
 TTL = 30.0
 MACHINES = 2
 KEEP_LAST = 2
@@ -70,13 +80,33 @@ ADAPTER = "adapter_model.safetensors"
 
 
 class Clock:
-    """The boot clock every lease reads: time passes only when a rule says so."""
+    """The clocks every lease reads: its boot clock (the instance) and its wall clock (`wall`), one world's
+    time, which passes only when a rule says so or a lease waits (`Waiting`)."""
 
     def __init__(self) -> None:
         self.now = 1000.0
+        self.epoch = time.time() - self.now  # the wall clock stays near the real one: the ledger's rows use that
 
     def __call__(self) -> float:
         return self.now
+
+    def wall(self) -> float:
+        return self.epoch + self.now
+
+
+class Waiting(threading.Event):
+    """What a lease waits on while it watches a holder's lease (Lease.acquire's `stopping`, the lease
+    thread's): the wait lets the model's time pass instead of sleeping, so an attempt that finds a silent
+    holder's lease watches it for its ttl and takes it over, in no real time."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__()
+        self.clock = clock
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not self.is_set() and timeout is not None:
+            self.clock.now += timeout
+        return self.is_set()
 
 
 class Machine:
@@ -132,6 +162,10 @@ def _bytes(step: int) -> bytes:
     return bytes([step % 251 + 1]) * 64
 
 
+class Killed(Exception):
+    """The machine died in the middle of an upload (the model's `kill in flight`)."""
+
+
 class Attempt:
     def __init__(self, machine: Machine, lease: Lease, store: Store) -> None:
         self.machine, self.lease, self.store = machine, lease, store
@@ -145,6 +179,7 @@ class Attempt:
         self.trained = 0  # steps trained by this attempt
         self.reached_store = False  # a push of its run files after its first step went through
         self.held_at_end = False  # it held the lease when it ended: the lease object names it
+        self.killed_starting = False  # killed after taking the lease, before its ledger opened
 
     def open_books(self, started: int) -> None:
         self.started = started
@@ -166,11 +201,13 @@ class Attempt:
         return attempt_key({"attempt_id": self.lease.id})
 
     def owed(self) -> bool:
-        """The books promise this attempt a row: it trained, it ended, and a trace of it reached the store
-        (its heartbeat or row pushed after a step, or the lease object it held when it ended). An attempt
-        whose only trace was its own disk (cut off from the store all along) is booked only by the next
-        attempt on that disk: a wiped disk loses it, which the code does not promise against."""
-        return self.trained > 0 and self.ended is not None and (self.reached_store or self.held_at_end)
+        """The books promise this attempt a row: it trained (or it was killed while starting, its lease the only
+        trace of the time it cost), it ended, and a trace of it reached the store (its heartbeat or row pushed
+        after a step, or the lease object it held when it ended). An attempt whose only trace was its own disk
+        (cut off from the store all along) is booked only by the next attempt on that disk: a wiped disk loses
+        it, which the code does not promise against."""
+        paid = self.trained > 0 or self.killed_starting
+        return paid and self.ended is not None and (self.reached_store or self.held_at_end)
 
 
 class Model(RuleBasedStateMachine):
@@ -184,6 +221,7 @@ class Model(RuleBasedStateMachine):
         self.patches = [
             mock.patch("trainer.restart.ownership.lease.boot_clock", self.clock),
             mock.patch("trainer.restart.ownership.reclaim.boot_clock", self.clock),
+            mock.patch("trainer.restart.ownership.lease.wall_clock", self.clock.wall),
         ]
         for p in self.patches:
             p.start()
@@ -200,6 +238,7 @@ class Model(RuleBasedStateMachine):
         self.events = 0  # the model's clock of starts, ends and pushes
         self.ended: list[Attempt] = []
         self.due: dict[tuple[Any, ...], Attempt] = {}  # attempts the store must hold exactly one row of
+        self.machine_of: dict[str, int] = {}  # lease id (attempt id) -> the machine it ran on
 
     def teardown(self) -> None:
         for a in self.attempts.values():
@@ -228,32 +267,40 @@ class Model(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ an attempt's life
 
-    @rule(m=st.integers(0, MACHINES - 1), blip=st.booleans())
-    def start(self, m: int, blip: bool) -> None:
-        """`spotune train` on machine `m` (its first lease request blipped: `blip`), with resume=never if the
-        user asked for it (once)."""
+    @rule(m=st.integers(0, MACHINES - 1), blip=st.booleans(), later=st.booleans(), dies=st.booleans())
+    def start(self, m: int, blip: bool, later: bool, dies: bool = False) -> None:
+        """`spotune train` on machine `m` (its first lease request blipped: `blip`; `later`: it comes up longer
+        than a lease after the last event, as a replacement VM does; `dies`: it is killed once it chose, while
+        it loads the model, before its ledger opens), with resume=never if the user asked for it (once)."""
         if m in self.attempts:
             return
+        if later:
+            self.time_passes()
         never, self.never_asked = self.never_asked, False
         try:
-            self.start_attempt(self.machines[m], blip, never)
+            self.start_attempt(self.machines[m], blip, never, dies)
         finally:
             if m not in self.attempts and self.machines[m].bad_reads > 1:
                 self.machines[m].bad_reads = 0  # it stopped: the job moves off the bad machine
 
-    def start_attempt(self, machine: Machine, blip: bool, never: bool) -> None:
+    def start_attempt(self, machine: Machine, blip: bool, never: bool, dies: bool = False) -> None:
         m = machine.index
         lease = Lease(self.store_for(machine), TTL, machine.disk, message=lambda _: None)
+        self.machine_of[lease.id] = m
+        before = self.lease_now()
         lease.on_lost = lambda why: None  # LeaseLost is raised in the thread that finds it; the attempt ends
+        lease.keeper._stopping = Waiting(self.clock)  # a lease taken late (after a blip) waits on the model's time
         machine.disk.mkdir(parents=True, exist_ok=True)
         try:
             if blip:
                 raise ConnectionError("the first lease request blipped")
-            lease.acquire(0)
+            lease.acquire(0, stopping=Waiting(self.clock))
         except RunBusy:
             return  # exit 75: another attempt holds the run
         except Exception as e:
             lease.offline(str(e))  # owner.hold: RemoteRun decides whether training may start
+        else:
+            self.took(lease, before, "at start")
         store = self.store_for(machine)
         store.fence = lease
         attempt = Attempt(machine, lease, store)
@@ -281,6 +328,12 @@ class Model(RuleBasedStateMachine):
             return
         if never:
             self.user_reset = True
+        if dies:  # no ledger, no heartbeat: only the lease it holds (if it took it) names the time it cost
+            attempt.killed_starting = True
+            self.note_generation(attempt)
+            lease.keeper.stop()
+            self.ended_now(attempt)
+            return
         self.events += 1
         attempt.open_books(self.events)
         attempt.step = CheckpointManager.step_of(chosen) if chosen is not None else 0
@@ -288,6 +341,29 @@ class Model(RuleBasedStateMachine):
         self.attempts[m] = attempt
         self.note_generation(attempt)
         self.push_run_files(attempt)  # the uploader thread's first act: a kill before any step is still booked
+
+    def lease_now(self) -> dict[str, Any] | None:
+        """The lease object as it is in the store (the model's own look, outside every machine's faults)."""
+        return read_lease(Store(self.url))[0]
+
+    def took(self, lease: Lease, before: dict[str, Any] | None, when: str) -> None:
+        """`lease` was just taken (`when`: at start, or late by the lease thread) from the lease object
+        `before`: count how it changed hands, so that the test can assert the search reaches takeovers."""
+        if before is None:
+            return
+        assert lease.generation == int(before["generation"]) + 1, (before, lease.body)
+        holder = before.get("holder")
+        if before.get("released"):
+            how = "released"
+        elif self.machine_of.get(holder) == self.machine_of[lease.id]:
+            how = "left on this machine"  # its kernel lock proves the holder gone
+        else:
+            killed = any(a.lease.id == holder for a in self.ended)
+            how = f"taken over from a {'killed' if killed else 'silent live'} holder on another machine"
+        self.saw(f"lease {how}, {when}")
+
+    def saw(self, what: str) -> None:
+        SEEN[what] = SEEN.get(what, 0) + 1
 
     def note_generation(self, a: Attempt) -> None:
         gen = a.lease.generation
@@ -307,12 +383,16 @@ class Model(RuleBasedStateMachine):
         """Per step: the lease thread ticks; the step is trained and saved; the uploader sends it (clean,
         upload, prune) and the run files after it. Then the attempt goes on, stops gracefully (a spot
         notice: the pending upload tried once more, the lease released), or is killed (the lease left to
-        expire; `in flight`: its pending upload lands later, a fenced holder's late write)."""
+        expire; `in flight`: killed with the last step's manifest PUT sent, past every check, which lands
+        later: a fenced holder's late write)."""
         m = data.draw(st.sampled_from(self.live()))
-        for _ in range(steps):
+        for i in range(steps):
             if m not in self.attempts:
                 return
-            self.train_one_step(m)
+            try:
+                self.train_one_step(m, kill_at_commit=then == "kill in flight" and i == steps - 1)
+            except Killed:
+                break
         if m not in self.attempts or then == "go on":
             return
         if then == "stop":
@@ -325,12 +405,16 @@ class Model(RuleBasedStateMachine):
         self.ended_now(a)  # killed: no row written, its heartbeat and its lease left behind
         # Only a commit whose rows went up can be in flight: the uploader sends them first (uploader.py).
         if then == "kill in flight" and a.pending is not None and a.rows_sent == a.pending and a.lease.generation:
-            self.fenced.append((a.lease.generation, a.pending))
+            if (a.lease.generation, a.pending) not in self.fenced:  # (not the PUT sent as it was killed)
+                self.fenced.append((a.lease.generation, a.pending))
 
-    def train_one_step(self, m: int) -> None:
+    def train_one_step(self, m: int, kill_at_commit: bool = False) -> None:
         a = self.attempts[m]
+        before = None if a.lease.held else self.lease_now()
         try:
             a.lease.keeper.tick()
+            if before is not None and a.lease.held:
+                self.took(a.lease, before, "late")  # the lease thread took it (the first request had blipped)
         except LeaseLost:
             self.end(m, release=False)  # exit 75
             return
@@ -351,13 +435,23 @@ class Model(RuleBasedStateMachine):
         )
         a.ledger.checkpointed()
         a.pending = a.step
-        self.upload(m)
+        self.upload(m, kill_at_commit)
 
-    def upload(self, m: int) -> None:
+    def upload(self, m: int, kill_at_commit: bool = False) -> None:
+        """The uploader's turn for the pending step (`kill_at_commit`: the machine dies as the manifest's PUT,
+        past the lease's and the floor's checks, is on the wire: Killed, and the PUT lands later)."""
         a = self.attempts[m]
         if a.pending is None:
             return
         path = CheckpointManager(a.machine.root).step_dir(a.pending)
+        if kill_at_commit:
+
+            def in_flight(store: Store, local: Path, path: str) -> None:
+                assert a.lease.generation is not None and a.pending is not None
+                self.fenced.append((a.lease.generation, a.pending))
+                raise Killed
+
+            a.lease.put_new = in_flight  # type: ignore[method-assign]
         try:
             a.store.clean()
             # the uploader's order (trainer/restart/remote/uploader.py): the rows up to this step before its commit
@@ -375,6 +469,8 @@ class Model(RuleBasedStateMachine):
             self.end(m)
         except LeaseLost:
             self.end(m, release=False)
+        except Killed:
+            raise
         except Exception:
             pass  # a fault of the moment (an outage, cut off): the uploader retries, training goes on
 
@@ -418,12 +514,24 @@ class Model(RuleBasedStateMachine):
         """A killed (fenced) holder's request in flight lands now, past every check it made."""
         generation, step = self.fenced.pop(0)
         store = Store(self.url)
+        now = self.lease_now()
+        if (
+            now is not None
+            and int(now["generation"]) > generation
+            and self.machine_of.get(now.get("holder")) is not None
+        ):
+            self.saw("a fenced holder's late write lands after the lease changed hands")
         body = json.dumps({"format": 1, "step": step, "files": {ADAPTER: _entry(step)}}).encode()
         store.fs.makedirs(store.step_path(step), exist_ok=True)
         store.fs.pipe_file(store.step_path(step, ADAPTER), _bytes(step))
         store.fs.pipe_file(store.step_path(step, MANIFEST), stamped(body, generation))
 
     # ------------------------------------------------------------------ faults
+
+    def time_passes(self) -> None:
+        """Longer than a lease: a killed holder's lease may be taken over by another machine, a silent live
+        holder's lapses (it was paused, or its renewals did not arrive)."""
+        self.clock.now += TTL + 1
 
     FAULTS = (
         "time passes",
@@ -441,8 +549,8 @@ class Model(RuleBasedStateMachine):
     def fault(self, kind: str, m: int, data: st.DataObject) -> None:
         """One fault of the world (one rule, so that attempts start and train as often as faults happen)."""
         machine = self.machines[m]
-        if kind == "time passes":  # longer than a lease: a killed holder's lease may be taken over, a silent one lapses
-            self.clock.now += TTL + 1
+        if kind == "time passes":
+            self.time_passes()
         elif kind in ("outage", "store back"):
             self.outage = kind == "outage"
         elif kind == "corrupt read":  # bad RAM for a moment: this machine's next object read comes back wrong
@@ -504,7 +612,9 @@ class Model(RuleBasedStateMachine):
         twice = {k for k in keys if keys.count(k) > 1}
         assert not twice, f"an attempt booked twice in the store's ledger: {twice}"
         missing = [k for k in self.due if k not in keys]
-        assert not missing, f"no ledger row in the store for attempts {missing} that trained and ended"
+        assert not missing, (
+            f"no ledger row in the store for attempts {missing} that trained (or were killed starting) and ended"
+        )
 
 
 def _entry(step: int) -> dict[str, Any]:
@@ -534,7 +644,14 @@ def _search(examples: int) -> settings:
 @pytest.mark.filterwarnings("ignore::hypothesis.errors.NonInteractiveExampleWarning")
 def test_no_interleaving_of_faults_loses_a_committed_step(tmp_path: Path) -> None:
     TMP[:] = [str(tmp_path)]
+    SEEN.clear()
     run_state_machine_as_test(Model, settings=_search(int(os.environ.get("SPOTUNE_MODEL_EXAMPLES", "40"))))
+    # The search reaches the lease changing hands between machines (a killed holder's, taken over by another
+    # machine) and the lease thread taking it late (the first request blipped): a change that lost these
+    # sequences fails here. The sequences written out below cover the rest (a late write after a takeover...).
+    reached = " / ".join(sorted(SEEN))
+    assert any("from a killed holder on another machine" in k for k in SEEN), reached
+    assert any(k.endswith(", late") for k in SEEN), reached
 
 
 @pytest.mark.filterwarnings("ignore::hypothesis.errors.NonInteractiveExampleWarning")
@@ -557,3 +674,124 @@ def test_the_books_invariant_fails_when_killed_attempts_go_unbooked(
     TMP[:] = [str(tmp_path)]
     with pytest.raises(AssertionError, match="no ledger row in the store"):
         run_state_machine_as_test(Model, settings=_search(40))
+
+
+class Pick:
+    """A rule's `data` in a written sequence: it draws the machine named."""
+
+    def __init__(self, m: int) -> None:
+        self.m = m
+
+    def draw(self, strategy: Any) -> int:
+        return self.m
+
+
+@contextlib.contextmanager
+def _play(tmp_path: Path, *moves: tuple[str, Any]) -> Iterator[Model]:
+    """Run the model through the rules `moves` (name, arguments) in order, every invariant checked after each,
+    as the search does; yields the model for the sequence's own checks, then tears it down."""
+    TMP[:] = [str(tmp_path)]
+    model = Model()
+    try:
+        model.begin()
+        for name, args in [("", ()), *moves]:
+            if name:
+                getattr(model, name)(*args)
+            model.nothing_paid_for_goes()
+            model.every_committed_step_has_its_metrics_row()
+            model.every_attempt_that_trained_has_its_ledger_row()
+        yield model
+    finally:
+        model.teardown()
+
+
+def test_a_killed_holders_lease_is_taken_over_by_another_machine_and_its_late_write_is_fenced(tmp_path: Path) -> None:
+    """vm0 holds the run and is killed with step 5's manifest on the wire; a replacement, vm1 with a fresh disk,
+    comes up past the lease's ttl, takes the lease over (generation 2), books vm0's attempt from the lease,
+    resumes from step 4; vm0's late write lands; vm1 trains to step 7 and stops: nothing lost, both booked."""
+    SEEN.clear()
+    with _play(
+        tmp_path,
+        ("train", (Pick(0), 1, "kill in flight")),
+        ("start", (1, False, True)),
+        ("late_write_lands", ()),
+        ("train", (Pick(1), 3, "stop")),
+    ) as model:
+        committed, body = model.truth(), Store(model.url).read_run_file("ledger.jsonl") or b""
+    killed, taker = model.ended
+    assert (killed.machine.index, taker.machine.index) == (0, 1)
+    assert (killed.generations, taker.generations) == ({1}, {2})
+    assert SEEN == {
+        "lease taken over from a killed holder on another machine, at start": 1,
+        "a fenced holder's late write lands after the lease changed hands": 1,
+    }
+    assert committed == [6, 7] and taker.trained == 3
+    rows = {attempt_key(json.loads(x)): json.loads(x) for x in body.splitlines() if x.strip()}
+    assert rows[killed.key]["exit_reason"] == "killed" and rows[taker.key]["exit_reason"] == "preempted"
+
+
+def test_an_attempt_whose_first_lease_request_blipped_reads_the_store_again_when_it_takes_the_lease(
+    tmp_path: Path,
+) -> None:
+    """vm1 starts while vm0 holds the run and its first lease request blips: it chooses step 4 without the
+    lease. vm0 commits 5 to 7 and releases; vm1's lease thread takes the lease (generation 2) and, before its
+    first write, reads the store again: it is ahead, so vm1 stops (StoreAhead) without writing, and the next
+    start resumes from step 7."""
+    SEEN.clear()
+    with _play(
+        tmp_path,
+        ("start", (1, True, False)),
+        ("train", (Pick(0), 3, "stop")),
+        ("train", (Pick(1), 1, "go on")),
+    ) as model:
+        committed = model.truth()
+    holder, blipped = model.ended
+    assert blipped.machine.index == 1 and blipped.generations == {2} and blipped.trained == 1
+    assert blipped.store.floor.ahead is not None and "step 7" in blipped.store.floor.ahead
+    assert SEEN == {"lease released, late": 1}
+    assert committed == [6, 7]
+
+
+def _killed_while_starting(tmp_path: Path) -> tuple[list[bytes], Model]:
+    """vm0 holds the run and is killed; vm1 comes up past the lease's ttl, takes the lease over (generation
+    2), chooses, and is killed while it loads the model, before its ledger opens: the lease it holds is the
+    only trace of the time it cost. vm0 comes back past the ttl, takes the lease over from vm1 (generation 3),
+    trains a step and stops. Returns the store's ledger lines and the model."""
+    with _play(
+        tmp_path,
+        ("train", (Pick(0), 1, "kill")),
+        ("start", (1, False, True, True)),
+        ("start", (0, False, True, False)),
+        ("train", (Pick(0), 1, "stop")),
+    ) as model:
+        body = Store(model.url).read_run_file("ledger.jsonl") or b""
+    return body.splitlines(), model
+
+
+def test_an_attempt_killed_while_starting_is_booked_by_the_machine_that_takes_its_lease_over(tmp_path: Path) -> None:
+    SEEN.clear()
+    lines, model = _killed_while_starting(tmp_path)
+    first, starting, last = model.ended
+    assert starting.killed_starting and starting.generations == {2} and last.generations == {3}
+    assert SEEN == {"lease taken over from a killed holder on another machine, at start": 2}
+    rows = {attempt_key(json.loads(x)): json.loads(x) for x in lines if x.strip()}
+    assert [rows[a.key]["exit_reason"] for a in (first, starting, last)] == ["killed", "killed", "preempted"]
+    assert len(lines) == 3
+
+
+@pytest.mark.filterwarnings("ignore::hypothesis.errors.NonInteractiveExampleWarning")
+def test_the_books_invariant_fails_when_a_taken_over_lease_hands_over_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The control of the takeovers: with the hand-over switched off (Handover.took_over carries no record of
+    the holder it replaces), the attempt killed while starting, whose lease was its only trace, goes unbooked
+    and the model's books invariant says so."""
+    from trainer.restart.books.handover import Handover
+
+    monkeypatch.setattr(Handover, "took_over", lambda self, current, own_id: None)
+    with pytest.raises(AssertionError, match=r"no ledger row in the store for attempts \[\('id', '[0-9a-f]+'\)\]"):
+        _killed_while_starting(tmp_path / "written")
+    # The search finds it too (its first failing sequence comes within 60: the search stops there).
+    TMP[:] = [str(tmp_path / "searched")]
+    with pytest.raises(AssertionError, match="no ledger row in the store for attempts"):
+        run_state_machine_as_test(Model, settings=_search(60))

@@ -61,6 +61,11 @@ T = TypeVar("T")
 
 POLL_SECONDS = 5.0
 
+wall_clock: Callable[[], float] = time.time
+"""The wall clock the lease object's times are written and compared on (`renewed_at`, `expires_at`, when it was
+taken): one name, read at each call, so that a model of several machines runs the lease on its own clock as it
+does `boot_clock` (tests/test_floor_model.py)."""
+
 __all__ = ["Lease", "LeaseLost", "read_lease", "describe_lease"]
 
 
@@ -167,7 +172,7 @@ class Lease(Fence):
                     self._write(generation, etag if current else None, new=current is None)
                 except Refused:
                     continue  # another machine wrote it between our read and write: look again
-                self.acquired_at = time.time()
+                self.acquired_at = wall_clock()
                 self.waited = boot_clock() - started
                 if current is not None and not current.get("released") and current.get("holder") != self.id:
                     self.message(
@@ -176,7 +181,7 @@ class Lease(Fence):
                 return
             # The holder's own clock says it expired: look for one ttl (its renewals would show) before
             # refusing, however short `wait` is; a live holder renews every ttl / 3.
-            hint = time.time() > float(current.get("expires_at", 0))
+            hint = wall_clock() > float(current.get("expires_at", 0))
             observe = watched[1] + ttl_of(current, self.ttl) if hint and not alive else 0.0
             left = max(deadline, observe) - now
             if left <= 0:
@@ -353,7 +358,7 @@ class Lease(Fence):
 
     def _write(self, generation: int, if_match: str | None, *, new: bool, released: bool = False) -> None:
         sent = boot_clock()
-        now = time.time()
+        now = wall_clock()
         body = {
             "holder": self.id,
             "host": self.host,

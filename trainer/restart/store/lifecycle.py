@@ -185,8 +185,13 @@ class Store(Transport):
         self.writable()
         if self.fs.exists(self.step_path(step, MANIFEST)):
             there = json.loads(self.fs.cat_file(self.step_path(step, MANIFEST)))
-            if there.get("files") == manifest["files"] and not replace:  # these very bytes are committed there
-                return 0  # (a resumed checkpoint caught up after a start that could not see the store)
+            if there.get("files") == manifest["files"] and not replace and step in self.committed():
+                # These very bytes are committed there (a resumed checkpoint caught up after a start that could
+                # not see the store, or a killed holder's late write of a step this attempt trained the same, by
+                # exact resume): this attempt's own to prune later. A manifest out of readers' sight (a late one
+                # above this generation's newest) is no commit: it is replaced below.
+                self.floor.committed(step)
+                return 0
             # The same step again with other bytes (a corrupt one replaced, or a step of a timeline the
             # user abandoned), or objects there found corrupt: uncommit it first, if the rule allows.
             before = self.committed()
