@@ -3,8 +3,10 @@
     PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python benchmarks/moe_lora.py [--tokens 2048] [--json out.json]
 
 A CPU-sized Qwen3-MoE shape where the routed experts dominate the flops, as in real MoE models: 64 experts of
-width 256 per layer, top-8 routing, hidden 256, 2 layers, a 1k vocabulary; LoRA r=16 on every expert projection
-and the attention (`all-linear`), fp32. One training step (forward and backward) is timed per path, each path in
+width 512 per layer, top-8 routing, hidden 512, 2 layers, a 1k vocabulary; LoRA r=16 on every expert projection
+and the attention (`all-linear`), fp32. `--experts 128 --hidden 2048 --intermediate 768 --layers 1` is one layer of
+Qwen3-30B-A3B's own shape (128 experts of width 768, top-8, hidden 2048), where the adapter's share of the
+expert flops is the real model's. One training step (forward and backward) is timed per path, each path in
 a process of its own so its peak resident memory is its own (Linux's peak-RSS counter, reset after the model is
 built, so the figure is what a step adds):
 - spotune: `trainer.model.load.build` (ExpertLora): each routed token's x @ W_e^T + s * (x @ A_e^T) @ B_e^T,
@@ -95,15 +97,13 @@ def run_path(path: str, kind: str, adapter_dir: Path, tokens: int, steps: int) -
     }
 
 
-def build(out: Path) -> tuple[str, Path]:
+def build(out: Path, shape: dict[str, int]) -> tuple[str, Path]:
     """The benchmark model and an adapter with every factor non-zero (so every term is computed)."""
     from trainer import builtin_assets
     from trainer.config import AdapterConfig, ModelConfig
     from trainer.model import load
 
-    model_dir = builtin_assets.build_model(
-        out / "model", "qwen3_moe", tokenizer_dir=None, hidden=512, layers=2, intermediate=512, experts=64, top_k=8
-    )
+    model_dir = builtin_assets.build_model(out / "model", "qwen3_moe", tokenizer_dir=None, **shape)
     model = load.build(ModelConfig(name_or_path=str(model_dir), dtype="float32"), AdapterConfig(dropout=0.0))
     gen = torch.Generator().manual_seed(2)
     with torch.no_grad():
@@ -118,6 +118,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per step (rows of 512)")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--intermediate", type=int, default=512, help="each expert's width")
+    ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--path", choices=PATHS, help=argparse.SUPPRESS)  # internal: one path in this process
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -127,7 +132,14 @@ def main() -> None:
         print(json.dumps(run_path(args.model, args.path, args.adapter, args.tokens, args.steps)))
         return
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir, adapter = build(Path(tmp))
+        shape = dict(
+            experts=args.experts,
+            top_k=args.top_k,
+            hidden=args.hidden,
+            intermediate=args.intermediate,
+            layers=args.layers,
+        )
+        model_dir, adapter = build(Path(tmp), shape)
         rows = []
         for kind in PATHS:
             cmd = [sys.executable, __file__, "--path", kind, "--model", model_dir, "--adapter", str(adapter)]

@@ -304,3 +304,58 @@ def test_flops_count_active_parameters_memory_counts_all(moe_model: Callable[[st
     assert shape.top_k < shape.experts
     model = _build(path, r=16)
     assert flops.lora_params(shape, 16) == load.count_params(model).trainable
+
+
+# ---------------------------------------------------------------------------- shared experts peft renames
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3", "glm4_moe"])
+def test_shared_experts_peft_renames_train_and_load_back(
+    moe_model: Callable[[str], Path], arch: str, tmp_path: Path
+) -> None:
+    """DeepSeek's and GLM's shared experts (and DeepSeek-V3's and GLM's dense first layer) name their linear layers
+    gate_proj/up_proj/down_proj, which peft rewrites as pre-transformers-5 expert names when it loads an adapter:
+    each still carries a trainable adapter that learns, with the dropout the linear layers get; the saved adapter
+    loads with `PeftModel.from_pretrained` to the logits training gave, and the merged export gives them too.
+    Control: the loaded model with the shared experts' adapters zeroed gives other logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trainer.serve.export import merge_adapter
+
+    path = moe_model(arch)
+    notes: list[str] = []
+    ours = _build(path, notes)
+    linear = {
+        n
+        for n, m in AutoModelForCausalLM.from_pretrained(path).named_modules()
+        if isinstance(m, torch.nn.Linear) and n.rpartition(".")[2] in ("gate_proj", "up_proj", "down_proj")
+    }
+    assert any("shared_experts" in n for n in linear)
+    trainable = {n for n, p in ours.named_parameters() if p.requires_grad}
+    for name in linear:
+        for factor in ("lora_A", "lora_B"):
+            assert f"base_model.model.{name}.{factor}.default.weight" in trainable, (name, factor)
+        assert isinstance(ours.get_submodule(f"base_model.model.{name}").lora_dropout["default"], torch.nn.Dropout)
+    assert not any("left without LoRA" in n for n in notes), notes
+    ours.train()
+    _randomise_adapter(ours)
+    _, grads = _logits_and_grads(ours, _ids())
+    for name in linear:
+        assert grads[f"base_model.model.{name}.lora_A.weight"].abs().sum() > 0, name
+
+    ours.eval().save_pretrained(tmp_path / "adapter")
+    ids = _ids()
+    with torch.no_grad():
+        want = ours(input_ids=ids).logits
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    theirs = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    merge_adapter(tmp_path / "adapter", tmp_path / "merged", ModelConfig(name_or_path=str(path), dtype="float32"))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(input_ids=ids).logits, want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
+        for n, p in theirs.named_parameters():
+            if "shared_experts" in n and "lora_B" in n:
+                p.zero_()
+        assert not torch.allclose(theirs(input_ids=ids).logits, want, rtol=1e-3, atol=1e-3)
