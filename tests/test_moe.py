@@ -359,3 +359,49 @@ def test_shared_experts_peft_renames_train_and_load_back(
             if "shared_experts" in n and "lora_B" in n:
                 p.zero_()
         assert not torch.allclose(theirs(input_ids=ids).logits, want, rtol=1e-3, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------- preference objectives
+
+
+def test_dpo_with_an_moe_policy_trains_its_experts_with_the_router_aux_loss(
+    moe_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """DPO on a tiny Qwen3-MoE: step 1 of a fresh adapter is ln 2 (the reference, the adapter disabled, equals the
+    policy) plus coef x the router aux loss (the logged loss is the objective's, as TRL logs it), the routed experts'
+    LoRA learns, and the aux loss is reported each step and enters the gradient as for SFT. Control: the same run
+    with train.router_aux_loss_coef=0 starts at ln 2 exactly and ends on another adapter."""
+    import math
+
+    from test_resume import _cfg, _equal, _losses
+
+    from trainer.training import run
+
+    data = builtin_assets.write_pairs(tmp_path / "pairs.jsonl", n=8)
+    model = moe_model("qwen3_moe")
+
+    def train(name: str, coef: float) -> dict[str, torch.Tensor]:
+        cfg = _cfg(
+            tmp_path / name,
+            model,
+            data,
+            tmp_path / "cache",
+            2,
+            **{"train.objective": "dpo", "train.grad_accum": 1, "train.router_aux_loss_coef": coef},
+        )
+        assert run.train(cfg) == 0
+        return load_file(tmp_path / name / "final" / "adapter_model.safetensors")
+
+    final = train("dpo", 0.01)
+    rows = [json.loads(x) for x in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    aux = [r["router_aux_loss"] for r in rows if "loss" in r]
+    assert len(aux) == 2 and all(a > 0 for a in aux)
+    losses = _losses(tmp_path / "dpo")
+    assert losses[1] == pytest.approx(math.log(2) + 0.01 * aux[0], abs=1e-6)
+    first = next(r for r in rows if r.get("step") == 1)
+    assert first["rewards/margins"] == 0.0 and first["rewards/chosen"] == 0.0  # the policy is the reference
+    expert_b = [v for k, v in final.items() if ".experts." in k and "lora_B" in k]
+    assert expert_b and all(v.abs().sum() > 0 for v in expert_b)  # B starts at zero: every expert's LoRA moved
+    plain = train("plain", 0.0)
+    assert _losses(tmp_path / "plain")[1] == pytest.approx(math.log(2), abs=1e-6)
+    assert not _equal(plain, final)
