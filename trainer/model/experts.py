@@ -284,7 +284,14 @@ class _ExpertLinear(torch.autograd.Function):
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_x = torch.empty_like(x) if want_x else None
         grad_w = torch.zeros_like(w) if want_w else None
-        grad_ab = [torch.zeros_like(t) if ctx.needs_input_grad[4 + i] else None for i, t in enumerate(ab)]
+        # B's gradient is built as [experts, r, out] and handed on transposed: low^T @ g into a contiguous [r, out]
+        # runs at twice the speed of g^T @ low into [out, r] (measured on CPU at rank 16).
+        grad_ab: list[torch.Tensor | None] = []
+        for i, t in enumerate(ab):
+            if not ctx.needs_input_grad[4 + i]:
+                grad_ab.append(None)
+            else:  # A: [experts, r, in]; B: [experts, r, out]
+                grad_ab.append(t.new_zeros(t.size(0), t.size(2), t.size(1)) if i % 2 else torch.zeros_like(t))
         start = 0
         for e, n in enumerate(ctx.sizes):
             if not n:
@@ -303,9 +310,10 @@ class _ExpertLinear(torch.autograd.Function):
                 if (grad_a := grad_ab[2 * i]) is not None:
                     torch.mm(grad_low.t(), x[rows], out=grad_a[e])
                 if (grad_b := grad_ab[2 * i + 1]) is not None:
-                    torch.mm(g.t(), low[rows], out=grad_b[e]).mul_(s)
+                    torch.mm(low[rows].t(), g, out=grad_b[e]).mul_(s)
             start += n
-        return grad_x, grad_w, None, None, *grad_ab
+        grads = [t if t is None or i % 2 == 0 else t.transpose(1, 2) for i, t in enumerate(grad_ab)]
+        return grad_x, grad_w, None, None, *grads
 
 
 def experts_forward(
