@@ -9,8 +9,9 @@ W_e + s * B_e @ A_e for every expert on every call. `ExpertLora` is that same Pa
 modules, same state-dict names, same merge, saved in peft's layout, so `PeftModel.from_pretrained` loads
 what it saves) with one forward of its own: each routed (token, expert) row gets x @ W_e^T + s * (x @ A_e^T)
 @ B_e^T, the rows sorted by expert and multiplied per expert group (`torch.nn.functional.grouped_mm` where
-the torch in use runs it on the device and dtype, else a loop over the experts hit), so no expert's weight
-change is ever built. Disabled or merged adapters take peft's own path.
+the torch in use runs it on the device and dtype, else a loop over the experts hit, `_ExpertLinear`, whose
+backward is written out), so no expert's weight change is ever built. Disabled or merged adapters take peft's own
+path. `LinearLora` does the same for the linear layers adapted through their weight (see `targets`).
 
 peft's layout, read in one place (`factors`): lora_A.weight is [experts * r, in] expert-major
 (reshape [experts, r, in]); lora_B.weight is [out, r * experts] rank-major (reshape [out, r, experts]).
@@ -178,7 +179,10 @@ def kernel(device_type: str, dtype: torch.dtype) -> tuple[str, str]:
     """(`grouped_mm` or `loop`, why) for expert LoRA on this device type and dtype: grouped_mm where the torch in
     use has it and a probe's forward and backward run and agree with the loop (`probe`), but on CPU."""
     if device_type == "cpu" and hasattr(F, "grouped_mm"):
-        return LOOP, "on CPU the per-expert loop measured faster and leaner than grouped_mm (benchmarks/moe_lora.py)"
+        return LOOP, (
+            "on CPU the per-expert loop measured as fast as grouped_mm or faster (benchmarks/moe_lora.py), "
+            "with no alignment rule on the rank"
+        )
     return probe(device_type, dtype)
 
 
@@ -343,16 +347,14 @@ def experts_forward(
         a = a.to(weight.dtype)
         w = weight if experts.is_transposed else weight.transpose(1, 2)
         adapters = [(la.to(weight.dtype), lb.to(weight.dtype), s) for la, lb, s in lora.get(name, ())]
-        if not grouped:
-            factors = [t for la, lb, _ in adapters for t in (la, lb)]
-            out = _ExpertLinear.apply(
-                a, w, counts.tolist() if sizes is None else sizes, [s for *_, s in adapters], *factors
-            )
+        if sizes is not None:  # the loop: one pass over the experts hit, its backward written out
+            flat = [t for la, lb, _ in adapters for t in (la, lb)]
+            out = _ExpertLinear.apply(a, w, sizes, [s for *_, s in adapters], *flat)
         else:
             out = matmul(a, w)
-        for lora_a, lora_b, scaling in adapters if grouped else ():
-            low = matmul(a, lora_a.transpose(1, 2))  # [rows, r]
-            out = out + scaling * matmul(low, lora_b.transpose(1, 2))
+            for lora_a, lora_b, scaling in adapters:
+                low = matmul(a, lora_a.transpose(1, 2))  # [rows, r]
+                out = out + scaling * matmul(low, lora_b.transpose(1, 2))
         if experts.has_bias:
             out = out + getattr(experts, f"{name}_bias")[expert_ids]
         return out
