@@ -447,3 +447,21 @@ def test_expert_loop_gradients_equal_autograds() -> None:
             torch.testing.assert_close(a, b, msg=name)
     other = experts._ExpertLinear.apply(x, w, [5, 0, 3, 2], scalings, *ab)
     assert not torch.allclose(other, want)
+
+
+def test_a_packed_linear_weight_is_refused_where_it_would_be_adapted_by_its_weight() -> None:
+    """A linear layer adapted through its weight (a name peft renames) whose weight is not [out, in] (bitsandbytes'
+    packed 4-bit storage) is refused, naming why, instead of getting LoRA factors of the packed shape."""
+    from peft import LoraConfig
+
+    config = LoraConfig(r=2, target_parameters=["gate_proj.weight"], lora_dropout=0.0)
+    plain = torch.nn.Linear(8, 4)
+    assert (
+        experts._linear_by_parameter(plain, "default", config=config, parameter_name="weight", r=2, lora_alpha=4)
+        is not None
+    )
+    assert experts._linear_by_parameter(plain, "default", config=config, parameter_name=None) is None  # peft's own
+    packed = torch.nn.Linear(8, 4)
+    packed.weight = torch.nn.Parameter(torch.zeros(16, 1), requires_grad=False)
+    with pytest.raises(ValueError, match=r"stores its weight as \(16, 1\), not \[out, in\].*only in 16 or 32 bits"):
+        experts._linear_by_parameter(packed, "default", config=config, parameter_name="weight")

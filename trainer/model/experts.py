@@ -458,6 +458,13 @@ def _linear_by_parameter(target: Any, adapter_name: str, **kwargs: Any) -> Any:
     (peft then makes its own `lora.Linear`, as for the attention)."""
     if kwargs.get("parameter_name") is None:
         return None
+    linear = target.get_base_layer() if hasattr(target, "get_base_layer") else target
+    if tuple(linear.weight.shape) != (linear.out_features, linear.in_features):  # e.g. bitsandbytes' packed 4-bit
+        raise ValueError(
+            f"{type(linear).__name__} stores its weight as {tuple(linear.weight.shape)}, not [out, in]: a linear layer "
+            "peft renames on loading (gate_proj, up_proj, down_proj) can be adapted through its weight only in 16 or "
+            "32 bits"
+        )
     return linear_lora_class()(target, adapter_name, **kwargs)
 
 
