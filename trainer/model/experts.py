@@ -354,7 +354,7 @@ def experts_forward(
             out = matmul(a, w)
             for lora_a, lora_b, scaling in adapters:
                 low = matmul(a, lora_a.transpose(1, 2))  # [rows, r]
-                out = out + scaling * matmul(low, lora_b.transpose(1, 2))
+                out = torch.add(out, matmul(low, lora_b.transpose(1, 2)), alpha=scaling)  # one pass, not two
         if experts.has_bias:
             out = out + getattr(experts, f"{name}_bias")[expert_ids]
         return out
