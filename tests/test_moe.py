@@ -295,3 +295,164 @@ def test_flops_count_active_parameters_memory_counts_all(moe_model: Callable[[st
     assert shape.top_k < shape.experts
     model = _build(path, r=16)
     assert flops.lora_params(shape, 16) == load.count_params(model).trainable
+
+
+# ---------------------------------------------------------------------------- shared experts peft renames
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3", "glm4_moe"])
+def test_shared_experts_peft_renames_train_and_load_back(
+    moe_model: Callable[[str], Path], arch: str, tmp_path: Path
+) -> None:
+    """DeepSeek's and GLM's shared experts (and DeepSeek-V3's and GLM's dense first layer) name their linear layers
+    gate_proj/up_proj/down_proj, which peft rewrites as pre-transformers-5 expert names when it loads an adapter:
+    each still carries a trainable adapter that learns, with the dropout the linear layers get; the saved adapter
+    loads with `PeftModel.from_pretrained` to the logits training gave, and the merged export gives them too.
+    Control: the loaded model with the shared experts' adapters zeroed gives other logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trainer.serve.export import merge_adapter
+
+    path = moe_model(arch)
+    notes: list[str] = []
+    ours = _build(path, notes)
+    linear = {
+        n
+        for n, m in AutoModelForCausalLM.from_pretrained(path).named_modules()
+        if isinstance(m, torch.nn.Linear) and n.rpartition(".")[2] in ("gate_proj", "up_proj", "down_proj")
+    }
+    assert any("shared_experts" in n for n in linear)
+    trainable = {n for n, p in ours.named_parameters() if p.requires_grad}
+    for name in linear:
+        for factor in ("lora_A", "lora_B"):
+            assert f"base_model.model.{name}.{factor}.default.weight" in trainable, (name, factor)
+        assert isinstance(ours.get_submodule(f"base_model.model.{name}").lora_dropout["default"], torch.nn.Dropout)
+    assert not any("left without LoRA" in n for n in notes), notes
+    ours.train()
+    _randomise_adapter(ours)
+    _, grads = _logits_and_grads(ours, _ids())
+    for name in linear:
+        assert grads[f"base_model.model.{name}.lora_A.weight"].abs().sum() > 0, name
+
+    ours.eval().save_pretrained(tmp_path / "adapter")
+    ids = _ids()
+    with torch.no_grad():
+        want = ours(input_ids=ids).logits
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    theirs = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    merge_adapter(tmp_path / "adapter", tmp_path / "merged", ModelConfig(name_or_path=str(path), dtype="float32"))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(input_ids=ids).logits, want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
+        for n, p in theirs.named_parameters():
+            if "shared_experts" in n and "lora_B" in n:
+                p.zero_()
+        assert not torch.allclose(theirs(input_ids=ids).logits, want, rtol=1e-3, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------- preference objectives
+
+
+def test_dpo_with_an_moe_policy_trains_its_experts_with_the_router_aux_loss(
+    moe_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """DPO on a tiny Qwen3-MoE: step 1 of a fresh adapter is ln 2 (the reference, the adapter disabled, equals the
+    policy) plus coef x the router aux loss (the logged loss is the objective's, as TRL logs it), the routed experts'
+    LoRA learns, and the aux loss is reported each step and enters the gradient as for SFT. Control: the same run
+    with train.router_aux_loss_coef=0 starts at ln 2 exactly and ends on another adapter."""
+    import math
+
+    from test_resume import _cfg, _equal, _losses
+
+    from trainer.training import run
+
+    data = builtin_assets.write_pairs(tmp_path / "pairs.jsonl", n=8)
+    model = moe_model("qwen3_moe")
+
+    def train(name: str, coef: float) -> dict[str, torch.Tensor]:
+        cfg = _cfg(
+            tmp_path / name,
+            model,
+            data,
+            tmp_path / "cache",
+            2,
+            **{"train.objective": "dpo", "train.grad_accum": 1, "train.router_aux_loss_coef": coef},
+        )
+        assert run.train(cfg) == 0
+        return load_file(tmp_path / name / "final" / "adapter_model.safetensors")
+
+    final = train("dpo", 0.01)
+    rows = [json.loads(x) for x in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    aux = [r["router_aux_loss"] for r in rows if "loss" in r]
+    assert len(aux) == 2 and all(a > 0 for a in aux)
+    losses = _losses(tmp_path / "dpo")
+    assert losses[1] == pytest.approx(math.log(2) + 0.01 * aux[0], abs=1e-6)
+    first = next(r for r in rows if r.get("step") == 1)
+    assert first["rewards/margins"] == 0.0 and first["rewards/chosen"] == 0.0  # the policy is the reference
+    expert_b = [v for k, v in final.items() if ".experts." in k and "lora_B" in k]
+    assert expert_b and all(v.abs().sum() > 0 for v in expert_b)  # B starts at zero: every expert's LoRA moved
+    plain = train("plain", 0.0)
+    assert _losses(tmp_path / "plain")[1] == pytest.approx(math.log(2), abs=1e-6)
+    assert not _equal(plain, final)
+
+
+def test_expert_loop_gradients_equal_autograds() -> None:
+    """The loop kernel's hand-written backward (`_ExpertLinear`) against autograd over plain per-expert matmuls:
+    two adapters, an expert no row is routed to, a transposed weight view, the weight frozen and trainable.
+    Control: the same rows split among the experts otherwise give other outputs."""
+    gen = torch.Generator().manual_seed(0)
+    sizes, rank, d_in, d_out = [3, 0, 5, 2], 2, 6, 4
+    x = torch.randn(sum(sizes), d_in, generator=gen, requires_grad=True)
+    weight = torch.randn(len(sizes), d_out, d_in, generator=gen)
+    factors_ = [
+        (torch.randn(len(sizes), rank, d_in, generator=gen), torch.randn(len(sizes), d_out, rank, generator=gen), s)
+        for s in (0.5, 2.0)
+    ]
+    scalings = [s for *_, s in factors_]
+    grad_out = torch.randn(sum(sizes), d_out, generator=gen)
+    for frozen in (True, False):
+        base = weight.clone().requires_grad_(not frozen)
+        ab = [t.clone().requires_grad_() for a, b, _ in factors_ for t in (a, b)]
+        w = base.transpose(1, 2)  # [experts, in, out], as the kernel reads a weight stored [experts, out, in]
+        inputs = [x, *ab] if frozen else [x, base, *ab]
+        got = experts._ExpertLinear.apply(x, w, sizes, scalings, *ab)
+        got_grads = torch.autograd.grad(got, inputs, grad_out)
+        parts, start = [], 0
+        for e, n in enumerate(sizes):
+            rows = x[start : start + n]
+            y = rows @ w[e]
+            for i, s in enumerate(scalings):
+                y = y + s * (rows @ ab[2 * i][e].t()) @ ab[2 * i + 1][e].t()
+            parts.append(y)
+            start += n
+        want = torch.cat(parts)
+        torch.testing.assert_close(got, want)
+        for name, a, b in zip(
+            ["x", *(["W"] if not frozen else []), "A1", "B1", "A2", "B2"],
+            got_grads,
+            torch.autograd.grad(want, inputs, grad_out),
+            strict=True,
+        ):
+            torch.testing.assert_close(a, b, msg=name)
+    other = experts._ExpertLinear.apply(x, w, [5, 0, 3, 2], scalings, *ab)
+    assert not torch.allclose(other, want)
+
+
+def test_a_packed_linear_weight_is_refused_where_it_would_be_adapted_by_its_weight() -> None:
+    """A linear layer adapted through its weight (a name peft renames) whose weight is not [out, in] (bitsandbytes'
+    packed 4-bit storage) is refused, naming why, instead of getting LoRA factors of the packed shape."""
+    from peft import LoraConfig
+
+    config = LoraConfig(r=2, target_parameters=["gate_proj.weight"], lora_dropout=0.0)
+    plain = torch.nn.Linear(8, 4)
+    assert (
+        experts._linear_by_parameter(plain, "default", config=config, parameter_name="weight", r=2, lora_alpha=4)
+        is not None
+    )
+    assert experts._linear_by_parameter(plain, "default", config=config, parameter_name=None) is None  # peft's own
+    packed = torch.nn.Linear(8, 4)
+    packed.weight = torch.nn.Parameter(torch.zeros(16, 1), requires_grad=False)
+    with pytest.raises(ValueError, match=r"stores its weight as \(16, 1\), not \[out, in\].*only in 16 or 32 bits"):
+        experts._linear_by_parameter(packed, "default", config=config, parameter_name="weight")

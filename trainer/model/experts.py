@@ -9,8 +9,9 @@ W_e + s * B_e @ A_e for every expert on every call. `ExpertLora` is that same Pa
 modules, same state-dict names, same merge, saved in peft's layout, so `PeftModel.from_pretrained` loads
 what it saves) with one forward of its own: each routed (token, expert) row gets x @ W_e^T + s * (x @ A_e^T)
 @ B_e^T, the rows sorted by expert and multiplied per expert group (`torch.nn.functional.grouped_mm` where
-the torch in use runs it on the device and dtype, else a loop over the experts hit), so no expert's weight
-change is ever built. Disabled or merged adapters take peft's own path.
+the torch in use runs it on the device and dtype, else a loop over the experts hit, `_ExpertLinear`, whose
+backward is written out), so no expert's weight change is ever built. Disabled or merged adapters take peft's own
+path. `LinearLora` does the same for the linear layers adapted through their weight (see `targets`).
 
 peft's layout, read in one place (`factors`): lora_A.weight is [experts * r, in] expert-major
 (reshape [experts, r, in]); lora_B.weight is [out, r * experts] rank-major (reshape [out, r, experts]).
@@ -101,8 +102,10 @@ class Targets:
     train_router each non-linear router's weight."""
     exclude: list[str]
     """Router modules kept frozen (full names)."""
-    unloadable: list[str]
-    """Linear layers asked for but left out: names peft reads as pre-v5 expert names for this model type."""
+    renamed: list[str]
+    """Linear layers asked for whose names peft reads as pre-v5 expert names for this model type (DeepSeek's and GLM's
+    shared experts and dense layers: gate_proj, up_proj, down_proj): adapted through target_parameters instead (their
+    `weight`, as `gate_proj.weight`), which peft's rewrite leaves alone, by `LinearLora`."""
 
 
 def targets(model: Any, moe: Moe, target_modules: Iterable[str], train_router: bool) -> Targets:
@@ -112,8 +115,9 @@ def targets(model: Any, moe: Moe, target_modules: Iterable[str], train_router: b
     the model types whose experts transformers fused (`peft.utils.transformers_weight_conversion`, written to load
     adapters trained on transformers 4), both when the adapter is made and when `PeftModel.from_pretrained` loads
     it: `all-linear` then adapts the router, and a linear layer named like a pre-v5 expert projection (DeepSeek's
-    shared experts' `gate_proj`) is dropped or renamed. So such names are left out (and said), and the adapter
-    peft loads back is the one that trained."""
+    shared experts' `gate_proj`) is dropped or renamed. So such layers are adapted through their `weight` as a
+    target parameter (`LinearLora`, the same factors and state-dict names as a linear layer's LoRA), which peft's
+    rewrite leaves alone, and the adapter peft loads back is the one that trained."""
     wanted = list(target_modules)
     everything = wanted == ["all-linear"]
     parameters = {
@@ -136,12 +140,12 @@ def targets(model: Any, moe: Moe, target_modules: Iterable[str], train_router: b
     chosen = {leaf for leaf in leaves if everything or leaf in wanted}
     if not train_router:
         chosen -= router_leaves
-    renamed = _renamed_by_peft(model)
+    renamed = chosen & _renamed_by_peft(model)
     return Targets(
         modules=sorted(chosen - renamed),
-        parameters=sorted(parameters),
+        parameters=sorted(parameters | {f"{leaf}.weight" for leaf in renamed}),
         exclude=[] if train_router else sorted(moe.routers),
-        unloadable=sorted(chosen & renamed),
+        renamed=sorted(renamed),
     )
 
 
@@ -177,7 +181,10 @@ def kernel(device_type: str, dtype: torch.dtype) -> tuple[str, str]:
     """(`grouped_mm` or `loop`, why) for expert LoRA on this device type and dtype: grouped_mm where the torch in
     use has it and a probe's forward and backward run and agree with the loop (`probe`), but on CPU."""
     if device_type == "cpu" and hasattr(F, "grouped_mm"):
-        return LOOP, "on CPU the per-expert loop measured faster and leaner than grouped_mm (benchmarks/moe_lora.py)"
+        return LOOP, (
+            "on CPU the per-expert loop measured as fast as grouped_mm or faster (benchmarks/moe_lora.py), "
+            "with no alignment rule on the rank"
+        )
     return probe(device_type, dtype)
 
 
@@ -245,6 +252,76 @@ Factors = list[tuple[torch.Tensor, torch.Tensor, float]]
 """Per expert Parameter: (A [experts, r, in], B [experts, out, r], scaling) of each active adapter."""
 
 
+class _ExpertLinear(torch.autograd.Function):
+    """Rows sorted by expert (group e: `sizes[e]` rows) times w[e] ([experts, in, out]) plus each adapter's
+    s * (x @ A_e^T) @ B_e^T, one loop over the experts hit, forward and backward.
+
+    Why not autograd over per-expert matmuls: indexing A[e] and B[e] makes autograd build a zero tensor the size of
+    the whole factor per expert and add it up (a memset and an add of every factor per expert hit), and the per-group
+    outputs are concatenated and rescaled in more full-size passes. Here every result is written in place into one
+    output (`mm(out=)`, `addmm_`), factor gradients go straight into their expert's slice, and the backward saves
+    only the sorted input and the thin x @ A_e^T (rows x r); the frozen expert weight gets no gradient unless it
+    requires one."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, sizes: list[int], scalings: list[float], *ab: Any) -> Any:
+        out = x.new_empty(x.size(0), w.size(-1))
+        lows = [x.new_empty(x.size(0), a.size(1)) for a in ab[0::2]]
+        start = 0
+        for e, n in enumerate(sizes):
+            if not n:
+                continue
+            rows = slice(start, start + n)
+            torch.mm(x[rows], w[e], out=out[rows])
+            for low, a, b, s in zip(lows, ab[0::2], ab[1::2], scalings, strict=True):
+                torch.mm(x[rows], a[e].t(), out=low[rows])
+                out[rows].addmm_(low[rows], b[e].t(), alpha=s)
+            start += n
+        ctx.sizes, ctx.scalings = sizes, scalings
+        ctx.save_for_backward(x, w, *lows, *ab)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        x, w, *rest = ctx.saved_tensors
+        lows, ab = rest[: len(ctx.scalings)], rest[len(ctx.scalings) :]
+        grad = grad.contiguous()
+        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_x = torch.empty_like(x) if want_x else None
+        grad_w = torch.zeros_like(w) if want_w else None
+        # B's gradient is built as [experts, r, out] and handed on transposed: low^T @ g into a contiguous [r, out]
+        # runs at twice the speed of g^T @ low into [out, r] (measured on CPU at rank 16).
+        grad_ab: list[torch.Tensor | None] = []
+        for i, t in enumerate(ab):
+            if not ctx.needs_input_grad[4 + i]:
+                grad_ab.append(None)
+            else:  # A: [experts, r, in]; B: [experts, r, out]
+                grad_ab.append(t.new_zeros(t.size(0), t.size(2), t.size(1)) if i % 2 else torch.zeros_like(t))
+        start = 0
+        for e, n in enumerate(ctx.sizes):
+            if not n:
+                continue
+            rows = slice(start, start + n)
+            g = grad[rows]
+            if grad_x is not None:
+                torch.mm(g, w[e].t(), out=grad_x[rows])
+            if grad_w is not None:
+                torch.mm(x[rows].t(), g, out=grad_w[e])
+            for i, (low, s) in enumerate(zip(lows, ctx.scalings, strict=True)):
+                a, b = ab[2 * i][e], ab[2 * i + 1][e]
+                grad_low = torch.mm(g, b).mul_(s)  # [rows, r]
+                if grad_x is not None:
+                    grad_x[rows].addmm_(grad_low, a)
+                if (grad_a := grad_ab[2 * i]) is not None:
+                    torch.mm(grad_low.t(), x[rows], out=grad_a[e])
+                if (grad_b := grad_ab[2 * i + 1]) is not None:
+                    torch.mm(low[rows].t(), g, out=grad_b[e]).mul_(s)
+            start += n
+        grads = [t if t is None or i % 2 == 0 else t.transpose(1, 2) for i, t in enumerate(grad_ab)]
+        return grad_x, grad_w, None, None, *grads
+
+
 def experts_forward(
     experts: Any,
     hidden: torch.Tensor,
@@ -270,10 +347,16 @@ def experts_forward(
     def project(name: str, a: torch.Tensor) -> torch.Tensor:
         weight = experts_nf4.weight(experts, name, counts)  # the Parameter, or under QLoRA the experts hit, dequantised
         a = a.to(weight.dtype)
-        out = matmul(a, weight if experts.is_transposed else weight.transpose(1, 2))
-        for lora_a, lora_b, scaling in lora.get(name, ()):
-            low = matmul(a, lora_a.to(weight.dtype).transpose(1, 2))  # [rows, r]
-            out = out + scaling * matmul(low, lora_b.to(weight.dtype).transpose(1, 2))
+        w = weight if experts.is_transposed else weight.transpose(1, 2)
+        adapters = [(la.to(weight.dtype), lb.to(weight.dtype), s) for la, lb, s in lora.get(name, ())]
+        if sizes is not None:  # the loop: one pass over the experts hit, its backward written out
+            flat = [t for la, lb, _ in adapters for t in (la, lb)]
+            out = _ExpertLinear.apply(a, w, sizes, [s for *_, s in adapters], *flat)
+        else:
+            out = matmul(a, w)
+            for lora_a, lora_b, scaling in adapters:
+                low = matmul(a, lora_a.transpose(1, 2))  # [rows, r]
+                out = torch.add(out, matmul(low, lora_b.transpose(1, 2)), alpha=scaling)  # one pass, not two
         if experts.has_bias:
             out = out + getattr(experts, f"{name}_bias")[expert_ids]
         return out
@@ -349,10 +432,61 @@ def expert_lora_class() -> type:
     return ExpertLora
 
 
-def custom_modules(moe: Moe) -> dict[type, type]:
+@functools.cache
+def linear_lora_class() -> type:
+    """`LinearLora`: peft's ParamWrapper on a linear layer's 2-D `weight` (a layer `targets` adapts through
+    target_parameters) computing what peft's `lora.Linear` computes, x @ W^T + s * B(A(dropout(x))), instead of
+    building W + s * B @ A on every forward and a gradient the size of W. Same factors and names as the
+    ParamWrapper peft loads back (which gives the same outputs without dropout); the dropout is the linear layers'
+    (`load._moe_adapted` sets it)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    class LinearLora(ParamWrapper):
+        """peft's `ParamWrapper` on an `nn.Linear`'s weight, computed as peft's `lora.Linear`."""
+
+        def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            base = self.base_layer
+            if (
+                self.disable_adapters
+                or self.merged
+                or "adapter_names" in kwargs
+                or not isinstance(base, torch.nn.Linear)
+            ):
+                return super().forward(x, *args, **kwargs)
+            out = base(x, *args, **kwargs)
+            dtype = out.dtype
+            for name in self.active_adapters:
+                if name in self.lora_A:
+                    lora_a, lora_b = self.lora_A[name], self.lora_B[name]
+                    low = lora_a(self.lora_dropout[name](x.to(next(lora_a.parameters()).dtype)))
+                    out = out + lora_b(low) * self.scaling[name]
+            return out.to(dtype)
+
+    LinearLora.__name__ = "ParamWrapper"  # as ExpertLora: peft recognises its wrappers by class name
+    return LinearLora
+
+
+def _linear_by_parameter(target: Any, adapter_name: str, **kwargs: Any) -> Any:
+    """peft's dispatch for a linear layer: a `LinearLora` where it is adapted through target_parameters, else None
+    (peft then makes its own `lora.Linear`, as for the attention)."""
+    if kwargs.get("parameter_name") is None:
+        return None
+    linear = target.get_base_layer() if hasattr(target, "get_base_layer") else target
+    if tuple(linear.weight.shape) != (linear.out_features, linear.in_features):  # e.g. bitsandbytes' packed 4-bit
+        raise ValueError(
+            f"{type(linear).__name__} stores its weight as {tuple(linear.weight.shape)}, not [out, in]: a linear layer "
+            "peft renames on loading (gate_proj, up_proj, down_proj) can be adapted through its weight only in 16 or "
+            "32 bits"
+        )
+    return linear_lora_class()(target, adapter_name, **kwargs)
+
+
+def custom_modules(moe: Moe) -> dict[type, Any]:
     """peft's custom-module mapping (`LoraConfig._register_custom_module`) that makes each fused experts class's
-    wrapper an `ExpertLora`."""
-    return {type(module): expert_lora_class() for module in moe.experts.values()}
+    wrapper an `ExpertLora`, and a linear layer's adapted through its weight a `LinearLora`."""
+    mapping: dict[type, Any] = {type(module): expert_lora_class() for module in moe.experts.values()}
+    mapping[torch.nn.Linear] = _linear_by_parameter
+    return mapping
 
 
 def enable(model: torch.nn.Module, device_type: str, dtype: torch.dtype) -> tuple[int, str]:

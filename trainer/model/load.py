@@ -416,11 +416,11 @@ def _moe_lora(
     lora.target_parameters = chosen.parameters
     lora.exclude_modules = exclude
     lora.lora_dropout = 0.0
-    if chosen.unloadable and notes is not None:
+    if chosen.renamed and notes is not None:
         notes.append(
-            f"adapter.target_modules: {', '.join(chosen.unloadable)} left without LoRA on this "
-            f"{base.config.model_type} model: peft reads those names as the experts' pre-transformers-5 names when "
-            "it loads an adapter, so an adapter on them would not load back as trained"
+            f"adapter.target_modules: {', '.join(chosen.renamed)} adapted through their weights (peft's "
+            f"target_parameters) on this {base.config.model_type} model: peft reads those module names as the "
+            "experts' pre-transformers-5 names when it loads an adapter, and leaves parameter targets as they are"
         )
     lora._register_custom_module(experts.custom_modules(moe))
     return lora
@@ -431,7 +431,12 @@ def _moe_adapted(model: torch.nn.Module, dropout: float, device: torch.device, n
     `device`, and what the log says about both and about the trained experts."""
     from peft.tuners.lora.layer import ParamWrapper
 
-    plain: list[Any] = [m for m in model.modules() if hasattr(m, "lora_dropout") and not isinstance(m, ParamWrapper)]
+    linear_lora = experts.linear_lora_class()
+    plain: list[Any] = [
+        m
+        for m in model.modules()
+        if hasattr(m, "lora_dropout") and (not isinstance(m, ParamWrapper) or type(m) is linear_lora)
+    ]
     if dropout:
         for module in plain:
             for name in module.lora_dropout:
