@@ -441,8 +441,9 @@ def test_expert_loop_gradients_equal_autograds() -> None:
 
 
 def test_a_packed_linear_weight_is_refused_where_it_would_be_adapted_by_its_weight() -> None:
-    """A linear layer adapted through its weight (a name peft renames) whose weight is not [out, in] (bitsandbytes'
-    packed 4-bit storage) is refused, naming why, instead of getting LoRA factors of the packed shape."""
+    """A linear layer adapted through its weight (a name peft renames) whose weight is neither [out, in] nor
+    bitsandbytes' 4-bit is refused, naming why, instead of getting LoRA factors of the stored shape. A 4-bit one
+    (QLoRA on DeepSeek's or GLM's shared experts) gets factors of the layer's own sizes and computes its LoRA."""
     from peft import LoraConfig
 
     config = LoraConfig(r=2, target_parameters=["gate_proj.weight"], lora_dropout=0.0)
@@ -454,5 +455,19 @@ def test_a_packed_linear_weight_is_refused_where_it_would_be_adapted_by_its_weig
     assert experts._linear_by_parameter(plain, "default", config=config, parameter_name=None) is None  # peft's own
     packed = torch.nn.Linear(8, 4)
     packed.weight = torch.nn.Parameter(torch.zeros(16, 1), requires_grad=False)
-    with pytest.raises(ValueError, match=r"stores its weight as \(16, 1\), not \[out, in\].*only in 16 or 32 bits"):
+    with pytest.raises(ValueError, match=r"stores its weight as \(16, 1\), not \[out, in\].*bitsandbytes' 4-bit"):
         experts._linear_by_parameter(packed, "default", config=config, parameter_name="weight")
+    bnb = pytest.importorskip("bitsandbytes")
+    four = bnb.nn.Linear4bit(8, 4, bias=False, compute_dtype=torch.float32, quant_type="nf4")
+    four.load_state_dict({"weight": plain.weight.detach().clone()}, strict=False)
+    four = four.to("cpu")  # quantised here: the weight is packed bytes
+    assert tuple(four.weight.shape) != (4, 8)
+    lora = experts._linear_by_parameter(
+        four, "default", config=config, parameter_name="weight", r=2, lora_alpha=4, lora_dropout=0.0
+    )
+    assert lora.lora_A["default"].weight.shape == (2, 8) and lora.lora_B["default"].weight.shape == (4, 2)
+    with torch.no_grad():
+        lora.lora_B["default"].weight.normal_()
+        x = torch.randn(3, 8)
+        want = four(x) + lora.lora_B["default"](lora.lora_A["default"](x)) * lora.scaling["default"]
+        torch.testing.assert_close(lora(x), want)

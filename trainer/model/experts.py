@@ -444,6 +444,13 @@ def linear_lora_class() -> type:
     class LinearLora(ParamWrapper):
         """peft's `ParamWrapper` on an `nn.Linear`'s weight, computed as peft's `lora.Linear`."""
 
+        def _get_in_out_features(self, module: Any) -> tuple[int, int]:
+            # The layer's own sizes, not its weight's shape: under QLoRA the weight is bitsandbytes' packed 4-bit
+            # bytes ([n, 1]), the layer still maps in_features to out_features.
+            linear = module.get_base_layer() if hasattr(module, "get_base_layer") else module
+            self.num_experts, self._param_ndim = 1, 2
+            return int(linear.in_features), int(linear.out_features)
+
         def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             base = self.base_layer
             if (
@@ -472,11 +479,12 @@ def _linear_by_parameter(target: Any, adapter_name: str, **kwargs: Any) -> Any:
     if kwargs.get("parameter_name") is None:
         return None
     linear = target.get_base_layer() if hasattr(target, "get_base_layer") else target
-    if tuple(linear.weight.shape) != (linear.out_features, linear.in_features):  # e.g. bitsandbytes' packed 4-bit
+    packed_4bit = hasattr(linear.weight, "quant_state")  # bitsandbytes' Params4bit: its forward dequantises
+    if tuple(linear.weight.shape) != (linear.out_features, linear.in_features) and not packed_4bit:
         raise ValueError(
             f"{type(linear).__name__} stores its weight as {tuple(linear.weight.shape)}, not [out, in]: a linear layer "
-            "peft renames on loading (gate_proj, up_proj, down_proj) can be adapted through its weight only in 16 or "
-            "32 bits"
+            "peft renames on loading (gate_proj, up_proj, down_proj) can be adapted through its weight only where "
+            "that weight is [out, in] or bitsandbytes' 4-bit"
         )
     return linear_lora_class()(target, adapter_name, **kwargs)
 
