@@ -487,6 +487,30 @@ def slice_liger(args: argparse.Namespace, part: Part) -> None:
     bench_part(args, part, out, _bench_cmd(args, out, gpu, dry))
 
 
+def slice_moe(args: argparse.Namespace, part: Part) -> None:
+    out = args.out / "bench-moe.json"
+    out.unlink(missing_ok=True)
+    cmd = [PY, "benchmarks/moe_lora.py", "--json", str(out)]
+    cmd += (
+        ["--experts", "8", "--top-k", "2", "--hidden", "64", "--intermediate", "64", "--layers", "1", "--tokens", "512"]
+        if args.dry
+        else ["--device", "cuda", "--dtype", "bfloat16", "--experts", "128", "--hidden", "2048"]
+        + ["--intermediate", "768", "--layers", "1", "--tokens", "4096"]
+    )
+    code = run_capped(args, part, cmd)
+    found = _json(out)
+    if code is None or not isinstance(found, list):
+        part.status = "cut" if code is None else "fail"
+        part.figure = f"no MoE result ({'cut at the cap' if code is None else f'exit {code}'})"
+        return
+    part.figure = "one Qwen3-30B-A3B layer, expert LoRA r16, against peft's ParamWrapper: " + "; ".join(
+        f"{r['path']} {r['tokens_per_s']:.0f} tok/s ({r['speedup']:.2f}x), step peak {r['step_peak_mib']:.0f} MiB "
+        f"({r['memory_ratio']:.2f}x)"
+        for r in found
+    )
+    part.status = "pass" if code == 0 else "fail"
+
+
 PARTS: dict[str, Spec] = {
     "setup": Spec(setup, 25, "the carried wheels install into the image's own Python, offline"),
     "environment": Spec(
@@ -547,6 +571,13 @@ SLICES: dict[str, Spec] = {
     ),
     "liger": Spec(
         slice_liger, 150, "HF + PEFT + Liger on the 8B, LoRA and QLoRA, beside spotune's", "bench-gpu-liger.json"
+    ),
+    "moe": Spec(
+        slice_moe,
+        150,
+        "mixture of experts: spotune's per-token expert LoRA (grouped_mm and the loop) against peft's ParamWrapper "
+        "on one Qwen3-30B-A3B layer (128 experts, top-8) in bf16: tokens/s and step peak memory, the loss checked equal",
+        "bench-moe.json",
     ),
 }
 """Slices for a second command (`--slice NAME`; each with the set-up under 3 minutes)."""

@@ -302,6 +302,15 @@ GPU_OUTPUTS: dict[str, tuple[str, Any, str]] = {
         "compile seconds: resumed / first 0.08 (compile seconds: first attempt (from scratch) 42.1 s; "
         "resumed, with the artifacts 3.2 s)",
     ),
+    "moe": (
+        "bench-moe.json",
+        [
+            {"path": "spotune", "tokens_per_s": 41000.0, "step_peak_mib": 900.0, "speedup": 2.4, "memory_ratio": 0.3},
+            {"path": "peft", "tokens_per_s": 17083.3, "step_peak_mib": 3000.0, "speedup": 1.0, "memory_ratio": 1.0},
+        ],
+        "one Qwen3-30B-A3B layer, expert LoRA r16, against peft's ParamWrapper: spotune 41000 tok/s (2.40x), step "
+        "peak 900 MiB (0.30x); peft 17083 tok/s (1.00x), step peak 3000 MiB (1.00x)",
+    ),
 }
 
 
