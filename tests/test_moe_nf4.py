@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_moe import _randomise_adapter
 
 from trainer import builtin_assets
 from trainer.config import AdapterConfig, ConfigError, ModelConfig
@@ -24,14 +25,6 @@ from trainer.model import experts, experts_nf4, load
 def _build(path: Path, notes: list[str] | None = None, **adapter: Any) -> Any:
     cfg = AdapterConfig(**({"method": "qlora", "dropout": 0.0} | adapter))
     return load.build(ModelConfig(name_or_path=str(path), dtype="float32"), cfg, notes=notes)
-
-
-def _randomise_adapter(model: torch.nn.Module, seed: int = 1) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
 
 
 def _ids(n: int = 2, length: int = 24) -> torch.Tensor:

@@ -358,8 +358,8 @@ def test_a_bare_model_id_is_priced_as_a_run_would_train_it(
     assert spotune(["estimate", "meta-llama/Llama-3.1-8B-Instruct"]) == 0
     text = capsys.readouterr().out
     assert text.startswith(
-        "cheapest GPU that fits (by cost per million trained tokens, at each GPU's peak bf16 FLOP/s x an assumed "
-        "MFU 0.35): on-demand RTX-4090 $0.0"
+        "cheapest GPU that fits (by cost per million trained tokens; throughput assumed, not measured: each GPU's "
+        "peak bf16 FLOP/s x MFU 0.35 (model FLOPs utilisation)): on-demand RTX-4090 $0.0"
     )
     assert "$/1M tok" in text
     # Control: the user's own setting wins over the defaults; checkpointing off does not fit a 24 GB GPU,

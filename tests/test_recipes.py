@@ -112,7 +112,7 @@ def test_estimate_without_data_prints_the_memory_fit() -> None:
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith(
-        "cheapest GPU that fits (by cost per million trained tokens, at each GPU's peak bf16 FLOP/s x an assumed MFU"
+        "cheapest GPU that fits (by cost per million trained tokens; throughput assumed, not measured: each GPU's peak"
     )
     model = next(line for line in lines if line.startswith("model "))
     assert model.startswith("model   meta-llama/Llama-3.1-70B-Instruct (llama, 70,553.7M params, nf4)")

@@ -113,7 +113,7 @@ def format_memory_fit(result: dict[str, Any]) -> str:
         )
     lines += _fsdp_hint(result)
     lines.append(
-        f"$/1M tok: what a million trained tokens cost there, {_rate_basis(result['throughput'])} (spot: before "
+        f"$/1M tok: what a million trained tokens cost there, throughput {throughput_source(result['throughput'])} (spot: before "
         "interruptions, whose cost needs the run's length); how: what the recipe's `auto` memory settings choose on "
         "that GPU (the fastest that fits), or, where it does not fit, the smallest change that makes it fit; MTBI: "
         "mean time between spot interruptions (catalogue; --mtbi-hours to set yours)"
@@ -154,20 +154,13 @@ def cheapest_lines(result: dict[str, Any]) -> list[str]:
     if not parts:
         return ["cheapest GPU that fits: none in the catalogue as set (see what makes one fit below)"]
     how = next((c["setting"] for c in (found.get("spot"), found.get("on-demand")) if c and c.get("setting")), None)
-    basis = "" if priced else f" (by cost per million trained tokens, {_rate_basis(result['throughput'])})"
+    basis = (
+        "" if priced else f" (by cost per million trained tokens; throughput {throughput_source(result['throughput'])})"
+    )
     lines = [f"cheapest GPU that fits{basis}: {'; '.join(parts)}"]
     if how:
         lines.append(f"  trains there with {how}")
     return lines
-
-
-def _rate_basis(throughput: dict[str, Any]) -> str:
-    """Where the tokens/s behind a cost per token comes from, in a few words."""
-    if throughput["source"] == "pilot":
-        return f"at the rate a pilot measured on {throughput['device']}"
-    if throughput["source"] == "given":
-        return f"at the --throughput given, {throughput['tokens_per_s_per_gpu']:g} tokens/s per GPU"
-    return f"at each GPU's peak bf16 FLOP/s x an assumed MFU {throughput['assumed_mfu']:.2f}"
 
 
 def settings_lines(options: list[dict[str, Any]]) -> list[str]:
