@@ -338,6 +338,10 @@ def experts_forward(
     counts = torch.bincount(expert_ids, minlength=experts.num_experts)
     offsets = counts.cumsum(0).to(torch.int32)
     sizes = None if grouped else counts.tolist()
+    # Under QLoRA the experts with rows are dequantised (trainer/model/experts_nf4.py): read once for both
+    # projections (on a GPU the grouped path's only host sync), and not at all for 16-bit experts.
+    quantised = experts_nf4.storage(experts) is not None
+    hit = [e for e, n in enumerate(sizes if sizes is not None else counts.tolist()) if n] if quantised else []
 
     def matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # w: [experts, in, out]
         if grouped and _aligned(a, w):
@@ -345,7 +349,7 @@ def experts_forward(
         return _per_group(a, w, sizes if sizes is not None else counts.tolist())
 
     def project(name: str, a: torch.Tensor) -> torch.Tensor:
-        weight = experts_nf4.weight(experts, name, counts)  # the Parameter, or under QLoRA the experts hit, dequantised
+        weight = experts_nf4.weight(experts, name, hit)  # the Parameter, or under QLoRA the experts hit, dequantised
         a = a.to(weight.dtype)
         w = weight if experts.is_transposed else weight.transpose(1, 2)
         adapters = [(la.to(weight.dtype), lb.to(weight.dtype), s) for la, lb, s in lora.get(name, ())]

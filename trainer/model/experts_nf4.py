@@ -164,13 +164,12 @@ def storage(experts: torch.nn.Module) -> Nf4Experts | None:
     return getattr(experts, _ATTR, None)
 
 
-def weight(experts: torch.nn.Module, name: str, counts: torch.Tensor) -> torch.Tensor:
+def weight(experts: torch.nn.Module, name: str, hit: list[int]) -> torch.Tensor:
     """The expert Parameter `name` of `experts` as the kernel multiplies by it ([experts, ...], as stored): the
-    Parameter itself, or, quantised, the experts with rows routed to them (`counts` [experts]) dequantised."""
+    Parameter itself, or, quantised, the experts with rows routed to them (`hit`, ascending) dequantised."""
     nf4 = storage(experts)
     if nf4 is None:
         return getattr(experts, name)
-    hit = [int(e) for e in torch.nonzero(counts).flatten().tolist()]
     full = nf4.projections[name].experts(hit)
     if nf4.hooked and torch.is_grad_enabled():
         nf4.live[id(full)] = (weakref.ref(full), name, hit)
