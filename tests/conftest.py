@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -114,11 +116,22 @@ def _one_intra_op_thread(request: pytest.FixtureRequest) -> Iterator[None]:
             torch.set_num_threads(threads)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules that hold a `slow` drill first, the rest after, each in its own order.
+MODULE_SECONDS = json.loads((Path(__file__).with_name("module_seconds.json")).read_text())
+"""Measured seconds per test module (scripts/test_durations.py refreshes them from a JUnit report)."""
 
-    With one pytest worker per core (`--dist loadfile`), a worker that picks up a long drill
-    module last keeps the whole suite waiting for it while the other cores idle; started
-    first, the long modules overlap the many short ones."""
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules longest first, by their measured seconds (a module not measured yet: first if it holds
+    a `slow` test, else last); the tests of a module keep their order.
+
+    `make test` runs one pytest worker per core with `--dist loadfile --no-loadscope-reorder`, which
+    hands out whole modules in this order as workers free up: a long drill module picked up last
+    would keep the whole suite waiting on it while the other cores idle (xdist's own order, by the
+    number of tests in a module, put the drills, which have few tests, last)."""
     slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow") and item.module}
-    items.sort(key=lambda item: item.module is None or item.module.__name__ not in slow_modules)
+
+    def seconds(item: pytest.Item) -> float:
+        name = item.module.__name__ if item.module is not None else ""
+        return MODULE_SECONDS.get(name, math.inf if name in slow_modules else 0.0)
+
+    items.sort(key=lambda item: -seconds(item))  # stable: a module's tests stay together, in order

@@ -50,6 +50,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) ->
             assert run.train(C.from_dict(_recipe(out, tiny_llama, data, data.parent / "cache"))) == 0
         finally:
             torch.set_num_threads(threads)
+    assert not (out / "report.html").exists()  # the drills' recipe sets metrics.report=false (tests/test_report.py: on)
     earlier = sorted((out / "checkpoints").glob("step-*"))[0] / "adapter_model.safetensors"
     ref = Reference(
         data=data,

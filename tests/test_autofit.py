@@ -126,6 +126,7 @@ def test_a_run_with_auto_settings_logs_its_choice_and_keeps_the_global_batch(
             "train.global_batch_size": 4,
             "train.max_steps": 2,
             "metrics.progress": False,
+            "metrics.report": False,
             "checkpoint.every_minutes": None,
         }
     )
@@ -153,6 +154,7 @@ def test_estimate_takes_a_recipe_with_auto_settings(tiny_llama: Path, tiny_data:
             "data.path": str(tiny_data),
             "data.seq_len": 256,
             "metrics.progress": False,
+            "metrics.report": False,
         }
     )
     doc = plan_cli.estimate_for_run(cfg, throughput=100.0)

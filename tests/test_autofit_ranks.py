@@ -129,6 +129,7 @@ def _auto_run(out: Path, model: Path, data: Path) -> dict[str, Any]:
         "train.global_batch_size": 4,
         "train.max_steps": 2,
         "metrics.progress": False,
+        "metrics.report": False,
         "checkpoint.every_minutes": None,
     }
 

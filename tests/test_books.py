@@ -80,7 +80,7 @@ def _recipe(tmp: Path, tiny_llama: Path, **extra: Any) -> Path:
         "data": {"path": str(data), "seq_len": 64, "cache_dir": str(tmp / "cache")},
         "train": {"max_steps": KILL_STEP, "micro_batch_size": 2, "lr": 1e-2},
         "checkpoint": {"every_steps": SAVED_STEP, "every_minutes": None},
-        "metrics": {"progress": False, "log_every": 5, "warmup_steps": 1},
+        "metrics": {"progress": False, "report": False, "log_every": 5, "warmup_steps": 1},
         **extra,
     }
     recipe = tmp / "recipe.yaml"

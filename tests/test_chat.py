@@ -27,7 +27,13 @@ GREEDY = Sampling(max_new_tokens=24, temperature=0.0, min_new_tokens=8)
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("chat") / "run"
-    overrides = [f"output_dir={out}", "train.max_steps=4", "checkpoint.every_steps=2", "metrics.progress=false"]
+    overrides = [
+        f"output_dir={out}",
+        "train.max_steps=4",
+        "checkpoint.every_steps=2",
+        "metrics.progress=false",
+        "metrics.report=false",
+    ]
     assert spotune(["train", str(REPO / "recipes" / "tiny-cpu.yaml"), *overrides]) == 0
     return out
 

@@ -142,7 +142,7 @@ def test_spotune_train_ends_when_a_rank_hangs(tmp_path: Path, tiny_llama: Path, 
         "data": {"path": str(tiny_data), "seq_len": 128, "cache_dir": str(tmp_path / "cache")},
         "train": {"max_steps": 6, "micro_batch_size": 2, "grad_accum": 2, "collective_timeout_seconds": 10},
         "checkpoint": {"every_steps": 2, "every_minutes": None},
-        "metrics": {"progress": False, "log_every": 1},
+        "metrics": {"progress": False, "report": False, "log_every": 1},
     }
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))

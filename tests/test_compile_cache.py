@@ -141,7 +141,7 @@ def _recipe(out: Path, remote: Path, model: Path, data: Path, cache: Path, **mod
         "data": {"path": str(data), "seq_len": 64, "cache_dir": str(cache)},
         "train": {"max_steps": 4, "micro_batch_size": 2, "grad_accum": 1, "lr": 1e-2, "mixed_precision": "no"},
         "checkpoint": {"every_steps": 2, "every_minutes": None, "remote": str(remote)},
-        "metrics": {"progress": False, "log_every": 1},
+        "metrics": {"progress": False, "report": False, "log_every": 1},
     }
     path = out.parent / f"{out.name}.yaml"
     path.write_text(yaml.safe_dump(recipe))

@@ -18,7 +18,7 @@ from trainer.config import DataConfig, SourceConfig
 from trainer.data import DataError, Prepared, prepare
 from trainer.data.chat_templates import alpaca_prompt
 from trainer.data.formats import alpaca_messages
-from trainer.data.report import plot_lengths
+from trainer.data.report import LENGTHS_PNG, lengths_plot, plot_lengths
 from trainer.data.template import IGNORE_INDEX
 
 ROWS = [
@@ -406,10 +406,13 @@ def test_manifest_summary_and_plot(tmp_path: Path, tiny_tokenizer: Path, tiny_da
     text = p.summary()
     for needle in ("400 examples in", "packing efficiency", "p99", "suggested seq_len", "512:", "#"):
         assert needle in text, needle
-    assert (p.train_path.parent / "lengths.png").stat().st_size > 1000
-    out = tmp_path / "again.png"
-    plot_lengths(m, out)
-    assert out.read_bytes()[:4] == b"\x89PNG"
+    # The plot is drawn on demand (`spotune inspect`), once per cache entry, not while preparing.
+    assert not (p.train_path.parent / LENGTHS_PNG).exists()
+    png = lengths_plot(p.train_path.parent, m)
+    assert png == p.train_path.parent / LENGTHS_PNG and png.read_bytes()[:4] == b"\x89PNG"
+    assert png.stat().st_size > 1000 and plot_lengths(m)[:4] == b"\x89PNG"
+    mtime = png.stat().st_mtime_ns
+    assert lengths_plot(p.train_path.parent, m) == png and png.stat().st_mtime_ns == mtime  # drawn once
 
 
 def test_num_proc_gives_identical_rows(tmp_path: Path, tiny_tokenizer: Path, tiny_data: Path) -> None:

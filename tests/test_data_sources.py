@@ -458,7 +458,7 @@ def test_a_new_machine_resumes_on_the_commit_of_the_first_start(
             "data": {"path": "hf://datasets/org/instruct", "seq_len": 128},
             "train": {"max_steps": steps, "micro_batch_size": 2, "lr": 1e-2, "schedule": "constant"},
             "checkpoint": {"every_steps": 1, "every_minutes": None, "remote": s3_remote},
-            "metrics": {"progress": False},
+            "metrics": {"progress": False, "report": False},
         }
         return C.from_dict(raw)
 

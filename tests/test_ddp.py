@@ -45,6 +45,7 @@ def _overrides(model: Path, data: Path, cache: Path, out: Path, **extra: Any) ->
         # measures the loss scaling and the sharding, not the sign of rounding noise.
         "train.adam_eps": 1e-6,
         "metrics.progress": False,
+        "metrics.report": False,
         "checkpoint.every_minutes": None,
     }
     o.update(extra)

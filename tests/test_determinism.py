@@ -52,7 +52,7 @@ def _cfg(tmp_path: Path, name: str, model: Path, data: Path, device_extra: dict[
             "data": {"path": str(data), "seq_len": device_extra.get("seq_len", 128), "cache_dir": str(tmp_path / "c")},
             "train": {"max_steps": 6, "micro_batch_size": 2, "grad_accum": 2, "lr": 3e-3, **train},
             "checkpoint": {"every_steps": 3, "every_minutes": None},
-            "metrics": {"progress": False},
+            "metrics": {"progress": False, "report": False},
         }
     )
 

@@ -53,6 +53,7 @@ def _args(model: Path, data: Path, cache: Path, out: Path, global_batch: int) ->
         "train.lr": 1e-3,
         "train.adam_eps": 1e-6,  # as tests/test_ddp.py: no +/-lr steps from gradients that are rounding noise
         "metrics.progress": False,
+        "metrics.report": False,
         "metrics.log_every": 1,
         "checkpoint.every_steps": 1,
         "checkpoint.every_minutes": "null",

@@ -91,7 +91,7 @@ def test_out_of_memory_on_rank_1_reaches_the_exit_file_as_5(tmp_path: Path, tiny
         "data": {"path": str(data), "seq_len": 128, "cache_dir": str(tmp_path / "cache")},
         "train": {"max_steps": 6, "micro_batch_size": 1, "grad_accum": 1},
         "checkpoint": {"every_steps": None, "every_minutes": None},
-        "metrics": {"progress": False},
+        "metrics": {"progress": False, "report": False},
     }
     recipe.write_text(yaml.safe_dump(raw))
     exit_file = tmp_path / "code"

@@ -52,6 +52,7 @@ def _overrides(model: Path, data: Path, cache: Path, out: Path, steps: int, **ex
         "train.schedule": "constant",  # a run stopped at max_steps=2 and resumed to 6 sees the same lr
         "train.adam_eps": 1e-6,  # as tests/test_ddp.py: no +/-lr steps out of gradients that are rounding noise
         "metrics.progress": False,
+        "metrics.report": False,
         "checkpoint.every_steps": 1,
         "checkpoint.every_minutes": None,
         "checkpoint.keep_last": 10,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,32 @@ def test_inspect_show_marks_trained_text(tmp_path: Path, tiny_llama: Path, capsy
     assert "[[<b> & ok</s>]]" in out
     assert f"--- {data}:3: dropped (no_trainable_tokens: no token to train" in out  # its file and line
     assert out.count("]]") == 1 + 2 and ANSI_ON not in out  # the legend, two answers; not a terminal: no colour
+
+
+def test_inspect_draws_the_length_plot_once_and_says_why_when_it_cannot(
+    tmp_path: Path, tiny_llama: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """`train` prepares without drawing lengths.png; `inspect` draws it into the cache entry once, and
+    names the reason when the entry is read-only (a shared data.cache_dir)."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:2]) * 4)
+    cache = tmp_path / "cache"
+    argv = [f"model.name_or_path={tiny_llama}", f"data.path={data}", "data.seq_len=128", f"data.cache_dir={cache}"]
+    assert main(["prepare", *argv, f"output_dir={tmp_path / 'run'}"]) == 0
+    (entry,) = [d for d in cache.iterdir() if (d / "manifest.json").is_file()]
+    assert not (entry / "lengths.png").exists()  # prepare (and so train) spends nothing on the picture
+    capsys.readouterr()
+    entry.chmod(0o555)
+    try:
+        assert main(["inspect", *argv, f"output_dir={tmp_path / 'run'}"]) == 0
+        said = capsys.readouterr().out
+        if os.geteuid() != 0:  # root writes into a read-only folder anyway
+            assert f"length plot: none (cannot write {entry / 'lengths.png'}: Permission denied)" in said
+    finally:
+        entry.chmod(0o755)
+    assert main(["inspect", *argv, f"output_dir={tmp_path / 'run'}"]) == 0
+    assert f"length plot: {entry / 'lengths.png'}\n" in capsys.readouterr().out
+    assert (entry / "lengths.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_example_html_and_colour(tiny_tokenizer: Path) -> None:

@@ -316,7 +316,7 @@ def test_a_resumed_kto_run_equals_a_straight_one_bitwise(
                 "schedule": "constant",
             },
             "checkpoint": {"every_steps": None, "every_minutes": None},
-            "metrics": {"progress": False},
+            "metrics": {"progress": False, "report": False},
         }
         return C.from_dict(raw)
 

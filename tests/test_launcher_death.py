@@ -73,7 +73,7 @@ def test_sigkill_of_torchrun_ranks_save_and_exit_then_resume(tmp_path: Path, tin
         "data": {"path": str(data), "seq_len": 128, "cache_dir": str(tmp_path / "cache")},
         "train": {"max_steps": 400, "micro_batch_size": 1, "grad_accum": 1},
         "checkpoint": {"every_steps": None, "every_minutes": None},
-        "metrics": {"progress": False, "log_every": 1},
+        "metrics": {"progress": False, "report": False, "log_every": 1},
     }
     recipe.write_text(yaml.safe_dump(raw))
     p = _torchrun(recipe, tmp_path / "first.log")

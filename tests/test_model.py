@@ -150,6 +150,7 @@ def test_the_recipes_newer_families_train_with_lora_on_the_decoder_only(
         "train.max_steps": 2,
         "train.micro_batch_size": 2,
         "metrics.progress": False,
+        "metrics.report": False,
         "checkpoint.every_minutes": None,
     }
     assert run.train(C.RunConfig().replace(**overrides)) == 0

@@ -341,7 +341,7 @@ def test_train_saves_and_exits_on_notice_then_resumes(tmp_path, tiny_llama, tiny
                     "notice_endpoint": server.url,
                     "notice_poll_seconds": POLL,
                 },
-                "metrics": {"progress": False, "log_every": 1},
+                "metrics": {"progress": False, "report": False, "log_every": 1},
             }
         )
     )

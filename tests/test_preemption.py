@@ -111,6 +111,12 @@ def test_a_planned_stop_is_told_by_a_flag_not_by_its_text(monkeypatch: pytest.Mo
     assert said("a notice", True).startswith("spotune: stopped as planned")
     # The control: a stop whose text names the variable but that was not the planned one is a preemption.
     assert said(f"SIGTERM received ({P.STOP_AFTER_ENV} set)", False).startswith("spotune: preempted")
+    # metrics.report=false: a page an earlier attempt left is never named as this attempt's report.
+    (tmp_path / "report.html").write_text("an earlier attempt's page")
+    assert f"  report:  {tmp_path / 'report.html'}" in said("a notice", True)
+    quiet = Telemetry.final_summary(run, "preempted", 10, summary, tmp_path, "a notice", True, False)  # type: ignore[arg-type]
+    assert "report.html" not in quiet
+    assert f"report:  not written (metrics.report=false); `spotune report {tmp_path}` writes it" in quiet
 
 
 def test_a_second_ctrl_c_whose_exit_python_swallowed_still_ends_the_command_with_130(

@@ -46,7 +46,7 @@ def _cfg(out: Path, model: Path, data: Path, max_steps: int, **extra: Any) -> C.
         "data": {"path": str(data), "seq_len": 128, "cache_dir": str(data.parent / "cache")},
         "train": {"max_steps": max_steps, "micro_batch_size": 2, "grad_accum": 2, "lr": 1e-2, "schedule": "constant"},
         "checkpoint": {"every_steps": 1, "every_minutes": None, "keep_last": 2},
-        "metrics": {"progress": False},
+        "metrics": {"progress": False, "report": False},
     }
     return C.from_dict(raw).replace(**extra) if extra else C.from_dict(raw)
 

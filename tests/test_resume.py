@@ -45,7 +45,7 @@ def _cfg(out: Path, model: Path, data: Path, cache: Path, max_steps: int, **extr
             "warmup_steps": 2,
         },
         "checkpoint": {"every_steps": None, "every_minutes": None},
-        "metrics": {"progress": False},
+        "metrics": {"progress": False, "report": False},
     }
     return C.from_dict(raw).replace(**extra) if extra else C.from_dict(raw)
 

@@ -73,6 +73,7 @@ def test_final_the_merged_model_and_chat_stop_on_the_trained_end_of_turn(tmp_pat
             "train.max_steps": 2,
             "adapter.r": 2,
             "metrics.progress": False,
+            "metrics.report": False,
             "checkpoint.every_minutes": None,
         }
     )

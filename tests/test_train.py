@@ -36,6 +36,7 @@ def make_cfg(out: Path, **dotted: Any) -> C.RunConfig:
         "data.seq_len": 256,
         "train.micro_batch_size": 2,
         "metrics.progress": False,
+        "metrics.report": False,
         "checkpoint.every_minutes": None,
     }
     base.update(dotted)
@@ -79,6 +80,7 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "checkpoint.every_minutes=null",
             "metrics.log_every=1",
             "metrics.progress=false",
+            "metrics.report=false",
             "data.eval_fraction=0.02",
             "train.eval_every=12",
             "data.chat_template=alpaca",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from trainer.cli import recipe
 
@@ -43,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
         print(shown, flush=True)
     prepared = prepare_data(cfg)  # a run's hub datasets at its pinned commits
     if args.command == "inspect":
-        plot = prepared.train_path.parent / "lengths.png"
-        if plot.exists():
-            print(f"length plot: {plot}")
+        from trainer.data.report import lengths_plot
+
+        plot = lengths_plot(prepared.train_path.parent, prepared.manifest)
+        print(f"length plot: {plot}" if isinstance(plot, Path) else f"length plot: none ({plot})")
     return 0

@@ -312,3 +312,6 @@ class MetricsConfig:
     """Tags of the tracker run (W&B tags; MLflow tags set to "true")."""
     progress: bool = True
     """A progress bar when stderr is a terminal; false, or no terminal: one plain line per log step."""
+    report: bool = True
+    """Write report.html and its charts into the run directory as each attempt ends (a few seconds of CPU for
+    matplotlib); false: none, `spotune report RUN_DIR` writes it from the same files at any time."""

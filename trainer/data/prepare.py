@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import shutil
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -204,7 +203,6 @@ def _build(tmp: Path, plan: _Plan, seed: int, pairs: bool) -> dict[str, Any]:
     shutil.rmtree(scratch, ignore_errors=True)
     dropped.write(tmp, lost)
     manifest["seconds"] = round(time.perf_counter() - started, 3)
-    _plot(manifest, tmp / "lengths.png")
     cache.write_manifest(tmp, manifest)  # last: its presence marks the entry complete
     return manifest
 
@@ -404,12 +402,3 @@ def _save_rows(packed: dict[str, Any], seq_len: int, path: Path) -> None:
     if unpaired.DESIRABLE in packed:  # KTO: per row, its units' labels
         cols[unpaired.DESIRABLE] = pa.array(packed[unpaired.DESIRABLE], type=pa.list_(pa.int8()))
     datasets.Dataset(pa.table(cols)).save_to_disk(str(path))
-
-
-def _plot(manifest: dict[str, Any], png: Path) -> None:
-    try:
-        from trainer.data.report import plot_lengths
-
-        plot_lengths(manifest, png)
-    except ImportError:
-        print("spotune prepare: matplotlib is not installed; skipping lengths.png", file=sys.stderr)

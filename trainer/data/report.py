@@ -1,17 +1,39 @@
-"""Length-distribution plot of a prepared dataset (written beside its manifest as lengths.png)."""
+"""Length-distribution plot of a prepared dataset, lengths.png beside its manifest.
+
+Drawn when `spotune inspect` asks for it, not while preparing: matplotlib costs a second or two
+of CPU, which every `train` that builds its cache would pay for a picture nobody opened."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
+from trainer.atomic import write_bytes
 
-def plot_lengths(manifest: dict[str, Any], png_path: Path) -> None:
-    """Bar chart of example lengths per split, with p50/p90/p99 and seq_len marked."""
-    import matplotlib
+LENGTHS_PNG = "lengths.png"
 
-    matplotlib.use("Agg")  # headless: never needs a display
-    import matplotlib.pyplot as plt
+
+def lengths_plot(entry: Path, manifest: dict[str, Any]) -> Path | str:
+    """`entry`/lengths.png, drawn now if an earlier call has not (written atomically: a cache entry
+    is shared by every run on the machine); else why there is none."""
+    png = entry / LENGTHS_PNG
+    if png.is_file():
+        return png
+    try:
+        data = plot_lengths(manifest)
+    except ImportError:
+        return "matplotlib is not installed"
+    try:
+        write_bytes(png, data)
+    except OSError as e:  # a cache folder the user may read but not write (a shared, read-only data.cache_dir)
+        return f"cannot write {png}: {e.strerror or e}"
+    return png
+
+
+def plot_lengths(manifest: dict[str, Any]) -> bytes:
+    """Bar chart of example lengths per split, with p50/p90/p99 and seq_len marked, as PNG bytes."""
+    from matplotlib.figure import Figure  # the object API: no pyplot state in the caller's process
 
     seq_len = manifest["settings"]["seq_len"]
     splits = [
@@ -19,7 +41,8 @@ def plot_lengths(manifest: dict[str, Any], png_path: Path) -> None:
         for s in ("train", "eval")
         if manifest.get(s) and manifest[s]["lengths"].get("count")
     ]
-    fig, axes = plt.subplots(len(splits) or 1, 1, figsize=(8, 3.2 * max(1, len(splits))), squeeze=False)
+    fig = Figure(figsize=(8, 3.2 * max(1, len(splits))), layout="tight")
+    axes = fig.subplots(len(splits) or 1, 1, squeeze=False)
     for ax, (name, ls) in zip(axes[:, 0], splits, strict=False):
         edges, counts = ls["histogram"]["edges"], ls["histogram"]["counts"]
         widths = [hi - lo for lo, hi in zip(edges[:-1], edges[1:], strict=False)]
@@ -31,6 +54,6 @@ def plot_lengths(manifest: dict[str, Any], png_path: Path) -> None:
         ax.set_xlabel("tokens per example (with EOS, before truncation)")
         ax.set_ylabel("examples")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return buf.getvalue()

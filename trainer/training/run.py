@@ -434,9 +434,10 @@ def _finish(
     if proc.is_main:  # after the flush: a preempted machine spends its notice on the upload first
         # Before the ledger row (it counts what the user pays for): the page shows this attempt from the heartbeat.
         ledger.reporting()
-        from trainer.report import report_after_train
+        if cfg.metrics.report:
+            from trainer.report import report_after_train
 
-        report_after_train(proc.out, books.console.message)
+            report_after_train(proc.out, books.console.message)
     if books.trackers is not None:
         books.trackers.finish(reason, exit_codes.FOR_STOP[reason])
     # Closed while the signal handlers are still installed: a late SIGTERM (torchrun
@@ -449,6 +450,8 @@ def _finish(
     books.console.close()
     if proc.is_main:
         books.console.message(
-            books.telemetry.final_summary(reason, sched.steps, summary, proc.out, proc.stop.reason, proc.stop.planned)
+            books.telemetry.final_summary(
+                reason, sched.steps, summary, proc.out, proc.stop.reason, proc.stop.planned, cfg.metrics.report
+            )
         )
     return proc.remote.exit_code(exit_codes.FOR_STOP[reason], proc.out / "final")

@@ -146,10 +146,12 @@ class Telemetry:
         out: Path,
         stopped_by: str | None = None,
         planned: bool = False,
+        reported: bool = True,
     ) -> str:
         """The run's last words for a person: status, loss, speed, money and where to look next.
         `stopped_by`: what asked a preempted run to stop (a signal, a notice, a planned stop); `planned`:
-        the stop planned in advance (`Preemption.planned`, the pilot's), said as such, not as a preemption."""
+        the stop planned in advance (`Preemption.planned`, the pilot's), said as such, not as a preemption;
+        `reported`: whether this attempt wrote the report (`metrics.report`)."""
         from trainer.report.totals import hours_unit
         from trainer.restart.books.ledger import read_rows
 
@@ -176,7 +178,9 @@ class Telemetry:
             lines.append(f"  torch.compile: {compiled:.1f} s compiling in the first steps (the ledger's compile phase)")
         if (out / "final").is_dir():
             lines.append(f"  adapter: {out / 'final'}")
-        if (out / "report.html").is_file():
+        if not reported:  # a page left by an earlier attempt would not show this one
+            lines.append(f"  report:  not written (metrics.report=false); `spotune report {out}` writes it")
+        elif (out / "report.html").is_file():
             lines.append(f"  report:  {out / 'report.html'}")
         return "\n".join(lines)
 
