@@ -32,8 +32,9 @@ lint: setup-test
 # modules first (tests/conftest.py, tests/module_seconds.json);
 # tests/conftest.py shares the cores' threads out among the workers (a third worker on 2 cores, to fill
 # the time drills wait on their children, measured 0.95x the time twice: 1,431 s against 1,509 s, and after
-# the modules were ordered 1,210 s against 1,269 s; not worth the extra load on a busy machine). --instafail (pytest-instafail) prints each failure, its name and short traceback, the moment
-# it fails, not only in the summary at the end.
+# the modules were ordered 1,210 s against 1,269 s; not worth the extra load on a busy machine).
+# --instafail (pytest-instafail) prints each failure, its name and short traceback, the moment it fails,
+# not only in the summary at the end.
 TEST_WORKERS ?= auto
 test: setup-test
 	$(VENV)/bin/ruff check $(RUFF_PATHS)

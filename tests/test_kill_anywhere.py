@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from trainer import builtin_assets
 from trainer.exit_codes import EXIT_PREEMPTED
+from trainer.restart.books.ledger import read_rows
 from trainer.restart.local.checkpoint import CheckpointManager
 from trainer.restart.local.state import TrainState
 
@@ -180,8 +181,12 @@ def test_kill_anywhere_then_finish_equals_uninterrupted(
     def finished() -> bool:
         """final/ written and the run's last row says so. Not the exit code: the random SIGKILL may land
         after the finished row, in interpreter shutdown, and a rerun then is a no-op without a row."""
-        rows = [json.loads(x) for x in (out / "ledger.jsonl").read_text().splitlines()]
-        return (out / "final" / "adapter_model.safetensors").exists() and rows[-1]["exit_reason"] == "finished"
+        rows = read_rows(out)
+        return (
+            (out / "final" / "adapter_model.safetensors").exists()
+            and bool(rows)
+            and rows[-1]["exit_reason"] == "finished"
+        )
 
     # Then the same command until it finishes.
     for n in range(4, 8):

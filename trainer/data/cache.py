@@ -1,9 +1,10 @@
 """Content hashing and the atomic, reusable cache directory of a prepared dataset.
 
 Layout: `<cache_root>/<fingerprint>/` holds `train/`, optionally `eval/`, and `manifest.json`
-(plus `lengths.png` once `spotune inspect` has drawn it). A directory counts as complete only when it sits at its final name
-AND holds manifest.json: it is built under `<fingerprint>.tmp-<host>-<pid>-<rand>`, the
-manifest is written last and fsynced, then the whole directory is renamed into place.
+(plus `lengths.png` once `spotune inspect` has drawn it). A directory counts as complete only
+when it sits at its final name AND holds manifest.json: it is built under
+`<fingerprint>.tmp-<host>-<pid>-<rand>`, the manifest is written last and fsynced, then the
+whole directory is renamed into place.
 A killed prepare therefore leaves only a temp directory, which a later run removes.
 """
 

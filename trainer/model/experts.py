@@ -337,11 +337,11 @@ def experts_forward(
     x = hidden[order // top_k]
     counts = torch.bincount(expert_ids, minlength=experts.num_experts)
     offsets = counts.cumsum(0).to(torch.int32)
-    sizes = None if grouped else counts.tolist()
-    # Under QLoRA the experts with rows are dequantised (trainer/model/experts_nf4.py): read once for both
-    # projections (on a GPU the grouped path's only host sync), and not at all for 16-bit experts.
+    # Under QLoRA the experts with rows are dequantised (trainer/model/experts_nf4.py): the counts are read once
+    # for both projections (on a GPU the grouped path's only host sync); 16-bit grouped experts never read them.
     quantised = experts_nf4.storage(experts) is not None
-    hit = [e for e, n in enumerate(sizes if sizes is not None else counts.tolist()) if n] if quantised else []
+    sizes = counts.tolist() if quantised or not grouped else None
+    hit = [e for e, n in enumerate(sizes) if n] if sizes is not None and quantised else []
 
     def matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # w: [experts, in, out]
         if grouped and _aligned(a, w):
