@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from trainer import builtin_assets  # noqa: E402
 from trainer import config as C  # noqa: E402
+from trainer.data.packed import PackedRows  # noqa: E402
 from trainer.data.sampler import StepSampler  # noqa: E402
 from trainer.model import loss as micro_loss  # noqa: E402
 from trainer.model.load import build  # noqa: E402
@@ -118,10 +119,8 @@ def spotune_run(cfg: C.RunConfig) -> dict[int, tuple[float, float]]:
 def bare_loop(cfg: C.RunConfig, steps: int) -> dict[int, tuple[float, float]]:
     """The same steps in the plainest loop: no accelerate, no metrics, no finiteness check.
     Returns {step: (seconds, real tokens)}."""
-    import datasets
-
     prepared = inputs.prepare_data(cfg, progress=False)
-    rows = datasets.load_from_disk(str(prepared.train_path))
+    rows = PackedRows(prepared.train_path)
     t = cfg.train
     sampler = StepSampler(len(rows), C.batch_split(t, 1).global_rows, seed=cfg.seed, shuffle=cfg.data.shuffle)
     data = step_data.StepDataset(rows, sampler, 0, 1, t.micro_batch_size, steps)

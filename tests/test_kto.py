@@ -66,8 +66,9 @@ def adapter(tiny_llama: Path) -> dict[str, torch.Tensor]:
 
 def _spotune(tiny_llama: Path, adapter: dict[str, torch.Tensor], rows: list[dict[str, Any]], tmp: Path, **train: Any):
     from accelerate import Accelerator
-    from datasets import load_from_disk
     from peft.utils import set_peft_model_state_dict
+
+    from trainer.data.packed import PackedRows
 
     data = _jsonl(tmp / "kto.jsonl", rows)
     prepared = prepare(
@@ -82,8 +83,10 @@ def _spotune(tiny_llama: Path, adapter: dict[str, torch.Tensor], rows: list[dict
         sum(r["label"] for r in rows),
         sum(not r["label"] for r in rows),
     )
-    packed = load_from_disk(str(prepared.train_path))
-    assert max(packed["num_pairs"]) > 1  # several units share a row: the packed path is what is compared
+    packed = PackedRows(prepared.train_path)
+    assert (
+        max(packed.take(slice(None))["num_pairs"]) > 1
+    )  # several units share a row: the packed path is what is compared
     model = build(ModelConfig(name_or_path=str(tiny_llama), dtype="float32"), AdapterConfig(r=4, alpha=8, dropout=0.0))
     set_peft_model_state_dict(model, adapter)
     out: dict[str, float] = {}

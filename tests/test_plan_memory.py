@@ -182,10 +182,10 @@ def test_estimate_holds_for_the_tiny_recipe_on_its_training_path(
     dropout) through spotune's own step: its batches, its loss (logits at labelled rows only),
     AdamW. Measured here: the estimate is 17% high (it assumes every position is trained).
     Tolerance: 0% to +30%, since the estimate is there to say whether a run fits."""
-    from datasets import load_from_disk
     from transformers import AutoConfig
 
     from trainer import config
+    from trainer.data.packed import PackedRows
     from trainer.data.sampler import StepSampler
     from trainer.model.load import build
     from trainer.model.loss import token_loss_sum
@@ -202,7 +202,7 @@ def test_estimate_holds_for_the_tiny_recipe_on_its_training_path(
         ],
     )
     t = cfg.train
-    rows = load_from_disk(str(inputs.prepare_data(cfg, progress=False).train_path))
+    rows = PackedRows(inputs.prepare_data(cfg, progress=False).train_path)
     steps = StepDataset(
         rows, StepSampler(len(rows), t.micro_batch_size * t.grad_accum, seed=0), 0, 1, t.micro_batch_size, 2
     )

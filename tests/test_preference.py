@@ -22,6 +22,7 @@ from trainer import builtin_assets
 from trainer import config as C
 from trainer.config import AdapterConfig, DataConfig, ModelConfig, TrainConfig
 from trainer.data import DataError, prepare
+from trainer.data.packed import PackedRows
 from trainer.data.pairs import PROMPT_DIFFERS, tokenize_pairs_for
 from trainer.data.sampler import StepSampler
 from trainer.data.show import show_examples
@@ -185,13 +186,14 @@ def test_packed_rows_keep_each_pair_together_in_order(tiny_llama: Path, tmp_path
     data = builtin_assets.write_pairs(tmp_path / "pairs.jsonl", n=40)
     p = prepare(DataConfig(path=str(data), seq_len=256), str(tiny_llama), tmp_path / "c", progress=False, pairs=True)
     rows = datasets.load_from_disk(str(p.train_path))
+    packed = PackedRows(p.train_path)  # what a run reads
     assert sum(rows["num_pairs"]) == 40 and max(rows["num_pairs"]) > 1
     # What a step counts is defined once: the held-out set's counts are its rows' counts taken as one step's.
     whole = Counts(
-        *StepDataset(rows, StepSampler(len(rows), len(rows), 0, shuffle=False), 0, 1, 3, 1)[0].counts.tolist()
+        *StepDataset(packed, StepSampler(len(rows), len(rows), 0, shuffle=False), 0, 1, 3, 1)[0].counts.tolist()
     )
     assert whole.pairs == 40 and whole.real == sum(rows["num_real"]) and whole.doc_len_sq > whole.real
-    assert Counts(*eval_counts(rows).tolist()) == whole
+    assert Counts(*eval_counts(packed).tolist()) == whole
     source = [json.loads(line) for line in data.read_text().splitlines()]
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     found = []
@@ -277,12 +279,12 @@ def test_the_loss_is_per_pair_over_the_step_whatever_the_split(tiny_llama: Path,
     assert sum(means) / len(means) != pytest.approx(base, rel=1e-4)
 
 
-def _uneven_step(rows: datasets.Dataset) -> datasets.Dataset:
+def _uneven_step(rows: datasets.Dataset) -> PackedRows:
     """The rows with four holding different numbers of pairs first: the step a split could get wrong."""
     by_pairs = sorted(range(len(rows)), key=lambda i: rows[i]["num_pairs"])
     picked = [by_pairs[0], by_pairs[-1], by_pairs[len(by_pairs) // 2], by_pairs[1]]
     assert len({rows[i]["num_pairs"] for i in picked}) > 1
-    return rows.select(picked + [i for i in range(len(rows)) if i not in picked])
+    return PackedRows.of(rows.select(picked + [i for i in range(len(rows)) if i not in picked]).to_dict())
 
 
 def test_starting_adapter_is_checked_and_kept_as_reference(tiny_llama: Path, tmp_path: Path) -> None:
@@ -707,7 +709,7 @@ def test_a_run_refuses_prepared_pairs_with_identical_answers(tiny_llama: Path, t
     from trainer.training.batches import identical_pairs
     from trainer.training.run import refuse_identical_pairs
 
-    packed = datasets.Dataset.from_dict(
+    packed = PackedRows.of(
         {
             "input_ids": [
                 [1, 2, 3, 1, 2, 4, 0, 0, 0, 0],
@@ -732,4 +734,4 @@ def test_a_run_refuses_prepared_pairs_with_identical_answers(tiny_llama: Path, t
     # Control: real prepared pairs pass.
     data = builtin_assets.write_pairs(tmp_path / "pairs.jsonl", n=12)
     p = prepare(DataConfig(path=str(data), seq_len=256), str(tiny_llama), tmp_path / "c", progress=False, pairs=True)
-    assert identical_pairs(datasets.load_from_disk(str(p.train_path))) == []
+    assert identical_pairs(PackedRows(p.train_path)) == []

@@ -69,8 +69,9 @@ def _spotune(
     **train: Any,
 ) -> dict[str, float]:
     from accelerate import Accelerator
-    from datasets import load_from_disk
     from peft.utils import set_peft_model_state_dict
+
+    from trainer.data.packed import PackedRows
 
     tmp.mkdir(parents=True, exist_ok=True)
     data = tmp / "pairs.jsonl"
@@ -78,8 +79,10 @@ def _spotune(
     cfg = dataclasses.replace(data_cfg or DataConfig(seq_len=256), path=str(data), chat_template=TEMPLATE)
     prepared = prepare(cfg, str(tiny_llama), tmp / "cache", progress=False, pairs=True)
     assert prepared.manifest["train"]["pairs"] == (len(rows) if kept is None else kept)
-    packed = load_from_disk(str(prepared.train_path))
-    assert max(packed["num_pairs"]) > 1  # several pairs share a row: the packed path is what is compared
+    packed = PackedRows(prepared.train_path)
+    assert (
+        max(packed.take(slice(None))["num_pairs"]) > 1
+    )  # several pairs share a row: the packed path is what is compared
     model = build(ModelConfig(name_or_path=str(tiny_llama), dtype="float32"), AdapterConfig(r=4, alpha=8, dropout=0.0))
     set_peft_model_state_dict(model, adapter)
     out: dict[str, float] = {}

@@ -11,7 +11,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-import datasets
 import numpy as np
 import pytest
 import torch
@@ -20,6 +19,7 @@ from accelerate import Accelerator
 from trainer import config as C
 from trainer.config import AdapterConfig, ModelConfig
 from trainer.data.chat_templates import NAMED
+from trainer.data.packed import PackedRows
 from trainer.data.sampler import StepSampler
 from trainer.model import loss as micro_loss
 from trainer.model.load import build
@@ -245,7 +245,7 @@ def test_budget_guard_stops_with_a_checkpoint(tmp_path: Path, tiny_llama: Path, 
 
 def test_head_only_where_labels_are_gives_the_plain_loss(tiny_llama: Path) -> None:
     rows = _rows(lengths=[64, 20, 50], trainable=[60, 0, 30])  # the middle row has no label at all
-    cols = rows.with_format("numpy")[:]
+    cols = rows.take(slice(None))
     micro = step_data.micro_batch(*(torch.from_numpy(step_data.stack_column(cols[k])) for k in step_data.COLUMNS))
     assert micro["label_index"].shape == (90,) and int(micro["label_index"].max()) == 2 * 64 + 48
     model = _model(tiny_llama)
@@ -266,7 +266,7 @@ def _same(a: object, b: object) -> bool:
     return torch.equal(a, b) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else a == b
 
 
-def _rows(lengths: list[int], trainable: list[int], seq_len: int = 64, seed: int = 0) -> datasets.Dataset:
+def _rows(lengths: list[int], trainable: list[int], seq_len: int = 64, seed: int = 0) -> PackedRows:
     """Packed-format rows of one document each; the last `trainable` tokens of a document carry labels."""
     g = torch.Generator().manual_seed(seed)
     cols: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": [], "num_real": []}
@@ -279,7 +279,7 @@ def _rows(lengths: list[int], trainable: list[int], seq_len: int = 64, seed: int
         cols["labels"].append(labels.tolist())
         cols["position_ids"].append(list(range(seq_len)))
         cols["num_real"].append(n)
-    return datasets.Dataset.from_dict(cols)
+    return PackedRows.of(cols)
 
 
 def _model(tiny_llama: Path) -> torch.nn.Module:
@@ -295,7 +295,7 @@ def _lora_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _one_step(tiny_llama: Path, rows: datasets.Dataset, mbs: int, ga: int) -> dict[str, torch.Tensor]:
+def _one_step(tiny_llama: Path, rows: PackedRows, mbs: int, ga: int) -> dict[str, torch.Tensor]:
     """Weight change of one SGD(lr=1) step through `train_loop`, i.e. minus the applied gradient."""
     accelerator = Accelerator(cpu=True)
     model = _model(tiny_llama)
@@ -320,7 +320,7 @@ def test_accumulation_is_token_weighted(tiny_llama: Path) -> None:
 
     # Independent reference: d(total loss / total trainable tokens) over the four rows at once.
     model = _model(tiny_llama)
-    cols = rows.with_format("numpy")[:]
+    cols = rows.take(slice(None))
     full = [torch.from_numpy(step_data.stack_column(cols[k])) for k in step_data.COLUMNS]
     micro = step_data.micro_batch(*full)
     (micro_loss.token_loss_sum(model, micro) / step_data.count_trainable(micro["labels"])).backward()

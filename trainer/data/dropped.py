@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
+
+if TYPE_CHECKING:  # imported where rows are read: a run on prepared data never needs it (trainer/data/packed.py)
+    import datasets
 
 from trainer.data.read import LINE_COLUMN, numbered_by_line
 from trainer.data.sources import FILE_COLUMN, Located

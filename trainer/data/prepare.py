@@ -14,17 +14,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
 import pyarrow as pa
-from datasets import Features, Value
-
-try:
-    from datasets import List  # datasets >= 4
-except ImportError:  # datasets 3.x spells a variable-length list `Sequence`
-    from datasets import Sequence as List
 
 from trainer.config import DataConfig
 from trainer.data import cache, dropped, rows, tokenizer, unpaired
@@ -46,24 +39,39 @@ from trainer.data.stats import (
 from trainer.data.template import ANSWERS_CUT, NO_TRAINABLE_AFTER_TRUNCATION, OVERLONG, Tokenize
 from trainer.progress import datasets_bars
 
-_TOKENIZED = Features(
-    {
+if TYPE_CHECKING:  # imported where data is built: a run whose data is in the cache never needs it (packed.py)
+    import datasets
+
+
+def _tokenized_features(kind: str) -> datasets.Features:
+    """The columns of tokenised rows: every kind's, then a pair's chosen length (`pairs`), a KTO row's label
+    before with_kl adds the KL side (`unpaired`), or what seq_len cuts of the answers (`sft`)."""
+    from datasets import Features, Value
+
+    try:
+        from datasets import List  # datasets >= 4
+    except ImportError:  # datasets 3.x spells a variable-length list `Sequence`
+        from datasets import Sequence as List
+
+    common = {
         "input_ids": List(Value("int32")),
         "labels": List(Value("int32")),
         "length": Value("int32"),
         "status": Value("string"),
         "detail": Value("string"),
     }
-)
-_TOKENIZED_PAIRS = Features({**_TOKENIZED, "chosen_length": Value("int32")})
-_TOKENIZED_UNPAIRED = Features({**_TOKENIZED, unpaired.DESIRABLE: Value("int8")})  # before with_kl adds the KL side
-_TOKENIZED_SFT = Features({**_TOKENIZED, ANSWERS_CUT: List(Value("int32"))})  # what seq_len cuts of the answers
+    extra = {
+        "pairs": {"chosen_length": Value("int32")},
+        "unpaired": {unpaired.DESIRABLE: Value("int8")},
+        "sft": {ANSWERS_CUT: List(Value("int32"))},
+    }[kind]
+    return Features({**common, **extra})
 
 
 @dataclass(frozen=True)
 class Prepared:
     train_path: Path
-    """Packed training rows; open with `datasets.load_from_disk`."""
+    """Packed training rows; open with `PackedRows` (trainer/data/packed.py)."""
     eval_path: Path | None
     manifest: dict[str, Any]
     reused: bool
@@ -237,12 +245,8 @@ def _tokenize(loc: Located, raw: datasets.Dataset, job: _Job, j: int) -> tuple[d
         batched=True,
         remove_columns=raw.column_names,
         num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
-        features=(
-            _TOKENIZED_UNPAIRED
-            if isinstance(mapped, unpaired.TokenizeUnpaired)
-            else _TOKENIZED_PAIRS
-            if job.pairs
-            else _TOKENIZED_SFT
+        features=_tokenized_features(
+            "unpaired" if isinstance(mapped, unpaired.TokenizeUnpaired) else "pairs" if job.pairs else "sft"
         ),
         cache_file_name=str(job.scratch / f"{job.name}-{j}.arrow"),
         new_fingerprint=f"{job.fp}-{job.name}-{j}",  # skips hashing the tokenizer-holding function
@@ -251,6 +255,13 @@ def _tokenize(loc: Located, raw: datasets.Dataset, job: _Job, j: int) -> tuple[d
     if isinstance(mapped, unpaired.TokenizeUnpaired):  # KTO: each row's KL sequence beside it (needs the others)
         tokenized = unpaired.with_kl(tokenized, mapped.lengths, cfg.seq_len, cfg.overlong)
     return tokenized, tok
+
+
+def _concatenated(pieces: list[datasets.Dataset]) -> datasets.Dataset:
+    """The sources' tokenised rows as one table, in source order."""
+    import datasets
+
+    return pieces[0] if len(pieces) == 1 else datasets.concatenate_datasets(pieces)
 
 
 def _how(tok: Tokenize) -> dict[str, Any]:
@@ -291,7 +302,7 @@ def _tokenize_pack_save(
             }
         )
         pieces.append(piece)
-    tokenized = pieces[0] if len(pieces) == 1 else datasets.concatenate_datasets(pieces)
+    tokenized = _concatenated(pieces)
     status = np.asarray(tokenized["status"], dtype=object)
     lengths = np.asarray(tokenized["length"], dtype=np.int64)
     ids_arr = tokenized.data.column("input_ids").combine_chunks()
@@ -401,4 +412,6 @@ def _save_rows(packed: dict[str, Any], seq_len: int, path: Path) -> None:
             cols[k] = pa.array(packed[k], type=pa.int32())
     if unpaired.DESIRABLE in packed:  # KTO: per row, its units' labels
         cols[unpaired.DESIRABLE] = pa.array(packed[unpaired.DESIRABLE], type=pa.list_(pa.int8()))
-    datasets.Dataset(pa.table(cols)).save_to_disk(str(path))
+    import datasets
+
+    datasets.Dataset(pa.table(cols)).save_to_disk(str(path))  # read back by trainer/data/packed.py

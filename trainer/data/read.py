@@ -22,11 +22,12 @@ import csv
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
-import pyarrow.parquet as pq
+
+if TYPE_CHECKING:
+    import datasets
 
 from trainer.exit_codes import EXIT_BAD_INPUT
 
@@ -90,6 +91,8 @@ def read_rows(
     its `LINE_COLUMN`; `key` names the config key in errors. JSON values of the `as_text` columns
     (a conversation's tools) are kept as JSON text: Arrow would merge every row's schemas into one
     struct of all their keys, reordered and null-filled."""
+    import datasets  # here, not at the top: a run on prepared data never reads raw rows (trainer/data/packed.py)
+
     p = check_source(path, key=key)
     if p.is_dir():
         ds = _numbered(_read_saved(p, key, split))
@@ -104,6 +107,8 @@ def read_rows(
         elif suffix == ".parquet":
             # Read straight through pyarrow (what datasets' builders use underneath) so that
             # nothing is written to the user's HF cache: the only artifact is our own cache dir.
+            import pyarrow.parquet as pq
+
             ds = _numbered(datasets.Dataset(pq.read_table(p)))
         elif suffix == ".arrow":  # a shard of a saved dataset (datasets' Arrow stream), as some hub repos hold
             ds = _numbered(datasets.Dataset.from_file(str(p), in_memory=True))
@@ -267,6 +272,8 @@ def _from_records(rows: Numbered, p: Path, key: str, as_text: tuple[str, ...]) -
         if _needs_packing(table[c]):
             table[c] = [None if v is None else PACKED + json.dumps(v, ensure_ascii=True) for v in table[c]]
     table[LINE_COLUMN] = [line for line, _ in rows]
+    import datasets
+
     try:
         return datasets.Dataset.from_dict(table)
     except Exception as e:  # pyarrow type conflicts between rows, e.g. a field that is a string here and a list there
@@ -314,6 +321,8 @@ def _read_saved(p: Path, key: str, split: str) -> datasets.Dataset:
             f"{key}: {p} is a directory but not one written by datasets' save_to_disk; "
             f"supported: {', '.join(SUPPORTED)}."
         )
+    import datasets
+
     loaded = datasets.load_from_disk(str(p), keep_in_memory=True)
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:

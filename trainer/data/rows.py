@@ -9,9 +9,8 @@ its source (`template.ROW_COLUMN`), so a dropped row can be named by file and li
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
 
 from trainer.config import DataConfig
@@ -23,7 +22,10 @@ from trainer.data.sources import Located, Source, choose
 from trainer.data.sources import read as read_source
 from trainer.data.template import HEAD_ROWS, ROW_COLUMN, Tokenize, tokenize_for
 
-Parts = list[tuple[Located, datasets.Dataset]]
+if TYPE_CHECKING:  # imported where rows are read: a run on prepared data never needs it (trainer/data/packed.py)
+    import datasets
+
+Parts = list[tuple[Located, "datasets.Dataset"]]
 """Each source's rows of one split, in source order."""
 
 

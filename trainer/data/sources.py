@@ -17,15 +17,16 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
-from datasets.utils import tqdm
 
 from trainer.config import DataConfig, SourceConfig
 from trainer.data import hub, layout
 from trainer.data.read import INTERNAL, DataError, check_source, data_columns, is_saved_dataset, read_rows
+
+if TYPE_CHECKING:  # imported where rows are read: a run on prepared data never needs it (trainer/data/packed.py)
+    import datasets
 
 FILE_COLUMN = INTERNAL + "file"
 """Which of a located source's files a raw row came from (an index into `Located.files`)."""
@@ -173,6 +174,8 @@ def local_files(located: list[Located]) -> list[Path]:
 def read(loc: Located) -> datasets.Dataset:
     """Every raw row of `loc`, its files concatenated in order, with every column any file has and,
     per row, its file (`FILE_COLUMN`, an index into `loc.files`) and line (`read.LINE_COLUMN`)."""
+    from datasets.utils import tqdm
+
     key = _path_key(loc.source.key)
     # datasets' tqdm follows its global progress switch (prepare's `progress`): a bar on a terminal.
     files = tqdm(loc.files, desc=f"read {loc.source.key}", unit="file", disable=len(loc.files) < 2)
@@ -187,6 +190,8 @@ def read(loc: Located) -> datasets.Dataset:
 def _concatenate(parts: list[datasets.Dataset], loc: Located, key: str) -> datasets.Dataset:
     """The files' rows as one table: a column some file lacks is None in its rows, and files of one
     layout that differ in storage types (Parquet's large_string, JSON's string) take the first's."""
+    import datasets
+
     union: dict[str, Any] = {}
     for p in parts:
         for name, feature in p.features.items():

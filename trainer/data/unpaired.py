@@ -29,9 +29,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
 
 from trainer.data import formats
@@ -46,6 +45,9 @@ from trainer.data.template import (
     tokenize_for,
 )
 from trainer.data.turns import Drop, bad_text
+
+if TYPE_CHECKING:  # imported where rows are read: a run on prepared data never needs it (trainer/data/packed.py)
+    import datasets
 
 FORMAT = "prompt_completion"
 LABEL = "label"
@@ -183,6 +185,8 @@ def with_kl(tokenized: datasets.Dataset, lengths: Lengths, seq_len: int, overlon
         (s_ids, s_lab), (k_ids, k_lab) = fitted
         out_ids[i], out_labels[i], chosen_length[i] = s_ids + k_ids, s_lab + k_lab, len(s_ids)
     desirable = [d if s == "" else -1 for d, s in zip(tokenized[DESIRABLE], status, strict=True)]
+    import datasets
+
     return datasets.Dataset.from_dict(
         {
             "input_ids": out_ids,

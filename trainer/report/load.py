@@ -141,8 +141,9 @@ class RunData:
         return int(steps) if steps is not None else None
 
 
-def load_run(run_dir: str) -> RunData:
-    """Read `run_dir`; ReportError when it holds neither metrics.jsonl nor a ledger."""
+def load_run(run_dir: str, *, example: bool = True) -> RunData:
+    """Read `run_dir`; ReportError when it holds neither metrics.jsonl nor a ledger. `example`: decode the
+    training example the report page shows (a tokenizer: transformers and torch, 3 s of CPU `status` skips)."""
     base = run_dir.rstrip("/")
     where = redact(base)
     texts = {name: _read(f"{base}/{name}") for name in (METRICS_FILE, LEDGER_FILE, HEARTBEAT_FILE)}
@@ -190,7 +191,7 @@ def load_run(run_dir: str) -> RunData:
         estimate=_json(f"{base}/{ESTIMATE_FILE}", notes),
         heartbeat_time=heartbeat_time,
         trained=trained,
-        example=training_example(trained.dataset_dir, tokenizers, notes) if local else None,
+        example=training_example(trained.dataset_dir, tokenizers, notes) if local and example else None,
         notes=notes,
     )
 

@@ -192,7 +192,7 @@ def format_status(s: Status) -> str:
 
 def _data(run: str) -> RunData | None:
     try:
-        return load_run(run)
+        return load_run(run, example=False)  # status shows no example: no tokenizer, no torch
     except ReportError:  # no metrics, ledger or heartbeat (yet): the rest may still show a run
         return None
 

@@ -13,10 +13,9 @@ no rank is left waiting in a collective for one that gave up.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
-
-import torch
 
 from trainer.exit_codes import EXIT_ERROR, EXIT_PREEMPTED, PRIORITY, code_for
 from trainer.urls import one_line
@@ -58,19 +57,31 @@ def raise_failure(failures: list[Failure | None], prefix: str = "") -> None:
 
 
 def distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+    """Whether a process group is up. None can be where torch.distributed was never imported: `spotune
+    prepare` and `inspect` decide here without importing torch (2 s of CPU)."""
+    if "torch.distributed" not in sys.modules:
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def rank() -> int:
-    return torch.distributed.get_rank() if distributed() else 0
+    if not distributed():
+        return 0
+    import torch.distributed as dist
+
+    return dist.get_rank()
 
 
 def broadcast(value: T) -> T:
     """Rank 0's `value` on every rank (the resume step must be the same everywhere)."""
     if not distributed():
         return value
+    import torch.distributed as dist
+
     box = [value]
-    torch.distributed.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
@@ -96,6 +107,8 @@ def gather(value: T) -> list[T]:
     """Every rank's `value`, in rank order, on every rank."""
     if not distributed():
         return [value]
-    out: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, value)
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
     return out

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from trainer.data.packed import PackedRows
 from trainer.data.template import IGNORE_INDEX
 from trainer.model.objective import Counts
 from trainer.restart.signals.preemption import SIGNALS
@@ -60,7 +61,7 @@ class StepDataset(torch.utils.data.Dataset):
 
     def __init__(
         self,
-        rows: Any,
+        rows: PackedRows,
         sampler: Any,
         rank: int,
         world_size: int,
@@ -70,7 +71,7 @@ class StepDataset(torch.utils.data.Dataset):
         self.pairs = PAIRS in rows.column_names
         self.kto = DESIRABLE in rows.column_names
         extra = [*([PAIRS] if self.pairs else []), *([DESIRABLE] if self.kto else [])]
-        self.rows = rows.with_format("numpy", columns=[*COLUMNS, "num_real", *extra])
+        self.rows = rows.select([*COLUMNS, "num_real", *extra])
         self.sampler = sampler
         self.rank, self.world_size = rank, world_size
         self.micro_batch_size = micro_batch_size
@@ -86,13 +87,13 @@ class StepDataset(torch.utils.data.Dataset):
                 # This rank's share of an uneven global batch ran out: every rank still runs the
                 # same micro-steps (DDP's gradient sync is collective), so it runs a filler row
                 # that carries no label and counts no token (and no pair).
-                filler = self.rows[self.sampler.rows_for_step(step)[:1]]
+                filler = self.rows.take(self.sampler.rows_for_step(step)[:1])
                 ids, labels, positions = (torch.from_numpy(stack_column(filler[k])) for k in COLUMNS)
                 no_pairs = [0] if self.pairs else None
                 filled = micro_batch(ids, torch.full_like(labels, IGNORE_INDEX), positions, no_pairs)
                 micro.append(with_labels(filled, [] if self.kto else None))
                 continue
-            cols = self.rows[indices]
+            cols = self.rows.take(indices)
             row_pairs = [int(n) for n in cols[PAIRS]] if self.pairs else None
             ids, labels, positions = (torch.from_numpy(stack_column(cols[k])) for k in COLUMNS)
             batch = with_labels(micro_batch(ids, labels, positions, row_pairs), units_of(cols) if self.kto else None)
@@ -210,7 +211,7 @@ def sequence_tokens(labels: torch.Tensor, cu: torch.Tensor, row_pairs: list[int]
     return out
 
 
-def identical_pairs(rows: Any) -> list[int]:
+def identical_pairs(rows: PackedRows) -> list[int]:
     """Packed rows (of `rows`, a preference dataset) holding a pair whose chosen and rejected sequences are
     the same tokens. Such a pair teaches nothing (its DPO gradient is 0) yet counts as a pair of the step,
     shrinking every other pair's share, and as a wrong ranking in reward accuracy: data preparation drops
@@ -219,9 +220,9 @@ def identical_pairs(rows: Any) -> list[int]:
         return []
     found = []
     names = ["input_ids", "position_ids", PAIRS]
-    cols = rows.with_format("numpy", columns=names)
+    cols = rows.select(names)
     for first in range(0, len(cols), 1024):  # read in chunks: one Arrow read per 1,024 rows
-        chunk = cols[first : first + 1024]
+        chunk = cols.take(slice(first, first + 1024))
         for i, (ids, positions, pairs) in enumerate(zip(*(stack_column(chunk[c]) for c in names), strict=True)):
             starts = np.flatnonzero(positions == 0).tolist() + [len(ids)]
             if any(
@@ -284,18 +285,18 @@ def _ignore_stop_signals(worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def eval_micro_batches(rows: Any, rank: int, world: int, micro_batch_size: int) -> Iterator[dict[str, Any]]:
+def eval_micro_batches(rows: PackedRows, rank: int, world: int, micro_batch_size: int) -> Iterator[dict[str, Any]]:
     """This rank's share of the held-out rows (every world-th row), as micro-batches.
 
     Every rank yields the same number of micro-batches: a rank past its share gets a filler
     row whose labels are all ignored, so no rank waits alone in a collective.
     """
     pairs, kto = PAIRS in rows.column_names, DESIRABLE in rows.column_names
-    rows = rows.with_format("numpy", columns=[*COLUMNS, *([PAIRS] if pairs else []), *([DESIRABLE] if kto else [])])
+    rows = rows.select([*COLUMNS, *([PAIRS] if pairs else []), *([DESIRABLE] if kto else [])])
     per_rank = -(-len(rows) // world)
     for start in range(0, per_rank, micro_batch_size):
         idx = [rank + world * i for i in range(start, min(start + micro_batch_size, per_rank))]
-        cols = rows[[min(i, len(rows) - 1) for i in idx]]
+        cols = rows.take([min(i, len(rows) - 1) for i in idx])
         ids, labels, positions = (torch.from_numpy(stack_column(cols[k])) for k in COLUMNS)
         beyond = torch.tensor([i >= len(rows) for i in idx])
         labels[beyond] = IGNORE_INDEX  # a filler row: forward for lockstep, no loss
@@ -308,14 +309,14 @@ def eval_micro_batches(rows: Any, rank: int, world: int, micro_batch_size: int) 
         yield with_labels(micro_batch(ids, labels, positions, row_pairs), units)
 
 
-def eval_counts(rows: Any) -> torch.Tensor:
+def eval_counts(rows: PackedRows) -> torch.Tensor:
     """The `Counts` tensor of the whole held-out set (every rank reads all of it: the same totals
     everywhere), for normalising the evaluation's loss as a step's is normalised."""
     pairs = PAIRS in rows.column_names
-    cols = rows.with_format("numpy", columns=[*COLUMNS, "num_real", *([PAIRS] if pairs else [])])
+    cols = rows.select([*COLUMNS, "num_real", *([PAIRS] if pairs else [])])
     counts = []
     for start in range(0, len(rows), 256):
-        chunk = cols[start : start + 256]
+        chunk = cols.take(slice(start, start + 256))
         ids, labels, positions = (torch.from_numpy(stack_column(chunk[k])) for k in COLUMNS)
         row_pairs = [int(n) for n in chunk[PAIRS]] if pairs else None
         counts.append(counts_of(micro_batch(ids, labels, positions, row_pairs), chunk["num_real"]))

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import torch
 
+from trainer.data.packed import PackedRows
 from trainer.exit_codes import StopReason
 from trainer.model import distributed
 from trainer.model.objective import Counts, Objective, Sft
@@ -286,7 +287,7 @@ def _scaler_calibrating(accelerator: Any, loss_value: float) -> bool:
 
 
 def make_evaluator(
-    rows: Any,
+    rows: PackedRows,
     model: torch.nn.Module,
     accelerator: Any,
     micro_batch_size: int,

@@ -20,6 +20,7 @@ import torch
 
 from trainer import config as C
 from trainer import exit_codes
+from trainer.data.packed import PackedRows
 from trainer.data.read import DataError
 from trainer.data.sampler import StepSampler, run_steps
 from trainer.exit_codes import StopReason
@@ -65,7 +66,6 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
     phases: dict[str, float] = {}  # fixed costs for the ledger, timed before it can open
     with timed(phases, "imports"):  # the rest of the libraries train() needs (the ledger adds the time before)
         from accelerate.utils import set_seed
-        from datasets import load_from_disk
 
     ck = cfg.checkpoint
     with determinism.kernels(cfg.train.deterministic) as notes, contextlib.ExitStack() as closing:
@@ -92,7 +92,7 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
         cfg, auto_notes, auto = autofit.resolve_for_device(
             cfg, model_path(cfg), device, proc.world, proc.sharding.fsdp, proc.out
         )
-        rows = load_from_disk(str(prepared.train_path))
+        rows = PackedRows(prepared.train_path)
         refuse_identical_pairs(rows, prepared.train_path)  # a preference objective never trains on them
         with timed(phases, "resolve"):
             # local or remote, on rank 0; a request applied already (a rerun of the same command) resumes as auto
@@ -163,7 +163,7 @@ def resolved_precision(cfg: C.RunConfig, accelerator: Any) -> C.RunConfig:
     return cfg.replace(**{"train.mixed_precision": accelerator.mixed_precision})
 
 
-def refuse_identical_pairs(rows: Any, where: Path) -> None:
+def refuse_identical_pairs(rows: PackedRows, where: Path) -> None:
     """DataError (exit 2) when prepared preference rows hold a pair of identical answers (batches.py
     `identical_pairs`: prepared by a version that did not drop them)."""
     found = identical_pairs(rows)
@@ -351,7 +351,7 @@ def _train_steps(
     cfg: C.RunConfig,
     proc: process.Process,
     sched: Schedule,
-    rows: Any,
+    rows: PackedRows,
     prepared: Any,
     model: torch.nn.Module,
     optimizer: Any,
@@ -385,10 +385,8 @@ def _train_steps(
     )
     evaluate = None
     if plan.eval_every:
-        from datasets import load_from_disk
-
         evaluate = loop.make_evaluator(
-            load_from_disk(str(prepared.eval_path)),
+            PackedRows(prepared.eval_path),
             model,
             proc.accelerator,
             int(t.micro_batch_size),
