@@ -1,5 +1,8 @@
 """benchmarks/gpu_memory.py keeps working: its --tiny CPU runs print the memory table and the
-longest-sequence search, and write the JSON the GPU memory figures (docs/gpu.md) are made from."""
+longest-sequence search, and write the JSON the GPU memory figures (docs/gpu.md) are made from.
+
+The tiny runs call its `main` in this process (a subprocess would pay ~7 s of imports each); the
+8B estimate runs it as the command docs/long-context.md shows, which proves the script itself starts."""
 
 from __future__ import annotations
 
@@ -8,22 +11,33 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1024**3
 
 
-def _run(tmp_path: Path, *extra: str) -> tuple[dict, str]:
-    out = tmp_path / "bench.json"
-    cmd = [sys.executable, "benchmarks/gpu_memory.py", "--tiny", "--json", str(out), *extra]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the CPU path even on a GPU runner
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(out.read_text()), done.stdout
+@pytest.fixture
+def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Any:
+    """benchmarks/gpu_memory.py's `main` with `--tiny` and these arguments, in this process: the JSON it wrote
+    and what it printed."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the CPU path even on a GPU runner
+    import gpu_memory
+
+    def tiny(*extra: str) -> tuple[dict, str]:
+        out = tmp_path / "bench.json"
+        capsys.readouterr()
+        gpu_memory.main(["--tiny", "--json", str(out), *extra])
+        return json.loads(out.read_text()), capsys.readouterr().out
+
+    return tiny
 
 
-def test_memory_table_tiny_run(tmp_path: Path) -> None:
-    result, stdout = _run(tmp_path, "--steps", "2", "--seqs", "64")
+def test_memory_table_tiny_run(run: Any) -> None:
+    result, stdout = run("--steps", "2", "--seqs", "64")
     rows = result["memory_table"]
     # LoRA and QLoRA x (no checkpointing, checkpointing, checkpointing + offloading) x one length.
     assert [(r["method"], r["checkpointing"], r["offload"]) for r in rows] == [
@@ -36,8 +50,8 @@ def test_memory_table_tiny_run(tmp_path: Path) -> None:
     assert "e/res" in stdout and stdout.count("ckpt+offload") == 2
 
 
-def test_longest_search_tiny_run(tmp_path: Path) -> None:
-    result, stdout = _run(tmp_path, "--longest")
+def test_longest_search_tiny_run(run: Any) -> None:
+    result, stdout = run("--longest")
     found = result["longest"]
     assert found["measured_longest"] == 512  # the tiny run's cap
     assert found["estimated_longest"] > 512 and found["published_target"] == 342_000
@@ -46,9 +60,9 @@ def test_longest_search_tiny_run(tmp_path: Path) -> None:
     assert "longest 8B QLoRA r32 sequence" in stdout and "tiling (norms, MLP)" in stdout
 
 
-def test_one_probe_at_a_given_length_tiny_run(tmp_path: Path) -> None:
+def test_one_probe_at_a_given_length_tiny_run(run: Any) -> None:
     """`--probe SEQ` (the GPU check's `longest` slice): one step at that length, beside the estimate there."""
-    result, stdout = _run(tmp_path, "--probe", "512")
+    result, stdout = run("--probe", "512")
     probe = result["probe"]
     assert probe["seq"] == 512 and probe["tiled_mlp"] and probe["tokens_per_s"] > 0 and probe["seconds"] > 0
     assert probe["offloaded_gib"] > 0 and probe["estimate"]["allocated"] > 0 and "error" not in probe
