@@ -2,7 +2,8 @@
 until it finishes: SIGTERM (checkpoint, exit 143), SIGKILL inside a save (halfway through
 fsyncing, before the manifest) and SIGKILL at a random moment. The final adapter and every
 logged loss, redone steps included, equal an uninterrupted run's; the ledger has one row
-per attempt. Also (opt-in, slow) a two-process gloo run where only rank 1 gets SIGTERM."""
+per attempt. Also a two-process gloo run where only rank 1 gets SIGTERM, then the launcher
+alone is SIGKILLed (tests/test_launcher_death.py: its ranks' watch)."""
 
 from __future__ import annotations
 
@@ -237,16 +238,23 @@ def _torchrun(procs: list, recipe: Path, log: Path) -> subprocess.Popen:
     return procs[-1]
 
 
-def test_two_process_ddp_sigterm_on_one_rank_then_resume(tmp_path: Path, tiny_llama: Path, procs: list) -> None:
-    """SIGTERM reaches only rank 1: both ranks agree on the stop step, save, exit; the resumed
-    two-process run ends with the same adapter as an uninterrupted two-process run."""
+def test_two_process_ddp_sigterm_on_one_rank_then_launcher_killed_then_resume(
+    tmp_path: Path, tiny_llama: Path, procs: list
+) -> None:
+    """Two torchrun ranks (gloo), stopped twice before the same command finishes them. First SIGTERM
+    reaches only rank 1: both ranks agree on the stop step, save, exit. Then the launcher alone is
+    SIGKILLed: torchrun starts its ranks in sessions of their own, so the kill reaches none of them;
+    each sees its parent gone, they agree on a step, save and exit within seconds, and the same
+    command resumes at once (no 75: no rank holds the run). The run ends with the same adapter as an
+    uninterrupted two-process run. (One drill for both stops: each alone started a torchrun more.)"""
     import psutil
 
+    steps = 16  # the launcher's death is seen within a poll (0.5 s): steps enough that the ranks are still training
     data = builtin_assets.write_dataset(tmp_path / "train.jsonl", n=16)
     recipes = {}
     for name in ("straight", "stopped"):
         raw = _recipe(tmp_path / name, tiny_llama, data, tmp_path / "cache")
-        raw["train"].update(max_steps=6, micro_batch_size=1, grad_accum=2)
+        raw["train"].update(max_steps=steps, micro_batch_size=1, grad_accum=2)
         raw["checkpoint"]["every_steps"] = None
         recipes[name] = tmp_path / f"{name}.yaml"
         recipes[name].write_text(yaml.safe_dump(raw))
@@ -255,25 +263,57 @@ def test_two_process_ddp_sigterm_on_one_rank_then_resume(tmp_path: Path, tiny_ll
     assert straight.wait(timeout=300) == 0, (tmp_path / "straight.log").read_text()
 
     out = tmp_path / "stopped"
-    p = _torchrun(procs, recipes["stopped"], tmp_path / "stopped1.log")
-    assert _wait(p, lambda: bool(_metric_rows(out)), timeout=300), (tmp_path / "stopped1.log").read_text()
-    # Rank 1 itself, not its DataLoader worker (a child that inherits RANK=1; the drill runs with one).
-    workers = [
-        c
-        for c in psutil.Process(p.pid).children(recursive=True)
-        if c.environ().get("RANK") == "1" and c.parent().environ().get("RANK") != "1"
-    ]
-    assert len(workers) == 1
-    workers[0].send_signal(signal.SIGTERM)
+    ck = CheckpointManager(out / "checkpoints", keep_last=2)
+    logs = [tmp_path / f"stopped{n}.log" for n in (1, 2, 3)]
+
+    def ranks(launcher: subprocess.Popen) -> list[psutil.Process]:
+        """The ranks themselves: the launcher's children (not their DataLoader workers, which inherit RANK)."""
+        found = [c for c in psutil.Process(launcher.pid).children() if c.environ().get("RANK") in ("0", "1")]
+        assert len(found) == 2, found
+        return found
+
+    def reasons() -> list[str]:
+        return [json.loads(x)["exit_reason"] for x in (out / "ledger.jsonl").read_text().splitlines()]
+
+    def newest() -> tuple[Path, TrainState]:
+        path = ck.committed()[-1]
+        return path, TrainState.from_json((path / "trainer_state.json").read_text())
+
+    # 1: SIGTERM to rank 1 alone, once the ranks train.
+    p = _torchrun(procs, recipes["stopped"], logs[0])
+    assert _wait(p, lambda: bool(_metric_rows(out)), timeout=300), logs[0].read_text()
+    (rank1,) = [r for r in ranks(p) if r.environ()["RANK"] == "1"]
+    rank1.send_signal(signal.SIGTERM)
     p.wait(timeout=120)
-    reasons = [json.loads(x)["exit_reason"] for x in (out / "ledger.jsonl").read_text().splitlines()]
-    if reasons == ["preempted"]:  # else the run had already finished when the signal landed
-        ck = CheckpointManager(out / "checkpoints", keep_last=2)
-        stopped_at = TrainState.from_json((ck.committed()[-1] / "trainer_state.json").read_text())
-        assert 1 <= stopped_at.step < 6 and stopped_at.world_size == 2
-        assert {k.split(".")[0] for k in load_file(ck.committed()[-1] / "rng.safetensors")} == {"rank0", "rank1"}
-        p = _torchrun(procs, recipes["stopped"], tmp_path / "stopped2.log")
-        assert p.wait(timeout=300) == 0, (tmp_path / "stopped2.log").read_text()
+    assert reasons() == ["preempted"], logs[0].read_text()
+    first, state = newest()
+    assert 1 <= state.step < steps and state.world_size == 2
+    assert {k.split(".")[0] for k in load_file(first / "rng.safetensors")} == {"rank0", "rank1"}
+
+    # 2: the same command, then SIGKILL of the launcher alone once the resumed ranks train.
+    p = _torchrun(procs, recipes["stopped"], logs[1])
+    assert _wait(p, lambda: max(r["step"] for r in _metric_rows(out)) > state.step, timeout=300), logs[1].read_text()
+    family = ranks(p)
+    try:
+        p.kill()  # the launcher alone: the ranks are in sessions of their own
+        p.wait()
+        killed = time.monotonic()
+        _, alive = psutil.wait_procs(family, timeout=30)
+        assert not alive, logs[1].read_text()
+        print(f"ranks gone {time.monotonic() - killed:.1f}s after the launcher")
+    finally:
+        for r in family:
+            if r.is_running():
+                r.kill()
+    assert reasons() == ["preempted", "preempted"], logs[1].read_text()
+    second, after = newest()
+    assert state.step < after.step < steps, logs[1].read_text()
+
+    # 3: the same command resumes at once from the launcher-less save and finishes.
+    p = _torchrun(procs, recipes["stopped"], logs[2])
+    assert p.wait(timeout=300) == 0, logs[2].read_text()
+    assert f"resuming from {second}" in logs[2].read_text()
+    assert reasons() == ["preempted", "preempted", "finished"]
     a = load_file(tmp_path / "straight" / "final" / "adapter_model.safetensors")
     b = load_file(out / "final" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -137,15 +137,14 @@ def test_dpo_on_two_ranks_with_uneven_shares_equals_one_process(tmp_path: Path, 
     """Real processes (gloo DDP): a global batch of 3 rows on 2 ranks, so one rank runs a filler
     micro-batch (no pair, still a reference and a policy forward, in lockstep); the same pairs per step
     (`sample_digest`) and the same adapter as one process, within float32 summation order."""
+    from drill_reference import train_here
     from test_elastic import _adapter, _args, _assert_close, _digests, _run
 
     data = builtin_assets.write_pairs(tmp_path / "pairs.jsonl", n=40)
     cache = tmp_path / "cache"
     one, two = tmp_path / "one", tmp_path / "two"
     extra = ["train.objective=dpo", "train.max_steps=2"]
-    assert _run(1, [*_args(tiny_llama, data, cache, one, 3), *extra], tmp_path / "one.log") == 0, (
-        tmp_path / "one.log"
-    ).read_text()[-3000:]
+    assert train_here([*_args(tiny_llama, data, cache, one, 3), *extra]) == 0  # the one process: this one
     assert _run(2, [*_args(tiny_llama, data, cache, two, 3), *extra], tmp_path / "two.log") == 0, (
         tmp_path / "two.log"
     ).read_text()[-3000:]
