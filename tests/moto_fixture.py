@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -63,3 +64,21 @@ def s3_remote(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
 
 def environ_with(endpoint: str) -> dict[str, str]:
     return {**os.environ, **s3_env(endpoint)}
+
+
+def sparse(cond: Callable[[], bool], every: float = 0.25) -> Callable[[], bool]:
+    """`cond`, asked at most once per `every` seconds (False in between): for a wait that looks at the store.
+    Each look costs this process an S3 request and moto's server answering it (10-30 ms of CPU, a listing with
+    its manifests more), so a wait that polls every 20 ms for a trainer's whole start-up spends seconds of CPU
+    looking. Drills gate such a look on a local sign first (the run's lock file, a local checkpoint) too."""
+    last = -every
+
+    def ask() -> bool:
+        nonlocal last
+        now = time.monotonic()
+        if now - last < every:
+            return False
+        last = now
+        return cond()
+
+    return ask

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 from drill_reference import Reference
-from moto_fixture import SECRET, s3_env
+from moto_fixture import SECRET, s3_env, sparse
 from test_kill_anywhere import (  # noqa: F401 (procs: a fixture)
     REPO,
     STEPS,
@@ -35,7 +35,7 @@ from test_kill_anywhere import (  # noqa: F401 (procs: a fixture)
 
 from trainer.exit_codes import EXIT_PREEMPTED
 from trainer.restart.books.ledger import read_rows
-from trainer.restart.local.checkpoint import MANIFEST, PAUSE_ENV
+from trainer.restart.local.checkpoint import MANIFEST, PAUSE_ENV, CheckpointManager
 from trainer.restart.store.lifecycle import UPLOAD_PAUSE_ENV, Store
 
 pytestmark = pytest.mark.bitwise  # separate runs agree bit for bit: one intra-op thread (conftest.py)
@@ -83,7 +83,9 @@ def test_kill_delete_output_dir_rerun_from_the_bucket(
     # 1: SIGKILL at a random moment once a checkpoint is in the bucket.
     # Slow saves (0.3 s each) keep the 8 tiny steps from finishing before the kill on a fast machine.
     p = start(1, save_pause=0.3)
-    assert _wait(p, lambda: bool(remote_steps()), timeout=300), (logs / "attempt1.log").read_text()
+    local = CheckpointManager(out / "checkpoints")
+    uploaded = sparse(lambda: bool(remote_steps()))
+    assert _wait(p, lambda: bool(local.committed()) and uploaded(), timeout=300), (logs / "attempt1.log").read_text()
     time.sleep(rnd.uniform(0.0, 0.6))
     p.kill(), p.wait()
     new_vm()
@@ -104,7 +106,10 @@ def test_kill_delete_output_dir_rerun_from_the_bucket(
             _step_of(key) not in committed and info["LastModified"].timestamp() >= since for key, info in found.items()
         )
 
-    if _wait(p, uploading, timeout=300):
+    # Its first own save is committed locally before its upload begins: only then look at the store (every look
+    # costs a listing), at once from there on.
+    saved = lambda: max(map(local.step_of, local.committed()), default=0) > before[-1]  # noqa: E731
+    if _wait(p, lambda: saved() and uploading(), timeout=300):
         p.kill()
         p.wait()
         assert remote_steps()[-1] >= before[-1]  # the half-uploaded one is not a checkpoint

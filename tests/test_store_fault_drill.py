@@ -25,7 +25,7 @@ import torch
 import yaml
 from drill_reference import Reference
 from fault_proxy import FaultProxy
-from moto_fixture import free_port, s3_env
+from moto_fixture import free_port, s3_env, sparse
 from safetensors.torch import load_file
 from test_kill_anywhere import REPO, STEPS, _metric_rows, _recipe, _wait, drill_seed, procs  # noqa: F401 (procs: a fixture)
 
@@ -33,8 +33,9 @@ from trainer import builtin_assets as tiny
 from trainer.cli import main as cli
 from trainer.exit_codes import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from trainer.restart.books.ledger import read_rows
-from trainer.restart.local.checkpoint import PAUSE_ENV
+from trainer.restart.local.checkpoint import PAUSE_ENV, CheckpointManager
 from trainer.restart.ownership.lease import read_lease
+from trainer.restart.ownership.lock import holder
 from trainer.restart.store.lifecycle import Store
 
 pytestmark = pytest.mark.bitwise  # separate runs agree bit for bit: one intra-op thread (conftest.py)
@@ -95,7 +96,8 @@ def test_outage_double_puts_and_a_second_machine_through_a_faulty_proxy(
             tmp_path / "a.log",
             {**env, PAUSE_ENV: "1.0"},
         )
-        assert _wait(a, lambda: bool(store.committed()), timeout=120), (tmp_path / "a.log").read_text()
+        saved, uploaded = CheckpointManager(first / "checkpoints").committed, sparse(lambda: bool(store.committed()))
+        assert _wait(a, lambda: bool(saved()) and uploaded(), timeout=120), (tmp_path / "a.log").read_text()
         # Every PUT lands twice until a conditional one (a renewal, a manifest) has been refused as a
         # resend: uploads may take the first few, so wait for the refusal rather than a fixed time.
         proxy.set(double_put=1000)
@@ -159,7 +161,8 @@ def test_every_killed_attempt_on_a_wiped_machine_is_booked(
             procs, recipe, tmp_path / f"attempt{n}.log", {**s3_env(moto_endpoint), PAUSE_ENV: "0" if last else "1.0"}
         )
         if not last:
-            ours = lambda: (read_lease(store)[0] or {}).get("pid") == p.pid  # noqa: E731, B023
+            # The lock file first (a local read; the lease is taken right after it), then the store at once.
+            ours = lambda: holder(out) is not None and (read_lease(store)[0] or {}).get("pid") == p.pid  # noqa: E731, B023
             if _wait(p, ours, timeout=120):
                 # The first right after its lease landed (before any ledger heartbeat could reach the store:
                 # today's code loses it), the others anywhere from there to mid-training.
@@ -209,7 +212,8 @@ def test_an_outage_past_the_limit_saves_locally_exits_restartable_and_the_rerun_
         raw["train"]["max_steps"] = LONG  # long enough to outlast the outage's limit
         recipe.write_text(yaml.safe_dump(raw))
         a = _start(procs, recipe, tmp_path / "a.log", {**env, PAUSE_ENV: "1.0"})  # saves of 1 s
-        assert _wait(a, lambda: bool(store.committed()), timeout=120), (tmp_path / "a.log").read_text()
+        saved, uploaded = CheckpointManager(out / "checkpoints").committed, sparse(lambda: bool(store.committed()))
+        assert _wait(a, lambda: bool(saved()) and uploaded(), timeout=120), (tmp_path / "a.log").read_text()
         proxy.set(down=True)
         assert a.wait(timeout=120) == EXIT_PREEMPTED, (tmp_path / "a.log").read_text()
         local = sorted(int(p.parent.name.rsplit("-", 1)[1]) for p in (out / "checkpoints").glob("step-*/MANIFEST.json"))

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from fault_proxy import FaultProxy
-from moto_fixture import s3_env
+from moto_fixture import free_port, s3_env
 
 from trainer import exit_codes as E
 from trainer.faults import transient
@@ -460,3 +460,23 @@ def test_a_heartbeat_that_blips_is_said_once_and_sent_again(tmp_path: Path, s3_r
         assert store.fs.exists(store.path(HEARTBEAT_FILE))
     finally:
         uploader.stop()
+
+
+def test_every_store_reads_the_endpoint_anew_and_botocores_models_once(
+    s3_remote: str, moto_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each Store is a filesystem of its own, its endpoint and credentials read from the environment of the moment
+    (a cached one would keep what the environment no longer holds); the sessions share one loader of botocore's
+    service models (each new one parsed S3's model again: ~175 ms of CPU, twice in every attempt). A session with
+    options of its own (a profile) is s3fs's to make."""
+    before = Store(s3_remote)
+    assert before.committed() == []  # a working client on moto
+    elsewhere = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", elsewhere)
+    after = Store(s3_remote)
+    after.fs.connect()  # the client, no request
+    assert (before.fs.s3.meta.endpoint_url, after.fs.s3.meta.endpoint_url) == (moto_endpoint, elsewhere)
+    assert before.fs is not after.fs and before.fs.session is not after.fs.session
+    assert before.fs.session.get_component("data_loader") is after.fs.session.get_component("data_loader")
+    # The control: the comparison above can fail; a profile's session is s3fs's own, made with it.
+    assert Store(s3_remote, {"profile": "spotune-test"}).fs.session is None

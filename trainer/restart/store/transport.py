@@ -33,6 +33,27 @@ CHECKPOINTS = "checkpoints"
 WRITE_PROBE = ".spotune-write-probe"
 """The object `Transport.check` writes and deletes at start, to prove these credentials may."""
 _STEP = re.compile(r"^step-(\d{6,})$")
+_models: Any = None
+"""botocore's loader of service models, shared by every S3 session this process makes (`_share_models`)."""
+
+
+def _share_models(fs: Any) -> None:
+    """Give an s3fs filesystem that would make its own aiobotocore session one that reads botocore's service
+    models through a loader shared by the process: a new session parses S3's model and the endpoint data again
+    (~175 ms of CPU), and every Store is a new filesystem. The session still resolves the endpoint and the
+    credentials itself, from the environment of the moment. A session with options of its own (a `profile`)
+    is left to s3fs."""
+    global _models
+    if type(fs).__name__ != "S3FileSystem" or getattr(fs, "session", False) is not None or getattr(fs, "kwargs", True):
+        return
+    from aiobotocore.session import AioSession
+
+    session = AioSession()
+    if _models is None:
+        _models = session.get_component("data_loader")
+    else:
+        session.register_component("data_loader", _models)
+    fs.session = session
 
 
 class Transport:
@@ -51,6 +72,7 @@ class Transport:
             raise StoreError(
                 f"checkpoint.remote={self.shown}: the backend for this URL is not installed ({e}); {install_hint(url)}"
             ) from e
+        _share_models(self.fs)
         self.root = self.root.rstrip("/")
         self.local = not is_object_store(self.fs)
         """A directory of this machine's filesystem (`file://`, a mount), not an object store."""
