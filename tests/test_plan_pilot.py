@@ -164,12 +164,11 @@ def test_a_cold_first_process_is_a_restarts_cost_not_the_next_runs(tmp_path: Pat
 def test_timed_pilot_stops_by_the_clock(cfg: config.RunConfig) -> None:
     inputs.prepare_data(cfg, progress=False)  # shared with the pilot: its clock then goes to model load and steps
     started = time.monotonic()
-    # 6 s: dozens of the tiny model's steps, more than 5 on a busy machine too. No report after the stop
-    # (its charts would only lengthen the time past the budget that the bound below allows).
+    # No report after the stop: its charts would only lengthen the time past the budget the bound below allows.
     timed = cfg.replace(**{"train.max_steps": 10**6, "metrics.report": False})
-    result = pilot_run.run_pilot(timed, minutes=0.1, fresh_process=False)
+    result = pilot_run.run_pilot(timed, minutes=0.3, fresh_process=False)
     assert result["exit_reason"] == "budget" and result["steps"] > 5
-    assert 0.1 * 60 <= time.monotonic() - started < 0.1 * 60 + 15  # stops at the first step past the budget
+    assert 0.3 * 60 <= time.monotonic() - started < 0.3 * 60 + 15  # stops at the first step past the budget
 
 
 def test_tiny_pilot_end_to_end(cfg: config.RunConfig, capsys: pytest.CaptureFixture[str]) -> None:
