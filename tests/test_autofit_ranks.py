@@ -83,14 +83,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank(rank: int, port: int, model: str, free: list[float], run_dir: str, out: str) -> None:
+def _rank(
+    rank: int, port: int, model: str, free: list[float], run_dir: str, out: str, ran_out: autofit.Setting
+) -> None:
+    """Each rank chooses (`chosen<rank>.json`); then rank 1 records `ran_out` in the run directory as
+    an attempt that ran out of memory does, and each rank chooses again (`later<rank>.json`)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     try:
         autofit.device_memory = lambda device: (free[rank], 64 * GIB)  # type: ignore[assignment]
         cfg = _cfg(**{"model.name_or_path": model, "data.seq_len": 256})
-        resolved, lines, _ = autofit.resolve_for_device(cfg, model, torch.device("cpu"), 2, True, Path(run_dir))
-        Path(out, f"rank{rank}.json").write_text(json.dumps([_setting(resolved).describe(), lines]))
+        for name in ("chosen", "later"):
+            resolved, lines, _ = autofit.resolve_for_device(cfg, model, torch.device("cpu"), 2, True, Path(run_dir))
+            Path(out, f"{name}{rank}.json").write_text(json.dumps([_setting(resolved).describe(), lines]))
+            torch.distributed.barrier()  # both chose before the record below
+            if name == "chosen" and rank == 1:
+                autofit.record_ran_out(Path(run_dir), ran_out, step=3, rank=1)
+            torch.distributed.barrier()  # ... and both choose again after it
     finally:
         torch.distributed.destroy_process_group()
 
@@ -107,13 +116,15 @@ def test_ranks_that_see_different_free_memory_choose_the_same(tmp_path: Path, ti
     alone = [autofit.resolve(cfg, shape, f, 64 * GIB, world=2, shards=2)[0] for f in free]
     assert _setting(alone[0]) != _setting(alone[1])  # control: each rank alone would differ
     (tmp_path / "run").mkdir()
-    mp.spawn(_rank, args=(_free_port(), str(tiny_llama), free, str(tmp_path / "run"), str(tmp_path)), nprocs=2)
-    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    # One pair of processes for both choices (each spawned rank imports torch and transformers anew).
+    ran_out = _setting(alone[1])  # what the ranks choose together: then recorded as out of memory
+    run_dir = str(tmp_path / "run")
+    mp.spawn(_rank, args=(_free_port(), str(tiny_llama), free, run_dir, str(tmp_path), ran_out), nprocs=2)
+    got = [json.loads((tmp_path / f"chosen{r}.json").read_text()) for r in (0, 1)]
     assert got[0][0] == got[1][0] == _setting(alone[1]).describe()  # the smallest free memory decides
     # And what ran out on one rank's machine in an earlier attempt is skipped by both.
-    autofit.record_ran_out(tmp_path / "run", _setting(alone[1]), step=3, rank=1)
-    mp.spawn(_rank, args=(_free_port(), str(tiny_llama), free, str(tmp_path / "run"), str(tmp_path)), nprocs=2)
-    later = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert autofit.read_ran_out(tmp_path / "run") == ran_out
+    later = [json.loads((tmp_path / f"later{r}.json").read_text()) for r in (0, 1)]
     assert later[0][0] == later[1][0] != got[0][0]
 
 

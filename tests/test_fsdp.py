@@ -1,5 +1,7 @@
 """FSDP2 (`train.distributed=fsdp`): sharded training equals one process, and its checkpoints
-keep the one on-disk contract, so a run moves between FSDP and DDP on any world size.
+keep the one on-disk contract, so a run moves between FSDP and DDP on any world size. With
+`model.activation_offload=on` it ends bit-identical to the same FSDP run without it
+(offloading moves values, never changes them).
 
 On CPU, two gloo ranks started by torchrun run the very path a GPU run takes (spotune calls
 `fully_shard` itself; trainer/model/distributed.py). What needs CUDA (bitsandbytes 4-bit weights
@@ -13,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -65,10 +68,12 @@ def _one_process(overrides: dict[str, Any]) -> None:
     assert run.train(C.RunConfig().replace(**overrides)) == 0
 
 
-def _torchrun(overrides: dict[str, Any], log: Path, ranks: int = 2) -> str:
+def _torchrun(overrides: dict[str, Any], log: Path, ranks: int = 2, first_on_path: Path | None = None) -> str:
+    """`first_on_path`: a folder put before the repository on PYTHONPATH (a test's sitecustomize.py)."""
     args = [f"{k}={'null' if v is None else v}" for k, v in overrides.items()]
     # Extends PYTHONPATH: packages installed with --target (the GPU check's carried wheels) stay importable.
-    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    front = [str(first_on_path)] if first_on_path is not None else []
+    pythonpath = os.pathsep.join(p for p in (*front, str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
@@ -101,23 +106,34 @@ def _rows(out: Path) -> dict[int, dict[str, Any]]:
     return {r["step"]: r for r in rows if "loss" in r}
 
 
+SHARDED = {"train.distributed": "fsdp", "model.gradient_checkpointing": True}
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path, tiny_data: Path) -> tuple[Path, str]:
+    """Two FSDP ranks (activation checkpointing on), 2 steps, a checkpoint each: (its directory, its log).
+    Shared: the first leg of the move across DDP, and the run activation offloading must equal. Only its
+    checkpoints of steps 1-2 and rows of steps 1-2 are read, which the move's later legs leave as they are."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    out = tmp / "moved"
+    log = _torchrun(_overrides(tiny_llama, tiny_data, tmp / "cache", out, 2, **SHARDED), tmp / "fsdp-a.log")
+    return out, log
+
+
 @pytest.mark.slow
 def test_fsdp_matches_one_process_and_resumes_across_ddp(
-    tmp_path: Path, tiny_llama: Path, tiny_data: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    tiny_llama: Path,
+    tiny_data: Path,
+    fsdp_run: tuple[Path, str],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """FSDP on 2 ranks (activation checkpointing on) -> one process (DDP's path) -> FSDP on 2 ranks
     (CPU offload on) against one uninterrupted process: the same steps, the same adapter."""
-    cache = tmp_path / "cache"
+    out, log = fsdp_run
+    cache = out.parent / "cache"  # prepared by the FSDP ranks: the reference reads the same rows
     ref = tmp_path / "reference"
     _one_process(_overrides(tiny_llama, tiny_data, cache, ref, 6))
-
-    out = tmp_path / "moved"
-    log = _torchrun(
-        _overrides(
-            tiny_llama, tiny_data, cache, out, 2, **{"train.distributed": "fsdp", "model.gradient_checkpointing": True}
-        ),
-        tmp_path / "fsdp-a.log",
-    )
     assert "FSDP: sharding over 2 processes" in log
 
     # 1. Two FSDP ranks train the steps one process trains (checkpoint of step 2 against step 2).
@@ -167,6 +183,61 @@ def test_fsdp_matches_one_process_and_resumes_across_ddp(
     with capsys.disabled():
         print(f"\nfsdp(2) -> 1 -> fsdp(2) vs one process at step 6: {gap:.3g}; control (step 5 vs 6): {control:.3g}")
     assert gap <= TOLERANCE < control
+
+
+# Test-only: every rank appends the bytes each forward moved to host memory, so the test knows
+# that offloading happened under FSDP (an equality of two runs that both skipped it proves nothing).
+SITECUSTOMIZE = """
+import os
+from trainer.model import offload
+
+_exit = offload.ActivationOffload.exit
+
+def exit(self):
+    if self._hooks is not None:
+        with open(os.path.join(os.environ["OFFLOAD_LOG"], "rank" + os.environ.get("RANK", "0")), "a") as f:
+            f.write(f"{self.offloaded_bytes}\\n")
+    _exit(self)
+
+offload.ActivationOffload.exit = exit
+"""
+
+
+@pytest.mark.slow
+def test_fsdp_with_activation_offload_matches_fsdp_without(
+    tmp_path: Path, tiny_llama: Path, tiny_data: Path, fsdp_run: tuple[Path, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain, _ = fsdp_run  # the same settings, without offloading
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(textwrap.dedent(SITECUSTOMIZE))
+    (tmp_path / "moved").mkdir()
+    monkeypatch.setenv("OFFLOAD_LOG", str(tmp_path / "moved"))
+    offloaded = tmp_path / "offloaded"
+    log = _torchrun(
+        # quoted: YAML reads a bare `on` as true
+        _overrides(
+            tiny_llama,
+            tiny_data,
+            plain.parent / "cache",
+            offloaded,
+            2,
+            **SHARDED,
+            **{"model.activation_offload": "'on'"},
+        ),
+        tmp_path / "offloaded.log",
+        first_on_path=tmp_path / "inject",
+    )
+    assert "activation offloading on" in log and "FSDP: sharding over 2 processes" in log
+    for rank in ("rank0", "rank1"):  # every training forward of every rank moved its layer inputs
+        moved = [int(x) for x in (tmp_path / "moved" / rank).read_text().split()]
+        assert len(moved) >= 4 and min(moved) > 0, moved
+    assert sorted(_rows(offloaded)) == [1, 2]
+    assert [r["loss"] for r in _rows(offloaded).values()] == [_rows(plain)[s]["loss"] for s in (1, 2)]
+    a, b = _adapter(_step(offloaded, 2)), _adapter(_step(plain, 2))  # the last step of both
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # Control: the comparison sees one step's difference.
+    one = _adapter(_step(plain, 1))
+    assert not all(torch.equal(one[k], b[k]) for k in b)
 
 
 def test_the_gathered_adapter_is_what_peft_saves(tmp_path: Path, tiny_llama: Path) -> None:

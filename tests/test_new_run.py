@@ -31,7 +31,7 @@ def _cfg(out: Path, model: Path, data: Path, remote: str, lr: float, **extra: An
         "data": {"path": str(data), "seq_len": 128, "cache_dir": str(data.parent / "cache")},
         "train": {"max_steps": 2, "micro_batch_size": 2, "lr": lr, "schedule": "constant"},
         "checkpoint": {"every_steps": 1, "every_minutes": None, "keep_last": 2, "remote": remote},
-        "metrics": {"progress": False, "trackers": ["tensorboard"]},
+        "metrics": {"progress": False, "report": False, "trackers": ["tensorboard"]},  # no report read here
     }
     return C.from_dict(raw).replace(**extra) if extra else C.from_dict(raw)
 

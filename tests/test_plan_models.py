@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -86,39 +87,77 @@ def test_a_local_path_wins_over_the_shipped_table(tiny_llama: Path) -> None:
     assert load_config(str(tiny_llama)).hidden_size == 64  # the fixture model, not a shipped shape
 
 
-def _offline(*args: str) -> subprocess.CompletedProcess[str]:
+class Ran(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+# Runs each command line (a JSON list of argument lists) through the CLI's main in turn, its output
+# captured; prints [code, stdout, stderr] for each.
+COMMANDS = """
+import contextlib, io, json, sys
+from trainer.cli.main import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    results.append([code, out.getvalue(), err.getvalue()])
+sys.stdout.write(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_data: Path, tiny_llama: Path) -> dict[str, Ran]:
+    """This module's `spotune` commands, one after another in one process started offline:
+    HF_HUB_OFFLINE=1 and no HF_TOKEN, which the hub libraries read as they are imported. One
+    process, not one each: each would pay the same 7 s of imports before its command."""
+    commands = {
+        "model id": ["estimate", "meta-llama/Llama-3.1-8B", "--json", "--gpu", "A100-80GB"],
+        "gpu recipe": [
+            "estimate",
+            str(REPO / "recipes" / "gpu" / "llama-3.1-8b-qlora.yaml"),
+            f"data.path={tiny_data}",  # our data
+            f"data.tokenizer={tiny_llama}",
+            "data.seq_len=512",
+            "data.format=alpaca",
+            "--json",
+        ],
+        "unknown id": ["estimate", "some-org/not-a-shipped-model"],
+    }
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     env.pop("HF_TOKEN", None)
-    return subprocess.run(
-        [sys.executable, "-m", "trainer", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    done = subprocess.run(
+        [sys.executable, "-c", COMMANDS, json.dumps(list(commands.values()))],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {name: Ran(*ran) for name, ran in zip(commands, json.loads(done.stdout), strict=True)}
 
 
-def test_estimate_accepts_a_model_id_offline() -> None:
-    out = _offline("estimate", "meta-llama/Llama-3.1-8B", "--json", "--gpu", "A100-80GB")
+def test_estimate_accepts_a_model_id_offline(offline: dict[str, Ran]) -> None:
+    out = offline["model id"]
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["model"]["name_or_path"] == "meta-llama/Llama-3.1-8B"
     assert result["model"]["params"] == pytest.approx(8.03e9, rel=0.005)
 
 
-def test_estimate_of_a_gpu_recipe_works_offline(tiny_data: Path, tiny_llama: Path) -> None:
-    recipe = REPO / "recipes" / "gpu" / "llama-3.1-8b-qlora.yaml"
-    data = (
-        f"data.path={tiny_data}",
-        f"data.tokenizer={tiny_llama}",
-        "data.seq_len=512",
-        "data.format=alpaca",
-    )  # our data
-    out = _offline("estimate", str(recipe), *data, "--json")
+def test_estimate_of_a_gpu_recipe_works_offline(offline: dict[str, Ran]) -> None:
+    out = offline["gpu recipe"]
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["model"]["name_or_path"] == "meta-llama/Llama-3.1-8B-Instruct"
     assert result["model"]["params"] == pytest.approx(8.03e9, rel=0.005)
 
 
-def test_an_unknown_id_offline_names_the_fix() -> None:
-    out = _offline("estimate", "some-org/not-a-shipped-model")
+def test_an_unknown_id_offline_names_the_fix(offline: dict[str, Ran]) -> None:
+    out = offline["unknown id"]
     assert out.returncode == 2
     assert "some-org/not-a-shipped-model" in out.stderr
     assert "local directory" in out.stderr and "HF_TOKEN" in out.stderr

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,6 +13,7 @@ import pytest
 from trainer import config
 from trainer.cli import pilot_run, world
 from trainer.cli.estimate import estimate_command
+from trainer.cli.main import main as spotune
 from trainer.plan import PlanError, pilot
 from trainer.restart.books.clock import seconds_since_process_start
 from trainer.training import inputs
@@ -166,7 +164,9 @@ def test_a_cold_first_process_is_a_restarts_cost_not_the_next_runs(tmp_path: Pat
 def test_timed_pilot_stops_by_the_clock(cfg: config.RunConfig) -> None:
     inputs.prepare_data(cfg, progress=False)  # shared with the pilot: its clock then goes to model load and steps
     started = time.monotonic()
-    result = pilot_run.run_pilot(cfg.replace(**{"train.max_steps": 10**6}), minutes=0.3, fresh_process=False)
+    # No report after the stop: its charts would only lengthen the time past the budget the bound below allows.
+    timed = cfg.replace(**{"train.max_steps": 10**6, "metrics.report": False})
+    result = pilot_run.run_pilot(timed, minutes=0.3, fresh_process=False)
     assert result["exit_reason"] == "budget" and result["steps"] > 5
     assert 0.3 * 60 <= time.monotonic() - started < 0.3 * 60 + 15  # stops at the first step past the budget
 
@@ -205,24 +205,23 @@ def test_tiny_pilot_end_to_end(cfg: config.RunConfig, capsys: pytest.CaptureFixt
 
 
 @pytest.mark.slow
-def test_cli_pilot_times_two_processes_and_a_restart(cfg: config.RunConfig, tmp_path: Path) -> None:
+def test_cli_pilot_times_two_processes_and_a_restart(
+    cfg: config.RunConfig, tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`spotune pilot` runs the training as child processes, timed from outside: the first is
-    stopped by SIGTERM halfway and the second resumes, so exit and a restart are measured too."""
+    stopped by SIGTERM halfway and the second resumes, so exit and a restart are measured too.
+    The command runs in this process (the processes it times are its children all the same);
+    capfd reads what it and its children write to this process's stdout and stderr."""
     cfg = cfg.replace(**{"data.eval_fraction": 0.1})
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(config.to_yaml(cfg))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainer", "pilot", str(recipe), "--steps", "10"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # inherited by the pilot's processes
+    code = spotune(["pilot", str(recipe), "--steps", "10"])
+    out, err = capfd.readouterr()
+    assert code == 0, err[-3000:]
     # What it prints: the data summary once (the resumed process reuses the data: two brief lines), its own
     # planned stop said as such, never "preempted"; no datasets progress bar off a terminal.
-    said = proc.stdout + proc.stderr
+    said = out + err
     assert said.count("spotune prepare: built dataset") == 1 and said.count("reused cached dataset") == 1, said
     assert "spotune: stopped as planned at step 5/10" in said and "spotune: preempted" not in said
     assert "examples/s]" not in said and "\r" not in said

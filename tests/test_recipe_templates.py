@@ -66,17 +66,36 @@ def loaded() -> Callable[[Path], Any]:
     return functools.cache(AutoTokenizer.from_pretrained)
 
 
+@pytest.fixture(scope="module")
+def shipped_template(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path, str | None], str | None]:
+    """The chat template final/ carries for a tokenizer folder and a `data.chat_template` setting:
+    save_tokenizer (what write_final and export call) into a fresh folder, loaded back as a server
+    would. Computed once per (folder, setting): save_tokenizer reads nothing else, and the five
+    Llama-3 recipes (or the two Gemma-3 ones, 5 s of CPU each) share theirs."""
+
+    @functools.cache
+    def shipped(tok_dir: Path, setting: str | None) -> str | None:
+        final = tmp_path_factory.mktemp("final")
+        save_tokenizer(tok_dir, final, setting)
+        return own_template(AutoTokenizer.from_pretrained(final))
+
+    return shipped
+
+
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(REPO / "recipes")))
 def test_recipe_ships_the_template_it_trains_with(
-    path: Path, tmp_path: Path, tiny_llama: Path, bare_tokenizer: Path, loaded: Callable[[Path], Any]
+    path: Path,
+    tiny_llama: Path,
+    bare_tokenizer: Path,
+    loaded: Callable[[Path], Any],
+    shipped_template: Callable[[Path, str | None], str | None],
 ) -> None:
     cfg = C.load(path)
     tok_dir = _tokenizer_dir(cfg.model.name_or_path, tiny_llama, bare_tokenizer)
     tok = loaded(tok_dir)
     template_before = own_template(tok)
     rendered_with = tokenize_for(cfg.data, tok, str(path)).template
-    save_tokenizer(tok_dir, tmp_path / "final", cfg.data.chat_template)  # what write_final and export call
-    shipped = own_template(AutoTokenizer.from_pretrained(tmp_path / "final"))
+    shipped = shipped_template(tok_dir, cfg.data.chat_template)
     if formats.normalise(cfg.data.format) == "text":
         assert rendered_with is None and shipped == own_template(tok)  # raw text; the tokenizer ships as it was
     else:
