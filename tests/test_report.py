@@ -316,15 +316,19 @@ def test_pilot_forecast_sits_beside_the_actual(real_run: dict[str, Any], tmp_pat
     shutil.copytree(real_run["out"], run, ignore=shutil.ignore_patterns("checkpoints", "final", "*.png", "*.html"))
     html = write_report(run)[0].read_text()
     assert "Forecast beside the actual" not in html  # control: no pilot.json, no table
-    # The page again as write_report writes it, with the charts it drew just now: they read neither
-    # pilot.json nor estimate.json, only the metrics and the ledger, which stay as they are.
+    # The page again as write_report writes it, with the charts it drew just now (they read neither
+    # pilot.json nor estimate.json, only the metrics and the ledger, which stay as they are), and with none.
     drawn = {name: (run / name).read_bytes() for name in FIGURES if (run / name).is_file()}
-    assert len(drawn) >= 3  # the table sits before the third figure
+    assert len(drawn) >= 3
     pilot = summarise(real_run["out"], warmup_steps=1, device="cpu (test)")  # pilot.py's own summary
     (run / "pilot").mkdir()
     (run / "pilot" / "pilot.json").write_text(json.dumps(pilot))
     html = render(load_run(str(run)), drawn)
-    assert "Forecast beside the actual" in html
+    assert html.index("Where the time and money went") < html.index("Forecast beside the actual")
+    assert html.index("Forecast beside the actual") < html.index("<h2>Training</h2>")
+    # A page with fewer than three charts still has its forecast (it sat before the third chart).
+    bare = render(load_run(str(run)), {})
+    assert "Forecast beside the actual" in bare and "<h2>Training</h2>" not in bare
     assert f"<td>sustained tokens/s</td><td>{pilot['sustained_tokens_per_s']:,.0f}</td>" in html
     # `spotune estimate --json` saved beside it: its forecast for the machine the pilot measured.
     estimate = estimate_for_run(C.load(run / "config.yaml"), pilot_json=run / "pilot" / "pilot.json")

@@ -199,13 +199,27 @@ def _estimate_option(estimate: dict[str, Any], run: RunData) -> dict[str, Any]:
     return dict(options[index if 0 <= index < len(options) else 0])
 
 
+def _base64(png: bytes) -> str:
+    return base64.b64encode(png).decode()
+
+
 def render(run: RunData, images: dict[str, bytes]) -> str:
     t = totals(run)
     tone = {FINISHED: "ok", RUNNING: "live"}.get(t.status, "warn" if t.status in ("preempted", "budget") else "bad")
-    figures = [
-        {"file": name, "caption": caption, "uri": "data:image/png;base64," + base64.b64encode(images[name]).decode()}
-        for name, (_, caption) in plots.FIGURES.items()
-        if name in images
+    sections = [
+        (
+            title,
+            [
+                {
+                    "file": name,
+                    "caption": plots.FIGURES[name][1],
+                    "uri": "data:image/png;base64," + _base64(images[name]),
+                }
+                for name in names
+                if name in images
+            ],
+        )
+        for title, names in plots.SECTIONS.items()
     ]
     return _ENV.get_template("report.html.j2").render(
         source=run.source,
@@ -214,7 +228,7 @@ def render(run: RunData, images: dict[str, bytes]) -> str:
         headline=headline(t),
         summary=details(t),
         cards=cards(t, price_known=t.cost is not None),
-        figures=figures,
+        sections=sections,
         forecast=forecast_rows(run, t),
         trained=trained.facts(
             run.config, run.trained, [(a.device, a.world_size, a.exit_reason) for a in run.attempts], run.source

@@ -408,3 +408,9 @@ FIGURES = {
     "preference.png": (preference, "Reward margin and reward accuracy (preference objectives)"),
 }
 """File name -> (drawing function, caption), in page order; a function with nothing to draw returns b""."""
+SECTIONS = {
+    "Where the time and money went": ("timeline.png", "hours.png"),
+    "Training": ("loss.png", "optimizer.png", "throughput.png", "preference.png"),
+}
+"""The page's headings, each over its figures; the forecast table sits between the two, whatever was drawn."""
+assert [name for names in SECTIONS.values() for name in names] == list(FIGURES), "each figure in one section"
