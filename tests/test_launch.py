@@ -254,7 +254,7 @@ def test_cli_writes_its_exit_code_for_a_launcher(tmp_path: Path) -> None:
         [sys.executable, "-m", "trainer", "train", "train.no_such_key=1"], env=env, capture_output=True, text=True
     )
     assert done.returncode == E.EXIT_BAD_INPUT and exit_file.read_text() == f"{E.EXIT_BAD_INPUT}\n"
-    assert "trainer.cli.main:main" in (REPO / "pyproject.toml").read_text()  # the console script records it too
+    assert "trainer.cli.main:run" in (REPO / "pyproject.toml").read_text()  # the console script: run -> main records it
 
 
 # ---------------------------------------------------------------------------- SLURM

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -144,3 +146,34 @@ def test_a_second_ctrl_c_whose_exit_python_swallowed_still_ends_the_command_with
     assert cli_main.main(["train"]) == E.EXIT_ABORTED
     monkeypatch.setattr(cli_main, "_main", lambda argv: E.EXIT_FINISHED)
     assert cli_main.main(["train"]) == E.EXIT_FINISHED  # the next command in this process: its own count
+
+
+_SWALLOWED_ABORT = """
+import atexit, sys, weakref
+from trainer import exit_codes as E
+from trainer.cli import main as cli_main
+atexit.register(lambda: print("teardown ran", flush=True))
+
+class Held:
+    pass
+
+def swallowed(argv):
+    held = Held()
+    weakref.finalize(held, E.abort)  # raised in a callback whose exceptions Python ignores
+    del held
+    return E.EXIT_PREEMPTED
+
+cli_main._main = swallowed if sys.argv[1] == "swallowed" else (lambda argv: E.EXIT_PREEMPTED)
+cli_main.run()
+"""
+
+
+def test_a_process_whose_second_ctrl_c_was_swallowed_ends_without_teardown() -> None:
+    """Where the swallowed abort interrupted a C extension's initialisation (matplotlib's, for the report),
+    the interpreter's teardown crashed on it with SIGABRT instead of the 130 asked for (seen in a suite):
+    the command ends at once with 130, its output flushed, no teardown run. The control: a run that ends
+    as planned tears down as usual."""
+    swallowed = subprocess.run([sys.executable, "-c", _SWALLOWED_ABORT, "swallowed"], capture_output=True, text=True)
+    assert swallowed.returncode == E.EXIT_ABORTED and "teardown ran" not in swallowed.stdout, swallowed
+    planned = subprocess.run([sys.executable, "-c", _SWALLOWED_ABORT, "planned"], capture_output=True, text=True)
+    assert planned.returncode == E.EXIT_PREEMPTED and "teardown ran" in planned.stdout, planned

@@ -1,7 +1,5 @@
 """`python -m trainer` is the `spotune` CLI."""
 
-import sys
+from trainer.cli.main import run
 
-from trainer.cli.main import main
-
-sys.exit(main())
+run()

@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 from types import ModuleType
+from typing import NoReturn
 
 from trainer import exit_codes
 from trainer.cli import chat, config, estimate, export, flags, pilot, prepare, report, status, train
@@ -81,6 +82,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+def run() -> NoReturn:
+    """The `spotune` command and `python -m trainer`: `main`, then the process ends with its code.
+
+    A second Ctrl-C whose SystemExit was swallowed (`exit_codes.abort`) interrupted code that ignores
+    exceptions, a C extension's initialisation among them (matplotlib's, importing for the end-of-run report:
+    "ImportError: initialization failed"); the interpreter's teardown then crashed on what it left half
+    done (SIGABRT, not 130). The user asked to stop at once: after `main` has recorded everything, the
+    process ends here without that teardown."""
+    code = main()
+    if exit_codes.aborts():  # main returned, so the abort's SystemExit never reached it: it was swallowed
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def _record_exit_code(code: int, started: float | None = None) -> None:
     """Under a launcher that sets SPOTUNE_EXIT_FILE, every rank merges its code into it: the file
     ends with the most specific of the ranks' codes (trainer/exit_codes.py, `PRIORITY`)."""
@@ -124,4 +141,4 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
