@@ -199,10 +199,6 @@ def _estimate_option(estimate: dict[str, Any], run: RunData) -> dict[str, Any]:
     return dict(options[index if 0 <= index < len(options) else 0])
 
 
-def _base64(png: bytes) -> str:
-    return base64.b64encode(png).decode()
-
-
 def render(run: RunData, images: dict[str, bytes]) -> str:
     t = totals(run)
     tone = {FINISHED: "ok", RUNNING: "live"}.get(t.status, "warn" if t.status in ("preempted", "budget") else "bad")
@@ -213,7 +209,7 @@ def render(run: RunData, images: dict[str, bytes]) -> str:
                 {
                     "file": name,
                     "caption": plots.FIGURES[name][1],
-                    "uri": "data:image/png;base64," + _base64(images[name]),
+                    "uri": "data:image/png;base64," + base64.b64encode(images[name]).decode(),
                 }
                 for name in names
                 if name in images
