@@ -197,12 +197,30 @@ def test_status_break_lease_prints_one_line_or_one_json_document(
     assert cli.main(["status", "--break-lease", str(tmp_path / "no-remote")]) == 2  # nothing to break
 
 
-def test_train_refused_exits_busy_with_the_message(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+_REFUSED = """
+import sys
+from trainer.cli.main import main
+code = main(sys.argv[1:])
+print(code, *(m for m in ("torch", "transformers", "peft") if m in sys.modules))
+"""
+
+
+def test_train_refused_exits_busy_with_the_message_before_importing_torch(tmp_path: Path) -> None:
+    """In a fresh process, as a rerun starts: refused with the holder's name before torch, transformers and
+    peft are imported (about 6 s of CPU), so a supervisor's second copy of the command answers in a second."""
     run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     with RunLock.take(run, "train"):
-        assert cli.main(["train", f"output_dir={run}"]) == EXIT_BUSY
-    err = capsys.readouterr().err
-    assert f"is in use by pid {os.getpid()}" in err and "one writer per run" in err
+        done = subprocess.run(
+            [sys.executable, "-c", _REFUSED, "train", f"output_dir={run}"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.stdout.split() == [str(EXIT_BUSY)], done.stdout + done.stderr[-3000:]  # nothing heavy imported
+    assert f"is in use by pid {os.getpid()}" in done.stderr and "one writer per run" in done.stderr
     assert sorted(p.name for p in run.iterdir()) == [LOCK_FILE]  # it touched nothing
 
 

@@ -71,8 +71,16 @@ def test_setup_in_a_venv_with_torch_reuses_it_and_installs_nothing_heavy(tmp_pat
         text=True,
     ).stdout.split()
     assert Path(where[0]).is_relative_to(HERE_SITE) and Path(where[1]).is_relative_to(REPO)
-    # A second run only checks.
+    # A second run on the unchanged .venv ends at once: nothing installed, nothing imported.
     again = subprocess.run(
         ["bash", str(REPO / "scripts" / "setup.sh")], env=env, capture_output=True, text=True, timeout=300
     )
-    assert again.returncode == 0 and "installing" not in again.stdout and "torch: " not in again.stdout
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert again.stdout == f"setup: {venv} unchanged since its last check (rm {venv}/.spotune-checked to check again)\n"
+    # The control: a package added to a folder .venv reads is a change; the next run checks the imports again.
+    (site / "added_by_hand.py").write_text("")
+    changed = subprocess.run(
+        ["bash", str(REPO / "scripts" / "setup.sh")], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert changed.returncode == 0 and "installing" not in changed.stdout and "torch: " not in changed.stdout
+    assert changed.stdout.startswith("setup: torch "), changed.stdout

@@ -19,6 +19,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = recipe.load(args)
     recipe.check_model(cfg)
-    from trainer.training.run import train
+    # The run's lock and lease before torch and transformers are imported (~6 s of CPU): a start refused
+    # because another attempt holds the run, or because the store refuses writes, says so in a second.
+    from trainer.restart.ownership import owner
 
-    return train(cfg, wait=args.wait)
+    held = owner.take_run(cfg, args.wait)
+    try:
+        from trainer.training.run import train
+
+        return train(cfg, wait=args.wait, held=held)
+    finally:
+        held.release()  # train's first attempt released it already, unless the import failed

@@ -50,31 +50,29 @@ from trainer.training.inputs import (
 from trainer.training.telemetry import Budget, JsonlSink, Telemetry, flat_config
 
 
-def train(cfg: C.RunConfig, wait: float | None = None) -> int:
-    """Train (resuming when a checkpoint verifies); the exit code. Holds the run's lock and lease throughout
-    (RunBusy after `wait`s); an `auto` setting that ran out of memory is retried once here on one rank."""
-    code, retry = _attempt(cfg, wait)
+def train(cfg: C.RunConfig, wait: float | None = None, held: owner.Holding | None = None) -> int:
+    """Train (resuming when a checkpoint verifies); the exit code. Each attempt holds the run's lock and lease
+    throughout (RunBusy after `wait`s): the first the one `held` (`spotune train` takes it before importing
+    this module), if given; an `auto` setting that ran out of memory is retried once here on one rank."""
+    code, retry = _attempt(cfg, wait, held)
     if retry:  # autofit.after_out_of_memory: from the last checkpoint, with the next smaller setting
         shutdown.release_memory()
-        code, _ = _attempt(cfg, wait)
+        code, _ = _attempt(cfg, wait, None)  # the first attempt released its hold: taken again
     return code
 
 
-def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
+def _attempt(cfg: C.RunConfig, wait: float | None, held: owner.Holding | None) -> tuple[int, bool]:
     """One attempt: its exit code, and whether to run again in this process (an `auto` setting ran out)."""
     entered = time.time()
     phases: dict[str, float] = {}  # fixed costs for the ledger, timed before it can open
     with timed(phases, "imports"):  # the rest of the libraries train() needs (the ledger adds the time before)
         from accelerate.utils import set_seed
 
-    ck = cfg.checkpoint
     with determinism.kernels(cfg.train.deterministic) as notes, contextlib.ExitStack() as closing:
         # One writer per run, before anything touches output_dir or the store (trainer/restart/ownership/owner.py).
-        holding = closing.enter_context(
-            owner.hold(
-                cfg.output_dir, ck.remote, ck.storage_options, ck.lease_seconds, wait, "train", ck.store_outage_seconds
-            )
-        )
+        holding = held if held is not None else owner.take_run(cfg, wait)
+        closing.callback(holding.release)  # released last, when everything the attempt opened is closed
+        phases["store"] = holding.seconds  # its lease requests; a `held` one's are not imports (below)
         proc = process.start(
             process_settings(cfg), phases, closing, fence=holding.lease
         )  # accelerator, DDP/FSDP, store, stop paths
@@ -115,7 +113,8 @@ def _attempt(cfg: C.RunConfig, wait: float | None) -> tuple[int, bool]:
         set_seed(cfg.seed + proc.rank)  # distinct dropout streams per rank from here on
 
         books = _open_books(cfg, proc, sched, model, counts.trainable, peak_flops, phases, closing, holding)
-        books.ledger.phases["imports"] += entered - books.ledger.start  # interpreter, CLI and config before train()
+        # interpreter, CLI and config before train(), less the hold taken before it
+        books.ledger.phases["imports"] += entered - books.ledger.start - (held.seconds if held is not None else 0.0)
         books.ledger.data_reused = bool(prepared.reused)
         books.ledger.device = device_name
         for note in [*notes, *proc.sharding.notes, *auto_notes, *resume_notes, *sched.notes, *model_notes]:

@@ -2,9 +2,11 @@
 the remote's lease for its whole life; `spotune status --break-lease` breaks a lease by hand (who
 holds a run now is trainer/report/status.py's to say).
 
-`hold` is what `run.train` wraps itself in: the local lock first (trainer/restart/ownership/lock.py),
-then the lease (trainer/restart/ownership/lease.py), both before the attempt touches the directory or
-the store, both released when it returns or raises. A store that refuses the first lease request for
+`take` (or `hold`, the same as a `with` block) is what each attempt of `run.train` starts with: the local
+lock first (trainer/restart/ownership/lock.py), then the lease (trainer/restart/ownership/lease.py), both
+before the attempt touches the directory or the store, both released when it returns or raises.
+`spotune train` takes its first attempt's before it imports torch (trainer/cli/train.py): a start that is
+refused (another attempt holds the run, a store that refuses writes) answers in a second. A store that refuses the first lease request for
 good (trainer/faults.py: anything not known to be a fault of the moment) ends the attempt here with
 StoreDenied (exit 2), naming the setting; one that does not answer lets it start cut off. Only the job's main
 process (RANK 0, or no torchrun) takes them: the other ranks write nothing the main rank does
@@ -22,7 +24,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.faults import transient
 from trainer.restart import defaults
@@ -32,6 +34,9 @@ from trainer.restart.store.conditional import Refused, write_object
 from trainer.restart.store.lifecycle import Store
 from trainer.urls import one_line
 
+if TYPE_CHECKING:
+    from trainer.config import RunConfig
+
 
 def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
@@ -39,10 +44,13 @@ def _say(text: str) -> None:
 
 @dataclass
 class Holding:
-    """What `hold` took: nothing on ranks other than the main one."""
+    """What `take` took: nothing on ranks other than the main one. `release` gives both back (once)."""
 
     lock: RunLock | None = None
     lease: Lease | None = None
+    seconds: float = 0.0
+    """Wall seconds `take` spent getting the run after any wait for it: the store's lease requests (the
+    ledger books them as phase `store`; a wait belongs to the holder it waited on)."""
 
     def clock_start(self) -> float | None:
         """Where this attempt's ledger clock starts: when it got the run, if it had to wait for it
@@ -57,9 +65,19 @@ class Holding:
         ]
         return max(starts) if starts else None
 
+    def release(self) -> None:
+        """The lease first (marked released, so the next attempt starts at once), then the lock."""
+        lease, lock = self.lease, self.lock
+        self.lease = self.lock = None
+        try:
+            if lease is not None:
+                lease.release()
+        finally:
+            if lock is not None:
+                lock.release()
 
-@contextlib.contextmanager
-def hold(
+
+def take(
     run_dir: str | Path,
     remote: str | None,
     storage_options: dict[str, Any],
@@ -67,14 +85,14 @@ def hold(
     wait: float | None = None,
     command: str = "train",
     outage_seconds: float = defaults.STORE_OUTAGE_SECONDS,
-) -> Iterator[Holding]:
-    """Hold `run_dir` (and the lease of `remote`) for the block; raises RunBusy naming the holder."""
+) -> Holding:
+    """Take `run_dir` (and the lease of `remote`) until `Holding.release`; raises RunBusy naming the holder."""
     if os.environ.get("RANK", "0") != "0":
-        yield Holding()
-        return
+        return Holding()
     started = time.monotonic()
-    with RunLock.take(run_dir, command, wait) as lock:
-        lease = None
+    lock = RunLock.take(run_dir, command, wait)
+    lease = None
+    try:
         if remote is not None:
             store = Store(remote, storage_options)
             lease = Lease(store, lease_seconds, Path(run_dir), message=_say, outage_seconds=outage_seconds)
@@ -90,11 +108,37 @@ def hold(
                 # the lease thread takes the lease once the store answers (or stops the run).
                 lease.offline(one_line(e), None if wait is None else max(0.0, wait - (time.monotonic() - started)))
             lease.start()
-        try:
-            yield Holding(lock, lease)
-        finally:
-            if lease is not None:
-                lease.release()
+    except BaseException:  # refused: nothing was taken (a lease not acquired has nothing to release)
+        lock.release()
+        raise
+    holding = Holding(lock, lease)
+    got = holding.clock_start()  # after a wait: when it got the run
+    holding.seconds = time.time() - got if got is not None else time.monotonic() - started
+    return holding
+
+
+def take_run(cfg: RunConfig, wait: float | None, command: str = "train") -> Holding:
+    """`take` with a run's settings: its output_dir, and its store's lease (`checkpoint.*`)."""
+    ck = cfg.checkpoint
+    return take(cfg.output_dir, ck.remote, ck.storage_options, ck.lease_seconds, wait, command, ck.store_outage_seconds)
+
+
+@contextlib.contextmanager
+def hold(
+    run_dir: str | Path,
+    remote: str | None,
+    storage_options: dict[str, Any],
+    lease_seconds: float,
+    wait: float | None = None,
+    command: str = "train",
+    outage_seconds: float = defaults.STORE_OUTAGE_SECONDS,
+) -> Iterator[Holding]:
+    """`take` for the block: released when it returns or raises."""
+    holding = take(run_dir, remote, storage_options, lease_seconds, wait, command, outage_seconds)
+    try:
+        yield holding
+    finally:
+        holding.release()
 
 
 # ---------------------------------------------------------------------------- spotune status --break-lease
