@@ -17,7 +17,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import peft
 import torch
 import transformers
 from torch.utils import _pytree as pytree
@@ -85,6 +84,8 @@ def layer(seq: int, r: int = 32, dropout: float = 0.0, tile: int | None = None) 
     cfg._attn_implementation = FLASH
     with torch.device("meta"):
         block = LlamaDecoderLayer(cfg, 0).to(torch.bfloat16)
+    import peft  # here, not at collection: peft imports bitsandbytes and with it TorchInductor, ~2 s per test worker
+
     lora = peft.LoraConfig(r=r, target_modules=TARGETS, lora_dropout=dropout)
     block = peft.inject_adapter_in_model(lora, block)
     for name, p in block.named_parameters():

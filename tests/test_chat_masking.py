@@ -8,7 +8,6 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-import datasets
 import pytest
 from conftest import SHARED_DATA
 from transformers import AutoTokenizer
@@ -284,6 +283,8 @@ def test_a_tool_file_prepares_every_row_with_its_tools(tmp_path: Path) -> None:
     name = "qwen2.5-instruct"
     p = prepare(DataConfig(path=str(data), seq_len=1024), str(TOKENIZERS / name), tmp_path / "cache", progress=False)
     assert p.manifest["train"]["examples_out"] == 2 and p.manifest["train"]["format"] == "messages"
+    import datasets  # here, not at collection: ~1 s with pandas, on a worker that may never run this
+
     row = datasets.load_from_disk(str(p.train_path))[0]
     real = row["num_real"]
     runs = _runs(_tokenizer(name), row["input_ids"][:real], row["labels"][:real])

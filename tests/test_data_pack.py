@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import datasets
 import numpy as np
 import pytest
 import torch
@@ -178,6 +177,8 @@ def packed_row(tiny_llama: Path, tiny_data: Path, tmp_path_factory: pytest.TempP
     """A real row from the pipeline holding several documents, padding included."""
     cfg = DataConfig(path=str(tiny_data), seq_len=512)
     prep = prepare(cfg, str(tiny_llama), tmp_path_factory.mktemp("cache"), progress=False)
+    import datasets  # here, not at collection: ~1 s with pandas, on a worker that may never run this
+
     ds = datasets.load_from_disk(str(prep.train_path)).with_format("torch")
     # Tight packing leaves few padded rows: take the row with the most padding among those of 3+ documents.
     rows = [r for r in ds if len(_doc_spans(r["position_ids"].tolist(), int(r["num_real"]))) >= 3]

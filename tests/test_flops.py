@@ -7,7 +7,6 @@ layer's projections that read the (frozen) embedding output directly.
 
 from __future__ import annotations
 
-import peft
 import pytest
 import torch
 import transformers
@@ -85,6 +84,8 @@ def test_shape_counts_match_hf_and_peft(arch: str) -> None:
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     shape = flops.model_shape(cfg)
     assert shape.total_params() == sum(p.numel() for p in model.parameters())
+    import peft  # here, not at collection: peft imports bitsandbytes and with it TorchInductor, ~2 s per test worker
+
     for r, targets in [(4, ("all-linear",)), (2, ("q_proj", "v_proj") if arch != "gpt2" else ("c_attn",))]:
         lora = peft.get_peft_model(
             transformers.AutoModelForCausalLM.from_config(cfg),
@@ -98,6 +99,8 @@ def test_agrees_with_flop_counter_mode(arch: str) -> None:
     torch.manual_seed(0)
     cfg = _config(arch)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    import peft  # here, not at collection: peft imports bitsandbytes and with it TorchInductor, ~2 s per test worker
+
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0))
     batch, seq = 2, 32
     ids = torch.randint(0, VOCAB, (batch, seq))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import peft
 import pytest
 import torch
 import transformers
@@ -65,6 +64,8 @@ def test_estimate_matches_measured_peak(arch: str, seq: int, mbs: int, checkpoin
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
+    import peft  # here, not at collection: peft imports bitsandbytes and with it TorchInductor, ~2 s per test worker
+
     model = peft.get_peft_model(model, peft.LoraConfig(r=16, target_modules="all-linear", lora_dropout=dropout))
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]

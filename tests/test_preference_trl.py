@@ -18,13 +18,12 @@ import dataclasses
 import json
 import math
 import types
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-
-pytest.importorskip("trl", reason="TRL is the peer compared against: the `bench` extra")
 
 from trainer import builtin_assets
 from trainer.config import AdapterConfig, DataConfig, ModelConfig, TrainConfig
@@ -32,6 +31,9 @@ from trainer.data.prepare import prepare
 from trainer.model.load import build
 from trainer.model.preference import Preference
 from trainer.training.loop import make_evaluator
+
+# Asked of the installed packages, not imported at collection: the tests import TRL themselves.
+pytestmark = pytest.mark.skipif(find_spec("trl") is None, reason="TRL is the peer compared against: the `bench` extra")
 
 # The built-in template without the newline after an answer's EOS: TRL scores everything after the prompt,
 # spotune an answer and its end of turn, so with nothing after the end of turn both score the same tokens.

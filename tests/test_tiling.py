@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-import peft
 import pytest
 import torch
 import transformers
@@ -47,6 +46,8 @@ def _model(checkpointing: bool, dropout: float = 0.0) -> torch.nn.Module:
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     if checkpointing:
         enable_activation_checkpointing(model)
+    import peft  # here, not at collection: peft imports bitsandbytes and with it TorchInductor, ~2 s per test worker
+
     lora = peft.LoraConfig(r=8, target_modules="all-linear", lora_dropout=dropout, init_lora_weights=False)
     return peft.get_peft_model(model, lora).train()
 
