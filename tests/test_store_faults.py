@@ -201,7 +201,7 @@ import sys, time
 from pathlib import Path
 from trainer.restart.ownership.lease import Lease
 from trainer.restart.store.lifecycle import Store
-lease = Lease(Store(sys.argv[1]), 3.0, Path(sys.argv[2]), message=lambda m: None)
+lease = Lease(Store(sys.argv[1]), 2.0, Path(sys.argv[2]), message=lambda m: None)
 lease.acquire()
 lease.start()
 print("held", flush=True)
@@ -228,12 +228,12 @@ def test_a_taker_whose_clock_is_an_hour_ahead_never_takes_a_live_lease(
         monkeypatch.setattr(time, "time", lambda: real() + 3600)
         taker, _, _ = _lease(s3_remote, tmp_path / "taker")
         with pytest.raises(RunBusy):
-            taker.acquire(wait=3)  # today: taken at once, two writers
+            taker.acquire(wait=2)  # today: taken at once, two writers
         assert (read_lease(Store(s3_remote))[0] or {}).get("generation") == 1
         holder.kill()
         holder.wait()
         taker.acquire(wait=20)  # now it stands still: taken after its ttl on the taker's clock
-        assert taker.generation == 2 and taker.waited >= 2.5
+        assert taker.generation == 2 and taker.waited >= 1.5
         assert taker.previous and taker.previous[0]["pid"] == holder.pid  # the ledger books the dead holder
     finally:
         holder.kill()
