@@ -111,7 +111,8 @@ class Server:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        # serve_forever's poll interval is how long `close` (shutdown) waits: 0.5 s by default, per server.
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(POLL,), daemon=True)
         self.thread.start()
 
     def close(self) -> None:
@@ -322,7 +323,7 @@ def _train(recipe: Path, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def test_train_saves_and_exits_on_notice_then_resumes(tmp_path, tiny_llama, tiny_data, serve) -> None:
+def test_train_saves_and_exits_on_notice_then_resumes(tmp_path, tiny_llama, tiny_data, serve, capsys) -> None:
     server = serve("aws")
     out = tmp_path / "run"
     recipe = tmp_path / "recipe.yaml"
@@ -366,10 +367,13 @@ def test_train_saves_and_exits_on_notice_then_resumes(tmp_path, tiny_llama, tiny
     assert 2 <= step < STEPS, output  # mid-run, after the flip
     assert "watching for AWS preemption notices" in output
 
-    # the same command on the "next VM" (no notice any more) resumes from that step
+    # the same recipe on the "next VM" (no notice any more) resumes from that step; in this process, as
+    # the claim is what it resumes from (the exit code of a process was the first run's claim)
+    from trainer.training import run
+
     server.meta.preempted = False
-    proc = _train(recipe)
-    output, _ = proc.communicate(timeout=180)
-    assert proc.returncode == EXIT_FINISHED, output
+    capsys.readouterr()
+    assert run.train(C.load(recipe)) == EXIT_FINISHED
+    output = "".join(capsys.readouterr())
     assert f"resuming from {saved} at step {step} of {STEPS}" in output
     assert (out / "final" / "adapter_model.safetensors").is_file()

@@ -42,7 +42,11 @@ def test_second_lock_refuses_at_once_naming_the_holder(tmp_path: Path) -> None:
         pass
 
 
-def test_a_sigkilled_holder_leaves_no_stale_lock(tmp_path: Path) -> None:
+def test_a_sigkilled_holder_leaves_no_stale_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer.restart.ownership import lock
+
+    # A refusal retries for PROBE_GRACE (1 s) first; how long is test_second_lock_refuses_at_once's claim.
+    monkeypatch.setattr(lock, "PROBE_GRACE", 0.1)
     run = tmp_path / "run"
     code = f"from trainer.restart.ownership.lock import RunLock; RunLock.take({str(run)!r}, 'train'); print('held', flush=True); import time; time.sleep(60)"
     p = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
@@ -290,9 +294,14 @@ time.sleep(60)
 
 
 @pytest.mark.parametrize("how", ["runlock", "bare flock"])
-def test_a_forked_worker_does_not_keep_a_sigkilled_holders_lock(tmp_path: Path, how: str) -> None:
+def test_a_forked_worker_does_not_keep_a_sigkilled_holders_lock(
+    tmp_path: Path, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """SIGKILL the holder while its forked child lives on: the run must be free at once.
     The control (a bare flock, no fork rule) shows the child would keep it locked."""
+    from trainer.restart.ownership import lock
+
+    monkeypatch.setattr(lock, "PROBE_GRACE", 0.1)  # the control's refusal: 0.1 s of retries, not 1 s
     run = tmp_path / "run"
     p = subprocess.Popen(
         [sys.executable, "-c", _FORKING_HOLDER, str(run), how.split()[0]],

@@ -126,7 +126,7 @@ def test_unreachable_store_at_start_fails_without_a_local_checkpoint_and_warns_w
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     monkeypatch.setenv("AWS_ENDPOINT_URL", dead)
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
-    opts = {"checkpoint.remote": s3_remote, "checkpoint.notice_seconds": 2.0, "checkpoint.store_retry_seconds": 1.0}
+    opts = {"checkpoint.remote": s3_remote, "checkpoint.notice_seconds": 0.5, "checkpoint.store_retry_seconds": 1.0}
     cfg = _cfg(out, tiny_llama, data, 2, **opts)
     with pytest.raises(StoreUnreachable) as err:  # retried for store_retry_seconds first
         run.train(cfg)
@@ -158,10 +158,10 @@ def test_sigterm_flushes_the_upload_or_exits_143_anyway_naming_the_safe_step(
     tmp_path: Path, tiny_llama: Path, data: Path, s3_remote: str, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
     """A preemption notice: the stop step is saved, then its upload gets checkpoint.notice_seconds.
-    Here every upload stalls for 4 s (the test hook) and the notice is 1 s, so it cannot finish."""
+    Here every upload stalls for 2 s (the test hook) and the notice is 0.5 s, so it cannot finish."""
     out = tmp_path / "run"
-    monkeypatch.setenv(UPLOAD_PAUSE_ENV, "4")
-    cfg = _cfg(out, tiny_llama, data, 50, **{"checkpoint.remote": s3_remote, "checkpoint.notice_seconds": 1.0})
+    monkeypatch.setenv(UPLOAD_PAUSE_ENV, "2")
+    cfg = _cfg(out, tiny_llama, data, 50, **{"checkpoint.remote": s3_remote, "checkpoint.notice_seconds": 0.5})
 
     def notice() -> None:  # like the spot VM's SIGTERM, once a step is done
         while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
@@ -175,7 +175,7 @@ def test_sigterm_flushes_the_upload_or_exits_143_anyway_naming_the_safe_step(
     text = "".join(capsys.readouterr())
     local = int(stopped.split("-")[1])
     found = re.search(
-        r"the upload did not finish within 1s; the newest checkpoint safe remotely is step (None|\d+)", text
+        r"the upload did not finish within 0\.5s; the newest checkpoint safe remotely is step (None|\d+)", text
     )
     assert found and f"the local one is step {local}" in text, text[-2000:]
     # Which step is safe depends on how far earlier uploads got on a loaded machine; never the stop step.

@@ -182,12 +182,12 @@ def test_unreachable_store_names_the_url_and_the_fix(tmp_path: Path, moto_endpoi
         is_main=True,
         is_local_main=True,
         message=said.append,
-        retry_seconds=6.0,  # a first try takes a second or more on a busy machine: room for a retry
+        retry_seconds=3.0,  # a first try takes a second or more on a busy machine: room for a retry
     )
     with pytest.raises(StoreUnreachable) as err:  # a fault of the moment: exit 143, after retrying
         remote.connect()
     text = str(err.value)
-    assert "checkpoint.remote=s3://some-bucket/run is unreachable" in text and "(tried for 6s)" in text
+    assert "checkpoint.remote=s3://some-bucket/run is unreachable" in text and "(tried for 3s)" in text
     assert said and all("retrying in" in m for m in said), said
     assert "credentials" in text and "AWS_ENDPOINT_URL" in text and SECRET not in text
     # A missing backend names the extra to install (gcsfs is a test dependency: hidden from the import here).
@@ -265,7 +265,7 @@ def test_store_unreachable_mid_run_retries_warns_and_catches_up(
         server.stop()
         for step in (2, 3):
             uploader.submit(step, _commit(manager, step))
-        assert not uploader.flush(timeout=3)  # the store is gone: flushing gives up, training would go on
+        assert not uploader.flush(timeout=2)  # the store is gone: flushing gives up, training would go on
         assert uploader.metrics()["remote_steps_behind"] == 2
         warning = next(m for m in messages if "failed" in m)
         assert "s3://mid-run-bucket/run/checkpoints/step-00000" in warning and "retrying in" in warning
