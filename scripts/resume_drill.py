@@ -1,7 +1,8 @@
 """The end-to-end resume drill of the GPU check: train, SIGKILL after a checkpoint, run the same command.
 
 On a GPU: a ~1B random Llama (meta-llama/Llama-3.2-1B's shipped config, its vocabulary cut to the
-tokenizer's) in bf16 on real instruction data; with `dry`, the built-in tiny Llama on CPU. The
+tokenizer's) in bf16 on real instruction data; with `dry`, the built-in tiny Llama on CPU (`builtin:tiny-llama`,
+which the trainer builds itself: the driver imports no transformers), 6 steps. The
 checks are the same: the second process resumes from the newest checkpoint and finishes, the
 ledger holds one row per attempt (`killed`, then `finished`), and report.html is written.
 Sized to fit its part's cap in scripts/gpu_check.py: 30 steps of 8 rows of 2048 tokens on a GPU,
@@ -27,13 +28,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from trainer import builtin_assets as tiny  # noqa: E402
+from trainer.config import BUILTIN_TINY_MODEL  # noqa: E402
 from trainer.restart.local.checkpoint import CheckpointManager  # noqa: E402
 
 SHIPPED_1B = REPO / "trainer" / "plan" / "models" / "meta-llama--Llama-3.2-1B.json"
 
 
-def make_model(out: Path, tokenizer: Path | None, dry: bool) -> Path:
+def make_model(out: Path, tokenizer: Path | None, dry: bool) -> Path | str:
     """A random-initialised model saved with its tokenizer (no download)."""
+    if dry and tokenizer is None:
+        # The trainer builds (or finds cached) the built-in one: building it here would cost this
+        # driver transformers' import, which the train processes pay anyway.
+        return BUILTIN_TINY_MODEL
     tok_dir = tokenizer or tiny.build_tokenizer(out.parent / "tokenizer")
     if dry:
         return tiny.build_model(out, "llama", tokenizer_dir=tok_dir)
@@ -49,7 +55,7 @@ def make_model(out: Path, tokenizer: Path | None, dry: bool) -> Path:
     return out
 
 
-def recipe(work: Path, model: Path, data: Path, dry: bool) -> dict[str, Any]:
+def recipe(work: Path, model: Path | str, data: Path, dry: bool) -> dict[str, Any]:
     return {
         "output_dir": str(work / "run"),
         "seed": 1,
@@ -58,7 +64,8 @@ def recipe(work: Path, model: Path, data: Path, dry: bool) -> dict[str, Any]:
         # The Llama 2 tokenizer of a base model ships no chat template: the named Stanford prompt.
         "data": {"path": str(data), "format": "alpaca", "chat_template": "alpaca", "seq_len": 128 if dry else 2048},
         "train": {
-            "max_steps": 8 if dry else 30,
+            # dry: killed after the step-4 checkpoint, resumed for 2 steps (as the GPU's resumes for 10)
+            "max_steps": 6 if dry else 30,
             "micro_batch_size": 2 if dry else 4,
             "grad_accum": 2,
             "lr": 2e-4,

@@ -19,7 +19,6 @@ from test_kill_anywhere import _metric_rows, _recipe
 
 from trainer import builtin_assets
 from trainer import config as C
-from trainer.training import run
 
 
 @dataclass(frozen=True)
@@ -39,6 +38,10 @@ class Reference:
 
 @pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Reference:
+    # Imported here, not at the top: conftest.py imports this module, and a pytest that never asks
+    # for the reference (a --collect-only, a subprocess pytest of one file) would pay transformers' import.
+    from trainer.training import run
+
     root = tmp_path_factory.mktemp("uninterrupted")
     data = builtin_assets.write_dataset(root / "data" / "train.jsonl", n=16)
     out = root / "run"
