@@ -244,7 +244,14 @@ def test_stopped_past_its_lease_the_old_holder_writes_nothing_more(
     os.kill(a.pid, signal.SIGCONT)
     assert a.wait(timeout=60) == EXIT_BUSY, m.log(a)
     assert "lost the lease" in m.log(a)
-    assert objects() == before  # not one object written or deleted
+    # Not one object written or deleted, but for the one request the stop may have caught in flight: stopped
+    # between its fence check and a run-file upload (after the commit the wait above polls for), the holder
+    # sends that upload when it wakes. It can only be its own generation's copy (`.gen-N`), which no reader
+    # takes once a higher generation holds the run (trainer/restart/store/generations.py); the rows read back
+    # below are the new holder's. Full suites caught that window twice so far.
+    after = objects()
+    late = {k for k in after.keys() | before.keys() if after.get(k) != before.get(k)}
+    assert all(k.endswith(f".gen-{held}") and k in after for k in late), (late, before, after)
     os.kill(b.pid, signal.SIGCONT)
     assert b.wait(timeout=300) == 0, m.log(b)
     rows = _remote_rows(store, tmp_path, "ledger.jsonl")
