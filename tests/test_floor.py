@@ -158,7 +158,7 @@ def test_a_corrupt_step_is_protected_until_retired(tmp_path: Path) -> None:
 
 def test_a_floor_chosen_without_the_lease_is_read_again_when_the_lease_is_taken(tmp_path: Path) -> None:
     """Real leases: the holder H has 500 committed; attempt A's first lease request blipped (it goes on cut
-    off, as `owner.hold` does), and it chooses 500 from a listing made without the lease. H, in its notice
+    off, as `owner.take` does), and it chooses 500 from a listing made without the lease. H, in its notice
     window, commits 600 and 700 and releases. A's lease thread takes the lease; A saves its own 600. It used
     to replace H's 600 and, with its commit hiding 700, delete 700 at the next `clean`."""
     (tmp_path / "store").mkdir()  # the mounted folder a `file://` store is

@@ -298,7 +298,7 @@ class Model(RuleBasedStateMachine):
         except RunBusy:
             return  # exit 75: another attempt holds the run
         except Exception as e:
-            lease.offline(str(e))  # owner.hold: RemoteRun decides whether training may start
+            lease.offline(str(e))  # owner.take: RemoteRun decides whether training may start
         else:
             self.took(lease, before, "at start")
         store = self.store_for(machine)

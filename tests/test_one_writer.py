@@ -20,7 +20,7 @@ from trainer.exit_codes import EXIT_BUSY
 from trainer.report.status import NotARun, run_status
 from trainer.restart.ownership.lease import LEASE_FILE, Lease, LeaseLost, read_lease
 from trainer.restart.ownership.lock import LOCK_FILE, RunBusy, RunLock, holder
-from trainer.restart.ownership.owner import break_lease, hold
+from trainer.restart.ownership.owner import break_lease, take
 from trainer.restart.store.lifecycle import Store
 
 REPO = Path(__file__).resolve().parents[1]
@@ -148,10 +148,10 @@ def test_same_directory_same_host_takes_over_a_dead_holders_live_lease(tmp_path:
     run = tmp_path / "run"
     dead, _ = _lease(s3_remote, run, ttl=600)
     dead.acquire()
-    with hold(run, s3_remote, {}, 600.0) as holding:
+    with take(run, s3_remote, {}, 600.0) as holding:
         assert holding.lease is not None and holding.lease.generation == 2
         with pytest.raises(RunBusy):  # another directory (another machine) is refused
-            with hold(tmp_path / "other", s3_remote, {}, 600.0):
+            with take(tmp_path / "other", s3_remote, {}, 600.0):
                 pass
     lease, _ = read_lease(Store(s3_remote))
     assert lease is not None and lease["released"]
@@ -163,7 +163,7 @@ def test_status_names_the_holder_and_never_blocks(
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.yaml").write_text(f"checkpoint:\n  remote: {s3_remote}\n")
-    with hold(run, s3_remote, {}, 120.0):
+    with take(run, s3_remote, {}, 120.0):
         held = run_status(str(run)).held_by or ""
         assert f"lock held by pid {os.getpid()}" in held and "spotune train" in held
         held = run_status(s3_remote).held_by or ""
@@ -368,7 +368,7 @@ def test_a_lease_not_taken_at_start_is_taken_with_what_is_left_of_wait_and_never
     new, new_lost = _lease(remote, tmp_path / "new", ttl=1.5)
     stops: list[str] = []
     new.on_outage = stops.append
-    new.offline("a blip", wait=20.0)  # hold(): the first request failed, --wait 20
+    new.offline("a blip", wait=20.0)  # take(): the first request failed, --wait 20
     ticking = threading.Thread(target=new.keeper.tick)
     ticking.start()
     time.sleep(0.3)

@@ -102,7 +102,7 @@ def _faults_of_one_rank(rank: int, tmp: str, remote: str, dead: str) -> None:
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/pg-faults", rank=rank, world_size=2)
     node = Path(tmp) / f"oom-node{rank}"
     lease = None
-    if rank == 0:  # the job's main process holds the run, as owner.hold does
+    if rank == 0:  # the job's main process holds the run, as owner.take does
         lease = Lease(Store(remote), 30.0, node, message=lambda m: None)
         lease.acquire()
     run = RemoteRun(remote, {}, node, keep_last=2, is_main=rank == 0, is_local_main=True, message=lambda m: None)

@@ -2,7 +2,7 @@
 the remote's lease for its whole life; `spotune status --break-lease` breaks a lease by hand (who
 holds a run now is trainer/report/status.py's to say).
 
-`take` (or `hold`, the same as a `with` block) is what each attempt of `run.train` starts with: the local
+`take` (also a `with` block: released when it ends) is what each attempt of `run.train` starts with: the local
 lock first (trainer/restart/ownership/lock.py), then the lease (trainer/restart/ownership/lease.py), both
 before the attempt touches the directory or the store, both released when it returns or raises.
 `spotune train` takes its first attempt's before it imports torch (trainer/cli/train.py): a start that is
@@ -15,13 +15,11 @@ not coordinate.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -65,6 +63,12 @@ class Holding:
         ]
         return max(starts) if starts else None
 
+    def __enter__(self) -> Holding:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
     def release(self) -> None:
         """The lease first (marked released, so the next attempt starts at once), then the lock."""
         lease, lock = self.lease, self.lock
@@ -86,7 +90,8 @@ def take(
     command: str = "train",
     outage_seconds: float = defaults.STORE_OUTAGE_SECONDS,
 ) -> Holding:
-    """Take `run_dir` (and the lease of `remote`) until `Holding.release`; raises RunBusy naming the holder."""
+    """Take `run_dir` (and the lease of `remote`) until `Holding.release` (or the end of a `with` block on it);
+    raises RunBusy naming the holder."""
     if os.environ.get("RANK", "0") != "0":
         return Holding()
     started = time.monotonic()
@@ -121,24 +126,6 @@ def take_run(cfg: RunConfig, wait: float | None, command: str = "train") -> Hold
     """`take` with a run's settings: its output_dir, and its store's lease (`checkpoint.*`)."""
     ck = cfg.checkpoint
     return take(cfg.output_dir, ck.remote, ck.storage_options, ck.lease_seconds, wait, command, ck.store_outage_seconds)
-
-
-@contextlib.contextmanager
-def hold(
-    run_dir: str | Path,
-    remote: str | None,
-    storage_options: dict[str, Any],
-    lease_seconds: float,
-    wait: float | None = None,
-    command: str = "train",
-    outage_seconds: float = defaults.STORE_OUTAGE_SECONDS,
-) -> Iterator[Holding]:
-    """`take` for the block: released when it returns or raises."""
-    holding = take(run_dir, remote, storage_options, lease_seconds, wait, command, outage_seconds)
-    try:
-        yield holding
-    finally:
-        holding.release()
 
 
 # ---------------------------------------------------------------------------- spotune status --break-lease
