@@ -369,11 +369,11 @@ def test_train_saves_and_exits_on_notice_then_resumes(tmp_path, tiny_llama, tiny
 
     # the same recipe on the "next VM" (no notice any more) resumes from that step; in this process, as
     # the claim is what it resumes from (the exit code of a process was the first run's claim)
-    from trainer.training import run
+    from drill_reference import train_here
 
     server.meta.preempted = False
     capsys.readouterr()
-    assert run.train(C.load(recipe)) == EXIT_FINISHED
+    assert train_here([str(recipe)]) == EXIT_FINISHED
     output = "".join(capsys.readouterr())
     assert f"resuming from {saved} at step {step} of {STEPS}" in output
     assert (out / "final" / "adapter_model.safetensors").is_file()

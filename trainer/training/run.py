@@ -71,6 +71,7 @@ def _attempt(cfg: C.RunConfig, wait: float | None, held: owner.Holding | None) -
     with determinism.kernels(cfg.train.deterministic) as notes, contextlib.ExitStack() as closing:
         # One writer per run, before anything touches output_dir or the store (trainer/restart/ownership/owner.py).
         holding = held if held is not None else owner.take_run(cfg, wait)
+        assert not holding.released, "an attempt starts only on a hold no earlier attempt gave back"
         closing.callback(holding.release)  # released last, when everything the attempt opened is closed
         phases["store"] = holding.seconds  # its lease requests; a `held` one's are not imports (below)
         proc = process.start(

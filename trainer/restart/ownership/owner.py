@@ -49,6 +49,8 @@ class Holding:
     seconds: float = 0.0
     """Wall seconds `take` spent getting the run after any wait for it: the store's lease requests (the
     ledger books them as phase `store`; a wait belongs to the holder it waited on)."""
+    released: bool = False
+    """After `release`: this process no longer holds the run, and no attempt may start on it."""
 
     def clock_start(self) -> float | None:
         """Where this attempt's ledger clock starts: when it got the run, if it had to wait for it
@@ -72,7 +74,7 @@ class Holding:
     def release(self) -> None:
         """The lease first (marked released, so the next attempt starts at once), then the lock."""
         lease, lock = self.lease, self.lock
-        self.lease = self.lock = None
+        self.lease, self.lock, self.released = None, None, True
         try:
             if lease is not None:
                 lease.release()
