@@ -12,13 +12,12 @@ import io
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import warm_start
 import yaml
 
 from trainer import builtin_assets
@@ -88,7 +87,7 @@ def _recipe(tmp: Path, tiny_llama: Path, **extra: Any) -> Path:
     return recipe
 
 
-def _until(found: Any, what: str, proc: subprocess.Popen[bytes], timeout: float = 300.0) -> None:
+def _until(found: Any, what: str, proc: warm_start.Started, timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     while not found():
         assert proc.poll() is None, f"the run ended before {what}"
@@ -109,10 +108,8 @@ def test_kill_resume_and_run_again_are_booked_as_they_happened(tmp_path: Path, t
     ckpts = out / "checkpoints"
     # Attempt 1, its own process: each save pauses halfway (test hook). Seen live inside the save at
     # step 20, then SIGKILLed inside the last save (step 25, logged): checkpoint 20 is the newest.
-    env = {**os.environ, "SPOTUNE_TEST_SAVE_PAUSE": "3", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "trainer", "train", str(recipe)]
-    with open(tmp_path / "attempt1.log", "w") as log:
-        p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=log)
+    env = {**os.environ, "SPOTUNE_TEST_SAVE_PAUSE": "3"}
+    p = warm_start.start(["train", str(recipe)], tmp_path / "attempt1.log", env=env, new_session=False)
     try:
         _until(lambda: any(ckpts.glob(f"step-{SAVED_STEP:06d}.tmp-*")), "the save at step 20", p)
         live = run_status(str(out))

@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+import warm_start
 from safetensors.torch import load_file
 
 from trainer import config as C
@@ -66,30 +65,11 @@ def test_two_processes_match_one(tmp_path: Path, tiny_llama: Path, tiny_data: Pa
 
     two = tmp_path / "two"
     args = [f"{k}={'null' if v is None else v}" for k, v in _overrides(tiny_llama, tiny_data, cache, two).items()]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(_free_port()),
-            "-m",
-            "trainer",
-            "train",
-            *args,
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = ["--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+    log = tmp_path / "torchrun.log"  # the launcher forked from the warm forkserver (tests/warm_start.py)
+    proc = warm_start.start([*launcher, "-m", "trainer", "train", *args], log, env=env, module="torch.distributed.run")
+    assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
 
     a, b = _rows(one), _rows(two)
     assert [r["step"] for r in b] == [1, 2, 3]

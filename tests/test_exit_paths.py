@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,29 @@ def _wait_failed(proc: subprocess.Popen, tmp_path: Path) -> float:
     return float(marker.read_text())
 
 
+CONTROL = "test_control_without_the_shutdown_a_failed_run_never_exits"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hung_control(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path, tiny_data: Path
+) -> Iterator[tuple[subprocess.Popen, Path] | None]:
+    """The control's run, started before this module's first test when the control is selected: it
+    hangs (idle) while the other tests run, and the control, last, checks it is still there BOUND_S
+    after its failure, instead of this worker sitting idle for BOUND_S."""
+    if not any(item.name == CONTROL for item in request.session.items):
+        yield None
+        return
+    tmp = tmp_path_factory.mktemp("control")
+    proc = _inject(
+        tmp, _recipe(tmp, tiny_llama, tiny_data), "trainer.model.objective.token_loss_sum", 3, DISABLE_SHUTDOWN="1"
+    )
+    try:
+        yield proc, tmp
+    finally:
+        _end(proc)
+
+
 @pytest.mark.parametrize(
     "target, after, code",
     [
@@ -144,22 +168,6 @@ def test_an_exception_ends_the_process_with_workers_on(
         assert gone_after < BOUND_S, f"exited {gone_after:.1f} s after the failure"
         assert f"injected failure in {target}" in log
         assert _session_processes(proc.pid) == [], "a child of the run outlived it"
-    finally:
-        _end(proc)
-
-
-@pytest.mark.slow
-def test_control_without_the_shutdown_a_failed_run_never_exits(
-    tmp_path: Path, tiny_llama: Path, tiny_data: Path
-) -> None:
-    """The code before the fix (no loader close, no kill of leftover children) hangs, as on the H100."""
-    recipe = _recipe(tmp_path, tiny_llama, tiny_data)
-    proc = _inject(tmp_path, recipe, "trainer.model.objective.token_loss_sum", 3, DISABLE_SHUTDOWN="1")
-    try:
-        failed_at = _wait_failed(proc, tmp_path)
-        with pytest.raises(subprocess.TimeoutExpired):
-            proc.wait(timeout=max(1.0, failed_at + BOUND_S - time.time()))
-        assert "injected failure" in (tmp_path / "train.log").read_text()  # it printed, then stayed
     finally:
         _end(proc)
 
@@ -250,3 +258,17 @@ def test_loader_workers_is_validated() -> None:
         C.load(None, ["data.loader_workers=-1"])
     assert C.load(None, ["data.loader_workers=2"]).data.loader_workers == 2
     assert C.load(None, []).data.loader_workers == "auto"
+
+
+@pytest.mark.slow
+def test_control_without_the_shutdown_a_failed_run_never_exits(
+    hung_control: tuple[subprocess.Popen, Path] | None,
+) -> None:
+    """The code before the fix (no loader close, no kill of leftover children) hangs, as on the H100.
+    Its run started with this module (`hung_control`); this test is the module's last."""
+    assert hung_control is not None
+    proc, tmp = hung_control
+    failed_at = _wait_failed(proc, tmp)
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=max(1.0, failed_at + BOUND_S - time.time()))
+    assert "injected failure" in (tmp / "train.log").read_text()  # it printed, then stayed

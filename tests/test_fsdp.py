@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+import warm_start
 from safetensors.torch import load_file
 
 from trainer import config as C
@@ -73,17 +72,18 @@ def _torchrun(overrides: dict[str, Any], log: Path, ranks: int = 2, first_on_pat
     args = [f"{k}={'null' if v is None else v}" for k, v in overrides.items()]
     # Extends PYTHONPATH: packages installed with --target (the GPU check's carried wheels) stay importable.
     front = [str(first_on_path)] if first_on_path is not None else []
-    pythonpath = os.pathsep.join(p for p in (*front, str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if front:  # else the ranks find the repository as their working directory
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (*front, str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+        "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
         "-m", "trainer", "train", *args,
     ]  # fmt: skip
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    log.write_text(done.stdout + done.stderr)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    return done.stdout + done.stderr
+    # The launcher forked from the warm forkserver (tests/warm_start.py); its ranks are fresh interpreters.
+    done = warm_start.start(cmd, log, env=env, module="torch.distributed.run").wait(timeout=300)
+    said = log.read_text()
+    assert done == 0, said[-4000:]
+    return said
 
 
 def _step(out: Path, step: int) -> Path:

@@ -12,15 +12,16 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import warm_start
 import yaml
 from safetensors.torch import load_file
+from warm_start import Started
 
 from trainer import builtin_assets
 from trainer.exit_codes import EXIT_PREEMPTED
@@ -92,16 +93,11 @@ def _wait(proc: subprocess.Popen, cond, timeout: float = 120.0) -> bool:
     raise AssertionError("timed out waiting for the training process")
 
 
-def start_attempt(procs: list, recipe: Path, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+def start_attempt(procs: list, recipe: Path, log: Path, env: dict[str, str] | None = None) -> Started:
     """`python -m trainer train RECIPE` as a machine starts it: a session of its own (a kill takes its
-    loader workers too), its output in `log`, registered in `procs` for the fixture to end."""
-    cmd = [sys.executable, "-m", "trainer", "train", str(recipe)]
-    with open(log, "w") as out:
-        procs.append(
-            subprocess.Popen(
-                cmd, cwd=REPO, env=env or dict(os.environ), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        )
+    loader workers too), its output in `log`, registered in `procs` for the fixture to end. Forked from
+    the worker's warm forkserver (tests/warm_start.py): a process of its own whose imports are done."""
+    procs.append(warm_start.start(["train", str(recipe)], log, env=env))
     return procs[-1]
 
 
@@ -212,29 +208,11 @@ def test_kill_anywhere_then_finish_equals_uninterrupted(
     assert not list(ck.root.glob("*.tmp-*"))  # the save killed in flight was cleaned up
 
 
-def _torchrun(procs: list, recipe: Path, log: Path) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "trainer",
-        "train",
-        str(recipe),
-    ]
-    procs.append(
-        subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env=os.environ.copy(),  # one intra-op thread per rank: the module is `bitwise`
-            stdout=open(log, "w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    )
+def _torchrun(procs: list, recipe: Path, log: Path) -> Started:
+    """torchrun of two ranks in a session of its own: the launcher forked from the warm forkserver
+    (tests/warm_start.py), its ranks fresh interpreters it starts; one intra-op thread each (`bitwise`)."""
+    args = ["--standalone", "--nproc_per_node", "2", "-m", "trainer", "train", str(recipe)]
+    procs.append(warm_start.start(args, log, module="torch.distributed.run"))
     return procs[-1]
 
 

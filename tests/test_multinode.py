@@ -16,8 +16,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -26,9 +24,10 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+import warm_start
 from moto_fixture import s3_env
 from safetensors.torch import load_file, save_file
-from test_elastic import REPO, STEPS, _adapter, _args, _assert_close, _digests, _free_port
+from test_elastic import STEPS, _adapter, _args, _assert_close, _digests, _free_port
 
 from trainer import config as C
 from trainer.data.cache import in_turns
@@ -43,22 +42,21 @@ pytestmark = pytest.mark.bitwise  # separate runs agree bit for bit: one intra-o
 GLOBAL_BATCH = 2  # one row per rank per step on two nodes; two micro-batches in one process
 
 
-def _launch(nodes: list[list[str]], logs: list[Path], env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
+def _launch(nodes: list[list[str]], logs: list[Path], env: dict[str, str]) -> list[warm_start.Started]:
     """One torchrun per node, as each machine of a cluster would start it."""
     port = str(_free_port())
     procs = []
     for node_rank, (args, log) in enumerate(zip(nodes, logs, strict=True)):
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-            "--node_rank", str(node_rank), "--master_addr", "127.0.0.1", "--master_port", port,
-            "-m", "trainer", "train", *args,
+            "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(node_rank),
+            "--master_addr", "127.0.0.1", "--master_port", port, "-m", "trainer", "train", *args,
         ]  # fmt: skip
-        with log.open("w") as f:
-            procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
+        # The launcher forked from the warm forkserver (tests/warm_start.py); its rank is a fresh interpreter.
+        procs.append(warm_start.start(cmd, log, env=env, module="torch.distributed.run"))
     return procs
 
 
-def _kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
+def _kill_all(procs: list[warm_start.Started]) -> None:
     """SIGKILL every launcher and worker together (one at a time, a survivor would see its peer
     vanish and exit on its own first)."""
     family: list[psutil.Process] = []
@@ -76,7 +74,7 @@ def _kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
     psutil.wait_procs(family, timeout=30)
 
 
-def _wait(procs: list[subprocess.Popen[bytes]], until, logs: list[Path], timeout: float = 300) -> None:  # noqa: ANN001
+def _wait(procs: list[warm_start.Started], until, logs: list[Path], timeout: float = 300) -> None:  # noqa: ANN001
     deadline = time.monotonic() + timeout
     while not until():
         if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
@@ -121,7 +119,7 @@ def test_two_nodes_resume_from_rank0s_step_after_a_kill(
         [*_args(tiny_llama, tiny_data, d / "cache", d / "run", GLOBAL_BATCH), f"checkpoint.remote={s3_remote}"]
         for d in disks
     ]
-    env = {**os.environ, **s3_env(moto_endpoint), "PYTHONPATH": str(REPO)}  # OMP_NUM_THREADS=1: `bitwise`
+    env = {**os.environ, **s3_env(moto_endpoint)}  # OMP_NUM_THREADS=1: `bitwise`
     env["PYTHONUNBUFFERED"] = "1"
     logs = [tmp_path / "node0-a.log", tmp_path / "node1-a.log"]
     procs = _launch(nodes, logs, {**env, PAUSE_ENV: "0.2"})  # slow saves: a fast machine cannot finish before the kill

@@ -21,13 +21,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import warm_start
 import yaml
 from drill_reference import Reference
 from fault_proxy import FaultProxy
@@ -129,18 +129,13 @@ def test_no_fault_deletes_what_was_paid_for_and_every_transient_one_is_restartab
 
     def start(out: Path, *, torchrun: bool = False, **extra: str) -> subprocess.Popen:
         logs.append(tmp_path / f"attempt{len(logs) + 1}.log")
-        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"] if torchrun else []
-        cmd = [sys.executable, *launcher, "-m", "trainer", "train", str(recipes[out])]
-        procs.append(
-            subprocess.Popen(
-                cmd,
-                cwd=REPO,
-                env={**os.environ, **env, **extra},
-                stdout=open(logs[-1], "w"),
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        )
+        # Forked from the warm forkserver (tests/warm_start.py): a process of its own whose imports are done;
+        # under torchrun that is the launcher, its ranks are fresh interpreters.
+        args = ["train", str(recipes[out])]
+        if torchrun:
+            args = ["--standalone", "--nproc_per_node", "2", "-m", "trainer", *args]
+        module = "torch.distributed.run" if torchrun else "trainer"
+        procs.append(warm_start.start(args, logs[-1], env={**os.environ, **env, **extra}, module=module))
         return procs[-1]
 
     def said() -> str:
@@ -249,6 +244,9 @@ def test_no_fault_deletes_what_was_paid_for_and_every_transient_one_is_restartab
     ledger = _ledger(store, tmp_path)
     assert set(pids) <= {r["pid"] for r in ledger}, (pids, ledger)
     assert [r for r in ledger if r["world_size"] == 2]  # the two-rank attempt, booked from its lease
-    assert {r["exit_reason"] for r in ledger if r["pid"] == pids[3]} == {"preempted"}  # the stale disk's own row
+    # The stale disk's own row: stopped by the store ahead, or, where it trained to the last step cut off
+    # before the store answered, "finished" (what it trained) with exit 143 (the store lacks its result).
+    (stale,) = [r for r in ledger if r["pid"] == pids[3]]
+    assert stale["exit_reason"] in (("preempted", "finished") if stale["last_step"] == STEPS else ("preempted",)), stale
     refused = {e.get("action") for e in proxy.log()}
     assert {"refused denied", "refused flaky", "down"} <= refused, refused

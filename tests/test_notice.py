@@ -6,9 +6,6 @@ saves and exits with the requeue code when the server turns to "preempted", then
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import warm_start
 import yaml
 
 from trainer import config as C
@@ -317,10 +315,9 @@ def test_config_keys_validated() -> None:
 # ---------------------------------------------------------------------------- end to end
 
 
-def _train(recipe: Path, *overrides: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "trainer", "train", str(recipe), *overrides]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _train(recipe: Path, log: Path) -> warm_start.Started:
+    """`spotune train RECIPE`, forked from the warm forkserver (tests/warm_start.py), its output in `log`."""
+    return warm_start.start(["train", str(recipe)], log, new_session=False)
 
 
 def test_train_saves_and_exits_on_notice_then_resumes(tmp_path, tiny_llama, tiny_data, serve, capsys) -> None:
@@ -346,7 +343,8 @@ def test_train_saves_and_exits_on_notice_then_resumes(tmp_path, tiny_llama, tiny
             }
         )
     )
-    proc = _train(recipe)
+    log = tmp_path / "train.log"
+    proc = _train(recipe, log)
     try:
         metrics = out / "metrics.jsonl"
         deadline = time.monotonic() + 180
@@ -354,10 +352,11 @@ def test_train_saves_and_exits_on_notice_then_resumes(tmp_path, tiny_llama, tiny
             assert time.monotonic() < deadline, "training did not start"
             time.sleep(0.01)
         server.meta.preempted = True
-        output, _ = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
+    output = log.read_text()
     assert proc.returncode == EXIT_PREEMPTED, output
     assert "AWS preemption notice (action terminate" in output
     manager = CheckpointManager(out / "checkpoints", keep_last=3)

@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -23,11 +22,12 @@ from typing import Any
 
 import pytest
 import torch
+import warm_start
 import yaml
 from drill_reference import Reference
 from moto_fixture import s3_env, sparse
 from safetensors.torch import load_file
-from test_kill_anywhere import REPO, STEPS, _metric_rows, _recipe, _wait
+from test_kill_anywhere import STEPS, _metric_rows, _recipe, _wait
 
 from trainer.exit_codes import EXIT_BUSY
 from trainer.restart.books.ledger import read_rows
@@ -86,10 +86,7 @@ class Machines:
     def start(self, recipe: Path, *args: str, pause: float = 0.0) -> subprocess.Popen:
         log = self.tmp / f"attempt{len(self.procs) + 1}.log"
         env = {**os.environ, **self.env, PAUSE_ENV: str(pause)}
-        cmd = [sys.executable, "-m", "trainer", "train", str(recipe), *args]
-        p = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
-        )
+        p = warm_start.start(["train", str(recipe), *args], log, env=env)
         self.procs.append(p)
         self.logs[p.pid] = log
         return p

@@ -14,7 +14,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from html import unescape
@@ -24,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import warm_start
 import yaml
 from PIL import Image
 
@@ -89,10 +89,7 @@ def real_run(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> dict
     # Attempt 1, `spotune train` in its own process: the save at step 3 stalls halfway
     # (test hook) and is SIGKILLed there, so steps 1-3 are never committed and are redone.
     env = {**os.environ, "SPOTUNE_TEST_SAVE_PAUSE": "120"}
-    log = open(tmp / "attempt1.log", "w")
-    p = subprocess.Popen(
-        [sys.executable, "-m", "trainer", "train", str(recipe)], cwd=REPO, env=env, stdout=log, stderr=log
-    )
+    p = warm_start.start(["train", str(recipe)], tmp / "attempt1.log", env=env, new_session=False)
     try:
         _until(lambda: any((out / "checkpoints").glob("step-*.tmp-*")) or p.poll() is not None, "the first save")
         assert p.poll() is None, (tmp / "attempt1.log").read_text()

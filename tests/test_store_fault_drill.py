@@ -15,13 +15,13 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import warm_start
 import yaml
 from drill_reference import Reference, train_here
 from fault_proxy import FaultProxy
@@ -50,15 +50,7 @@ def _write_recipe(tmp: Path, out: Path, model: Path, data: Path, **checkpoint: A
 
 
 def _start(started: list, recipe: Path, log: Path, env: dict[str, str], *args: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "trainer", "train", str(recipe), *args]
-    p = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env={**os.environ, **env},
-        stdout=open(log, "w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    p = warm_start.start(["train", str(recipe), *args], log, env={**os.environ, **env})
     started.append(p)
     return p
 

@@ -1,0 +1,88 @@
+"""tests/warm_start.py, which the drills start `python -m trainer train` with: an attempt forked from the
+warm forkserver is the process a fresh interpreter would be (its exit code and output, its own session,
+a SIGKILL's return code, its loader workers killed with it), minus the imports; an environment that
+differs in what a library may read while importing gets a fresh interpreter (the control)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import warm_start
+import yaml
+
+from trainer.exit_codes import EXIT_BAD_INPUT
+from trainer.restart.local.checkpoint import PAUSE_ENV
+
+
+def _dump(tmp_path: Path, name: str, **extra: str) -> tuple[dict[str, str], Path]:
+    dump = tmp_path / f"{name}.modules"
+    return {**os.environ, "SPOTUNE_WARM_DUMP": str(dump), **extra}, dump
+
+
+def test_an_attempt_is_the_process_a_fresh_interpreter_is_without_the_imports(tmp_path: Path) -> None:
+    args = ["train", "train.no_such_key=1"]
+    env, dump = _dump(tmp_path, "warm")
+    warm = warm_start.start(args, tmp_path / "warm.log", env=env)
+    assert isinstance(warm, warm_start.Attempt)
+    assert warm.wait(timeout=120) == EXIT_BAD_INPUT
+    fresh = warm_start.start(args, tmp_path / "fresh.log", env={**os.environ, warm_start.FRESH_ENV: "1"})
+    assert isinstance(fresh, subprocess.Popen)  # the control: a fresh interpreter
+    assert fresh.wait(timeout=120) == EXIT_BAD_INPUT
+    said = (tmp_path / "warm.log").read_text()
+    assert "no_such_key" in said and said == (tmp_path / "fresh.log").read_text()
+    assert "torch" not in dump.read_text().split()  # its imports were done: torch came from the forkserver
+
+    # A variable a library may read while importing: a fresh interpreter, not a fork.
+    env, _ = _dump(tmp_path, "hashseed", PYTHONHASHSEED="7")
+    other = warm_start.start(args, tmp_path / "other.log", env=env)
+    assert isinstance(other, subprocess.Popen) and other.wait(timeout=120) == EXIT_BAD_INPUT
+
+
+def test_a_sigkilled_attempt_in_its_own_session_takes_its_loader_worker_along(
+    tmp_path: Path, tiny_llama: Path, tiny_data: Path
+) -> None:
+    out = tmp_path / "run"
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "output_dir": str(out),
+                "model": {"name_or_path": str(tiny_llama), "dtype": "float32"},
+                "adapter": {"r": 4, "alpha": 8},
+                "data": {
+                    "path": str(tiny_data),
+                    "seq_len": 64,
+                    "cache_dir": str(tmp_path / "cache"),
+                    "loader_workers": 1,
+                },
+                "train": {"max_steps": 4, "micro_batch_size": 2, "grad_accum": 1},
+                "checkpoint": {"every_steps": 1, "every_minutes": None},
+                "metrics": {"progress": False},
+            }
+        )
+    )
+    p = warm_start.start(["train", str(recipe)], tmp_path / "train.log", env={**os.environ, PAUSE_ENV: "120"})
+    assert isinstance(p, warm_start.Attempt)
+    assert os.getsid(p.pid) == p.pid  # a session of its own, as start_new_session gives
+    deadline = time.monotonic() + 240
+    while not any((out / "checkpoints").glob("step-*.tmp-*")):  # paused inside its first save
+        assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "train.log").read_text()
+        time.sleep(0.05)
+    session = [q for q in psutil.process_iter() if _sid(q.pid) == p.pid]
+    assert p.pid in [q.pid for q in session] and "pt_data_worker" in [q.name() for q in session], session
+    os.killpg(p.pid, signal.SIGKILL)
+    assert p.wait(timeout=60) == -signal.SIGKILL
+    psutil.wait_procs(session, timeout=60)
+    assert not [q for q in session if q.is_running() and q.status() != psutil.STATUS_ZOMBIE]
+
+
+def _sid(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
