@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import warm_start
 import yaml
+from test_kill_anywhere import _recipe
 
 from trainer.exit_codes import EXIT_BAD_INPUT
 from trainer.restart.local.checkpoint import PAUSE_ENV
@@ -46,26 +47,8 @@ def test_an_attempt_is_the_process_a_fresh_interpreter_is_without_the_imports(tm
 def test_a_sigkilled_attempt_in_its_own_session_takes_its_loader_worker_along(
     tmp_path: Path, tiny_llama: Path, tiny_data: Path
 ) -> None:
-    out = tmp_path / "run"
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(
-        yaml.safe_dump(
-            {
-                "output_dir": str(out),
-                "model": {"name_or_path": str(tiny_llama), "dtype": "float32"},
-                "adapter": {"r": 4, "alpha": 8},
-                "data": {
-                    "path": str(tiny_data),
-                    "seq_len": 64,
-                    "cache_dir": str(tmp_path / "cache"),
-                    "loader_workers": 1,
-                },
-                "train": {"max_steps": 4, "micro_batch_size": 2, "grad_accum": 1},
-                "checkpoint": {"every_steps": 1, "every_minutes": None},
-                "metrics": {"progress": False},
-            }
-        )
-    )
+    out, recipe = tmp_path / "run", tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(_recipe(out, tiny_llama, tiny_data, tmp_path / "cache")))  # one loader worker
     p = warm_start.start(["train", str(recipe)], tmp_path / "train.log", env={**os.environ, PAUSE_ENV: "120"})
     assert isinstance(p, warm_start.Attempt)
     assert os.getsid(p.pid) == p.pid  # a session of its own, as start_new_session gives
