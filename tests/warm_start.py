@@ -31,20 +31,21 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 FRESH_ENV = "SPOTUNE_TEST_FRESH"
+TRACKERS = ("wandb", "mlflow")
+"""Libraries the trainer imports only when a run starts one: the forkserver has not (warm_start_preload
+asserts it), so their settings are read in the attempt."""
 RUN_TIME_ONLY = (
     "SPOTUNE_",
     "AWS_",
-    "WANDB_",
-    "MLFLOW_",
+    *(f"{tracker.upper()}_" for tracker in TRACKERS),
     "TORCHINDUCTOR_CACHE_DIR",
     "TRITON_CACHE_DIR",
     "_TORCHINDUCTOR_",
     "PYTEST_CURRENT_TEST",
 )
 """Variables nothing reads while importing: the trainer's own and the store's (read at run time), the
-trackers' (their libraries are imported when a run starts one: warm_start_preload.NOT_IMPORTED), the
-compilers' caches and Inductor's own markers (read, and set when unset, when it compiles), and the name of the test pytest
-is running (it changes with every test)."""
+trackers' (TRACKERS), the compilers' caches and Inductor's own markers (read, and set when unset, when
+it compiles), and the name of the test pytest is running (it changes with every test)."""
 
 WARM = ("trainer", "torch.distributed.run")
 """The modules an attempt may run: what warm_start_preload imported for them."""
@@ -95,12 +96,12 @@ def _exit_code(e: SystemExit) -> int:
     return 1
 
 
-def _attempt(module: str, args: list[str], cwd: str, env: dict[str, str], log: str, new_session: bool) -> None:
+def _attempt(module: str, args: list[str], env: dict[str, str], log: str, new_session: bool) -> None:
     """The forked process: set up as `subprocess.Popen` would have, run `python -m MODULE ARGS`, then end
     the way the interpreter does (non-daemon threads joined, atexit handlers run, streams flushed)."""
     if new_session:
         os.setsid()
-    os.chdir(cwd)
+    os.chdir(REPO)
     os.environ.clear()
     os.environ.update(env)
     fd = os.open(log, os.O_WRONLY | os.O_APPEND)  # made (or emptied) by `start`, as Popen's caller does
@@ -179,11 +180,10 @@ def start(
     log: Path,
     *,
     env: dict[str, str] | None = None,
-    cwd: Path = REPO,
     new_session: bool = True,
     module: str = "trainer",
 ) -> Started:
-    """`python -m MODULE ARGS` in `cwd` with `env`, stdout and stderr to `log`: forked from the warm
+    """`python -m MODULE ARGS` in the repository with `env`, stdout and stderr to `log`: forked from the warm
     forkserver where that is the same process, else a fresh interpreter. MODULE is the trainer or
     torchrun (`torch.distributed.run`: the launcher is forked, the ranks it starts are fresh interpreters)."""
     assert module in WARM, module
@@ -195,9 +195,7 @@ def start(
             print(f"warm_start: a fresh interpreter: {', '.join(differences)} differ from the forkserver's")
         else:
             open(log, "w").close()  # the log is there once `start` returns, as with Popen
-            process = ctx.Process(
-                target=_attempt, args=(module, list(args), str(cwd), env, str(log), new_session), daemon=False
-            )
+            process = ctx.Process(target=_attempt, args=(module, list(args), env, str(log), new_session), daemon=False)
             process.start()
             # Ended by its test, never joined by multiprocessing at the worker's exit (its non-daemon children are).
             multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
@@ -215,7 +213,7 @@ def start(
     with open(log, "w") as out:
         return subprocess.Popen(
             [sys.executable, "-m", module, *args],
-            cwd=cwd,
+            cwd=REPO,
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
