@@ -13,8 +13,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,13 +20,14 @@ from typing import Any
 import psutil
 import pytest
 import torch
+import warm_start
 from drill_reference import train_here
 from safetensors.torch import load_file
+from warm_start import Started
 
 from trainer.data.sampler import StepSampler
 from trainer.restart.local.checkpoint import MANIFEST, CheckpointManager
 
-REPO = Path(__file__).resolve().parents[1]
 STEPS = 6
 
 
@@ -61,14 +60,14 @@ def _args(model: Path, data: Path, cache: Path, out: Path, global_batch: int) ->
     return [f"{k}={v}" for k, v in o.items()]
 
 
-def _command(world: int, args: list[str]) -> list[str]:
+def _start(world: int, args: list[str], log: Path) -> Started:
+    """`python -m trainer train` for one rank, torchrun for more: forked from the warm forkserver
+    (tests/warm_start.py), unbuffered (a SIGKILLed attempt's log is whole)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     if world == 1:
-        return [sys.executable, "-m", "trainer", "train", *args]
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-        "-m", "trainer", "train", *args,
-    ]  # fmt: skip
+        return warm_start.start(["train", *args], log, env=env)
+    launcher = ["--nproc_per_node", str(world), "--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+    return warm_start.start([*launcher, "-m", "trainer", "train", *args], log, env=env, module="torch.distributed.run")
 
 
 def _newest_step(out: Path) -> int:
@@ -80,25 +79,22 @@ def _newest_step(out: Path) -> int:
 def _run(world: int, args: list[str], log: Path, kill_after: int | None = None, out: Path | None = None) -> int:
     """Run to the end, or SIGKILL the whole process group once this attempt has committed `kill_after`
     checkpoints beyond the newest one the run had when it started."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     start = _newest_step(out) if out is not None else 0
-    with log.open("w") as f:
-        proc = subprocess.Popen(
-            _command(world, args), env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        deadline = time.monotonic() + 600
-        while proc.poll() is None and time.monotonic() < deadline:
-            if kill_after is not None and out is not None and _newest_step(out) >= start + kill_after:
-                _kill_tree(proc)  # the machine is gone: no handler runs anywhere
-                return -signal.SIGKILL
-            time.sleep(0.05)
-        if proc.poll() is None:
-            _kill_tree(proc)
-            raise AssertionError(f"timed out; see {log}")
-        return proc.returncode
+    proc = _start(world, args, log)
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        if kill_after is not None and out is not None and _newest_step(out) >= start + kill_after:
+            _kill_tree(proc)  # the machine is gone: no handler runs anywhere
+            return -signal.SIGKILL
+        time.sleep(0.05)
+    if proc.poll() is None:
+        _kill_tree(proc)
+        raise AssertionError(f"timed out; see {log}")
+    assert proc.returncode is not None
+    return proc.returncode
 
 
-def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
+def _kill_tree(proc: Started) -> None:
     """SIGKILL the launcher and every descendant: torchrun starts its workers in sessions of their
     own, so killing its process group alone would leave the ranks training."""
     family = psutil.Process(proc.pid).children(recursive=True)

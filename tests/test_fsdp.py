@@ -79,7 +79,7 @@ def _torchrun(overrides: dict[str, Any], log: Path, ranks: int = 2, first_on_pat
         "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
         "-m", "trainer", "train", *args,
     ]  # fmt: skip
-    # The launcher forked from the warm forkserver (tests/warm_start.py); its ranks are fresh interpreters.
+    # The launcher and its ranks forked from the warm forkserver (tests/warm_start.py).
     done = warm_start.start(cmd, log, env=env, module="torch.distributed.run").wait(timeout=300)
     said = log.read_text()
     assert done == 0, said[-4000:]

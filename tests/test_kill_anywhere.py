@@ -28,6 +28,7 @@ from trainer.exit_codes import EXIT_PREEMPTED
 from trainer.restart.books.ledger import read_rows
 from trainer.restart.local.checkpoint import CheckpointManager
 from trainer.restart.local.state import TrainState
+from trainer.restart.ownership.lock import holder
 
 pytestmark = pytest.mark.bitwise  # separate runs agree bit for bit: one intra-op thread (conftest.py)
 
@@ -210,7 +211,7 @@ def test_kill_anywhere_then_finish_equals_uninterrupted(
 
 def _torchrun(procs: list, recipe: Path, log: Path) -> Started:
     """torchrun of two ranks in a session of its own: the launcher forked from the warm forkserver
-    (tests/warm_start.py), its ranks fresh interpreters it starts; one intra-op thread each (`bitwise`)."""
+    (tests/warm_start.py), and its ranks as well; one intra-op thread each (`bitwise`)."""
     args = ["--standalone", "--nproc_per_node", "2", "-m", "trainer", "train", str(recipe)]
     procs.append(warm_start.start(args, log, module="torch.distributed.run"))
     return procs[-1]
@@ -244,9 +245,10 @@ def test_two_process_ddp_sigterm_on_one_rank_then_launcher_killed_then_resume(
     ck = CheckpointManager(out / "checkpoints", keep_last=2)
     logs = [tmp_path / f"stopped{n}.log" for n in (1, 2, 3)]
 
-    def ranks(launcher: subprocess.Popen) -> list[psutil.Process]:
-        """The ranks themselves: the launcher's children (not their DataLoader workers, which inherit RANK)."""
-        found = [c for c in psutil.Process(launcher.pid).children() if c.environ().get("RANK") in ("0", "1")]
+    def ranks(launcher: Started) -> list[psutil.Process]:
+        """The ranks themselves: the launcher's children in sessions of their own (torchrun's
+        start_new_session), not their DataLoader workers (the ranks' children)."""
+        found = [c for c in psutil.Process(launcher.pid).children() if os.getsid(c.pid) == c.pid]
         assert len(found) == 2, found
         return found
 
@@ -260,7 +262,7 @@ def test_two_process_ddp_sigterm_on_one_rank_then_launcher_killed_then_resume(
     # 1: SIGTERM to rank 1 alone, once the ranks train.
     p = _torchrun(procs, recipes["stopped"], logs[0])
     assert _wait(p, lambda: bool(_metric_rows(out)), timeout=300), logs[0].read_text()
-    (rank1,) = [r for r in ranks(p) if r.environ()["RANK"] == "1"]
+    (rank1,) = [r for r in ranks(p) if r.pid != (holder(out) or {}).get("pid")]  # rank 0 holds the run
     rank1.send_signal(signal.SIGTERM)
     p.wait(timeout=120)
     assert reasons() == ["preempted"], logs[0].read_text()

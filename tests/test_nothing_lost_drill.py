@@ -130,7 +130,7 @@ def test_no_fault_deletes_what_was_paid_for_and_every_transient_one_is_restartab
     def start(out: Path, *, torchrun: bool = False, **extra: str) -> subprocess.Popen:
         logs.append(tmp_path / f"attempt{len(logs) + 1}.log")
         # Forked from the warm forkserver (tests/warm_start.py): a process of its own whose imports are done;
-        # under torchrun that is the launcher, its ranks are fresh interpreters.
+        # under torchrun that is the launcher, and its ranks are forked too.
         args = ["train", str(recipes[out])]
         if torchrun:
             args = ["--standalone", "--nproc_per_node", "2", "-m", "trainer", *args]

@@ -69,3 +69,42 @@ def _sid(pid: int) -> int | None:
         return os.getsid(pid)
     except (ProcessLookupError, PermissionError):
         return None
+
+
+def test_torchrun_ranks_are_the_launchers_children_in_sessions_of_their_own_without_the_imports(
+    tmp_path: Path, tiny_llama: Path, tiny_data: Path
+) -> None:
+    """The ranks of a forked torchrun are forked too: each the launcher's child (a rank watches its parent
+    for the launcher's death), in a session of its own (torchrun's start_new_session), its imports done,
+    reaped by the agent with its exit code."""
+    out, recipe = tmp_path / "run", tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(_recipe(out, tiny_llama, tiny_data, tmp_path / "cache")))
+    args = ["--standalone", "--nproc_per_node", "2", "-m", "trainer", "train", str(recipe)]
+    env, dump = _dump(tmp_path, "torchrun")
+    log = tmp_path / "torchrun.log"
+    launcher = warm_start.start(args, log, env=env, module="torch.distributed.run")
+    assert isinstance(launcher, warm_start.Attempt)
+    seen: dict[int, tuple[int, int | None]] = {}  # rank pid -> (parent, session) while it runs
+    while launcher.poll() is None:
+        try:
+            for q in psutil.Process(launcher.pid).children():
+                seen.setdefault(q.pid, (q.ppid(), _sid(q.pid)))
+        except psutil.Error:
+            pass
+        time.sleep(0.01)
+    assert launcher.returncode == 0, log.read_text()[-3000:]
+    ranks = {pid for pid, (_, session) in seen.items() if session == pid}
+    assert len(ranks) == 2 and all(seen[pid][0] == launcher.pid for pid in ranks), seen
+    assert (out / "final" / "adapter_model.safetensors").is_file()
+    for rank in (0, 1):  # each imported neither torch nor the trainer: the forkserver had
+        modules = Path(f"{dump}.rank{rank}").read_text().split()
+        assert "trainer.training.run" not in modules and "torch" not in modules
+
+    # The control: a rank that runs anything but the trainer is started by Popen, a fresh interpreter
+    # (so nothing dumped by it), and the launcher still reaps it.
+    (tmp_path / "x.json").write_text("{}")
+    args = ["--standalone", "--nproc_per_node", "1", "-m", "json.tool", str(tmp_path / "x.json")]
+    env, dump = _dump(tmp_path, "other")
+    other = warm_start.start(args, tmp_path / "other.log", env=env, module="torch.distributed.run")
+    assert isinstance(other, warm_start.Attempt) and other.wait(timeout=120) == 0, (tmp_path / "other.log").read_text()
+    assert "{}" in (tmp_path / "other.log").read_text() and not list(tmp_path.glob("other.modules.rank*"))

@@ -3,6 +3,7 @@ imports, the way it imports it, so that every attempt forked from there starts w
 
 import sys
 
+import datasets  # noqa: F401  (a run that prepares its data reads it with datasets)
 import torch.distributed.run  # noqa: F401  (torchrun's launcher)
 import transformers.models.auto.tokenization_auto  # noqa: F401
 import transformers.models.llama.modeling_llama  # noqa: F401  (the drills' tiny model)
