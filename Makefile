@@ -26,9 +26,11 @@ lint: setup-test
 
 # ruff first (seconds); trainer/ compiled to bytecode once (where PYTHONDONTWRITEBYTECODE is set, as on the
 # machines this was measured on, each `spotune` child process a test starts compiled it again: 0.35 s each);
-# then mypy beside the tests at the lowest priority (nice 19), so that it runs on the core time the test
-# workers leave idle while their drills wait on child processes (a fresh clone's mypy has no cache: about
-# 100 s of CPU, which at equal priority the tests lost), its report printed after theirs. One pytest worker per
+# then mypy beside the tests at the lowest priority (scripts/idle_priority.sh: nice 19 in a session of its
+# own whose autogroup is niced too, else the kernel's per-session sharing gave it a drill's share), so that
+# it runs on the core time the test workers leave idle while their drills wait on child processes (a fresh
+# clone's mypy has no cache: about 100 s of CPU, which at equal priority the tests lost), its report printed
+# after theirs (ended with make: an interrupted run leaves no mypy behind). One pytest worker per
 # core (pytest-xdist), a test module on one worker so that its fixtures are built once, the longest
 # modules first (tests/conftest.py, tests/module_seconds.json);
 # tests/conftest.py shares the cores' threads out among the workers (a third worker on 2 cores, to fill
@@ -41,7 +43,8 @@ test: setup-test
 	$(VENV)/bin/ruff check $(RUFF_PATHS)
 	$(VENV)/bin/ruff format --check $(RUFF_PATHS)
 	$(PY) -m compileall -q trainer
-	@mkdir -p runs; nice -n 19 $(VENV)/bin/mypy > runs/mypy.log 2>&1 & mypy=$$!; \
+	@mkdir -p runs; bash scripts/idle_priority.sh $(VENV)/bin/mypy > runs/mypy.log 2>&1 & mypy=$$!; \
+	trap 'kill $$mypy 2>/dev/null' INT TERM; \
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --instafail --tb=short --durations=15 tests; tests=$$?; \
 	wait $$mypy; typed=$$?; cat runs/mypy.log; \
 	[ $$tests -eq 0 ] && [ $$typed -eq 0 ]
