@@ -484,3 +484,37 @@ def test_every_store_reads_the_endpoint_anew_and_botocores_models_once(
     assert before.fs.session.get_component("data_loader") is after.fs.session.get_component("data_loader")
     # The control: the comparison above can fail; a profile's session is s3fs's own, made with it.
     assert Store(s3_remote, {"profile": "spotune-test"}).fs.session is None
+
+
+def test_a_run_file_removed_while_it_uploads_is_absent_not_a_refusal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The heartbeat is removed when its attempt closes its ledger row; the uploader may be pushing it just then
+    (an attempt that resumed a finished run closes at once). The upload found it, then the file was gone: absent,
+    as a file never written is, not the store refusing the write for good (which stopped the finished attempt with
+    exit 1). The control: the same error from the store's side, the file still there, is raised."""
+    (tmp_path / "store").mkdir()
+    store = Store(f"file://{tmp_path / 'store'}")
+    store.floor.choose(None, [])
+    heartbeat = tmp_path / "run" / HEARTBEAT_FILE
+    heartbeat.parent.mkdir()
+    real = store.fs.put_file
+
+    def closed_meanwhile(lpath: str, rpath: str, **kwargs: Any) -> None:
+        Path(lpath).unlink()  # the attempt closed its row between put's look and the upload
+        real(lpath, rpath, **kwargs)
+
+    heartbeat.write_text('{"step": 8}\n')
+    monkeypatch.setattr(store.fs, "put_file", closed_meanwhile)
+    assert store.put(heartbeat, HEARTBEAT_FILE) == 0
+    assert not store.fs.exists(store.path(HEARTBEAT_FILE))
+
+    def missing_on_the_store(lpath: str, rpath: str, **kwargs: Any) -> None:
+        raise FileNotFoundError(2, "No such file or directory", rpath)
+
+    heartbeat.write_text('{"step": 8}\n')
+    monkeypatch.setattr(store.fs, "put_file", missing_on_the_store)
+    with pytest.raises(FileNotFoundError):
+        store.put(heartbeat, HEARTBEAT_FILE)
+    monkeypatch.setattr(store.fs, "put_file", real)
+    assert store.put(heartbeat, HEARTBEAT_FILE) == len('{"step": 8}\n')

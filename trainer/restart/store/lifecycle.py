@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Collection
@@ -237,23 +238,33 @@ class Store(Transport):
 
     def put(self, local: Path, rel: str) -> int:
         """Upload one run file (config.yaml, ledger.jsonl, ...) to `<remote>/<rel>.gen-<generation>`
-        (the plain name without a lease); 0 if absent. Other generations' copies stay: readers merge
-        the rows of every copy, so none is ever lost."""
-        if not local.is_file():
+        (the plain name without a lease); 0 if absent, or gone before it was read: its writer may remove
+        it meanwhile (the heartbeat, when the attempt closes its ledger row), which is no fault of the store's.
+        Other generations' copies stay: readers merge the rows of every copy, so none is ever lost."""
+        try:
+            found = local.stat()
+        except FileNotFoundError:
+            return 0
+        if not stat.S_ISREG(found.st_mode):
             return 0
 
         def write() -> None:  # the generation is read after the fence let the write through
             key = run_file_key(self.path(rel), self.fence.generation or 0)
             self._parent_of(key)  # a run file in a folder (init_adapter/): a local store makes it
-            self.fs.put_file(str(local), key)
+            self.fs.put_file(str(local), key)  # opened before anything is sent: a removal after that is read
 
         self.writable()
-        if rel in COMMITTED_RUN_FILES:
-            self.fence.commit(write)
-        else:
-            write()
+        try:
+            if rel in COMMITTED_RUN_FILES:
+                self.fence.commit(write)
+            else:
+                write()
+        except FileNotFoundError:
+            if local.exists():
+                raise  # the store's (a missing bucket): trainer/faults.py decides what it means
+            return 0  # removed between the check above and its upload: absent, nothing was sent
         self.fence.pushed(rel)
-        return local.stat().st_size
+        return found.st_size
 
     def set_aside(self, names: tuple[str, ...], folder: str) -> list[str]:
         """A new run the user asked for (`checkpoint.resume=never`): move every generation's copy of the run
