@@ -18,6 +18,7 @@ it starts (`_RankForks`): each is still started by the launcher's own agent, is 
 
 from __future__ import annotations
 
+import abc
 import atexit
 import ctypes
 import io
@@ -243,7 +244,7 @@ class _RankForks:
             rank = forks.fork(tuple(args), env, stdout, stderr)
             return popen(self, args, env) if rank is None else rank
 
-        handler._popen = _popen
+        handler._popen = _popen  # type: ignore[method-assign]  # the agent calls it for every rank
 
     def fork(self, args: tuple[str, ...], env: dict[str, str], stdout: str | None, stderr: str | None) -> Any:
         """The rank `args` would start, forked; None where Popen must start it (another command, or an
@@ -304,7 +305,27 @@ def _rank(
     _run_as_main("trainer", args)
 
 
-class Rank:
+class _Forked(abc.ABC):
+    """The part of `subprocess.Popen`'s surface that is the same for every process forked here."""
+
+    pid: int
+
+    @abc.abstractmethod
+    def poll(self) -> int | None:
+        """The exit code (Popen's: -N for signal N) once the process ended, else None."""
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Rank(_Forked):
     """The `subprocess.Popen` surface torchrun's agent uses, for a rank the launcher reaps (its child)."""
 
     stdin = stdout = stderr = None
@@ -330,18 +351,8 @@ class Rank:
         assert self.returncode is not None
         return self.returncode
 
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-
-class Attempt:
+class Attempt(_Forked):
     """The `subprocess.Popen` surface the drills use, for a process the forkserver forked."""
 
     def __init__(self, process: Any, args: list[str]) -> None:
@@ -361,16 +372,6 @@ class Attempt:
             raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
         assert self.returncode is not None
         return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 Started = Attempt | subprocess.Popen
