@@ -142,6 +142,9 @@ def _attempt(module: str, args: list[str], env: dict[str, str], log: str, new_se
     """The forked process: set up as `subprocess.Popen` would have, then run `python -m MODULE ARGS`."""
     if new_session:
         os.setsid()
+    # A forkserver's child takes the forkserver start method as its default; a fresh interpreter has none
+    # (fork, on Linux). Its loader workers must be its own children, which end when it is killed.
+    multiprocessing.set_start_method(None, force=True)
     os.chdir(REPO)
     os.environ.clear()
     os.environ.update(env)
