@@ -70,6 +70,10 @@ RANK_ONLY = (
 """What torchrun's agent adds to a rank's environment (with TORCHELASTIC_*): read when the rank joins
 its process group, never while importing."""
 
+UNBUFFERED = "PYTHONUNBUFFERED"
+"""Read when the interpreter makes its stdio (as `-u`): an attempt that sets it has its stdio remade so."""
+
+
 WARM = ("trainer", "torch.distributed.run")
 """The modules an attempt may run: what warm_start_preload imported for them."""
 PRELOAD = ["warm_start", "warm_start_preload"]
@@ -110,10 +114,6 @@ def _import_time_differences(env: dict[str, str], server_env: dict[str, str] | N
     if not server_env.get(UNBUFFERED):  # an attempt that asks for it gets it (_unbuffered)
         keys.discard(UNBUFFERED)
     return sorted(k for k in keys if not k.startswith(RUN_TIME_ONLY) and env.get(k) != server_env.get(k))
-
-
-UNBUFFERED = "PYTHONUNBUFFERED"
-"""Read when the interpreter makes its stdio (as `-u`): an attempt that sets it has its stdio remade so."""
 
 
 def _unbuffered() -> None:
@@ -249,7 +249,7 @@ class _RankForks:
 
         handler._popen = _popen  # type: ignore[method-assign]  # the agent calls it for every rank
 
-    def fork(self, args: tuple[str, ...], env: dict[str, str], stdout: str | None, stderr: str | None) -> Any:
+    def fork(self, args: tuple[str, ...], env: dict[str, str], stdout: str | None, stderr: str | None) -> Rank | None:
         """The rank `args` would start, forked; None where Popen must start it (another command, or an
         environment that differs in an import-time variable)."""
         if args[:4] != (sys.executable, "-u", "-m", "trainer"):
