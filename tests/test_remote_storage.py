@@ -335,6 +335,44 @@ def test_a_write_the_rule_refuses_stops_the_run_with_exit_1(tmp_path: Path) -> N
     assert remote.exit_reason("preempted") == "preempted"
 
 
+@pytest.mark.parametrize("ahead", [True, False])
+def test_a_run_finished_on_a_disk_the_store_is_ahead_of_is_booked_and_said_as_not_done(
+    tmp_path: Path, ahead: bool
+) -> None:
+    """A machine back with its stale disk trained to the last step cut off (the store did not answer when it
+    chose); the store, once it answers, holds a step another machine committed meanwhile. Nothing is uploaded,
+    it exits 143, and its ledger row says `preempted` (the run is not done: the rerun continues from the
+    store's newest), not `finished` beside exit 143, and the message does not promise an upload that the rerun
+    will not make. The control: the same attempt where the store held nothing newer uploads and is done."""
+    from trainer import exit_codes as E
+
+    url = f"file://{tmp_path / 'bucket'}/run"
+    (tmp_path / "bucket").mkdir()
+    if ahead:  # another machine resumed from the store and trained further while this disk was away
+        _attempt(Store(url)).upload(_commit(CheckpointManager(tmp_path / "b" / "checkpoints", keep_last=5), 20), 20)
+    said: list[str] = []
+    remote = RemoteRun(url, {}, tmp_path / "run", keep_last=2, is_main=True, is_local_main=True, message=said.append)
+    remote.store = Store(url)
+    remote.store.floor = remote.floor
+    remote.floor.choose(16, None)  # resumed from its own step 16; the store could not be read then
+    stops: list[str] = []
+    remote.floor.on_ahead = stops.append
+    remote.reachable = True
+    remote.start_uploads()
+    remote.submit(24, _commit(CheckpointManager(tmp_path / "run" / "checkpoints", keep_last=5), 24))
+    remote.finish(preempted=False, notice_seconds=5)
+    remote.close()
+    code = remote.exit_code(E.EXIT_FINISHED, tmp_path / "run" / "final")
+    if ahead:
+        assert stops and "holds step 20, newer than step 16" in stops[0], stops
+        assert (code, remote.exit_reason("finished"), Store(url).committed()) == (E.EXIT_PREEMPTED, "preempted", [20])
+        assert "is ahead of it (another machine trained further): exit 143" in said[-1], said
+        assert "upload" not in said[-1], said
+    else:
+        assert (code, remote.exit_reason("finished"), Store(url).committed()) == (E.EXIT_FINISHED, "finished", [24])
+        assert not stops
+
+
 @pytest.mark.parametrize("comes_back", [True, False])
 def test_a_finished_run_whose_last_upload_lands_after_the_flush_gave_up_exits_0(
     tmp_path: Path, comes_back: bool
@@ -379,6 +417,8 @@ def test_a_finished_run_whose_last_upload_lands_after_the_flush_gave_up_exits_0(
     remote.close()
     code = remote.exit_code(E.EXIT_FINISHED, tmp_path / "run" / "final")
     assert (code, Store(url).committed()) == ((E.EXIT_FINISHED, [8]) if comes_back else (E.EXIT_PREEMPTED, []))
+    # Either way it trained the run to its end: booked `finished` (unlike a disk the store is ahead of, above).
+    assert remote.exit_reason("finished") == "finished"
 
 
 def test_a_run_file_in_a_folder_reaches_a_local_store_and_an_object_store(tmp_path: Path, s3_remote: str) -> None:

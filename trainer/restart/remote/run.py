@@ -309,10 +309,16 @@ class RemoteRun:
     def exit_reason(self, reason: str) -> str:
         """The exit reason this attempt's ledger row books: `error` when the safety rule refused one of the
         uploader's writes (the attempt exits 1, `exit_code`) or the store refused a background thread for good
-        (`refused`: exit 2); the stop either asked for looks like a preemption to the loop. Else the loop's
-        `reason`. Rank 0 knows; other ranks write no row."""
+        (`refused`: exit 2); the stop either asked for looks like a preemption to the loop. `preempted` for a
+        run that trained to its last step on a disk the store was found ahead of (`Floor.ahead`: another machine
+        trained further meanwhile): this disk's branch is not the run's, which the next attempt continues from
+        the store's newest; booked `finished`, the row said the run was done while the attempt exited 143 and
+        it was not (`status` reads the last row). Else the loop's `reason`. Rank 0 knows; other ranks write no
+        row."""
         if self.refused is not None or (self.uploader is not None and self.uploader.violation is not None):
             return "error"
+        if reason == "finished" and self.floor.ahead is not None:
+            return "preempted"
         return reason
 
     def exit_code(self, code: int, final: Path) -> int:
@@ -321,7 +327,8 @@ class RemoteRun:
         spotune: a requeue would meet it again; the local checkpoint is saved), or 143 for a finished run
         whose last checkpoint the store lacks: done here, not yet safe (a spot VM torn down after exit 0
         takes the result with it); the supervisor then runs the same command, which uploads it first
-        (`start_uploads`) and exits 0. Rank 0 (the uploader's) decides for every rank, so every rank exits
+        (`start_uploads`) and exits 0; or, where the store was found ahead of this disk (`Floor.ahead`),
+        continues from the store's newest. Rank 0 (the uploader's) decides for every rank, so every rank exits
         with the code alike."""
         if self.url is None:
             return code
@@ -333,6 +340,13 @@ class RemoteRun:
             if self.uploader.violation is not None:
                 verdict = EXIT_ERROR
                 self.message(f"spotune: {self.uploader.violation}: exit {EXIT_ERROR}")
+            elif code == EXIT_FINISHED and self.floor.ahead is not None:
+                verdict = EXIT_PREEMPTED  # nothing here is to upload: the rerun continues from the store's newest
+                self.message(
+                    f"spotune: training finished on this disk ({final}), but {redact(self.url or '')} is ahead of "
+                    f"it (another machine trained further): exit {EXIT_PREEMPTED}; run the same command again to "
+                    "continue from the store's newest checkpoint"
+                )
             elif code == EXIT_FINISHED and not self.flushed:
                 verdict = EXIT_PREEMPTED
                 self.message(
