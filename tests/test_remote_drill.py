@@ -167,11 +167,14 @@ def test_kill_delete_output_dir_rerun_from_the_bucket(
         if q.returncode == -signal.SIGKILL:
             assert row["exit_reason"] in ("killed", "finished"), row  # finished: killed while exiting
     assert all(r["device_seconds"] > 0 for r in booked)
-    # The totals the last checkpoint carries count every earlier machine's time.
+    # The totals the last checkpoint carries count every earlier machine's time, and the last attempt's up to
+    # that save: not its time after it (final/, the flush, the report), which only its row has. The last row
+    # is the attempt that finished (a killed attempt's row is booked by the next one's start, before it).
     final_state = json.loads((out / "checkpoints" / f"step-{STEPS:06d}" / "trainer_state.json").read_text())
-    earlier = [r for r in booked if r["pid"] != p.pid]
+    *earlier, last = booked
+    assert last["pid"] == os.getpid() and last["exit_reason"] == "finished", last
     assert final_state["ledger"]["attempts"] == len(procs) + here
-    assert final_state["ledger"]["device_seconds"] >= sum(r["device_seconds"] for r in earlier)
+    assert final_state["ledger"]["device_seconds"] >= sum(r["device_seconds"] for r in earlier), (final_state, booked)
     for q in procs:
         assert SECRET not in (logs / f"attempt{procs.index(q) + 1}.log").read_text()
     assert SECRET not in said_here.out + said_here.err
